@@ -1,0 +1,9 @@
+"""fa2tune: exact FlashAttention-2 in Triton, with block sizes tuned per GPU and head dimension."""
+
+from __future__ import annotations
+
+from .launcher import FlashAttnFunction, attention
+from .types import FwdVariant, KernelConfig
+
+__all__ = ["FlashAttnFunction", "FwdVariant", "KernelConfig", "attention"]
+__version__ = "0.1.0"

@@ -1,0 +1,69 @@
+"""Timing and FLOP accounting shared by the benchmarks in scripts/ (and, later, the tuner)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def attention_flops(
+    batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, *, causal: bool, mode: str = "fwd"
+) -> float:
+    """FLOPs of attention: 2 matmuls of 2·N_q·N_k·d each per head (4·B·H·N_q·N_k·d), over the visible pairs.
+
+    Causal counts the pairs a query may see (bottom-right aligned; N(N+1)/2 for N_q = N_k, the usual "× 0.5").
+    mode "fwd+bwd" multiplies by 3.5: the backward does 5 matmuls of the same size to the forward's 2.
+    """
+    if causal:
+        shift = seqlen_k - seqlen_q
+        # query i sees min(N_k, max(0, i + shift + 1)) keys
+        pairs = sum(min(seqlen_k, max(0, i + shift + 1)) for i in range(seqlen_q))
+    else:
+        pairs = seqlen_q * seqlen_k
+    factor = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
+    return 4.0 * batch * heads * pairs * head_dim * factor
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds of one measured callable: the median and the 20th/80th percentiles of do_bench."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+
+    def tflops(self, flops: float) -> float:
+        return flops / (self.median_ms * 1e-3) / 1e12
+
+
+def time_cuda(fn: Callable[[], object], *, warmup_ms: int = 25, rep_ms: int = 100) -> Timing:
+    """Times fn on the current CUDA device with triton.testing.do_bench (events, L2 flushed between runs)."""
+    from triton.testing import do_bench
+
+    p20, median, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+    return Timing(median_ms=median, p20_ms=p20, p80_ms=p80)
+
+
+def random_qkv(
+    batch: int,
+    heads: int,
+    seqlen: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cuda",
+    heads_kv: int | None = None,
+    seqlen_k: int | None = None,
+    requires_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh standard-normal q, k, v in SDPA's layout (never zeros: they hide unwritten outputs)."""
+    heads_kv = heads if heads_kv is None else heads_kv
+    seqlen_k = seqlen if seqlen_k is None else seqlen_k
+    q = torch.randn(batch, heads, seqlen, head_dim, dtype=dtype, device=device)
+    k = torch.randn(batch, heads_kv, seqlen_k, head_dim, dtype=dtype, device=device)
+    v = torch.randn(batch, heads_kv, seqlen_k, head_dim, dtype=dtype, device=device)
+    for t in (q, k, v):
+        t.requires_grad_(requires_grad)
+    return q, k, v

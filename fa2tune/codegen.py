@@ -1,0 +1,127 @@
+"""Renders the Triton templates in templates/ for one variant, writes the source to a disk cache and imports it.
+
+Triton's @jit reads a kernel's source from its file, so a rendered variant must live in a real ``.py`` file.
+Files are named by the hash of their source: two processes rendering the same variant write the same bytes,
+and each write goes to a temporary file first and is renamed into place, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import jinja2
+
+KERNELS = ("fwd",)
+_lock = threading.Lock()
+_modules: dict[tuple[str, str], ModuleType] = {}
+
+
+def templates_dir() -> Path:
+    """Folder holding the ``*.py.jinja`` templates: the installed package's copy, else the source tree's."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "templates", here.parent / "templates"):  # wheel layout, then source checkout
+        if (candidate / "fwd.py.jinja").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"fa2tune's kernel templates were not found in {here / 'templates'} or {here.parent / 'templates'}; "
+        "reinstall fa2tune"
+    )
+
+
+@functools.cache
+def template_hash() -> str:
+    """Hash over every template file: changes whenever any kernel's source could change."""
+    digest = hashlib.sha256()
+    for path in sorted(templates_dir().glob("*.jinja")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,  # a misspelt switch is an error, not an empty string
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def render(kernel: str, variant: object) -> str:
+    """Returns the Triton source of ``kernel`` ("fwd", ...) for a variant dataclass (e.g. FwdVariant)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if not dataclasses.is_dataclass(variant):
+        raise TypeError(f"variant must be a dataclass instance, got {type(variant).__name__}")
+    fields = dataclasses.asdict(variant)
+    template = _environment().get_template(f"{kernel}.py.jinja")
+    return template.render(**fields, variant=repr(variant), template_hash=template_hash())
+
+
+def cache_dir() -> Path:
+    """Where rendered modules live: $FA2TUNE_CACHE_DIR, else $XDG_CACHE_HOME/fa2tune/kernels, else ~/.cache/..."""
+    if os.environ.get("FA2TUNE_CACHE_DIR"):
+        return Path(os.environ["FA2TUNE_CACHE_DIR"]) / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fa2tune" / "kernels"
+
+
+def _write_once(directory: Path, name: str, source: str) -> Path:
+    path = directory / name
+    if path.is_file():
+        return path  # the name is the content's hash: an existing file already holds these bytes
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(source)
+        os.replace(tmp, path)  # atomic on POSIX: readers see the old state or the whole file
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_module(kernel: str, variant: object) -> Path:
+    """Renders and writes one variant's module to the disk cache; returns its path."""
+    source = render(kernel, variant)
+    name = f"{kernel}_{hashlib.sha256(source.encode()).hexdigest()[:20]}.py"
+    try:
+        return _write_once(cache_dir(), name, source)
+    except OSError:
+        # A read-only home (some clusters) must not stop attention(): fall back to a private temp folder.
+        return _write_once(Path(tempfile.gettempdir()) / f"fa2tune-{os.getuid()}" / "kernels", name, source)
+
+
+def load(kernel: str, variant: object) -> ModuleType:
+    """Imports the rendered module of one variant (rendered and written on first use, then cached per process).
+
+    The Triton interpreter decides at import time whether @jit builds a GPU or an interpreted function,
+    so the in-memory cache is keyed on TRITON_INTERPRET too.
+    """
+    key = (kernel, repr(variant) + os.environ.get("TRITON_INTERPRET", "0"))
+    module = _modules.get(key)
+    if module is not None:
+        return module
+    with _lock:
+        module = _modules.get(key)
+        if module is None:
+            path = write_module(kernel, variant)
+            name = f"fa2tune._generated.{path.stem}_{len(_modules)}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+            _modules[key] = module
+    return module

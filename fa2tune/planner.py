@@ -1,0 +1,50 @@
+"""Which kernel configs to use. For now: the single place that picks the default config of each kernel.
+
+The SRAM-budget model, candidate enumeration and compiler cross-check grow here (issue 4); every other
+module asks this one and never hard-codes block sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .types import KernelConfig
+
+MAX_HEAD_DIM = 256
+
+
+def head_dim_padded(head_dim: int) -> int:
+    """Head dim rounded up to the power of two >= 16 that the kernels compute on (tl.dot needs K >= 16)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def default_config(
+    head_dim: int, dtype: torch.dtype, *, causal: bool = False, kernel: str = "fwd", interpret: bool = False
+) -> KernelConfig:
+    """The config used before any tuning.
+
+    The GPU picks are the fastest of a 54-config sweep on the H200 (bf16, N=8k; docs/bench/
+    nvidia-h200-sweep-fwd-v1.csv, scripts/sweep_fwd.py); they also run everywhere the sweep ran.
+
+    Args:
+        head_dim: per-head dimension d (1..256).
+        dtype: element type of q/k/v.
+        causal: causal masking; the best d=128 tile differs with it.
+        kernel: "fwd".
+        interpret: True under TRITON_INTERPRET=1, where small tiles keep the CPU interpreter quick and let
+            tests cross many tile boundaries at small sequence lengths.
+    """
+    if kernel != "fwd":
+        raise ValueError(f"kernel must be 'fwd', got {kernel!r}")
+    if interpret:
+        return KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    d = head_dim_padded(head_dim)
+    if dtype == torch.float32:  # 4-byte elements: half the tile fits in the same shared memory
+        return KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if d <= 64:
+        return KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)  # 440 / 408 causal
+    if d <= 128:
+        if causal:
+            return KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)  # 455
+        return KernelConfig(block_m=256, block_n=64, num_warps=8, num_stages=4)  # 527
+    return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)

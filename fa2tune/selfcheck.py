@@ -1,0 +1,59 @@
+"""Runs the kernels against the float64 reference on fresh random inputs: `fa2tune check`, and tuned winners."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .launcher import forward
+from .reference import naive_attention
+from .types import KernelConfig
+
+# Relative error ‖out − ref‖ / ‖ref‖ allowed per dtype (METHOD.md: bf16 operands land between 1e-3 and 1e-2).
+REL_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One comparison: the shape, the relative errors of O and of the logsumexp, and whether both passed."""
+
+    shape: tuple[int, int, int, int, int, int]  # batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim
+    dtype: torch.dtype
+    causal: bool
+    rel_err: float
+    lse_rel_err: float
+    passed: bool
+
+
+def default_shapes(on_gpu: bool) -> list[tuple[int, int, int, int, int, int]]:
+    """Odd shapes: N=1, ragged tails, q_len != k_len both ways, GQA, d=96; larger on a GPU."""
+    if on_gpu:
+        return [(2, 8, 2, 1000, 1000, 128), (1, 4, 4, 777, 2049, 64), (3, 4, 1, 1, 513, 96), (1, 2, 2, 4096, 4096, 128)]
+    return [(1, 2, 1, 37, 37, 64), (1, 2, 2, 1, 40, 96), (1, 2, 2, 70, 30, 32)]
+
+
+def check_forward(
+    shape: tuple[int, int, int, int, int, int],
+    *,
+    dtype: torch.dtype,
+    causal: bool,
+    device: str | torch.device,
+    config: KernelConfig | None = None,
+    seed: int = 0,
+) -> CheckResult:
+    """Compares the forward kernel with float64 standard attention on random inputs; the output is poisoned first."""
+    batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = shape
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(batch, heads_q, seqlen_q, head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(batch, heads_kv, seqlen_k, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(batch, heads_kv, seqlen_k, head_dim, generator=gen).to(device, dtype)
+    out = torch.full_like(q, float("nan"))
+    o, lse = forward(q, k, v, causal=causal, scale=head_dim**-0.5, config=config, out=out)
+    ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+    rel = ((o.double() - ref_o).norm() / ref_o.norm().clamp_min(1e-30)).item()
+    finite = torch.isfinite(ref_lse)
+    lse_ok = torch.equal(torch.isfinite(lse), finite)
+    lse_rel = ((lse.double() - ref_lse)[finite].norm() / ref_lse[finite].norm().clamp_min(1e-30)).item()
+    passed = rel <= REL_TOLERANCE[dtype] and lse_rel <= 1e-5 and lse_ok  # NaN compares False: fails
+    return CheckResult(shape, dtype, causal, rel, lse_rel if lse_ok else float("inf"), passed)

@@ -1,0 +1,62 @@
+"""Records passed between fa2tune's stages: frozen dataclasses, no logic beyond validation of their own fields."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+_BLOCK_SIZES = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of one kernel: tile sizes, warps per program and software-pipelining depth.
+
+    Attributes:
+        block_m: B_r, rows of Q (forward) owned by one program.
+        block_n: B_c, rows of K/V streamed per inner step.
+        num_warps: warps per program (4 warps = one Hopper warpgroup).
+        num_stages: pipelining depth of the K/V loop (shared-memory buffers in flight).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value not in _BLOCK_SIZES:
+                raise ValueError(f"{name} must be one of {_BLOCK_SIZES}, got {value!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be one of (1, 2, 4, 8, 16), got {self.num_warps!r}")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages must be in 1..8, got {self.num_stages!r}")
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> KernelConfig:
+        """Builds a config from a mapping (a YAML entry); unknown keys are an error, not silently dropped."""
+        unknown = set(data) - {"block_m", "block_n", "num_warps", "num_stages"}
+        if unknown:
+            raise ValueError(f"unknown KernelConfig keys {sorted(unknown)}")
+        return cls(**{k: int(v) for k, v in data.items()})
+
+
+@dataclass(frozen=True)
+class FwdVariant:
+    """Structural switches of templates/fwd.py.jinja: each one changes the code, not just a constant.
+
+    Attributes:
+        causal: emit the diagonal loop with the causal mask (bottom-right aligned).
+        even_m: q_len is a multiple of block_m, so Q loads and O stores need no row mask.
+        even_n: k_len is a multiple of block_n, so no K/V tile is ragged.
+        dot_fp32: upcast dot operands to fp32 (the Triton interpreter computes bf16 dots wrongly).
+    """
+
+    causal: bool
+    even_m: bool
+    even_n: bool
+    dot_fp32: bool = False

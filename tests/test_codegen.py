@@ -1,0 +1,102 @@
+"""Rendering templates into Triton modules, and the on-disk module cache."""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fa2tune import codegen
+from fa2tune.types import FwdVariant
+
+ROOT = Path(__file__).resolve().parent.parent
+ALL_FWD_VARIANTS = [FwdVariant(*flags) for flags in itertools.product([False, True], repeat=4)]
+
+
+@pytest.mark.parametrize("variant", ALL_FWD_VARIANTS, ids=repr)
+def test_every_variant_renders_valid_python(variant):
+    source = codegen.render("fwd", variant)
+    compile(source, f"<{variant}>", "exec")
+    assert f"template_hash: {codegen.template_hash()}" in source
+    assert ("causal_shift = N_K - N_Q" in source) == variant.causal
+    assert ("a.to(tl.float32)" in source) == variant.dot_fp32
+    assert "{{" not in source and "{%" not in source
+
+
+def test_structure_switches_change_the_code():
+    sources = {codegen.render("fwd", v) for v in ALL_FWD_VARIANTS}
+    assert len(sources) == len(ALL_FWD_VARIANTS)
+    even = codegen.render("fwd", FwdVariant(causal=False, even_m=True, even_n=True))
+    assert "MASKED=True" not in even and even.count("_attn_fwd_inner(") == 2  # definition + one loop
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"kernel must be one of \('fwd',\), got 'bwdx'"):
+        codegen.render("bwdx", FwdVariant(False, True, True))
+    with pytest.raises(TypeError, match=r"variant must be a dataclass instance, got dict"):
+        codegen.render("fwd", {"causal": True})
+
+
+def test_modules_are_written_once_by_content_hash(tmp_path, monkeypatch):
+    monkeypatch.setenv("FA2TUNE_CACHE_DIR", str(tmp_path))
+    variant = FwdVariant(causal=True, even_m=False, even_n=True)
+    first = codegen.write_module("fwd", variant)
+    assert first.parent == tmp_path / "kernels"
+    mtime = first.stat().st_mtime_ns
+    assert codegen.write_module("fwd", variant) == first and first.stat().st_mtime_ns == mtime
+    assert first.read_text() == codegen.render("fwd", variant)
+    other = codegen.write_module("fwd", FwdVariant(causal=False, even_m=False, even_n=True))
+    assert other != first
+
+
+def test_load_imports_a_module_with_the_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("FA2TUNE_CACHE_DIR", str(tmp_path))
+    variant = FwdVariant(causal=False, even_m=True, even_n=False, dot_fp32=True)
+    module = codegen.load("fwd", variant)
+    assert hasattr(module, "_attn_fwd") and codegen.load("fwd", variant) is module
+
+
+def _write_in_child(cache: str) -> str:
+    import os
+
+    os.environ["FA2TUNE_CACHE_DIR"] = cache
+    from fa2tune import codegen as child_codegen
+
+    paths = {child_codegen.write_module("fwd", v) for v in ALL_FWD_VARIANTS for _ in range(3)}
+    return ",".join(sorted(map(str, paths)))
+
+
+def test_processes_rendering_at_once_leave_whole_files(tmp_path):
+    with mp.get_context("spawn").Pool(4) as pool:
+        results = pool.map(_write_in_child, [str(tmp_path)] * 4)
+    assert len(set(results)) == 1
+    files = sorted((tmp_path / "kernels").iterdir())
+    assert len(files) == len(ALL_FWD_VARIANTS)  # no temporary files left behind
+    assert all(path.name.startswith("fwd_") and path.suffix == ".py" for path in files)
+    rendered = {codegen.render("fwd", v) for v in ALL_FWD_VARIANTS}
+    assert {f.read_text() for f in files} == rendered
+
+
+def test_non_editable_install_renders_templates(tmp_path):
+    # The templates live at the top of the repo; a wheel must carry them inside the package.
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
+         str(ROOT)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    probe = (
+        "import fa2tune.codegen as c, fa2tune.types as t; "
+        "src = c.render('fwd', t.FwdVariant(True, False, False)); "
+        "print(c.templates_dir()); print('def _attn_fwd(' in src)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        check=True, capture_output=True, text=True, timeout=300,
+    ).stdout.split()  # fmt: skip
+    assert Path(out[0]).is_relative_to(target) and out[1] == "True"

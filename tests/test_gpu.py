@@ -1,0 +1,42 @@
+"""Checks that need a real CUDA device: production-sized shapes, 64-bit offsets. Run with scripts/gpu-tests.sh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fa2tune
+from fa2tune.reference import naive_attention
+
+from .conftest import assert_close
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_production_shapes_match_reference(head_dim, causal, dtype):
+    torch.manual_seed(head_dim)
+    q = torch.randn(2, 4, 1000, head_dim, dtype=dtype, device="cuda")
+    k = torch.randn(2, 2, 1537, head_dim, dtype=dtype, device="cuda")
+    v = torch.randn(2, 2, 1537, head_dim, dtype=dtype, device="cuda")
+    o, lse = fa2tune.attention(q, k, v, causal=causal, return_lse=True)
+    ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+    assert_close(o, ref_o, dtype)
+    assert_close(lse, ref_lse, torch.float32, what="lse")
+
+
+def test_offsets_past_two_to_the_31_elements():
+    # 2^31 + 2^21 elements per tensor: the last (batch, head) starts past what int32 offsets can address.
+    batch, heads, seqlen, head_dim = 16384 + 16, 16, 128, 64
+    q = torch.randn(batch, heads, seqlen, head_dim, dtype=torch.bfloat16, device="cuda")
+    assert q.numel() > 2**31
+    k, v = q[:, :, torch.randperm(seqlen, device="cuda")], q.flip(2)
+    o = fa2tune.attention(q, k, v, causal=True)
+    tail = slice(batch - 2, batch)
+    ref, _ = naive_attention(q[tail].double(), k[tail].double(), v[tail].double(), causal=True)
+    assert_close(o[tail], ref, torch.bfloat16)

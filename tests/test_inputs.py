@@ -1,0 +1,145 @@
+"""Bad input to attention() fails early, naming the argument, what was expected and what came."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fa2tune
+from fa2tune import KernelConfig
+
+
+def _qkv(device, b=1, hq=2, hkv=2, nq=8, nk=8, d=16, dtype=torch.float32):
+    return (
+        torch.randn(b, hq, nq, d, device=device, dtype=dtype),
+        torch.randn(b, hkv, nk, d, device=device, dtype=dtype),
+        torch.randn(b, hkv, nk, d, device=device, dtype=dtype),
+    )
+
+
+def test_non_tensor(device):
+    q, _k, v = _qkv(device)
+    with pytest.raises(TypeError, match=r"k must be a torch.Tensor, got list"):
+        fa2tune.attention(q, [[1.0]], v)
+
+
+def test_wrong_rank(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(ValueError, match=r"q must be 4-D \(batch, heads, seqlen, head_dim\).*got shape \(2, 8, 16\)"):
+        fa2tune.attention(q[0], k, v)
+
+
+def test_integer_dtype(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(TypeError, match=r"v must be float16, bfloat16 or float32, got torch.int64"):
+        fa2tune.attention(q, k, v.long())
+
+
+def test_float64_is_not_a_kernel_dtype(device):
+    q, k, v = _qkv(device, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"q must be float16, bfloat16 or float32, got torch.float64"):
+        fa2tune.attention(q, k, v)
+
+
+def test_mixed_dtypes(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(TypeError, match=r"share one dtype, got q=torch.float32, k=torch.float16"):
+        fa2tune.attention(q, k.half(), v)
+
+
+def test_batch_mismatch(device):
+    q, _, _ = _qkv(device, b=2)
+    _, k, v = _qkv(device, b=3)
+    with pytest.raises(ValueError, match=r"same batch size, got 2, 3, 3"):
+        fa2tune.attention(q, k, v)
+
+
+def test_kv_heads_mismatch(device):
+    q, k, _ = _qkv(device, hq=4, hkv=2)
+    _, _, v = _qkv(device, hq=4, hkv=1)
+    with pytest.raises(ValueError, match=r"k and v must have the same number of heads, got k=2, v=1"):
+        fa2tune.attention(q, k, v)
+
+
+def test_gqa_heads_must_divide(device):
+    q, k, v = _qkv(device, hq=6, hkv=4)
+    with pytest.raises(ValueError, match=r"multiple of k/v's heads \(GQA/MQA\), got q heads=6, k/v heads=4"):
+        fa2tune.attention(q, k, v)
+
+
+def test_kv_length_mismatch(device):
+    q, k, _ = _qkv(device, nk=8)
+    _, _, v = _qkv(device, nk=9)
+    with pytest.raises(ValueError, match=r"k and v must have the same sequence length, got k=8, v=9"):
+        fa2tune.attention(q, k, v)
+
+
+def test_head_dim_mismatch(device):
+    q, _, _ = _qkv(device, d=16)
+    _, k, v = _qkv(device, d=32)
+    with pytest.raises(ValueError, match=r"same head_dim, got q=16, k=32, v=32"):
+        fa2tune.attention(q, k, v)
+
+
+def test_head_dim_too_large(device):
+    q, k, v = _qkv(device, d=320, nq=1, nk=1)
+    with pytest.raises(ValueError, match=r"head_dim must be in 1..256, got 320"):
+        fa2tune.attention(q, k, v)
+
+
+def test_non_unit_last_stride(device):
+    q, _k, v = _qkv(device)
+    with pytest.raises(ValueError, match=r"k must have unit stride in its last dimension.*\.contiguous\(\)"):
+        fa2tune.attention(q, torch.randn(1, 2, 8, 32, device=device)[..., ::2], v)
+
+
+def test_devices_differ():
+    q, k, v = _qkv("cpu")
+    meta = torch.empty_like(k, device="meta")
+    with pytest.raises(ValueError, match=r"q, k and v must be on one device, got q=cpu, k=meta, v=cpu"):
+        fa2tune.attention(q, meta, v)
+
+
+def test_cpu_tensors_without_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v = _qkv("cpu")
+    with pytest.raises(ValueError, match=r"q is on the CPU.*TRITON_INTERPRET=1"):
+        fa2tune.attention(q, k, v)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_scale_value(scale, device):
+    with pytest.raises(ValueError, match=r"scale must be a positive finite number"):
+        fa2tune.attention(*_qkv(device), scale=scale)
+
+
+def test_bad_scale_type(device):
+    with pytest.raises(TypeError, match=r"scale must be a float or None, got str"):
+        fa2tune.attention(*_qkv(device), scale="0.1")
+
+
+def test_causal_must_be_bool(device):
+    with pytest.raises(TypeError, match=r"causal must be True or False, got 1"):
+        fa2tune.attention(*_qkv(device), causal=1)
+
+
+def test_config_type(device):
+    with pytest.raises(TypeError, match=r"config must be a fa2tune.KernelConfig or None, got dict"):
+        fa2tune.attention(*_qkv(device), config={"block_m": 64})
+
+
+def test_kernel_config_fields():
+    with pytest.raises(ValueError, match=r"block_m must be one of \(16, 32, 64, 128, 256\), got 48"):
+        KernelConfig(48, 64)
+    with pytest.raises(ValueError, match=r"num_stages must be in 1..8, got 0"):
+        KernelConfig(64, 64, 4, 0)
+    with pytest.raises(ValueError, match=r"unknown KernelConfig keys \['block_k'\]"):
+        KernelConfig.from_dict({"block_m": 64, "block_n": 64, "block_k": 32})
+    cfg = KernelConfig(128, 64, 8, 3)
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_empty_query_returns_empty(device):
+    q, k, v = _qkv(device, nq=0)
+    o, lse = fa2tune.attention(q, k, v, return_lse=True)
+    assert o.shape == q.shape and lse.shape == (1, 2, 0)

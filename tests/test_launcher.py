@@ -1,0 +1,118 @@
+"""The forward kernel against the float64 reference, on odd shapes, every dtype, causal and not."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fa2tune
+from fa2tune import launcher
+from fa2tune.reference import naive_attention
+from fa2tune.types import KernelConfig
+
+from .conftest import assert_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim)
+SHAPES = [
+    (1, 1, 1, 1, 1, 64),  # N = 1
+    (2, 2, 2, 37, 37, 64),  # ragged: 37 is no multiple of any block
+    (1, 2, 2, 130, 130, 16),  # smallest head dim, one row past a tile
+    (1, 2, 1, 37, 130, 96),  # q_len < k_len, d = 96 padded to 128, GQA 2:1
+    (1, 4, 1, 130, 37, 64),  # q_len > k_len (causal: leading rows see no key), MQA
+    (1, 2, 2, 64, 64, 128),  # even tiles everywhere
+    (1, 1, 1, 45, 77, 80),  # d = 80
+]
+
+
+def _reference(q, k, v, causal, scale=None):
+    return naive_attention(q.double(), k.double(), v.double(), causal=causal, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_matches_reference(shape, causal, dtype, device):
+    batch, hq, hkv, nq, nk, d = shape
+    torch.manual_seed(hash((shape, causal, str(dtype))) % 2**31)
+    q = torch.randn(batch, hq, nq, d, dtype=dtype, device=device)
+    k = torch.randn(batch, hkv, nk, d, dtype=dtype, device=device)
+    v = torch.randn(batch, hkv, nk, d, dtype=dtype, device=device)
+    out = torch.full_like(q, float("nan"))  # poison: every element must be written
+    o, lse = launcher.forward(q, k, v, causal=causal, scale=d**-0.5, out=out)
+    assert o.data_ptr() == out.data_ptr()
+    ref_o, ref_lse = _reference(q, k, v, causal)
+    assert_close(o, ref_o, dtype)
+    assert_close(lse, ref_lse, torch.float32, what="lse")
+    assert o.dtype == dtype and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "config",
+    [KernelConfig(16, 16), KernelConfig(16, 64), KernelConfig(64, 16), KernelConfig(64, 32, num_warps=8)],
+    ids=lambda c: f"m{c.block_m}n{c.block_n}",
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_any_block_config_gives_the_same_function(config, causal, device):
+    torch.manual_seed(1)
+    q = torch.randn(1, 2, 75, 48, device=device)
+    k = torch.randn(1, 2, 91, 48, device=device)
+    v = torch.randn(1, 2, 91, 48, device=device)
+    o, lse = launcher.forward(q, k, v, causal=causal, scale=0.3, config=config)
+    ref_o, ref_lse = _reference(q, k, v, causal, scale=0.3)
+    assert_close(o, ref_o, torch.float32)
+    assert_close(lse, ref_lse, torch.float32, what="lse")
+
+
+def test_rows_that_see_no_key_give_zero_and_minus_inf(device):
+    # causal with seqlen_q > seqlen_k: query i sees keys j <= i - 30, so rows 0..29 see nothing.
+    torch.manual_seed(2)
+    q = torch.randn(1, 1, 40, 32, device=device)
+    k = torch.randn(1, 1, 10, 32, device=device)
+    v = torch.randn(1, 1, 10, 32, device=device)
+    o, lse = fa2tune.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(o[0, 0, :30].cpu(), torch.zeros(30, 32))
+    assert torch.isneginf(lse[0, 0, :30]).all()
+    assert torch.isfinite(lse[0, 0, 30:]).all()
+    assert_close(o, _reference(q, k, v, True)[0], torch.float32)
+
+
+def test_strided_inputs_are_read_in_place(device):
+    # The common (batch, seqlen, heads, d) layout viewed as SDPA's, and k, v sliced from one packed tensor.
+    torch.manual_seed(3)
+    q = torch.randn(2, 50, 4, 32, device=device).transpose(1, 2)
+    kv = torch.randn(2, 50, 2, 2, 32, device=device)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    o = fa2tune.attention(q, k, v, causal=True)
+    assert o.is_contiguous()
+    assert_close(o, _reference(q, k, v, True)[0], torch.float32)
+
+
+def test_default_scale_is_inverse_sqrt_head_dim(device):
+    torch.manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 33, 40, device=device) for _ in range(3))
+    assert_close(fa2tune.attention(q, k, v), _reference(q, k, v, False, scale=1 / math.sqrt(40))[0], torch.float32)
+    assert_close(fa2tune.attention(q, k, v, scale=2.0), _reference(q, k, v, False, scale=2.0)[0], torch.float32)
+
+
+def test_large_scores_stay_finite(device):
+    # Scores near 1e4: exp without the running max would overflow even in fp32.
+    torch.manual_seed(5)
+    q = 30 * torch.randn(1, 1, 70, 16, device=device)
+    k = 30 * torch.randn(1, 1, 70, 16, device=device)
+    v = torch.randn(1, 1, 70, 16, device=device)
+    o, lse = fa2tune.attention(q, k, v, scale=1.0, return_lse=True)
+    ref_o, ref_lse = _reference(q, k, v, False, scale=1.0)
+    assert_close(o, ref_o, torch.float32)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse.cpu(), rtol=1e-5, atol=1e-3)
+
+
+def test_backward_says_it_is_not_there_yet(device):
+    q, k, v = (torch.randn(1, 1, 8, 16, device=device, requires_grad=True) for _ in range(3))
+    o = fa2tune.attention(q, k, v)
+    with pytest.raises(NotImplementedError, match="no backward yet"):
+        o.sum().backward()
