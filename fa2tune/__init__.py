@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .launcher import FlashAttnFunction, attention
-from .types import FwdVariant, KernelConfig
+from .types import Variant, KernelConfig
 
-__all__ = ["FlashAttnFunction", "FwdVariant", "KernelConfig", "attention"]
+__all__ = ["FlashAttnFunction", "Variant", "KernelConfig", "attention"]
 __version__ = "0.1.0"

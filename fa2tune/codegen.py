@@ -20,7 +20,7 @@ from types import ModuleType
 
 import jinja2
 
-KERNELS = ("fwd",)
+TEMPLATES = ("fwd", "bwd")
 _lock = threading.Lock()
 _modules: dict[tuple[str, str], ModuleType] = {}
 
@@ -57,15 +57,14 @@ def _environment() -> jinja2.Environment:
     )
 
 
-def render(kernel: str, variant: object) -> str:
-    """Returns the Triton source of ``kernel`` ("fwd", ...) for a variant dataclass (e.g. FwdVariant)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+def render(template: str, variant: object) -> str:
+    """Returns the Triton source of templates/<template>.py.jinja ("fwd" or "bwd") for a Variant."""
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
     if not dataclasses.is_dataclass(variant):
         raise TypeError(f"variant must be a dataclass instance, got {type(variant).__name__}")
     fields = dataclasses.asdict(variant)
-    template = _environment().get_template(f"{kernel}.py.jinja")
-    return template.render(**fields, variant=repr(variant), template_hash=template_hash())
+    return _environment().get_template(f"{template}.py.jinja").render(**fields, variant=repr(variant), template_hash=template_hash())
 
 
 def cache_dir() -> Path:
@@ -92,10 +91,10 @@ def _write_once(directory: Path, name: str, source: str) -> Path:
     return path
 
 
-def write_module(kernel: str, variant: object) -> Path:
+def write_module(template: str, variant: object) -> Path:
     """Renders and writes one variant's module to the disk cache; returns its path."""
-    source = render(kernel, variant)
-    name = f"{kernel}_{hashlib.sha256(source.encode()).hexdigest()[:20]}.py"
+    source = render(template, variant)
+    name = f"{template}_{hashlib.sha256(source.encode()).hexdigest()[:20]}.py"
     try:
         return _write_once(cache_dir(), name, source)
     except OSError:
@@ -103,20 +102,20 @@ def write_module(kernel: str, variant: object) -> Path:
         return _write_once(Path(tempfile.gettempdir()) / f"fa2tune-{os.getuid()}" / "kernels", name, source)
 
 
-def load(kernel: str, variant: object) -> ModuleType:
+def load(template: str, variant: object) -> ModuleType:
     """Imports the rendered module of one variant (rendered and written on first use, then cached per process).
 
     The Triton interpreter decides at import time whether @jit builds a GPU or an interpreted function,
     so the in-memory cache is keyed on TRITON_INTERPRET too.
     """
-    key = (kernel, repr(variant) + os.environ.get("TRITON_INTERPRET", "0"))
+    key = (template, repr(variant) + os.environ.get("TRITON_INTERPRET", "0"))
     module = _modules.get(key)
     if module is not None:
         return module
     with _lock:
         module = _modules.get(key)
         if module is None:
-            path = write_module(kernel, variant)
+            path = write_module(template, variant)
             name = f"fa2tune._generated.{path.stem}_{len(_modules)}"
             spec = importlib.util.spec_from_file_location(name, path)
             assert spec is not None and spec.loader is not None

@@ -11,6 +11,7 @@ import torch
 from .types import KernelConfig
 
 MAX_HEAD_DIM = 256
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -30,15 +31,18 @@ def default_config(
         head_dim: per-head dimension d (1..256).
         dtype: element type of q/k/v.
         causal: causal masking; the best d=128 tile differs with it.
-        kernel: "fwd".
+        kernel: "fwd", "bwd_dkdv" (one program per K/V tile: block_n rows owned, block_m Q rows streamed) or
+            "bwd_dq" (one program per Q tile: block_m rows owned, block_n K/V rows streamed).
         interpret: True under TRITON_INTERPRET=1, where small tiles keep the CPU interpreter quick and let
             tests cross many tile boundaries at small sequence lengths.
     """
-    if kernel != "fwd":
-        raise ValueError(f"kernel must be 'fwd', got {kernel!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if interpret:
         return KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
     d = head_dim_padded(head_dim)
+    if kernel != "fwd":
+        return _default_bwd_config(d, dtype, kernel)
     if dtype == torch.float32:  # 4-byte elements: half the tile fits in the same shared memory
         return KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if d <= 64:
@@ -48,3 +52,13 @@ def default_config(
             return KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)  # 455
         return KernelConfig(block_m=256, block_n=64, num_warps=8, num_stages=4)  # 527
     return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+
+
+def _default_bwd_config(d: int, dtype: torch.dtype, kernel: str) -> KernelConfig:
+    # Each backward program holds two fp32 accumulators' worth of state (dK and dV, or dQ with Q and dO), so
+    # tiles are smaller than the forward's. The owned tile is the wider side; the streamed side stays at 32-64.
+    if dtype == torch.float32 or d > 128:
+        return KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    if kernel == "bwd_dkdv":
+        return KernelConfig(block_m=32, block_n=128, num_warps=8, num_stages=2)
+    return KernelConfig(block_m=128, block_n=32, num_warps=8, num_stages=2)

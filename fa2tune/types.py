@@ -46,13 +46,13 @@ class KernelConfig:
 
 
 @dataclass(frozen=True)
-class FwdVariant:
-    """Structural switches of templates/fwd.py.jinja: each one changes the code, not just a constant.
+class Variant:
+    """Structural switches of the templates (fwd.py.jinja, bwd.py.jinja): each one changes the code.
 
     Attributes:
-        causal: emit the diagonal loop with the causal mask (bottom-right aligned).
-        even_m: q_len is a multiple of block_m, so Q loads and O stores need no row mask.
-        even_n: k_len is a multiple of block_n, so no K/V tile is ragged.
+        causal: emit the diagonal loops with the causal mask (bottom-right aligned).
+        even_m: q_len is a multiple of the kernel's block_m, so Q-side loads and stores need no row mask.
+        even_n: k_len is a multiple of the kernel's block_n, so no K/V tile is ragged.
         dot_fp32: upcast dot operands to fp32 (the Triton interpreter computes bf16 dots wrongly).
     """
 

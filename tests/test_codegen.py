@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from fa2tune import codegen
-from fa2tune.types import FwdVariant
+from fa2tune.types import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL_FWD_VARIANTS = [FwdVariant(*flags) for flags in itertools.product([False, True], repeat=4)]
+ALL_FWD_VARIANTS = [Variant(*flags) for flags in itertools.product([False, True], repeat=4)]
 
 
 @pytest.mark.parametrize("variant", ALL_FWD_VARIANTS, ids=repr)
@@ -30,32 +30,32 @@ def test_every_variant_renders_valid_python(variant):
 def test_structure_switches_change_the_code():
     sources = {codegen.render("fwd", v) for v in ALL_FWD_VARIANTS}
     assert len(sources) == len(ALL_FWD_VARIANTS)
-    even = codegen.render("fwd", FwdVariant(causal=False, even_m=True, even_n=True))
+    even = codegen.render("fwd", Variant(causal=False, even_m=True, even_n=True))
     assert "MASKED=True" not in even and even.count("_attn_fwd_inner(") == 2  # definition + one loop
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match=r"kernel must be one of \('fwd',\), got 'bwdx'"):
-        codegen.render("bwdx", FwdVariant(False, True, True))
+    with pytest.raises(ValueError, match=r"template must be one of \('fwd', 'bwd'\), got 'bwdx'"):
+        codegen.render("bwdx", Variant(False, True, True))
     with pytest.raises(TypeError, match=r"variant must be a dataclass instance, got dict"):
         codegen.render("fwd", {"causal": True})
 
 
 def test_modules_are_written_once_by_content_hash(tmp_path, monkeypatch):
     monkeypatch.setenv("FA2TUNE_CACHE_DIR", str(tmp_path))
-    variant = FwdVariant(causal=True, even_m=False, even_n=True)
+    variant = Variant(causal=True, even_m=False, even_n=True)
     first = codegen.write_module("fwd", variant)
     assert first.parent == tmp_path / "kernels"
     mtime = first.stat().st_mtime_ns
     assert codegen.write_module("fwd", variant) == first and first.stat().st_mtime_ns == mtime
     assert first.read_text() == codegen.render("fwd", variant)
-    other = codegen.write_module("fwd", FwdVariant(causal=False, even_m=False, even_n=True))
+    other = codegen.write_module("fwd", Variant(causal=False, even_m=False, even_n=True))
     assert other != first
 
 
 def test_load_imports_a_module_with_the_kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("FA2TUNE_CACHE_DIR", str(tmp_path))
-    variant = FwdVariant(causal=False, even_m=True, even_n=False, dot_fp32=True)
+    variant = Variant(causal=False, even_m=True, even_n=False, dot_fp32=True)
     module = codegen.load("fwd", variant)
     assert hasattr(module, "_attn_fwd") and codegen.load("fwd", variant) is module
 
@@ -91,7 +91,7 @@ def test_non_editable_install_renders_templates(tmp_path):
     )  # fmt: skip
     probe = (
         "import fa2tune.codegen as c, fa2tune.types as t; "
-        "src = c.render('fwd', t.FwdVariant(True, False, False)); "
+        "src = c.render('fwd', t.Variant(True, False, False)); "
         "print(c.templates_dir()); print('def _attn_fwd(' in src)"
     )
     out = subprocess.run(

@@ -1,0 +1,141 @@
+"""Gradients: dq, dk, dv against float64 autograd through the reference; determinism; torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fa2tune
+from fa2tune import launcher
+from fa2tune.reference import naive_attention
+from fa2tune.types import KernelConfig
+
+from .test_launcher import DTYPES, SHAPES
+
+# ‖grad − ref‖ / max(‖ref‖, ‖dO‖) per dtype (METHOD.md: bf16 operands land between 1e-3 and 1e-2; fp32 far
+# under 1e-3). ‖dO‖ is the floor of the scale because a gradient can be exactly 0 (N = 1: dq = dk = 0), where
+# any rounding of O in a 16-bit dtype is an infinite relative error.
+GRAD_REL_TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _random(shape, dtype, device, seed):
+    batch, hq, hkv, nq, nk, d = shape
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, hq, nq, d, generator=gen).to(device, dtype)
+    k = torch.randn(batch, hkv, nk, d, generator=gen).to(device, dtype)
+    v = torch.randn(batch, hkv, nk, d, generator=gen).to(device, dtype)
+    do = torch.randn(batch, hq, nq, d, generator=gen).to(device, dtype)
+    return q, k, v, do
+
+
+def _reference_grads(q, k, v, do, causal, scale=None):
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    o, _ = naive_attention(*leaves, causal=causal, scale=scale)
+    return torch.autograd.grad(o, leaves, do.double())
+
+
+def _assert_grads_close(grads, refs, dtype, do):
+    for name, g, ref in zip(("dq", "dk", "dv"), grads, refs, strict=True):
+        assert g.shape == ref.shape, f"{name}: shape {tuple(g.shape)} != {tuple(ref.shape)}"
+        assert not torch.isnan(g).any(), f"{name}: {int(torch.isnan(g).sum())} NaN elements"
+        scale = max(ref.norm().item(), do.double().norm().item())
+        err = ((g.double().cpu() - ref.cpu()).norm() / scale).item()
+        assert err <= GRAD_REL_TOL[dtype], f"{name}: relative error {err:.2e} > {GRAD_REL_TOL[dtype]:.0e} ({dtype})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gradients_match_reference(shape, causal, dtype, device):
+    q, k, v, do = _random(shape, dtype, device, seed=hash((shape, causal)) % 2**31)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o = fa2tune.attention(q, k, v, causal=causal)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    assert [g.dtype for g in grads] == [dtype] * 3
+    _assert_grads_close(grads, _reference_grads(q, k, v, do, causal), dtype, do)
+
+
+@pytest.mark.parametrize(
+    "dkdv_config, dq_config",
+    [(KernelConfig(16, 64), KernelConfig(64, 16)), (KernelConfig(64, 16), KernelConfig(16, 64))],
+    ids=["wide_n_for_dkdv", "wide_m_for_dkdv"],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_block_configs_of_both_backward_kernels(dkdv_config, dq_config, causal, device):
+    # Ragged both ways and GQA, with tiles that do not line up between the two kernels.
+    q, k, v, do = _random((1, 4, 2, 83, 51, 40), torch.float32, device, seed=7)
+    o, lse = launcher.forward(q, k, v, causal=causal, scale=0.2)
+    grads = launcher.backward(
+        do, q, k, v, o, lse, causal=causal, scale=0.2, dkdv_config=dkdv_config, dq_config=dq_config
+    )
+    _assert_grads_close(grads, _reference_grads(q, k, v, do, causal, scale=0.2), torch.float32, do)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "kv"])
+def test_any_subset_of_inputs_may_require_grad(which, device):
+    q, k, v, do = _random((1, 2, 2, 30, 30, 16), torch.float32, device, seed=3)
+    tensors = {"q": q, "k": k, "v": v}
+    for name in which:
+        tensors[name].requires_grad_()
+    o = fa2tune.attention(q, k, v, causal=True)
+    o.backward(do)
+    refs = dict(zip("qkv", _reference_grads(q, k, v, do, True), strict=True))
+    for name, t in tensors.items():
+        if name in which:
+            rel = ((t.grad.double().cpu() - refs[name].cpu()).norm() / refs[name].norm()).item()
+            assert rel < 1e-5, f"d{name} relative error {rel:.2e}"
+        else:
+            assert t.grad is None
+
+
+def test_backward_is_deterministic(device):
+    q, k, v, do = _random((2, 4, 1, 70, 70, 32), torch.float16, device, seed=4)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    first = torch.autograd.grad(fa2tune.attention(q, k, v, causal=True), (q, k, v), do)
+    second = torch.autograd.grad(fa2tune.attention(q, k, v, causal=True), (q, k, v), do)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_sum_backward_with_a_stride_zero_gradient(device):
+    q, k, v, _ = _random((1, 2, 2, 20, 20, 16), torch.float32, device, seed=5)
+    q.requires_grad_()
+    fa2tune.attention(q, k, v).sum().backward()  # dO is an expanded scalar: every stride 0
+    ref = _reference_grads(q, k, v, torch.ones_like(q), False)[0]
+    assert ((q.grad.double().cpu() - ref.cpu()).norm() / ref.norm()).item() < 1e-5
+
+
+def test_only_linear_memory_is_saved_for_backward(device):
+    q, k, v, _ = _random((1, 2, 2, 64, 64, 16), torch.float32, device, seed=6)
+    q.requires_grad_()
+    o = fa2tune.attention(q, k, v, causal=True)
+    saved = o.grad_fn.saved_tensors
+    assert sum(t.numel() for t in saved) == 4 * q.numel() + q.shape[0] * q.shape[1] * q.shape[2]
+    assert all(t.shape[-1] in (16, 64) and t.numel() <= q.numel() for t in saved)  # q, k, v, o, lse: no N×N
+
+
+def test_wrong_gradient_shape_is_rejected(device):
+    q, k, v, _ = _random((1, 2, 2, 20, 20, 16), torch.float32, device, seed=8)
+    q.requires_grad_()
+    o = fa2tune.attention(q, k, v)
+    with pytest.raises(RuntimeError, match="shape"):
+        torch.autograd.grad(o, q, torch.ones(1, 2, 20, 15, device=device))
+
+
+def test_torch_compile_fullgraph_matches_eager(device):
+    torch._dynamo.reset()
+
+    def layer(q, k, v):
+        return fa2tune.attention(q * 2.0, k, v, causal=True).square().sum()
+
+    q, k, v, _ = _random((1, 2, 1, 33, 33, 16), torch.float32, device, seed=9)
+    leaves_eager = [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves_compiled = [t.clone().requires_grad_() for t in (q, k, v)]
+    loss_eager = layer(*leaves_eager)
+    loss_eager.backward()
+    compiled = torch.compile(layer, fullgraph=True)
+    loss_compiled = compiled(*leaves_compiled)
+    loss_compiled.backward()
+    torch.testing.assert_close(loss_compiled, loss_eager, rtol=1e-6, atol=1e-6)
+    for a, b in zip(leaves_compiled, leaves_eager, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
