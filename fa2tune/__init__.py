@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .launcher import FlashAttnFunction, attention
-from .types import Variant, KernelConfig
+from .types import KernelConfig, Variant
 
-__all__ = ["FlashAttnFunction", "Variant", "KernelConfig", "attention"]
+__all__ = ["FlashAttnFunction", "KernelConfig", "Variant", "attention"]
 __version__ = "0.1.0"

@@ -64,7 +64,8 @@ def render(template: str, variant: object) -> str:
     if not dataclasses.is_dataclass(variant):
         raise TypeError(f"variant must be a dataclass instance, got {type(variant).__name__}")
     fields = dataclasses.asdict(variant)
-    return _environment().get_template(f"{template}.py.jinja").render(**fields, variant=repr(variant), template_hash=template_hash())
+    source = _environment().get_template(f"{template}.py.jinja")
+    return source.render(**fields, variant=repr(variant), template_hash=template_hash())
 
 
 def cache_dir() -> Path:

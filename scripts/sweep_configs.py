@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ints = lambda s: [int(x) for x in s.split(",")]
     grid = itertools.product(ints(args.block_m), ints(args.block_n), ints(args.warps), ints(args.stages))
     configs = [KernelConfig(bm, bn, w, s) for bm, bn, w, s in grid]
-    jobs = [(args.kernel, d, c, cfg, args.seqlen) for d in ints(args.head_dims) for c in (False, True) for cfg in configs]
+    cases = itertools.product(ints(args.head_dims), (False, True), configs)
+    jobs = [(args.kernel, d, causal, cfg, args.seqlen) for d, causal, cfg in cases]
     with mp.get_context("spawn").Pool(args.workers) as pool:
         failures = pool.map(_compile, jobs)
     mode = "fwd" if args.kernel == "fwd" else "bwd"
