@@ -14,7 +14,10 @@ def _resolve_device(name: str) -> str:
     import torch
 
     if name == "cpu":
-        # Kernels are rendered and imported on first use, so setting this now still reaches Triton's @jit.
+        # Triton reads TRITON_INTERPRET when it builds each @jit function, its own library's included, so the
+        # choice must come before triton is imported; fa2tune itself imports triton only when a kernel runs.
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            sys.exit("fa2tune: --device cpu needs TRITON_INTERPRET=1 set before triton is imported")
         os.environ["TRITON_INTERPRET"] = "1"
         print("note: --device cpu runs the kernels through Triton's interpreter: right answers, no speed.")
         return "cpu"

@@ -8,14 +8,14 @@ import torch
 from fa2tune import cli, selfcheck
 
 
-def test_check_on_cpu_passes_and_prints_a_row_per_case(capsys):
-    assert cli.main(["check", "--device", "cpu", "--dtype", "fp16"]) == 0
+def test_check_passes_and_prints_a_row_per_case(capsys, device):
+    assert cli.main(["check", "--device", device, "--dtype", "fp16"]) == 0
     out = capsys.readouterr().out
-    assert "Triton's interpreter" in out and "all checks passed" in out
-    assert out.count(" ok") == 2 * len(selfcheck.default_shapes(on_gpu=False))
+    assert "all checks passed" in out and ("Triton's interpreter" in out) == (device == "cpu")
+    assert out.count(" ok") == 2 * len(selfcheck.default_shapes(on_gpu=device != "cpu"))
 
 
-def test_check_fails_loudly_when_the_kernel_is_wrong(capsys, monkeypatch):
+def test_check_fails_loudly_when_the_kernel_is_wrong(capsys, monkeypatch, device):
     real = selfcheck.forward
 
     def off_by_a_little(*args, **kwargs):
@@ -23,7 +23,7 @@ def test_check_fails_loudly_when_the_kernel_is_wrong(capsys, monkeypatch):
         return o * 1.01, lse
 
     monkeypatch.setattr(selfcheck, "forward", off_by_a_little)
-    assert cli.main(["check", "--device", "cpu", "--dtype", "fp32"]) == 1
+    assert cli.main(["check", "--device", device, "--dtype", "fp32"]) == 1
     assert "FAIL" in capsys.readouterr().out
 
 
@@ -36,6 +36,6 @@ def test_no_gpu_is_a_plain_error_with_exit_code_2(capsys):
     assert "no CUDA device is visible" in capsys.readouterr().err
 
 
-def test_bad_dtype_lists_the_choices(capsys):
-    assert cli.main(["check", "--device", "cpu", "--dtype", "fp8"]) == 2
+def test_bad_dtype_lists_the_choices(capsys, device):
+    assert cli.main(["check", "--device", device, "--dtype", "fp8"]) == 2
     assert "--dtype must be from ['bf16', 'fp16', 'fp32'], got ['fp8']" in capsys.readouterr().err
