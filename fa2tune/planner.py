@@ -61,4 +61,5 @@ def _default_bwd_config(d: int, dtype: torch.dtype, kernel: str) -> KernelConfig
         return KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
     if kernel == "bwd_dkdv":  # fastest of 24 in docs/bench/nvidia-h200-sweep-bwd_dkdv-v1.csv (N=8k, bf16)
         return KernelConfig(block_m=32, block_n=128 if d <= 64 else 64, num_warps=4, num_stages=3)
-    return KernelConfig(block_m=128, block_n=32, num_warps=8, num_stages=2)
+    # bwd_dq: fastest over causal and not of 16 in docs/bench/nvidia-h200-sweep-bwd_dq-v1.csv (N=8k, bf16)
+    return KernelConfig(block_m=128, block_n=64, num_warps=4 if d <= 64 else 8, num_stages=3)
