@@ -67,3 +67,85 @@ def random_qkv(
     for t in (q, k, v):
         t.requires_grad_(requires_grad)
     return q, k, v
+
+
+def make_measure(
+    kernel: str,
+    head_dim: int,
+    dtype: torch.dtype,
+    causal: bool,
+    *,
+    seqlens: tuple[int, ...],
+    device: str,
+    tokens: int = 16384,
+    width: int = 2048,
+) -> Callable:
+    """The tuner's objective: config -> sum over `seqlens` of the median time (ms) of `kernel` with it.
+
+    Each length runs at batch = tokens // N and heads = width // head_dim (the PERF-NOTES grid). For a backward
+    kernel the whole backward is timed, the other backward kernel at its resolved config. On the CPU (the Triton
+    interpreter) the wall clock of one run is used: right for testing the pipeline, meaningless for speed.
+    """
+    from . import launcher
+
+    inputs = {}
+    for seqlen in seqlens:
+        batch, heads = max(1, tokens // seqlen), max(1, width // head_dim)
+        q, k, v = random_qkv(batch, heads, seqlen, head_dim, dtype=dtype, device=device)
+        if kernel == "fwd":
+            inputs[seqlen] = (q, k, v, None, None, None)
+        else:
+            o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5)
+            inputs[seqlen] = (q, k, v, o, lse, torch.randn_like(o))
+
+    def run(cfg, q, k, v, o, lse, do):
+        if kernel == "fwd":
+            return launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5, config=cfg)
+        key = "dkdv_config" if kernel == "bwd_dkdv" else "dq_config"
+        return launcher.backward(do, q, k, v, o, lse, causal=causal, scale=head_dim**-0.5, **{key: cfg})
+
+    def measure(cfg) -> float:
+        total = 0.0
+        for args in inputs.values():
+            if str(device).startswith("cuda"):
+                total += time_cuda(lambda args=args: run(cfg, *args)).median_ms
+            else:
+                import time
+
+                run(cfg, *args)  # first call renders and imports the variant
+                start = time.perf_counter()
+                run(cfg, *args)
+                total += (time.perf_counter() - start) * 1e3
+        return total
+
+    return measure
+
+
+def _compile_one(job) -> str | None:
+    kernel, head_dim, dtype, causal, cfg, seqlen, device = job
+    try:
+        from . import launcher
+
+        q, k, v = random_qkv(1, 1, seqlen, head_dim, dtype=dtype, device=device)
+        if kernel == "fwd":
+            launcher.forward(q, k, v, causal=causal, scale=1.0, config=cfg)
+        else:
+            o, lse = launcher.forward(q, k, v, causal=causal, scale=1.0)
+            key = "dkdv_config" if kernel == "bwd_dkdv" else "dq_config"
+            launcher.backward(torch.randn_like(o), q, k, v, o, lse, causal=causal, scale=1.0, **{key: cfg})
+        torch.cuda.synchronize()
+        return None
+    except Exception as exc:  # failures are data
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"
+
+
+def precompile(kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", workers=16) -> dict:
+    """Compiles every config in a pool of processes (compiling is CPU work, most of a tune's time), so the study
+    then only times: Triton's disk cache hands the binaries to this process. Returns {config: failure reason}."""
+    import multiprocessing as mp
+
+    # A length that is a multiple of every block gives the same Jinja variant as the tuning lengths (all 2^k).
+    jobs = [(kernel, head_dim, dtype, causal, cfg, 256, device) for cfg in configs]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        results = pool.map(_compile_one, jobs)
+    return {cfg: reason for cfg, reason in zip(configs, results, strict=True) if reason}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -19,13 +21,19 @@ def _resolve_device(name: str) -> str:
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") != "1":
             sys.exit("fa2tune: --device cpu needs TRITON_INTERPRET=1 set before triton is imported")
         os.environ["TRITON_INTERPRET"] = "1"
-        print("note: --device cpu runs the kernels through Triton's interpreter: right answers, no speed.")
+        print(
+            "note: --device cpu runs the kernels through Triton's interpreter: right answers, no speed.",
+            file=sys.stderr,
+        )
         return "cpu"
     if not name.startswith("cuda"):
         sys.exit(f"fa2tune: --device must be cpu or cuda[:N], got {name!r}")
     if not torch.cuda.is_available():
-        print(f"fa2tune: no CUDA device is visible (asked for {name}); use --device cpu to run through Triton's "
-              "interpreter", file=sys.stderr)  # fmt: skip
+        print(
+            f"fa2tune: no CUDA device is visible (asked for {name}); use --device cpu to run through Triton's "
+            "interpreter",
+            file=sys.stderr,
+        )
         sys.exit(2)
     return name
 
@@ -44,10 +52,292 @@ def _cmd_check(args: argparse.Namespace) -> int:
             for causal in (False, True):
                 r = selfcheck.check_forward(shape, dtype=dtype, causal=causal, device=device)
                 failed += not r.passed
-                print(f"{','.join(map(str, r.shape)):>24} {str(dtype).replace('torch.', ''):>9} {causal!s:>6} "
-                      f"{r.rel_err:>10.1e} {r.lse_rel_err:>11.1e}  {'ok' if r.passed else 'FAIL'}")  # fmt: skip
+                print(
+                    f"{','.join(map(str, r.shape)):>24} {str(dtype).replace('torch.', ''):>9} {causal!s:>6} "
+                    f"{r.rel_err:>10.1e} {r.lse_rel_err:>11.1e}  {'ok' if r.passed else 'FAIL'}"
+                )
     print("all checks passed" if not failed else f"{failed} checks FAILED")
     return 1 if failed else 0
+
+
+def _device_info(args: argparse.Namespace):
+    """The DeviceInfo for --gpu NAME (the known-GPU table) or --device cuda:N (the card); exits 2 without one."""
+    from . import device
+
+    if getattr(args, "gpu", None):
+        try:
+            return device.known_gpu(args.gpu)
+        except ValueError as exc:
+            print(f"fa2tune: {exc}", file=sys.stderr)
+            sys.exit(2)
+    try:
+        return device.inspect(args.device)
+    except (RuntimeError, ValueError) as exc:
+        print(
+            f"fa2tune: {exc}; use --gpu NAME to plan for a known GPU ({', '.join(sorted(device.KNOWN_GPUS))})",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    info = _device_info(args)
+    if args.json:
+        print(json.dumps(info.to_dict(), indent=2))
+        return 0
+    for key, value in info.to_dict().items():
+        print(f"{key:>16}  {value}")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import planner
+
+    info = _device_info(args)
+    dtype = getattr(torch, DTYPES[args.dtype])
+    kernels = ["bwd_dkdv", "bwd_dq"] if args.kernel == "bwd" else [args.kernel]
+    plans = [planner.plan(info, args.head_dim, dtype, kernel) for kernel in kernels]
+    if args.json:
+        out = [
+            {
+                "device": {**info.to_dict(), "smem_per_block": info.smem_per_block},
+                "kernel": p.kernel,
+                "head_dim": p.head_dim,
+                "dtype": args.dtype,
+                "accepted": [{**cfg.to_dict(), "sram_bytes": need} for cfg, need in p.accepted],
+                "rejected": [{**cfg.to_dict(), "sram_bytes": need, "reason": why} for cfg, need, why in p.rejected],
+            }
+            for p in plans
+        ]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
+        return 0
+    for p in plans:
+        print(
+            f"{p.kernel} on {info.name} ({info.smem_per_block:,} B shared memory per block), "
+            f"head_dim {p.head_dim}, {args.dtype}: {len(p.accepted)} accepted, {len(p.rejected)} rejected"
+        )
+        print(f"  {'block_m':>7} {'block_n':>7} {'warps':>5} {'stages':>6} {'SRAM (B)':>10}")
+        for cfg, need in sorted(p.accepted, key=lambda a: -a[1]):
+            print(f"  {cfg.block_m:>7} {cfg.block_n:>7} {cfg.num_warps:>5} {cfg.num_stages:>6} {need:>10,}")
+        print("  rejected:")
+        for cfg, _need, why in p.rejected:
+            print(f"  {cfg.block_m:>7} {cfg.block_n:>7} {cfg.num_warps:>5} {cfg.num_stages:>6}  {why}")
+    return 0
+
+
+def _cmd_codegen(args: argparse.Namespace) -> int:
+    from . import codegen
+    from .types import Variant
+
+    variant = Variant(causal=args.causal, even_m=not args.ragged, even_n=not args.ragged, dot_fp32=args.interpret)
+    print(codegen.render(args.template, variant), end="")
+    return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    device_name = _resolve_device(args.device)
+    import datetime
+
+    import torch
+    import triton
+
+    from . import bench, codegen, planner, runtime, selection, selfcheck, store, tuner
+
+    info = selection.device_info(device_name)
+    if device_name == "cpu":
+        print(
+            "note: CPU timings (Triton's interpreter) say nothing about GPU speed; this run only exercises the "
+            "pipeline on tiny shapes."
+        )
+    dtype = getattr(torch, DTYPES[args.dtype])
+    kernels = {"fwd": ["fwd"], "bwd": ["bwd_dkdv", "bwd_dq"], "all": list(planner.KERNELS)}[args.kernel]
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    seqlens = tuple(int(n) for n in args.seqlens.split(","))
+    if device_name == "cpu":
+        seqlens = tuple(min(n, 64) for n in seqlens[:2])
+    config_dir = Path(args.config_dir) if args.config_dir else store.user_config_dir()
+    rows = []
+    for kernel in kernels:
+        for causal in causals:
+            space, default = None, None
+            if device_name == "cpu":
+                default = planner.INTERPRETER_CONFIG  # a few small tiles: the interpreter's time grows with the grid
+                space = [
+                    planner.INTERPRETER_CONFIG,
+                    *(planner.KernelConfig(m, n, 4, 1) for m in (16, 64) for n in (16, 64)),
+                ]
+            else:
+                candidates = [c for c, _ in planner.plan(info, args.head_dim, dtype, kernel).accepted]
+                print(f"{kernel} causal={causal}: compiling {len(candidates)} candidates in parallel ...", flush=True)
+                failures = bench.precompile(
+                    kernel, args.head_dim, dtype, causal, candidates, seqlens=seqlens, device=device_name
+                )
+                space = [c for c in candidates if c not in failures]
+            measure = bench.make_measure(
+                kernel,
+                args.head_dim,
+                dtype,
+                causal,
+                seqlens=seqlens,
+                device=device_name,
+                tokens=args.tokens if device_name != "cpu" else 64,
+                width=2048 if device_name != "cpu" else 2 * args.head_dim,
+            )
+            shape = (1, 2, 1, 70, 70, args.head_dim) if device_name == "cpu" else (2, 8, 2, 1000, 1000, args.head_dim)
+
+            def verify(cfg, kernel=kernel, causal=causal, shape=shape):
+                if kernel == "fwd":
+                    r = selfcheck.check_forward(shape, dtype=dtype, causal=causal, device=device_name, config=cfg)
+                    return None if r.passed else f"relative error {r.rel_err:.1e}"
+                key = "dkdv_config" if kernel == "bwd_dkdv" else "dq_config"
+                err = selfcheck.check_backward(shape, dtype=dtype, causal=causal, device=device_name, **{key: cfg})
+                return None if err <= 2 * selfcheck.REL_TOLERANCE[dtype] else f"gradient relative error {err:.1e}"
+
+            def progress(done, total, best_ms, elapsed, kernel=kernel, causal=causal):
+                print(
+                    f"\r  {kernel} causal={causal}: trial {done}/{total}  best {best_ms:.3f} ms  {elapsed:.0f} s",
+                    end="",
+                    flush=True,
+                )
+
+            result = tuner.tune(
+                device=info,
+                kernel=kernel,
+                head_dim=args.head_dim,
+                dtype=dtype,
+                causal=causal,
+                measure=measure,
+                trials=args.trials,
+                timeout_s=args.timeout,
+                space=space,
+                storage=args.storage,
+                verify=verify,
+                default=default,
+                on_trial=progress,
+            )
+            print()
+            flops = (
+                sum(
+                    bench.attention_flops(
+                        max(1, args.tokens // n),
+                        max(1, 2048 // args.head_dim),
+                        n,
+                        n,
+                        args.head_dim,
+                        causal=causal,
+                        mode="fwd" if kernel == "fwd" else "bwd",
+                    )
+                    for n in seqlens
+                )
+                if device_name != "cpu"
+                else 0.0
+            )
+            tflops = lambda ms, flops=flops: round(flops / (ms * 1e-3) / 1e12, 1) if ms and flops else None
+            entry = store.Entry(
+                key=store.EntryKey(head_dim=args.head_dim, dtype=args.dtype, causal=causal, kernel=kernel),
+                config=result.best,
+                ms=round(result.best_ms, 4),
+                tflops=tflops(result.best_ms),
+                baseline={
+                    "name": "planner-default",
+                    "config": result.default.to_dict(),
+                    "ms": result.default_ms,
+                    "tflops": tflops(result.default_ms),
+                },
+                trials=result.measured,
+                spread=0.0,
+                triton_version=triton.__version__,
+                torch_version=str(torch.__version__),
+                template_hash=codegen.template_hash(),
+                date=datetime.date.today().isoformat(),
+            )
+            store.write_entries(config_dir / f"{info.slug}.yaml", _device_summary(info), [entry])
+            rows.append((kernel, causal, result, tflops))
+    runtime.clear_cache()
+    print(f"\nwrote {config_dir / (info.slug + '.yaml')}")
+    print(
+        f"{'kernel':>9} {'causal':>6} {'winner':>22} {'ms':>8} {'default ms':>10} {'median ms':>9} {'trials':>6} "
+        f"{'2% at':>5} {'wall s':>6}"
+    )
+    for kernel, causal, r, _ in rows:
+        w = f"{r.best.block_m}x{r.best.block_n} w{r.best.num_warps} s{r.best.num_stages}"
+        print(
+            f"{kernel:>9} {causal!s:>6} {w:>22} {r.best_ms:>8.3f} {r.default_ms or float('nan'):>10.3f} "
+            f"{r.median_ms:>9.3f} {r.measured:>6} {r.within_2pct_at or '-':>5} {r.wall_s:>6.0f}"
+        )
+    return 0
+
+
+def _device_summary(info) -> dict:
+    return {
+        "name": info.name,
+        "slug": info.slug,
+        "capability": list(info.capability),
+        "sm_count": info.sm_count,
+        "smem_per_block": info.smem_per_block,
+    }
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import runtime, selection, store
+
+    if args.gpu:
+        info = _device_info(args)
+        slug = info.slug
+    else:
+        device_name = _resolve_device(args.device)
+        slug = selection.device_info(device_name).slug
+    rows = []
+    seen = set()
+    for directory in store.config_dirs():
+        path = directory / f"{slug}.yaml"
+        if not path.is_file():
+            continue
+        try:
+            _, entries = store.read_file(path)
+        except Exception as exc:  # show says why a file is ignored instead of failing
+            rows.append({"file": str(path), "error": str(exc)})
+            continue
+        for e in entries:
+            shadowed = e.key in seen
+            seen.add(e.key)
+            rows.append(
+                {
+                    "file": str(path),
+                    **{k: v for k, v in e.key.__dict__.items()},
+                    "config": e.config.to_dict(),
+                    "tflops": e.tflops,
+                    "used": not shadowed,
+                }
+            )
+    if not args.gpu:  # what the runtime resolves now, including planner defaults
+        for head_dim in sorted({r["head_dim"] for r in rows if "head_dim" in r} | {64, 128}):
+            for causal in (False, True):
+                k = runtime.get_kernel(head_dim, device=device_name, dtype=torch.bfloat16, causal=causal)
+                rows.append(
+                    {
+                        "resolved": True,
+                        "head_dim": head_dim,
+                        "dtype": "bf16",
+                        "causal": causal,
+                        "fwd": k.config.to_dict(),
+                        "source": k.source,
+                        "bwd_dkdv": k.bwd_dkdv_config.to_dict(),
+                        "bwd_dq": k.bwd_dq_config.to_dict(),
+                        "bwd_source": k.bwd_source,
+                    }
+                )
+    if args.json:
+        print(json.dumps({"slug": slug, "search_path": [str(d) for d in store.config_dirs()], "rows": rows}, indent=2))
+        return 0
+    print(f"tuned configs for {slug}; search path: " + " -> ".join(str(d) for d in store.config_dirs()))
+    for r in rows:
+        print("  " + ", ".join(f"{k}={v}" for k, v in r.items()))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,12 +347,73 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--device", default="cuda:0", help="cuda[:N], or cpu for Triton's interpreter")
     check.add_argument("--dtype", default="bf16,fp16", help=f"comma-separated, from {sorted(DTYPES)}")
     check.set_defaults(func=_cmd_check)
+
+    inspect = sub.add_parser("inspect", help="what the GPU offers: SMs, shared memory, registers, L2")
+    inspect.add_argument("--device", default="cuda:0")
+    inspect.add_argument("--gpu", default=None, help="a known GPU instead of the card (see `fa2tune plan --help`)")
+    inspect.add_argument("--json", action="store_true")
+    inspect.set_defaults(func=_cmd_inspect)
+
+    plan = sub.add_parser("plan", help="which block configs fit the GPU's shared memory and registers, and why not")
+    plan.add_argument("--head-dim", type=_head_dim, required=True)
+    where = plan.add_mutually_exclusive_group()
+    where.add_argument("--device", default="cuda:0")
+    where.add_argument("--gpu", default=None, help="plan without the card: one of " + ", ".join(_known_gpus()))
+    plan.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    plan.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "bwd_dkdv", "bwd_dq"])
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=_cmd_plan)
+
+    tune = sub.add_parser("tune", help="time candidate configs with Optuna and store the fastest as YAML")
+    tune.add_argument("--device", default="cuda:0", help="cuda[:N], or cpu to exercise the pipeline (no speed)")
+    tune.add_argument("--head-dim", type=_head_dim, required=True)
+    tune.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    tune.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    tune.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "all"])
+    tune.add_argument("--seqlens", default="1024,4096,16384", help="tuning lengths, at batch·N = --tokens")
+    tune.add_argument("--tokens", type=int, default=16384)
+    tune.add_argument("--trials", type=int, default=40, help="configs measured per study")
+    tune.add_argument("--timeout", type=float, default=None, help="seconds per study")
+    tune.add_argument("--storage", default=None, help="Optuna storage URL shared by workers (sqlite:///t.db, ...)")
+    tune.add_argument("--config-dir", default=None, help="where to write <gpu>.yaml (default: the user cache dir)")
+    tune.set_defaults(func=_cmd_tune)
+
+    show = sub.add_parser("show", help="which configs the runtime uses, and from which file")
+    show.add_argument("--device", default="cuda:0")
+    show.add_argument("--gpu", default=None, help="list the stored entries for a known GPU without the card")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(func=_cmd_show)
+
+    gen = sub.add_parser("codegen", help="print the generated Triton source of one template variant")
+    gen.add_argument("--template", default="fwd", choices=["fwd", "bwd"])
+    gen.add_argument("--causal", action="store_true")
+    gen.add_argument("--ragged", action="store_true", help="lengths that are not multiples of the blocks")
+    gen.add_argument("--interpret", action="store_true", help="the variant used under TRITON_INTERPRET=1")
+    gen.set_defaults(func=_cmd_codegen)
     return parser
+
+
+def _known_gpus() -> list[str]:
+    from .device import KNOWN_GPUS
+
+    return sorted(KNOWN_GPUS)
+
+
+def _head_dim(text: str) -> int:
+    from .planner import MAX_HEAD_DIM
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..{MAX_HEAD_DIM}, got {text!r}") from None
+    if not 1 <= value <= MAX_HEAD_DIM:
+        raise argparse.ArgumentTypeError(f"must be in 1..{MAX_HEAD_DIM}, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "dtype", None):
+    if args.command == "check":
         bad = [d for d in args.dtype.split(",") if d not in DTYPES]
         if bad:
             print(f"fa2tune: --dtype must be from {sorted(DTYPES)}, got {bad}", file=sys.stderr)

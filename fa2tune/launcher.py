@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import codegen, planner
+from . import codegen, planner, selection
 from .inputs import _interpreting, check_flag, check_qkv, check_scale
 from .types import KernelConfig, Variant
 
@@ -40,7 +40,7 @@ def _kernel(template: str, name: str, causal: bool, seqlen_q: int, seqlen_k: int
 def _config(config: KernelConfig | None, kernel: str, q: torch.Tensor, causal: bool) -> KernelConfig:
     if config is not None:
         return config
-    return planner.default_config(q.shape[-1], q.dtype, causal=causal, kernel=kernel, interpret=_interpreting())
+    return selection.resolve(kernel, q.shape[-1], q.dtype, causal, q.device)[0]
 
 
 def forward(

@@ -1,17 +1,41 @@
-"""Which kernel configs to use. For now: the single place that picks the default config of each kernel.
+"""Which kernel configs fit a GPU, and which one to use before tuning. Constraints live here and nowhere else.
 
-The SRAM-budget model, candidate enumeration and compiler cross-check grow here (issue 4); every other
-module asks this one and never hard-codes block sizes.
+The SRAM model. The seed's rule budgets one Q tile, one K tile and the score tile in SRAM:
+    B_r·d + B_c·d + B_r·B_c ≲ SRAM   (elements).
+What Triton actually places in shared memory (checked against the compiler: docs/PLANNER.md) differs in two ways:
+  * the K/V loop is software-pipelined: with num_stages = S ≥ 2 there are S buffers of K_j *and* of V_j in flight
+    (S = 1: one buffer, reused for K_j then V_j), so stages multiply the K/V term — the term that decides fit;
+  * S_ij and P_ij never touch shared memory: the QKᵀ accumulator is in registers and P feeds P·V from registers.
+So, in bytes (e = bytes per element, d = head dim padded to a power of two ≥ 16):
+    fwd       e·d·(B_r + kv·B_c)                         kv = 2·S (S ≥ 2) or 1 (S = 1)
+    bwd_dkdv  e·d·(2·B_c + 2·S·B_r) + 8·S·B_r            K_j, V_j owned; Q_i, dO_i, lse, δ streamed
+    bwd_dq    e·d·(2·B_r + 2·S·B_c)                      Q_i, dO_i owned; K_j, V_j streamed
+and a config fits when that is ≤ the device's opt-in shared memory per block (Triton's OutOfResources test).
+
+The seed's B_r·B_c term moves to the register file, with the other fp32 accumulators of each kernel:
+    fwd       B_r·(d + B_c)          Õ_i and S_ij
+    bwd_dkdv  B_c·(2·d + 2·B_r)      dK_j, dV_j, P_ijᵀ and dP_ijᵀ
+    bwd_dq    B_r·(d + 2·B_c)        dQ_i, P_ij and dP_ij
+spread over 32·num_warps threads. A thread has at most 255 registers; at 256 accumulator values per thread or
+more every H200 sweep collapsed (2–4× slower: spills to local memory), so check() rejects those too — they
+compile, but are never worth timing.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+from dataclasses import dataclass
+
 import torch
 
-from .types import KernelConfig
+from .types import DeviceInfo, KernelConfig
 
 MAX_HEAD_DIM = 256
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+NUM_WARPS = (4, 8)
+NUM_STAGES = (1, 2, 3, 4, 5)
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -19,47 +43,187 @@ def head_dim_padded(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def default_config(
-    head_dim: int, dtype: torch.dtype, *, causal: bool = False, kernel: str = "fwd", interpret: bool = False
-) -> KernelConfig:
-    """The config used before any tuning.
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
 
-    The GPU picks are the fastest of a 54-config sweep on the H200 (bf16, N=8k; docs/bench/
-    nvidia-h200-sweep-fwd-v1.csv, scripts/sweep_fwd.py); they also run everywhere the sweep ran.
+
+def seed_rule_bytes(cfg: KernelConfig, head_dim: int, dtype: torch.dtype) -> int:
+    """The seed's budget, (B_r·d + B_c·d + B_r·B_c) elements, in bytes: no stages, no V tile."""
+    e, d = dtype.itemsize, head_dim_padded(head_dim)
+    return e * (cfg.block_m * d + cfg.block_n * d + cfg.block_m * cfg.block_n)
+
+
+def sram_bytes(cfg: KernelConfig, head_dim: int, dtype: torch.dtype, kernel: str = "fwd") -> int:
+    """Predicted shared memory of one program of `kernel` with `cfg`, in bytes (see the module docstring)."""
+    _check_kernel(kernel)
+    e, d, s = dtype.itemsize, head_dim_padded(head_dim), cfg.num_stages
+    if kernel == "fwd":
+        kv_buffers = 2 * s if s >= 2 else 1
+        return e * d * (cfg.block_m + kv_buffers * cfg.block_n)
+    if kernel == "bwd_dkdv":
+        return e * d * (2 * cfg.block_n + 2 * s * cfg.block_m) + 8 * s * cfg.block_m
+    return e * d * (2 * cfg.block_m + 2 * s * cfg.block_n)
+
+
+MAX_ACCUMULATORS_PER_THREAD = 255
+
+
+def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd") -> float:
+    """fp32 accumulator values each thread holds (see the module docstring)."""
+    _check_kernel(kernel)
+    d, m, n = head_dim_padded(head_dim), cfg.block_m, cfg.block_n
+    values = {"fwd": m * (d + n), "bwd_dkdv": n * (2 * d + 2 * m), "bwd_dq": m * (d + 2 * n)}[kernel]
+    return values / (32 * cfg.num_warps)
+
+
+def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dtype, kernel: str = "fwd") -> str | None:
+    """Returns why `cfg` should not run `kernel` on `device` (does not fit, or would spill), or None."""
+    _check_kernel(kernel)
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        return f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}"
+    need = sram_bytes(cfg, head_dim, dtype, kernel)
+    if need > device.smem_per_block:
+        return (
+            f"shared memory: needs {need:,} B (model: {_model_terms(cfg, kernel)}), "
+            f"{device.name} allows {device.smem_per_block:,} B per block"
+        )
+    regs = accumulators_per_thread(cfg, head_dim, kernel)
+    if regs > MAX_ACCUMULATORS_PER_THREAD:
+        return (
+            f"registers: {regs:.0f} fp32 accumulator values per thread over {32 * cfg.num_warps} threads "
+            f"(limit {MAX_ACCUMULATORS_PER_THREAD}): would spill"
+        )
+    return None
+
+
+def _model_terms(cfg: KernelConfig, kernel: str) -> str:
+    s = cfg.num_stages
+    if kernel == "fwd":
+        kv = f"{2 * s}×K/V" if s >= 2 else "1×K/V"
+        return f"Q {cfg.block_m}×d + {kv} {cfg.block_n}×d"
+    if kernel == "bwd_dkdv":
+        return f"K,V {cfg.block_n}×d + {s}×(Q,dO) {cfg.block_m}×d"
+    return f"Q,dO {cfg.block_m}×d + {s}×(K,V) {cfg.block_n}×d"
+
+
+def candidates() -> list[KernelConfig]:
+    """The search space: block_m, block_n in {16..256}, num_warps in {4, 8}, num_stages in {1..5}."""
+    grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES)
+    return [KernelConfig(m, n, w, s) for m, n, w, s in grid]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every candidate of one kernel on one device: those that fit (with their predicted bytes), and the rest."""
+
+    device: DeviceInfo
+    kernel: str
+    head_dim: int
+    dtype: torch.dtype
+    accepted: tuple[tuple[KernelConfig, int], ...]
+    rejected: tuple[tuple[KernelConfig, int, str], ...]
+
+
+def plan(device: DeviceInfo, head_dim: int, dtype: torch.dtype, kernel: str = "fwd") -> Plan:
+    """Splits candidates() into accepted and rejected (with reasons) for one kernel on one device."""
+    accepted, rejected = [], []
+    for cfg in candidates():
+        reason = check(cfg, device, head_dim, dtype, kernel)
+        need = sram_bytes(cfg, head_dim, dtype, kernel)
+        if reason is None:
+            accepted.append((cfg, need))
+        else:
+            rejected.append((cfg, need, reason))
+    return Plan(device, kernel, head_dim, dtype, tuple(accepted), tuple(rejected))
+
+
+# Fastest configs measured on the H200 (bf16, N=8k; docs/PERF.md, docs/bench/nvidia-h200-sweep-*.csv), tried
+# first on any GPU; a GPU with less shared memory falls through to the largest tile that fits.
+_PREFERRED: dict[tuple[str, int, bool], list[KernelConfig]] = {
+    ("fwd", 64, False): [KernelConfig(128, 64, 8, 3)],
+    ("fwd", 64, True): [KernelConfig(128, 64, 8, 3)],
+    ("fwd", 128, False): [KernelConfig(256, 64, 8, 4)],
+    ("fwd", 128, True): [KernelConfig(128, 128, 8, 3)],
+    ("bwd_dkdv", 64, False): [KernelConfig(32, 128, 4, 3)],
+    ("bwd_dkdv", 128, False): [KernelConfig(32, 64, 4, 3)],
+    ("bwd_dq", 64, False): [KernelConfig(128, 64, 4, 3)],
+    ("bwd_dq", 128, False): [KernelConfig(128, 64, 8, 3)],
+}
+# Without a measurement: moderate tiles first (they ran within 10 % of the best in every H200 sweep), then smaller.
+_FALLBACK = {
+    "fwd": [
+        KernelConfig(128, 64, 8, 3),
+        KernelConfig(128, 64, 4, 2),
+        KernelConfig(64, 64, 4, 2),
+        KernelConfig(64, 32, 4, 2),
+        KernelConfig(32, 32, 4, 2),
+        KernelConfig(16, 16, 4, 1),
+    ],
+    "bwd_dkdv": [
+        KernelConfig(32, 64, 4, 3),
+        KernelConfig(32, 64, 4, 2),
+        KernelConfig(32, 32, 4, 2),
+        KernelConfig(16, 32, 4, 2),
+        KernelConfig(16, 16, 4, 1),
+    ],
+    "bwd_dq": [
+        KernelConfig(128, 64, 8, 3),
+        KernelConfig(64, 64, 4, 2),
+        KernelConfig(64, 32, 4, 2),
+        KernelConfig(32, 32, 4, 2),
+        KernelConfig(16, 16, 4, 1),
+    ],
+}
+INTERPRETER_CONFIG = KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+
+
+@functools.cache
+def _current_device(index: int) -> DeviceInfo:
+    from .device import inspect
+
+    return inspect(f"cuda:{index}")
+
+
+def default_config(
+    head_dim: int,
+    dtype: torch.dtype,
+    *,
+    causal: bool = False,
+    kernel: str = "fwd",
+    device: DeviceInfo | None = None,
+    interpret: bool = False,
+) -> KernelConfig:
+    """The config used before any tuning: the H200's measured best where it fits the device, else the largest
+    moderate tile that does.
 
     Args:
         head_dim: per-head dimension d (1..256).
         dtype: element type of q/k/v.
-        causal: causal masking; the best d=128 tile differs with it.
+        causal: causal masking (the best d=128 forward tile differs with it).
         kernel: "fwd", "bwd_dkdv" (one program per K/V tile: block_n rows owned, block_m Q rows streamed) or
             "bwd_dq" (one program per Q tile: block_m rows owned, block_n K/V rows streamed).
+        device: the GPU to fit; default: the current CUDA device, else the H200 table entry.
         interpret: True under TRITON_INTERPRET=1, where small tiles keep the CPU interpreter quick and let
             tests cross many tile boundaries at small sequence lengths.
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    _check_kernel(kernel)
     if interpret:
-        return KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+        return INTERPRETER_CONFIG
+    if device is None:
+        if torch.cuda.is_available():
+            device = _current_device(torch.cuda.current_device())
+        else:
+            from .device import known_gpu
+
+            device = known_gpu("h200")
     d = head_dim_padded(head_dim)
-    if kernel != "fwd":
-        return _default_bwd_config(d, dtype, kernel)
-    if dtype == torch.float32:  # 4-byte elements: half the tile fits in the same shared memory
-        return KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-    if d <= 64:
-        return KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)  # 440 / 408 causal
-    if d <= 128:
-        if causal:
-            return KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3)  # 455
-        return KernelConfig(block_m=256, block_n=64, num_warps=8, num_stages=4)  # 527
-    return KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
-
-
-def _default_bwd_config(d: int, dtype: torch.dtype, kernel: str) -> KernelConfig:
-    # Each backward program holds two fp32 accumulators' worth of state (dK and dV, or dQ with Q and dO), so
-    # tiles are smaller than the forward's. The owned tile is the wider side; the streamed side stays at 32-64.
-    if dtype == torch.float32 or d > 128:
-        return KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
-    if kernel == "bwd_dkdv":  # fastest of 24 in docs/bench/nvidia-h200-sweep-bwd_dkdv-v1.csv (N=8k, bf16)
-        return KernelConfig(block_m=32, block_n=128 if d <= 64 else 64, num_warps=4, num_stages=3)
-    # bwd_dq: fastest over causal and not of 16 in docs/bench/nvidia-h200-sweep-bwd_dq-v1.csv (N=8k, bf16)
-    return KernelConfig(block_m=128, block_n=64, num_warps=4 if d <= 64 else 8, num_stages=3)
+    key = (kernel, d, causal if kernel == "fwd" else False)
+    preferred = _PREFERRED.get(key, []) if dtype != torch.float32 else []
+    for cfg in preferred + _FALLBACK[kernel]:
+        if check(cfg, device, head_dim, dtype, kernel) is None:
+            return cfg
+    raise ValueError(
+        f"no {kernel} config fits {device.name} ({device.smem_per_block:,} B shared memory per block) "
+        f"for head_dim {head_dim} {dtype}"
+    )

@@ -57,3 +57,35 @@ def check_forward(
     lse_rel = ((lse.double() - ref_lse)[finite].norm() / ref_lse[finite].norm().clamp_min(1e-30)).item()
     passed = rel <= REL_TOLERANCE[dtype] and lse_rel <= 1e-5 and lse_ok  # NaN compares False: fails
     return CheckResult(shape, dtype, causal, rel, lse_rel if lse_ok else float("inf"), passed)
+
+
+def check_backward(
+    shape: tuple[int, int, int, int, int, int],
+    *,
+    dtype: torch.dtype,
+    causal: bool,
+    device: str | torch.device,
+    dkdv_config: KernelConfig | None = None,
+    dq_config: KernelConfig | None = None,
+    seed: int = 0,
+) -> float:
+    """Worst relative error (‖g − ref‖ / max(‖ref‖, ‖dO‖)) of dq, dk, dv against float64 autograd."""
+    from .launcher import backward
+
+    batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = shape
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(batch, heads_q, seqlen_q, head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(batch, heads_kv, seqlen_k, head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(batch, heads_kv, seqlen_k, head_dim, generator=gen).to(device, dtype)
+    do = torch.randn(batch, heads_q, seqlen_q, head_dim, generator=gen).to(device, dtype)
+    scale = head_dim**-0.5
+    o, lse = forward(q, k, v, causal=causal, scale=scale)
+    grads = backward(do, q, k, v, o, lse, causal=causal, scale=scale, dkdv_config=dkdv_config, dq_config=dq_config)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_o, _ = naive_attention(*leaves, causal=causal, scale=scale)
+    refs = torch.autograd.grad(ref_o, leaves, do.double())
+    worst = 0.0
+    for g, ref in zip(grads, refs, strict=True):
+        err = ((g.double() - ref).norm() / max(ref.norm().item(), do.double().norm().item())).item()
+        worst = max(worst, err if err == err else float("inf"))
+    return worst

@@ -60,3 +60,38 @@ class Variant:
     even_m: bool
     even_n: bool
     dot_fp32: bool = False
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What a GPU offers the kernels, read from the card (device.inspect) or the known-GPU table.
+
+    Attributes:
+        name: marketing name, e.g. "NVIDIA H200".
+        slug: file-name-safe key for tuned configs, e.g. "nvidia-h200".
+        capability: CUDA compute capability (major, minor).
+        sm_count: streaming multiprocessors.
+        smem_per_block: largest shared memory one program may opt in to, bytes (Triton's OutOfResources limit).
+        smem_per_sm: shared memory per SM, bytes (how many programs fit side by side).
+        regs_per_sm: 32-bit registers per SM.
+        l2_bytes: L2 cache size, bytes.
+        source: "card" when read from the device, else where the figures came from.
+        triton_version, torch_version: the software the reading was made with ("" for table entries).
+    """
+
+    name: str
+    slug: str
+    capability: tuple[int, int]
+    sm_count: int
+    smem_per_block: int
+    smem_per_sm: int
+    regs_per_sm: int
+    l2_bytes: int
+    source: str = "card"
+    triton_version: str = ""
+    torch_version: str = ""
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["capability"] = list(self.capability)
+        return data

@@ -71,9 +71,16 @@ def _measure(providers, mode, head_dim, seqlen, causal, tokens, width) -> list[d
             err, tflops = float("nan"), float("nan")
             print(f"{name} {mode} d={head_dim} N={seqlen} causal={causal}: {str(exc).splitlines()[0]}")
         rows.append(
-            dict(provider=name, head_dim=head_dim, seqlen=seqlen, causal=causal, mode=mode,
-                 tflops=round(tflops, 1), rel_err_vs_flash=f"{err:.1e}")
-        )  # fmt: skip
+            dict(
+                provider=name,
+                head_dim=head_dim,
+                seqlen=seqlen,
+                causal=causal,
+                mode=mode,
+                tflops=round(tflops, 1),
+                rel_err_vs_flash=f"{err:.1e}",
+            )
+        )
     return rows
 
 

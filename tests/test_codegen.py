@@ -85,10 +85,22 @@ def test_non_editable_install_renders_templates(tmp_path):
     # The templates live at the top of the repo; a wheel must carry them inside the package.
     target = tmp_path / "site"
     install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
-         str(ROOT)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stdout + install.stderr
     probe = (
         "import fa2tune.codegen as c, fa2tune.types as t; "
@@ -97,7 +109,11 @@ def test_non_editable_install_renders_templates(tmp_path):
     )
     out = subprocess.run(
         [sys.executable, "-c", probe],
-        cwd=tmp_path, env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
-        check=True, capture_output=True, text=True, timeout=300,
-    ).stdout.split()  # fmt: skip
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    ).stdout.split()
     assert Path(out[0]).is_relative_to(target) and out[1] == "True"

@@ -40,3 +40,14 @@ def test_offsets_past_two_to_the_31_elements():
     tail = slice(batch - 2, batch)
     ref, _ = naive_attention(q[tail].double(), k[tail].double(), v[tail].double(), causal=True)
     assert_close(o[tail], ref, torch.bfloat16)
+
+
+def test_inspect_reads_the_card():
+    from fa2tune import device, planner
+
+    info = device.inspect("cuda:0")
+    props = torch.cuda.get_device_properties(0)
+    assert info.name == props.name and info.sm_count == props.multi_processor_count
+    assert info.smem_per_block >= 48 * 1024 and info.source == "card" and info.triton_version
+    cfg = planner.default_config(128, torch.bfloat16, device=info)
+    assert planner.check(cfg, info, 128, torch.bfloat16) is None

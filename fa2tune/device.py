@@ -1,0 +1,93 @@
+"""What the GPU has: read from the card (inspect), or from a table of known GPUs for planning without one."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from .types import DeviceInfo
+
+_KIB = 1024
+_MIB = 1024 * 1024
+
+
+def slugify(name: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200'; 'NVIDIA A100-SXM4-80GB' -> 'nvidia-a100-sxm4-80gb'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _known(name: str, cc: tuple[int, int], sms: int, smem_block_kib: int, smem_sm_kib: int, l2_mib: float, doc: str):
+    return DeviceInfo(
+        name=name,
+        slug=slugify(name),
+        capability=cc,
+        sm_count=sms,
+        smem_per_block=smem_block_kib * _KIB,
+        smem_per_sm=smem_sm_kib * _KIB,
+        regs_per_sm=65536,
+        l2_bytes=int(l2_mib * _MIB),
+        source=doc,
+    )
+
+
+# Figures from NVIDIA's CUDA C++ Programming Guide (shared memory per SM / per block opt-in by compute capability:
+# 8.0: 164/163 KiB, 8.6 and 8.9: 100/99 KiB, 9.0: 228/227 KiB; 64K registers per SM) and each product's
+# datasheet or architecture whitepaper (SM count, L2). The H200 row's SM count and limits were also read off the
+# card here (docs/PERF.md).
+_GUIDE = "CUDA C++ Programming Guide (compute capabilities) + product datasheet"
+KNOWN_GPUS: dict[str, DeviceInfo] = {
+    "a100-40gb": _known("NVIDIA A100-SXM4-40GB", (8, 0), 108, 163, 164, 40, _GUIDE),
+    "a100-80gb": _known("NVIDIA A100-SXM4-80GB", (8, 0), 108, 163, 164, 40, _GUIDE),
+    "h100-sxm": _known("NVIDIA H100 80GB HBM3", (9, 0), 132, 227, 228, 50, _GUIDE),
+    "h100-pcie": _known("NVIDIA H100 PCIe", (9, 0), 114, 227, 228, 50, _GUIDE),
+    "h200": _known("NVIDIA H200", (9, 0), 132, 227, 228, 60, _GUIDE + "; read off the card"),
+    "l4": _known("NVIDIA L4", (8, 9), 58, 99, 100, 48, _GUIDE),
+    "l40s": _known("NVIDIA L40S", (8, 9), 142, 99, 100, 96, _GUIDE),
+    "a10g": _known("NVIDIA A10G", (8, 6), 80, 99, 100, 6, _GUIDE),
+    "rtx-3090": _known("NVIDIA GeForce RTX 3090", (8, 6), 82, 99, 100, 6, _GUIDE),
+    "rtx-4090": _known("NVIDIA GeForce RTX 4090", (8, 9), 128, 99, 100, 72, _GUIDE),
+}
+
+
+def known_gpu(name: str) -> DeviceInfo:
+    """Looks up the table by key ('h200') or slug ('nvidia-h200'); unknown names list the choices."""
+    key = name.lower()
+    if key in KNOWN_GPUS:
+        return KNOWN_GPUS[key]
+    for info in KNOWN_GPUS.values():
+        if info.slug == key:
+            return info
+    raise ValueError(f"unknown GPU {name!r}; known GPUs: {', '.join(sorted(KNOWN_GPUS))}")
+
+
+def inspect(device: str | torch.device = "cuda:0") -> DeviceInfo:
+    """Reads a CUDA device's properties.
+
+    Raises:
+        RuntimeError: no CUDA device is visible, or the index does not exist.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device such as 'cuda:0', got {str(device)!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device is visible (torch.cuda.is_available() is False)")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        raise RuntimeError(f"device cuda:{index} does not exist; {torch.cuda.device_count()} CUDA device(s) visible")
+    props = torch.cuda.get_device_properties(index)
+    import triton  # only here: importing fa2tune must not import triton (see launcher)
+
+    return DeviceInfo(
+        name=props.name,
+        slug=slugify(props.name),
+        capability=(props.major, props.minor),
+        sm_count=props.multi_processor_count,
+        smem_per_block=int(getattr(props, "shared_memory_per_block_optin", 0)),
+        smem_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 0)),
+        regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536)),
+        l2_bytes=int(getattr(props, "L2_cache_size", 0)),
+        source="card",
+        triton_version=triton.__version__,
+        torch_version=str(torch.__version__),
+    )

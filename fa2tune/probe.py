@@ -1,0 +1,111 @@
+"""Compiles one kernel config ahead of time for a target GPU and reports what Triton allocated.
+
+Triton compiles for a named target without the card being present (its ptxas ships with it), so the shared
+memory a config needs — `CompiledKernel.metadata.shared` — can be read on any machine. Triton raises
+OutOfResources only when it loads a kernel whose `shared` exceeds the card's opt-in limit; `fits` applies that
+same test against a DeviceInfo. This is how planner.sram_bytes is checked (scripts/check_planner.py).
+
+Arguments are specialised as Triton's JIT would for a typical call (16-byte-aligned pointers and strides that
+are multiples of 16 get `tt.divisibility=16`; an int equal to 1 becomes a constant), so the compile matches what
+a real launch builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import codegen, planner
+from .types import KernelConfig, Variant
+
+_TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_KERNEL_NAMES = {
+    "fwd": ("fwd", "_attn_fwd"),
+    "bwd_dkdv": ("bwd", "_attn_bwd_dkdv"),
+    "bwd_dq": ("bwd", "_attn_bwd_dq"),
+}
+_TENSORS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
+_FP32_TENSORS = {"LSE", "DELTA"}
+_FLOATS = {"qk_scale", "scale"}
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What the compiler said about one config: the shared memory it allocated (bytes), or why it failed."""
+
+    shared_bytes: int | None
+    error: str | None = None
+
+
+def _example_ints(head_dim_pad: int, heads: int, group: int) -> dict[str, int]:
+    # A (batch, heads, 8192, d) contiguous layout: every stride a multiple of 16, as in real use.
+    seqlen = 8192
+    return {
+        "stride_b": heads * seqlen * head_dim_pad,
+        "stride_h": seqlen * head_dim_pad,
+        "stride_m": head_dim_pad,
+        "H_Q": heads,
+        "GROUP": group,
+    }
+
+
+def compile_config(
+    kernel: str,
+    config: KernelConfig,
+    head_dim: int,
+    dtype: torch.dtype,
+    *,
+    causal: bool = False,
+    capability: tuple[int, int] = (9, 0),
+) -> CompileReport:
+    """Compiles `kernel` ("fwd", "bwd_dkdv", "bwd_dq") with `config` for a CUDA target of this capability."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    template, name = _KERNEL_NAMES[kernel]
+    variant = Variant(causal=causal, even_m=True, even_n=True, dot_fp32=False)
+    fn = getattr(codegen.load(template, variant), name)
+    head_dim_pad = planner.head_dim_padded(head_dim)
+    ints = _example_ints(head_dim_pad, heads=16, group=1)
+    signature: dict[str, str] = {}
+    constexprs: dict[str, object] = {
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_PAD": head_dim_pad,
+        "BLOCK_M": config.block_m,
+        "BLOCK_N": config.block_n,
+        "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }
+    attrs: dict[tuple[int, ...], list] = {}
+    for index, arg in enumerate(fn.arg_names):
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+            continue
+        if arg in _TENSORS or arg in _FP32_TENSORS:
+            signature[arg] = "*" + ("fp32" if arg in _FP32_TENSORS else _TRITON_DTYPES[dtype])
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif arg in _FLOATS:
+            signature[arg] = "fp32"
+        elif arg in ("N_Q", "N_K"):
+            signature[arg] = "i32"  # do_not_specialize in the templates
+        else:
+            # stride_qm / stride_kn / ... are row strides; stride_*b and stride_*h batch and head strides.
+            axis = {"b": "stride_b", "h": "stride_h", "m": "stride_m", "n": "stride_m"}
+            value = ints[axis[arg[-1]]] if arg.startswith("stride_") else ints[arg]
+            if value == 1:
+                signature[arg] = "constexpr"
+                constexprs[arg] = 1
+            else:
+                signature[arg] = "i32"
+                if value % 16 == 0:
+                    attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    try:
+        compiled = triton.compile(
+            source, target=target, options={"num_warps": config.num_warps, "num_stages": config.num_stages}
+        )
+    except Exception as exc:  # failures are data: keep the reason
+        return CompileReport(None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}")
+    return CompileReport(int(compiled.metadata.shared))

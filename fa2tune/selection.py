@@ -1,0 +1,75 @@
+"""Which config one attention call launches with: the tuned entry from the store, else the planner's default.
+
+Resolved once per (kernel, head_dim, dtype, causal, device, config dir) and cached, so attention()'s hot path pays
+a dict lookup. A tuned entry that does not fit the device it is used on is ignored with one warning.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import codegen, planner, store
+from .inputs import _interpreting
+from .types import DeviceInfo, KernelConfig
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+# The Triton interpreter as a pseudo-device, so the tune → store → run pipeline also works on a CPU (for tests).
+INTERPRETER = DeviceInfo(
+    name="Triton interpreter (CPU)",
+    slug="cpu-interpreter",
+    capability=(0, 0),
+    sm_count=1,
+    smem_per_block=1 << 30,
+    smem_per_sm=1 << 30,
+    regs_per_sm=1 << 30,
+    l2_bytes=0,
+    source="interpreter",
+)
+
+_cache: dict[tuple, tuple[KernelConfig, str]] = {}
+
+
+def device_info(device: torch.device | str) -> DeviceInfo:
+    """The DeviceInfo for a tensor's device: the card's reading (cached), or the interpreter pseudo-device."""
+    device = torch.device(device)
+    if device.type == "cpu" or _interpreting():
+        return INTERPRETER
+    return planner._current_device(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def clear_cache() -> None:
+    """Forget resolved configs (after a tune wrote new entries, or the config directories changed)."""
+    _cache.clear()
+
+
+def resolve(
+    kernel: str, head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device | str
+) -> tuple[KernelConfig, str]:
+    """(config, source) for one kernel launch; source is "<file>" for a tuned entry, else "planner-default"."""
+    info = device_info(device)
+    cache_key = (kernel, head_dim, dtype, causal, info.slug, os.environ.get("FA2TUNE_CONFIG_DIR"))
+    hit = _cache.get(cache_key)
+    if hit is not None:
+        return hit
+    key = store.EntryKey(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=causal, kernel=kernel)
+    found = store.lookup(info.slug, key, template_hash=codegen.template_hash())
+    result = None
+    if found is not None:
+        entry, path = found
+        reason = planner.check(entry.config, info, head_dim, dtype, kernel)
+        if reason is None:
+            result = (entry.config, str(path))
+        else:
+            store._warn_once(f"fa2tune: tuned config {entry.config} in {path} does not fit {info.name}: {reason}")
+    if result is None:
+        if info is INTERPRETER:
+            result = (planner.INTERPRETER_CONFIG, "planner-default")
+        else:
+            cfg = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info)
+            result = (cfg, "planner-default")
+    _cache[cache_key] = result
+    return result

@@ -1,0 +1,197 @@
+"""Tuned configs on disk: one YAML file per GPU slug, read at run time, written by the tuner.
+
+File layout (schema 1)::
+
+    schema_version: 1
+    device: {name: NVIDIA H200, slug: nvidia-h200, capability: [9, 0], sm_count: 132, smem_per_block: 232448}
+    entries:
+    - key: {head_dim: 128, dtype: bf16, causal: false, kernel: fwd, seqlen_bucket: all}
+      config: {block_m: 256, block_n: 64, num_warps: 8, num_stages: 4}
+      ms: 2.16            # median over the tuning lengths
+      tflops: 509.3
+      baseline: {name: planner-default, config: {...}, tflops: 487.0}
+      trials: 40
+      spread: 0.012       # (p80 - p20) / median of the winner's timing
+      triton_version: 3.6.0
+      torch_version: 2.11.0
+      template_hash: 91230238baa34e9a
+      date: '2026-11-29'
+
+Writes are atomic (temporary file + rename) under an inter-process lock, and merge: an entry replaces only the
+entry with the same key. Reads never raise: a missing, unreadable, corrupt or stale file or entry is skipped with
+one warning per cause, and lookup moves on down the search path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from .types import KernelConfig
+
+SCHEMA_VERSION = 1
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+SEQLEN_BUCKETS = ("all",)  # one config for every length; finer buckets can be added without a schema change
+
+
+@dataclass(frozen=True)
+class EntryKey:
+    """What a tuned config is for."""
+
+    head_dim: int
+    dtype: str  # "bf16" | "fp16" | "fp32"
+    causal: bool
+    kernel: str  # "fwd" | "bwd_dkdv" | "bwd_dq"
+    seqlen_bucket: str = "all"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tuned result."""
+
+    key: EntryKey
+    config: KernelConfig
+    ms: float
+    tflops: float
+    baseline: dict
+    trials: int
+    spread: float
+    triton_version: str
+    torch_version: str
+    template_hash: str
+    date: str
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["config"] = self.config.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Entry:
+        fields = dict(data)
+        fields["key"] = EntryKey(**fields["key"])
+        fields["config"] = KernelConfig.from_dict(fields["config"])
+        return cls(**fields)
+
+
+def config_dirs() -> list[Path]:
+    """Where lookup searches, in order: $FA2TUNE_CONFIG_DIR, the user cache dir, the shipped tuned_configs/."""
+    dirs = []
+    if os.environ.get("FA2TUNE_CONFIG_DIR"):
+        dirs.append(Path(os.environ["FA2TUNE_CONFIG_DIR"]))
+    dirs.append(user_config_dir())
+    dirs.append(shipped_config_dir())
+    return dirs
+
+
+def user_config_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fa2tune" / "configs"
+
+
+def shipped_config_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    installed = here / "tuned_configs"  # the wheel layout (pyproject maps tuned_configs/ into the package)
+    return installed if installed.is_dir() else here.parent / "tuned_configs"
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def read_file(path: Path) -> tuple[dict, list[Entry]]:
+    """Parses one YAML file strictly. Raises ValueError (or OSError) saying what is wrong."""
+    with open(path) as handle:
+        data = yaml.safe_load(handle)
+    if not isinstance(data, dict):
+        raise ValueError("not a mapping at the top level")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"schema_version {data.get('schema_version')!r}, this fa2tune reads {SCHEMA_VERSION}")
+    raw = data.get("entries") or []
+    if not isinstance(raw, list):
+        raise ValueError("'entries' is not a list")
+    entries = []
+    for i, item in enumerate(raw):
+        try:
+            entries.append(Entry.from_dict(item))
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"entry {i} is malformed: {exc}") from None
+    return data, entries
+
+
+def lookup(slug: str, key: EntryKey, *, template_hash: str) -> tuple[Entry, Path] | None:
+    """The first usable entry for `key` in `<dir>/<slug>.yaml` along config_dirs(), or None.
+
+    An entry tuned against other kernel templates (a different template_hash) is stale: skipped with a warning.
+    """
+    for directory in config_dirs():
+        path = directory / f"{slug}.yaml"
+        if not path.is_file():
+            continue
+        try:
+            _, entries = read_file(path)
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            reason = " ".join(str(exc).split())  # YAML errors span lines; a warning should not
+            _warn_once(f"fa2tune: ignoring tuned configs in {path}: {reason}; using the next source")
+            continue
+        for entry in entries:
+            if entry.key != key:
+                continue
+            if entry.template_hash != template_hash:
+                _warn_once(
+                    f"fa2tune: the tuned config for {key} in {path} was tuned for kernel templates "
+                    f"{entry.template_hash}, these are {template_hash} (stale); re-run `fa2tune tune`. "
+                    "Using the next source"
+                )
+                break
+            return entry, path
+    return None
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(path.suffix + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def write_entries(path: Path, device: dict, new_entries: list[Entry]) -> None:
+    """Merges entries into the file at `path` (created if missing): same key replaced, every other key kept.
+
+    A corrupt existing file is kept aside as `<name>.corrupt` rather than silently overwritten.
+    """
+    path = Path(path)
+    with _locked(path):
+        entries: dict[EntryKey, Entry] = {}
+        if path.is_file():
+            try:
+                _, old = read_file(path)
+                entries = {e.key: e for e in old}
+            except (OSError, ValueError, yaml.YAMLError) as exc:
+                os.replace(path, path.with_suffix(path.suffix + ".corrupt"))
+                _warn_once(f"fa2tune: {path} was unreadable ({exc}); moved aside to {path.name}.corrupt")
+        for entry in new_entries:
+            entries[entry.key] = entry
+        ordered = sorted(entries.values(), key=lambda e: asdict(e.key).__repr__())
+        document = {"schema_version": SCHEMA_VERSION, "device": device, "entries": [e.to_dict() for e in ordered]}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                yaml.safe_dump(document, handle, sort_keys=False)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise

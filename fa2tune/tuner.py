@@ -1,0 +1,186 @@
+"""The Optuna study that picks a kernel's config: search space from the planner, objective from timing.
+
+One study per (GPU, kernel, head_dim, dtype, causal). The planner's default is enqueued first, so the winner is
+never slower than it as measured. Configs the planner rejects are recorded as pruned trials with the reason and
+cost no compile; a config that fails to compile or run is a failed trial with its reason; neither stops the study.
+The top few are measured again before a winner is named, and the winner must pass `verify`.
+
+Timing is injected (`measure(config) -> ms`), so the study runs the same on a GPU (tuner.gpu_measure), under the
+interpreter, or over a recorded table in tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import optuna
+import torch
+
+from . import planner
+from .types import DeviceInfo, KernelConfig
+
+Measure = Callable[[KernelConfig], float]
+Verify = Callable[[KernelConfig], str | None]
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    number: int
+    config: KernelConfig
+    ms: float | None  # None: not measured
+    reason: str | None = None  # why not: the planner's rejection or the failure
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """What one study found. `ms` values are the objective: the sum over the tuning lengths of median times."""
+
+    study_name: str
+    best: KernelConfig
+    best_ms: float
+    default: KernelConfig
+    default_ms: float | None
+    median_ms: float | None  # median over every measured candidate
+    measured: int
+    pruned: int
+    failed: int
+    wall_s: float
+    within_2pct_at: int | None  # the first measured trial (1-based) within 2 % of the winner
+    history: tuple[TrialRecord, ...] = field(repr=False, default=())
+
+
+def study_name(device: DeviceInfo, kernel: str, head_dim: int, dtype: torch.dtype, causal: bool) -> str:
+    return f"{device.slug}/{kernel}/d{head_dim}/{str(dtype).removeprefix('torch.')}/{'causal' if causal else 'full'}"
+
+
+def _params(cfg: KernelConfig) -> dict[str, int]:
+    return cfg.to_dict()
+
+
+def tune(
+    *,
+    device: DeviceInfo,
+    kernel: str,
+    head_dim: int,
+    dtype: torch.dtype,
+    causal: bool,
+    measure: Measure,
+    trials: int = 40,
+    timeout_s: float | None = None,
+    space: Sequence[KernelConfig] | None = None,
+    storage: str | None = None,
+    verify: Verify | None = None,
+    remeasure_top: int = 3,
+    default: KernelConfig | None = None,
+    seed: int = 0,
+    on_trial: Callable[[int, int, float | None, float], None] | None = None,
+) -> TuneResult:
+    """Runs (or resumes, with a persistent `storage`) the study and returns the winner.
+
+    Args:
+        trials: configs to measure (pruned trials do not count).
+        timeout_s: stop asking for new trials after this many seconds.
+        space: candidate configs; default: every planner candidate (rejected ones are pruned with their reason).
+        storage: an Optuna storage URL (sqlite:///tune.db, a journal file, an RDB server) shared by workers.
+        verify: checks a winner's output; returns a reason to reject it, or None.
+        default: the baseline enqueued first; default: planner.default_config for the device.
+        on_trial: progress callback (measured so far, trials, best ms so far, elapsed s).
+    """
+    start = time.time()
+    name = study_name(device, kernel, head_dim, dtype, causal)
+    candidates = list(space) if space is not None else planner.candidates()
+    allowed = set(candidates)
+    choices = {
+        dim: sorted({getattr(c, dim) for c in candidates}) for dim in ("block_m", "block_n", "num_warps", "num_stages")
+    }
+    if default is None:
+        default = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
+    if default not in allowed:  # the default is always a candidate: tuned >= default by construction
+        candidates.append(default)
+        allowed.add(default)
+        for dim in choices:
+            choices[dim] = sorted(set(choices[dim]) | {getattr(default, dim)})
+
+    optuna.logging.set_verbosity(logging.WARNING)
+    sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=min(10, max(1, trials // 4)))
+    study = optuna.create_study(
+        study_name=name, storage=storage, sampler=sampler, direction="minimize", load_if_exists=True
+    )
+    measured: dict[KernelConfig, float] = {}
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        measured[KernelConfig(**t.params)] = t.value  # a resumed study keeps what it measured
+    if not any(KernelConfig(**t.params) == default for t in study.trials if t.params):
+        study.enqueue_trial(_params(default))
+
+    history: list[TrialRecord] = []
+    asked = 0
+    while sum(1 for r in history if r.ms is not None) < trials and asked < 20 * trials + 50:
+        if timeout_s is not None and time.time() - start > timeout_s:
+            break
+        trial = study.ask()
+        asked += 1
+        cfg = KernelConfig(**{dim: trial.suggest_categorical(dim, values) for dim, values in choices.items()})
+        reason = planner.check(cfg, device, head_dim, dtype, kernel)
+        if reason is None and cfg not in allowed:
+            reason = "not in the search space"
+        if reason is not None:
+            trial.set_user_attr("reason", reason)
+            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            history.append(TrialRecord(trial.number, cfg, None, reason))
+            continue
+        if cfg in measured:  # TPE re-proposed a measured config: reuse the number, spend no device time
+            ms = measured[cfg]
+        else:
+            try:
+                ms = float(measure(cfg))
+            except Exception as exc:  # a failed compile or launch is data, never the end of the study
+                reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"
+                trial.set_user_attr("reason", reason)
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                history.append(TrialRecord(trial.number, cfg, None, reason))
+                continue
+            measured[cfg] = ms
+        study.tell(trial, ms)
+        history.append(TrialRecord(trial.number, cfg, ms))
+        if on_trial is not None:
+            on_trial(len([r for r in history if r.ms is not None]), trials, min(measured.values()), time.time() - start)
+
+    if not measured:
+        raise RuntimeError(f"{name}: no config could be measured; reasons: {[r.reason for r in history][:5]}")
+    # Re-measure the top few: a single timing can be lucky. The winner is the best second reading that verifies.
+    ranked = sorted(measured, key=measured.get)[: max(1, remeasure_top)]
+    second = {}
+    for cfg in ranked:
+        try:
+            second[cfg] = min(measured[cfg], float(measure(cfg))) if remeasure_top > 1 else measured[cfg]
+        except Exception:
+            continue
+    best, best_ms = None, None
+    for cfg in sorted(second, key=second.get):
+        problem = verify(cfg) if verify is not None else None
+        if problem is None:
+            best, best_ms = cfg, second[cfg]
+            break
+        history.append(TrialRecord(-1, cfg, None, f"failed verification: {problem}"))
+    if best is None:
+        raise RuntimeError(f"{name}: no measured config passed verification")
+    values = [r.ms for r in history if r.ms is not None]
+    within = next((i + 1 for i, v in enumerate(values) if v <= min(values) * 1.02), None)
+    return TuneResult(
+        study_name=name,
+        best=best,
+        best_ms=best_ms,
+        default=default,
+        default_ms=measured.get(default),
+        median_ms=statistics.median(measured.values()),
+        measured=len(measured),
+        pruned=sum(1 for t in study.trials if t.state == optuna.trial.TrialState.PRUNED),
+        failed=sum(1 for t in study.trials if t.state == optuna.trial.TrialState.FAIL),
+        wall_s=time.time() - start,
+        within_2pct_at=within,
+        history=tuple(history),
+    )

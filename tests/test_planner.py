@@ -1,0 +1,131 @@
+"""The planner: the SRAM model against the compiler's recorded verdicts, reasons, defaults, other GPUs."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+
+from fa2tune import planner
+from fa2tune.device import KNOWN_GPUS, known_gpu
+from fa2tune.types import KernelConfig
+
+VERDICTS = Path(__file__).resolve().parent.parent / "docs" / "planner" / "nvidia-h200-compiler-bf16.csv"
+
+
+def _recorded():
+    with open(VERDICTS) as handle:
+        for row in csv.DictReader(handle):
+            cfg = KernelConfig(int(row["block_m"]), int(row["block_n"]), int(row["num_warps"]), int(row["num_stages"]))
+            shared = int(row["shared_bytes"]) if row["shared_bytes"] else None
+            yield row["kernel"], int(row["head_dim"]), cfg, shared, row["error"]
+
+
+def test_model_against_recorded_compiler_verdicts():
+    # Replays what Triton 3.6 allocated for every candidate compiled for sm_90 (scripts/check_planner.py):
+    # no config the model accepts may exceed the H200's limit, and few it rejects may fit.
+    h200 = known_gpu("h200")
+    rows = list(_recorded())
+    assert len(rows) >= 1000
+    false_accepts, false_rejects, fits = [], [], 0
+    for kernel, head_dim, cfg, shared, error in rows:
+        assert not error, f"{kernel} {cfg} failed to compile: {error}"
+        compiler_fits = shared <= h200.smem_per_block
+        model_fits = planner.sram_bytes(cfg, head_dim, torch.bfloat16, kernel) <= h200.smem_per_block
+        fits += compiler_fits
+        if model_fits and not compiler_fits:
+            false_accepts.append((kernel, head_dim, cfg, shared))
+        if compiler_fits and not model_fits:
+            false_rejects.append((kernel, head_dim, cfg, shared))
+    assert not false_accepts, f"model accepts configs the compiler cannot fit: {false_accepts[:5]}"
+    assert len(false_rejects) <= 0.10 * fits, f"{len(false_rejects)} false rejects of {fits} that fit"
+
+
+def test_model_never_underestimates_what_decides_fit():
+    # Where the compiler needs more than a quarter of the H200's budget, the model is an upper bound within 10 %.
+    for kernel, head_dim, cfg, shared, _ in _recorded():
+        predicted = planner.sram_bytes(cfg, head_dim, torch.bfloat16, kernel)
+        if shared > 232448 // 4:
+            assert shared <= predicted <= 1.10 * shared, f"{kernel} d={head_dim} {cfg}: {predicted} vs {shared}"
+
+
+def test_seed_rule_alone_would_accept_configs_that_fail():
+    # The seed's B_r·d + B_c·d + B_r·B_c ignores pipeline stages and the V tile: it accepts what cannot launch.
+    h200 = known_gpu("h200")
+    cfg = KernelConfig(64, 128, 4, 4)  # OutOfResources on the H200: 278,528 B asked (docs/PERF.md v1)
+    assert planner.seed_rule_bytes(cfg, 128, torch.bfloat16) <= h200.smem_per_block
+    assert planner.sram_bytes(cfg, 128, torch.bfloat16) == 278528
+    assert "shared memory: needs 278,528 B" in planner.check(cfg, h200, 128, torch.bfloat16)
+
+
+def test_every_rejection_has_a_reason_and_plan_partitions_candidates():
+    for kernel in planner.KERNELS:
+        plan = planner.plan(known_gpu("l4"), 96, torch.float16, kernel)
+        assert len(plan.accepted) + len(plan.rejected) == len(planner.candidates()) == 250
+        assert plan.accepted and plan.rejected
+        for _cfg, need, reason in plan.rejected:
+            assert reason.startswith(("shared memory", "registers")), reason
+            assert (need > plan.device.smem_per_block) == reason.startswith("shared memory")
+        assert all(need <= plan.device.smem_per_block for _, need in plan.accepted)
+
+
+def test_register_rule_rejects_what_spilled_on_the_h200():
+    h200 = known_gpu("h200")
+    # fwd d=128: (256, 32, 4 warps) ran at 114-165 TFLOP/s against 527 for the best (PERF.md v1): 320 per thread.
+    assert planner.check(KernelConfig(256, 32, 4, 2), h200, 128, torch.bfloat16).startswith("registers")
+    assert planner.check(KernelConfig(256, 64, 8, 4), h200, 128, torch.bfloat16) is None  # the measured best
+
+
+@pytest.mark.parametrize("gpu", sorted(KNOWN_GPUS))
+@pytest.mark.parametrize("kernel", planner.KERNELS)
+def test_default_config_fits_every_known_gpu(gpu, kernel):
+    info = known_gpu(gpu)
+    for head_dim in (16, 64, 96, 128, 256):
+        for dtype in (torch.bfloat16, torch.float32):
+            for causal in (False, True):
+                cfg = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info)
+                assert planner.check(cfg, info, head_dim, dtype, kernel) is None
+
+
+def test_default_config_prefers_the_h200_measurements():
+    h200 = known_gpu("h200")
+    assert planner.default_config(128, torch.bfloat16, device=h200) == KernelConfig(256, 64, 8, 4)
+    assert planner.default_config(128, torch.bfloat16, causal=True, device=h200) == KernelConfig(128, 128, 8, 3)
+    # The L4 has 99 KiB per block: the H200's 192 KiB pick does not fit, a smaller one is chosen.
+    l4 = known_gpu("l4")
+    cfg = planner.default_config(128, torch.bfloat16, device=l4)
+    assert cfg != KernelConfig(256, 64, 8, 4) and planner.sram_bytes(cfg, 128, torch.bfloat16) <= l4.smem_per_block
+
+
+def test_bad_kernel_and_head_dim():
+    with pytest.raises(ValueError, match=r"kernel must be one of \('fwd', 'bwd_dkdv', 'bwd_dq'\), got 'bwd'"):
+        planner.sram_bytes(KernelConfig(64, 64), 64, torch.bfloat16, "bwd")
+    assert planner.check(KernelConfig(64, 64), known_gpu("h200"), 512, torch.bfloat16).startswith("head_dim")
+
+
+def test_unknown_gpu_lists_choices():
+    with pytest.raises(ValueError, match=r"unknown GPU 'h300'; known GPUs: a100-40gb, .*h200"):
+        known_gpu("h300")
+    assert known_gpu("nvidia-h200") is known_gpu("h200")
+
+
+@pytest.mark.slow
+def test_recording_still_matches_the_installed_compiler():
+    # Three rows of the recording compiled again now: if Triton changes its allocation, re-run check_planner.py.
+    import triton
+
+    from fa2tune.probe import compile_config
+
+    if triton.__version__ != "3.6.0":
+        pytest.skip(f"the recording was made with triton 3.6.0; this is {triton.__version__}")
+    recorded = {(k, d, cfg): shared for k, d, cfg, shared, _ in _recorded()}
+    for key in [
+        ("fwd", 128, KernelConfig(64, 128, 4, 4)),
+        ("bwd_dkdv", 64, KernelConfig(32, 128, 4, 3)),
+        ("bwd_dq", 128, KernelConfig(128, 64, 8, 3)),
+    ]:
+        kernel, head_dim, cfg = key
+        report = compile_config(kernel, cfg, head_dim, torch.bfloat16, causal=True)
+        assert report.error is None and report.shared_bytes == recorded[key], (key, report)

@@ -1,0 +1,166 @@
+"""The YAML store: round trip, merge, concurrent writers, corrupt and stale files, and the lookup order."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import warnings
+
+import pytest
+import torch
+
+import fa2tune
+from fa2tune import codegen, runtime, selection, store
+from fa2tune.types import KernelConfig
+
+DEVICE = {"name": "Triton interpreter (CPU)", "slug": "cpu-interpreter"}
+
+
+_CFG = KernelConfig(64, 32, 4, 2)
+
+
+def _entry(head_dim=64, causal=False, kernel="fwd", cfg=_CFG, template_hash=None, ms=1.0):
+    return store.Entry(
+        key=store.EntryKey(head_dim=head_dim, dtype="fp32", causal=causal, kernel=kernel),
+        config=cfg, ms=ms, tflops=None, baseline={"name": "planner-default"}, trials=7, spread=0.01,
+        triton_version="3.6.0", torch_version="2.13.0", template_hash=template_hash or codegen.template_hash(),
+        date="2026-11-29",
+    )  # fmt: skip
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path / "env"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    runtime.clear_cache()
+    store._warned.clear()
+    yield tmp_path
+    runtime.clear_cache()
+
+
+def test_round_trip_and_merge_keep_every_key(config_dir):
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    store.write_entries(path, DEVICE, [_entry(64), _entry(128, cfg=KernelConfig(16, 16, 4, 1))])
+    store.write_entries(path, DEVICE, [_entry(64, cfg=KernelConfig(32, 32, 8, 3)), _entry(64, causal=True)])
+    data, entries = store.read_file(path)
+    assert data["schema_version"] == 1 and data["device"] == DEVICE
+    by_key = {(e.key.head_dim, e.key.causal): e.config for e in entries}
+    assert by_key == {(64, False): KernelConfig(32, 32, 8, 3), (128, False): KernelConfig(16, 16, 4, 1),
+                      (64, True): KernelConfig(64, 32, 4, 2)}  # fmt: skip
+    assert store.Entry.from_dict(entries[0].to_dict()) == entries[0]
+
+
+def _write_many(args):
+    path, head_dims = args
+    for d in head_dims:
+        store.write_entries(path, DEVICE, [_entry(d)])
+
+
+def test_processes_writing_different_keys_at_once_lose_nothing(tmp_path):
+    path = tmp_path / "shared.yaml"
+    jobs = [(path, list(range(start, 256, 4))[:12]) for start in (1, 2, 3, 4)]
+    with mp.get_context("spawn").Pool(4) as pool:
+        pool.map(_write_many, jobs)
+    _, entries = store.read_file(path)
+    assert sorted(e.key.head_dim for e in entries) == sorted(d for _, ds in jobs for d in ds)
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".shared.yaml.*"))
+
+
+def test_lookup_order_env_then_user_then_shipped(config_dir, monkeypatch):
+    key = store.EntryKey(head_dim=64, dtype="fp32", causal=False, kernel="fwd")
+    user = store.user_config_dir() / "cpu-interpreter.yaml"
+    assert user.is_relative_to(config_dir / "xdg")
+    store.write_entries(user, DEVICE, [_entry(cfg=KernelConfig(16, 16, 4, 1))])
+    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash())
+    assert found.config == KernelConfig(16, 16, 4, 1) and path == user
+    store.write_entries(config_dir / "env" / "cpu-interpreter.yaml", DEVICE, [_entry(cfg=KernelConfig(32, 16, 4, 1))])
+    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash())
+    assert found.config == KernelConfig(32, 16, 4, 1) and path.parent == config_dir / "env"
+    assert store.config_dirs()[-1] == store.shipped_config_dir()
+    # Last, the shipped folder (patched here: the repository's own must stay untouched).
+    shipped = config_dir / "shipped"
+    monkeypatch.setattr(store, "shipped_config_dir", lambda: shipped)
+    monkeypatch.delenv("FA2TUNE_CONFIG_DIR")
+    user.unlink()
+    assert store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash()) is None
+    store.write_entries(shipped / "cpu-interpreter.yaml", DEVICE, [_entry(cfg=KernelConfig(64, 64, 4, 1))])
+    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash())
+    assert found.config == KernelConfig(64, 64, 4, 1) and path.parent == shipped
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not: [valid yaml", "- just\n- a list\n", "schema_version: 99\nentries: []\n",
+     "schema_version: 1\nentries:\n- key: {head_dim: 64}\n"],
+    ids=["unparsable", "not-a-mapping", "future-schema", "malformed-entry"],
+)  # fmt: skip
+def test_a_bad_file_warns_once_and_falls_back(config_dir, content, device):
+    bad = config_dir / "env" / f"{selection.device_info(device).slug}.yaml"
+    bad.parent.mkdir(parents=True)
+    bad.write_text(content)
+    q = torch.randn(1, 2, 40, 64, device=device)
+    with pytest.warns(RuntimeWarning, match=r"ignoring tuned configs in .*; using the next source"):
+        out = fa2tune.attention(q, q, q)
+    kernel = fa2tune.get_kernel(64, device=device, dtype=torch.float32)
+    assert kernel.source == "planner-default"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runtime.clear_cache()
+        torch.testing.assert_close(fa2tune.attention(q, q, q), out)
+    assert not [w for w in caught if "fa2tune" in str(w.message)]  # the second call says nothing: once is enough
+
+
+def test_stale_entry_is_skipped_with_a_warning(config_dir, device):
+    slug = selection.device_info(device).slug
+    store.write_entries(config_dir / "env" / f"{slug}.yaml", DEVICE, [_entry(template_hash="0123456789abcdef")])
+    with pytest.warns(RuntimeWarning, match=r"tuned for kernel templates 0123456789abcdef.*\(stale\)"):
+        kernel = fa2tune.get_kernel(64, device=device, dtype=torch.float32)
+    assert kernel.source == "planner-default"
+
+
+def test_get_kernel_uses_a_tuned_entry_for_fwd_and_bwd(config_dir, device):
+    slug = selection.device_info(device).slug
+    path = config_dir / "env" / f"{slug}.yaml"
+    fwd, dkdv, dq = KernelConfig(16, 32, 4, 1), KernelConfig(16, 16, 4, 1), KernelConfig(32, 16, 4, 1)
+    store.write_entries(path, DEVICE, [_entry(causal=True, cfg=fwd), _entry(causal=True, kernel="bwd_dkdv", cfg=dkdv),
+                                       _entry(causal=True, kernel="bwd_dq", cfg=dq)])  # fmt: skip
+    kernel = fa2tune.get_kernel(64, device=device, dtype=torch.float32, causal=True)
+    assert (kernel.config, kernel.bwd_dkdv_config, kernel.bwd_dq_config) == (fwd, dkdv, dq)
+    assert kernel.source == str(path) and kernel.bwd_source == str(path)
+    q = torch.randn(1, 2, 50, 64, device=device, requires_grad=True)
+    out = kernel(q, q, q)
+    out.sum().backward()
+    from fa2tune.reference import naive_attention
+
+    ref = naive_attention(q.detach().double(), q.detach().double(), q.detach().double(), causal=True)[0]
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert selection.resolve("bwd_dq", 64, torch.float32, True, device) == (dq, str(path))
+    with pytest.raises(ValueError, match=r"resolved for head_dim=64, dtype=torch.float32; got q with head_dim=32"):
+        kernel(q[..., :32], q[..., :32], q[..., :32])
+
+
+def test_an_entry_that_does_not_fit_the_device_is_ignored(config_dir, monkeypatch):
+    # An H200-sized tile in an L4's file (99 KiB per block): resolved as the planner's L4 default, with a warning.
+    from fa2tune.device import known_gpu
+
+    l4 = known_gpu("l4")
+    monkeypatch.setattr(selection, "device_info", lambda device: l4)
+    too_big = KernelConfig(256, 64, 8, 4)
+    entry = store.Entry(
+        **{
+            **_entry(head_dim=128, cfg=too_big).__dict__,
+            "key": store.EntryKey(head_dim=128, dtype="bf16", causal=False, kernel="fwd"),
+        }
+    )
+    store.write_entries(config_dir / "env" / "nvidia-l4.yaml", {"slug": "nvidia-l4"}, [entry])
+    with pytest.warns(RuntimeWarning, match=r"does not fit NVIDIA L4: shared memory: needs 196,608 B"):
+        cfg, source = selection.resolve("fwd", 128, torch.bfloat16, False, "cuda:0")
+    assert source == "planner-default" and cfg != too_big
+
+
+def test_get_kernel_argument_errors():
+    with pytest.raises(ValueError, match=r"head_dim must be an int in 1..256, got 0"):
+        fa2tune.get_kernel(0)
+    with pytest.raises(TypeError, match=r"dtype must be torch.bfloat16, torch.float16 or torch.float32"):
+        fa2tune.get_kernel(64, dtype=torch.int8)
+    with pytest.raises(TypeError, match=r"causal must be True or False"):
+        fa2tune.get_kernel(64, causal="yes")

@@ -1,0 +1,125 @@
+"""The tuner over recorded H200 timings (no GPU needed): it finds the recorded best, and failures are data."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+
+from fa2tune import tuner
+from fa2tune.device import known_gpu
+from fa2tune.types import KernelConfig
+
+SWEEP = Path(__file__).resolve().parent.parent / "docs" / "bench" / "nvidia-h200-sweep-fwd-v1.csv"
+
+
+def _recorded(head_dim: int, causal: bool) -> dict[KernelConfig, float]:
+    """ms-like cost (1/TFLOP/s) of every config the H200 sweep timed; configs that failed are absent."""
+    table = {}
+    with open(SWEEP) as handle:
+        for row in csv.DictReader(handle):
+            if int(row["head_dim"]) == head_dim and row["causal"] == str(causal) and row["tflops"] != "nan":
+                cfg = KernelConfig(
+                    int(row["block_m"]), int(row["block_n"]), int(row["num_warps"]), int(row["num_stages"])
+                )
+                table[cfg] = 1000.0 / float(row["tflops"])
+    return table
+
+
+def _replay(table):
+    calls = []
+
+    def measure(cfg: KernelConfig) -> float:
+        calls.append(cfg)
+        if cfg not in table:
+            raise RuntimeError(f"no recorded timing for {cfg}")
+        return table[cfg]
+
+    return measure, calls
+
+
+@pytest.mark.parametrize("head_dim, causal", [(128, False), (128, True), (64, False)])
+def test_tuner_finds_the_recorded_best_in_a_quarter_of_the_trials(head_dim, causal):
+    table = _recorded(head_dim, causal)
+    space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
+    measure, _calls = _replay(table)
+    result = tuner.tune(
+        device=known_gpu("h200"),
+        kernel="fwd",
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        causal=causal,
+        measure=measure,
+        trials=len(space) // 4 + 2,
+        space=space,
+        seed=0,
+    )
+    best = min(table.values())
+    assert result.best_ms <= best * 1.02, f"{result.best} at {result.best_ms:.3f} vs recorded best {best:.3f}"
+    assert result.default_ms is not None and result.best_ms <= result.default_ms  # the default was enqueued first
+    assert result.history[0].config == result.default
+    assert result.median_ms >= result.best_ms and result.within_2pct_at <= result.measured
+
+
+def test_rejected_and_failed_configs_are_recorded_and_never_stop_the_study():
+    table = _recorded(128, False)
+    measure, _ = _replay(table)  # only 46 of the 163 configs the planner accepts have a timing: the rest fail
+    result = tuner.tune(
+        device=known_gpu("h200"),
+        kernel="fwd",
+        head_dim=128,
+        dtype=torch.bfloat16,
+        causal=False,
+        measure=measure,
+        trials=12,
+        seed=1,
+    )
+    reasons = [r.reason for r in result.history if r.ms is None]
+    assert result.measured >= 1 and result.best in table
+    assert result.pruned == sum(1 for r in reasons if r.startswith(("shared memory", "registers")))
+    assert result.failed == sum(1 for r in reasons if r.startswith("RuntimeError: no recorded timing"))
+    assert result.pruned + result.failed > 0
+
+
+def test_verification_failure_moves_to_the_next_best():
+    table = _recorded(64, True)
+    measure, _ = _replay(table)
+    best = min(table, key=table.get)
+    space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
+    result = tuner.tune(
+        device=known_gpu("h200"),
+        kernel="fwd",
+        head_dim=64,
+        dtype=torch.bfloat16,
+        causal=True,
+        measure=measure,
+        trials=len(space),
+        space=space,
+        verify=lambda cfg: "wrong output" if cfg == best else None,
+    )
+    assert result.best != best
+    assert any(r.reason == "failed verification: wrong output" for r in result.history)
+
+
+def test_a_persistent_study_resumes(tmp_path):
+    table = _recorded(128, True)
+    space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
+    storage = f"sqlite:///{tmp_path / 'tune.db'}"
+    measure, calls = _replay(table)
+    kwargs = dict(
+        device=known_gpu("h200"),
+        kernel="fwd",
+        head_dim=128,
+        dtype=torch.bfloat16,
+        causal=True,
+        space=space,
+        storage=storage,
+        remeasure_top=1,
+    )
+    first = tuner.tune(measure=measure, trials=6, **kwargs)
+    n_first = len(calls)
+    second = tuner.tune(measure=measure, trials=12, **kwargs)
+    assert second.measured >= 12 and second.best_ms <= first.best_ms
+    assert len(calls) - n_first <= 12  # what the first run measured is not measured again
