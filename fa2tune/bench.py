@@ -118,6 +118,14 @@ def make_measure(
                 total += (time.perf_counter() - start) * 1e3
         return total
 
+    def spread(cfg) -> float | None:
+        """The winner's worst (p80 − p20) / median over the tuning lengths; None on the CPU."""
+        if not str(device).startswith("cuda"):
+            return None
+        timings = [time_cuda(lambda args=args: run(cfg, *args)) for args in inputs.values()]
+        return round(max((t.p80_ms - t.p20_ms) / t.median_ms for t in timings), 4)
+
+    measure.spread = spread
     return measure
 
 
@@ -149,3 +157,22 @@ def precompile(kernel, head_dim, dtype, causal, configs, *, seqlens, device="cud
     with mp.get_context("spawn").Pool(workers) as pool:
         results = pool.map(_compile_one, jobs)
     return {cfg: reason for cfg, reason in zip(configs, results, strict=True) if reason}
+
+
+def load_sweep(path, *, head_dim: int, causal: bool) -> dict:
+    """{config: cost} from a scripts/sweep_configs.py CSV, cost = 1000 / TFLOP/s (lower is better, ∝ time).
+
+    Configs that failed in the sweep are absent. Replaying such a table lets the tuner be tested and compared
+    with exhaustive search without a GPU.
+    """
+    import csv
+
+    from .types import KernelConfig
+
+    table = {}
+    with open(path) as handle:
+        for row in csv.DictReader(handle):
+            if int(row["head_dim"]) == head_dim and row["causal"] == str(causal) and row["tflops"] != "nan":
+                fields = ("block_m", "block_n", "num_warps", "num_stages")
+                table[KernelConfig(*(int(row[f]) for f in fields))] = 1000.0 / float(row["tflops"])
+    return table

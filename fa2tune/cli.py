@@ -247,7 +247,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                     "tflops": tflops(result.default_ms),
                 },
                 trials=result.measured,
-                spread=0.0,
+                spread=measure.spread(result.best),
                 triton_version=triton.__version__,
                 torch_version=str(torch.__version__),
                 template_hash=codegen.template_hash(),

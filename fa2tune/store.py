@@ -62,7 +62,7 @@ class Entry:
     tflops: float
     baseline: dict
     trials: int
-    spread: float
+    spread: float | None  # None: not measured (CPU runs)
     triton_version: str
     torch_version: str
     template_hash: str

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import pytest
 import torch
 
 from fa2tune import tuner
+from fa2tune.bench import load_sweep
 from fa2tune.device import known_gpu
 from fa2tune.types import KernelConfig
 
@@ -16,16 +16,7 @@ SWEEP = Path(__file__).resolve().parent.parent / "docs" / "bench" / "nvidia-h200
 
 
 def _recorded(head_dim: int, causal: bool) -> dict[KernelConfig, float]:
-    """ms-like cost (1/TFLOP/s) of every config the H200 sweep timed; configs that failed are absent."""
-    table = {}
-    with open(SWEEP) as handle:
-        for row in csv.DictReader(handle):
-            if int(row["head_dim"]) == head_dim and row["causal"] == str(causal) and row["tflops"] != "nan":
-                cfg = KernelConfig(
-                    int(row["block_m"]), int(row["block_n"]), int(row["num_warps"]), int(row["num_stages"])
-                )
-                table[cfg] = 1000.0 / float(row["tflops"])
-    return table
+    return load_sweep(SWEEP, head_dim=head_dim, causal=causal)
 
 
 def _replay(table):
@@ -40,11 +31,14 @@ def _replay(table):
     return measure, calls
 
 
-@pytest.mark.parametrize("head_dim, causal", [(128, False), (128, True), (64, False)])
-def test_tuner_finds_the_recorded_best_in_a_quarter_of_the_trials(head_dim, causal):
+@pytest.mark.parametrize("head_dim, causal", [(128, False), (128, True), (64, False), (64, True)])
+def test_tuner_nears_the_recorded_best_in_a_quarter_of_the_trials(head_dim, causal):
+    # Start from the median config, not the planner's default (which was set from this very sweep).
     table = _recorded(head_dim, causal)
     space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
-    measure, _calls = _replay(table)
+    median = sorted(table, key=table.get)[len(table) // 2]
+    measure, _ = _replay(table)
+    budget = len(space) // 4  # a quarter of exhaustive
     result = tuner.tune(
         device=known_gpu("h200"),
         kernel="fwd",
@@ -52,15 +46,16 @@ def test_tuner_finds_the_recorded_best_in_a_quarter_of_the_trials(head_dim, caus
         dtype=torch.bfloat16,
         causal=causal,
         measure=measure,
-        trials=len(space) // 4 + 2,
+        trials=budget,
         space=space,
+        default=median,
         seed=0,
     )
     best = min(table.values())
-    assert result.best_ms <= best * 1.02, f"{result.best} at {result.best_ms:.3f} vs recorded best {best:.3f}"
-    assert result.default_ms is not None and result.best_ms <= result.default_ms  # the default was enqueued first
-    assert result.history[0].config == result.default
-    assert result.median_ms >= result.best_ms and result.within_2pct_at <= result.measured
+    # Within 5 % of exhaustive at a quarter of its trials (within 2 % in 15 of 20 seeded runs: docs/TUNING.md).
+    assert result.best_ms <= best * 1.05, f"{result.best} at {result.best_ms:.3f} vs recorded best {best:.3f}"
+    assert result.history[0].config == median and result.best_ms <= result.default_ms
+    assert result.within_2pct_at <= budget and result.median_ms >= result.best_ms
 
 
 def test_rejected_and_failed_configs_are_recorded_and_never_stop_the_study():
