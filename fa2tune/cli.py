@@ -137,147 +137,57 @@ def _cmd_codegen(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    device_name = _resolve_device(args.device)
-    import datetime
+    devices = [d.strip() for d in args.device.split(",")] if args.device != "all" else _all_cuda_devices()
+    devices = [_resolve_device(d) for d in devices]
+    from . import planner, runtime, store, tunejob
 
-    import torch
-    import triton
-
-    from . import bench, codegen, planner, runtime, selection, selfcheck, store, tuner
-
-    info = selection.device_info(device_name)
-    if device_name == "cpu":
-        print(
-            "note: CPU timings (Triton's interpreter) say nothing about GPU speed; this run only exercises the "
-            "pipeline on tiny shapes."
-        )
-    dtype = getattr(torch, DTYPES[args.dtype])
+    if devices[0] == "cpu":
+        print("note: CPU timings (Triton's interpreter) say nothing about GPU speed; this run only exercises the "
+              "pipeline on tiny shapes.")  # fmt: skip
     kernels = {"fwd": ["fwd"], "bwd": ["bwd_dkdv", "bwd_dq"], "all": list(planner.KERNELS)}[args.kernel]
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    seqlens = tuple(int(n) for n in args.seqlens.split(","))
-    if device_name == "cpu":
-        seqlens = tuple(min(n, 64) for n in seqlens[:2])
     config_dir = Path(args.config_dir) if args.config_dir else store.user_config_dir()
-    rows = []
+    storage = args.storage
+    if storage is None and len(devices) > 1:  # workers share one study through a journal file
+        storage = str(config_dir / ".studies" / "tune.journal")
+    rows, path = [], None
     for kernel in kernels:
         for causal in causals:
-            space, default = None, None
-            if device_name == "cpu":
-                default = planner.INTERPRETER_CONFIG  # a few small tiles: the interpreter's time grows with the grid
-                space = [
-                    planner.INTERPRETER_CONFIG,
-                    *(planner.KernelConfig(m, n, 4, 1) for m in (16, 64) for n in (16, 64)),
-                ]
+            spec = tunejob.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
+                                     seqlens=tuple(int(n) for n in args.seqlens.split(",")), tokens=args.tokens,
+                                     trials=args.trials, timeout_s=args.timeout, storage=storage)  # fmt: skip
+            if len(devices) > 1:
+                print(f"{kernel} causal={causal}: {len(devices)} workers on one study ({storage})", flush=True)
+                result, entry, _ = tunejob.run_parallel(spec, devices)
             else:
-                candidates = [c for c, _ in planner.plan(info, args.head_dim, dtype, kernel).accepted]
-                print(f"{kernel} causal={causal}: compiling {len(candidates)} candidates in parallel ...", flush=True)
-                failures = bench.precompile(
-                    kernel, args.head_dim, dtype, causal, candidates, seqlens=seqlens, device=device_name
-                )
-                space = [c for c in candidates if c not in failures]
-            measure = bench.make_measure(
-                kernel,
-                args.head_dim,
-                dtype,
-                causal,
-                seqlens=seqlens,
-                device=device_name,
-                tokens=args.tokens if device_name != "cpu" else 64,
-                width=2048 if device_name != "cpu" else 2 * args.head_dim,
-            )
-            shape = (1, 2, 1, 70, 70, args.head_dim) if device_name == "cpu" else (2, 8, 2, 1000, 1000, args.head_dim)
 
-            def verify(cfg, kernel=kernel, causal=causal, shape=shape):
-                if kernel == "fwd":
-                    r = selfcheck.check_forward(shape, dtype=dtype, causal=causal, device=device_name, config=cfg)
-                    return None if r.passed else f"relative error {r.rel_err:.1e}"
-                key = "dkdv_config" if kernel == "bwd_dkdv" else "dq_config"
-                err = selfcheck.check_backward(shape, dtype=dtype, causal=causal, device=device_name, **{key: cfg})
-                return None if err <= 2 * selfcheck.REL_TOLERANCE[dtype] else f"gradient relative error {err:.1e}"
+                def progress(done, total, best_ms, elapsed, kernel=kernel, causal=causal):
+                    print(f"\r  {kernel} causal={causal}: trial {done}/{total}  best {best_ms:.3f} ms  "
+                          f"{elapsed:.0f} s", end="", flush=True)  # fmt: skip
 
-            def progress(done, total, best_ms, elapsed, kernel=kernel, causal=causal):
-                print(
-                    f"\r  {kernel} causal={causal}: trial {done}/{total}  best {best_ms:.3f} ms  {elapsed:.0f} s",
-                    end="",
-                    flush=True,
-                )
-
-            result = tuner.tune(
-                device=info,
-                kernel=kernel,
-                head_dim=args.head_dim,
-                dtype=dtype,
-                causal=causal,
-                measure=measure,
-                trials=args.trials,
-                timeout_s=args.timeout,
-                space=space,
-                storage=args.storage,
-                verify=verify,
-                default=default,
-                on_trial=progress,
-            )
-            print()
-            flops = (
-                sum(
-                    bench.attention_flops(
-                        max(1, args.tokens // n),
-                        max(1, 2048 // args.head_dim),
-                        n,
-                        n,
-                        args.head_dim,
-                        causal=causal,
-                        mode="fwd" if kernel == "fwd" else "bwd",
-                    )
-                    for n in seqlens
-                )
-                if device_name != "cpu"
-                else 0.0
-            )
-            tflops = lambda ms, flops=flops: round(flops / (ms * 1e-3) / 1e12, 1) if ms and flops else None
-            entry = store.Entry(
-                key=store.EntryKey(head_dim=args.head_dim, dtype=args.dtype, causal=causal, kernel=kernel),
-                config=result.best,
-                ms=round(result.best_ms, 4),
-                tflops=tflops(result.best_ms),
-                baseline={
-                    "name": "planner-default",
-                    "config": result.default.to_dict(),
-                    "ms": result.default_ms,
-                    "tflops": tflops(result.default_ms),
-                },
-                trials=result.measured,
-                spread=measure.spread(result.best),
-                triton_version=triton.__version__,
-                torch_version=str(torch.__version__),
-                template_hash=codegen.template_hash(),
-                date=datetime.date.today().isoformat(),
-            )
-            store.write_entries(config_dir / f"{info.slug}.yaml", _device_summary(info), [entry])
-            rows.append((kernel, causal, result, tflops))
+                result, entry = tunejob.run_study(spec, devices[0], on_trial=progress)
+                print()
+            path = tunejob.write(entry, devices[0], config_dir)
+            rows.append((kernel, causal, result))
     runtime.clear_cache()
-    print(f"\nwrote {config_dir / (info.slug + '.yaml')}")
-    print(
-        f"{'kernel':>9} {'causal':>6} {'winner':>22} {'ms':>8} {'default ms':>10} {'median ms':>9} {'trials':>6} "
-        f"{'2% at':>5} {'wall s':>6}"
-    )
-    for kernel, causal, r, _ in rows:
+    print(f"\nwrote {path}")
+    print(f"{'kernel':>9} {'causal':>6} {'winner':>22} {'ms':>8} {'default ms':>10} {'median ms':>9} {'timed':>5} "
+          f"{'2% at':>5} {'wall s':>6}")  # fmt: skip
+    for kernel, causal, r in rows:
         w = f"{r.best.block_m}x{r.best.block_n} w{r.best.num_warps} s{r.best.num_stages}"
-        print(
-            f"{kernel:>9} {causal!s:>6} {w:>22} {r.best_ms:>8.3f} {r.default_ms or float('nan'):>10.3f} "
-            f"{r.median_ms:>9.3f} {r.measured:>6} {r.within_2pct_at or '-':>5} {r.wall_s:>6.0f}"
-        )
+        print(f"{kernel:>9} {causal!s:>6} {w:>22} {r.best_ms:>8.3f} {r.default_ms or float('nan'):>10.3f} "
+              f"{r.median_ms:>9.3f} {r.measured:>5} {r.within_2pct_at or '-':>5} {r.wall_s:>6.0f}")  # fmt: skip
     return 0
 
 
-def _device_summary(info) -> dict:
-    return {
-        "name": info.name,
-        "slug": info.slug,
-        "capability": list(info.capability),
-        "sm_count": info.sm_count,
-        "smem_per_block": info.smem_per_block,
-    }
+def _all_cuda_devices() -> list[str]:
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        print("fa2tune: --device all found no CUDA device", file=sys.stderr)
+        sys.exit(2)
+    return [f"cuda:{i}" for i in range(count)]
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
@@ -365,7 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_cmd_plan)
 
     tune = sub.add_parser("tune", help="time candidate configs with Optuna and store the fastest as YAML")
-    tune.add_argument("--device", default="cuda:0", help="cuda[:N], or cpu to exercise the pipeline (no speed)")
+    tune.add_argument(
+        "--device",
+        default="cuda:0",
+        help="cuda[:N]; several (cuda:0,cuda:1) or 'all' run one worker per GPU on one study; "
+        "cpu exercises the pipeline (no speed)",
+    )
     tune.add_argument("--head-dim", type=_head_dim, required=True)
     tune.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     tune.add_argument("--causal", default="both", choices=["both", "yes", "no"])

@@ -85,6 +85,7 @@ def _write_once(directory: Path, name: str, source: str) -> Path:
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(source)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600
         os.replace(tmp, path)  # atomic on POSIX: readers see the old state or the whole file
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

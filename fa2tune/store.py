@@ -191,6 +191,7 @@ def write_entries(path: Path, device: dict, new_entries: list[Entry]) -> None:
         try:
             with os.fdopen(fd, "w") as handle:
                 yaml.safe_dump(document, handle, sort_keys=False)
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600; shipped files must be readable by everyone
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

@@ -12,6 +12,7 @@ interpreter, or over a recorded table in tests.
 from __future__ import annotations
 
 import logging
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +60,11 @@ def study_name(device: DeviceInfo, kernel: str, head_dim: int, dtype: torch.dtyp
 
 def _params(cfg: KernelConfig) -> dict[str, int]:
     return cfg.to_dict()
+
+
+def _completed(study: optuna.Study) -> dict[KernelConfig, float]:
+    states = (optuna.trial.TrialState.COMPLETE,)
+    return {KernelConfig(**t.params): t.value for t in study.get_trials(deepcopy=False, states=states)}
 
 
 def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k: int = 3) -> list[KernelConfig]:
@@ -134,21 +140,22 @@ def tune(
     study = optuna.create_study(
         study_name=name, storage=storage, sampler=sampler, direction="minimize", load_if_exists=True
     )
-    measured: dict[KernelConfig, float] = {}
-    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        measured[KernelConfig(**t.params)] = t.value  # a resumed study keeps what it measured
-    tried = {KernelConfig(**t.params) for t in study.trials if t.params}
+    measured = _completed(study)  # a resumed or shared study keeps what was measured
+    # Trials other workers ran or enqueued already (enqueued ones carry their params as "fixed_params").
+    tried = {KernelConfig(**(t.params or t.system_attrs.get("fixed_params", {}))) for t in study.trials
+             if t.params or t.system_attrs.get("fixed_params")}  # fmt: skip
     feasible = [c for c in candidates if planner.check(c, device, head_dim, dtype, kernel) is None]
-    for cfg in [default, *promising(feasible, head_dim, kernel, k=max(3, trials // 2))]:
+    for cfg in [default, *promising(feasible, head_dim, kernel, k=max(3, trials // 2))] if trials > 0 else []:
         if cfg not in tried:
-            study.enqueue_trial(_params(cfg))
+            study.enqueue_trial(_params(cfg), skip_if_exists=True)  # workers sharing a study enqueue once
             tried.add(cfg)
 
     history: list[TrialRecord] = []
     asked = 0
-    resumed = len(measured)
-    # The budget counts distinct configs timed in this run: TPE re-proposing a measured config costs nothing.
-    while len(measured) - resumed < trials and asked < 20 * trials + 50:
+    timed = 0  # the budget counts configs this process timed: repeats and other workers' trials are free
+    repeats = 0
+    rng = random.Random(seed)
+    while timed < trials and asked < 20 * trials + 50:
         if timeout_s is not None and time.time() - start > timeout_s:
             break
         trial = study.ask()
@@ -162,8 +169,15 @@ def tune(
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
             history.append(TrialRecord(trial.number, cfg, None, reason))
             continue
-        if cfg in measured:  # TPE re-proposed a measured config: reuse the number, spend no device time
+        if cfg not in measured and storage is not None:  # another worker may have timed it meanwhile
+            measured.update(_completed(study))
+        if cfg in measured:  # a config timed before: reuse the number, spend no device time
             ms = measured[cfg]
+            repeats += 1
+            untried = [c for c in feasible if c not in measured]
+            if repeats >= 5 and untried:  # TPE keeps proposing the incumbent: explore an untried config instead
+                study.enqueue_trial(_params(rng.choice(untried)), skip_if_exists=True)
+                repeats = 0
         else:
             try:
                 ms = float(measure(cfg))
@@ -174,10 +188,11 @@ def tune(
                 history.append(TrialRecord(trial.number, cfg, None, reason))
                 continue
             measured[cfg] = ms
+            timed += 1
         study.tell(trial, ms)
         history.append(TrialRecord(trial.number, cfg, ms))
         if on_trial is not None:
-            on_trial(len(measured) - resumed, trials, min(measured.values()), time.time() - start)
+            on_trial(timed, trials, min(measured.values()), time.time() - start)
 
     if not measured:
         raise RuntimeError(f"{name}: no config could be measured; reasons: {[r.reason for r in history][:5]}")

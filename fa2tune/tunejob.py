@@ -1,0 +1,154 @@
+"""One tuning job: for a device, plan → compile in parallel → Optuna study → verify → a store entry.
+
+`run_study` does it on one device. `run_parallel` runs one worker process per device on one shared study (an
+Optuna journal file by default), then finishes in this process: the best trials of all workers are timed again
+on the first device, verified, and written. A worker that dies is reported and does not stop the others.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from . import bench, codegen, planner, selection, selfcheck, store, tuner
+from .types import DeviceInfo
+
+
+@dataclass(frozen=True)
+class StudySpec:
+    """What to tune, and how long."""
+
+    kernel: str
+    head_dim: int
+    dtype: str  # "bf16" | "fp16" | "fp32"
+    causal: bool
+    seqlens: tuple[int, ...] = (1024, 4096, 16384)
+    tokens: int = 16384
+    trials: int = 40
+    timeout_s: float | None = None
+    storage: str | None = None
+
+
+def _storage(url: str | None):
+    """An Optuna storage: None (in memory), a database URL, or a journal file (a path ending in .journal/.log)."""
+    if url is None or "://" in url:
+        return url
+    import optuna
+
+    Path(url).parent.mkdir(parents=True, exist_ok=True)
+    return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(url))
+
+
+def _interpreted(device_name: str) -> bool:
+    return device_name == "cpu"
+
+
+def run_study(
+    spec: StudySpec, device_name: str, *, on_trial: Callable | None = None, finalize: bool = True
+) -> tuple[tuner.TuneResult, store.Entry]:
+    """Tunes one kernel on one device; with finalize=False only times trials (a worker of run_parallel)."""
+    info = selection.device_info(device_name)
+    dtype = selection.DTYPES_BY_NAME[spec.dtype]
+    cpu = _interpreted(device_name)
+    seqlens = tuple(min(n, 64) for n in spec.seqlens[:2]) if cpu else spec.seqlens
+    if cpu:  # a few small tiles: the interpreter's time grows with the tile count
+        default = planner.INTERPRETER_CONFIG
+        space = [default, *(planner.KernelConfig(m, n, 4, 1) for m in (16, 64) for n in (16, 64))]
+    else:
+        default = None
+        candidates = [c for c, _ in planner.plan(info, spec.head_dim, dtype, spec.kernel).accepted]
+        if spec.trials > 0:
+            failures = bench.precompile(spec.kernel, spec.head_dim, dtype, spec.causal, candidates, seqlens=seqlens,
+                                        device=device_name)  # fmt: skip
+            candidates = [c for c in candidates if c not in failures]
+        space = candidates
+    width = 2 * spec.head_dim if cpu else 2048
+    tokens = 64 if cpu else spec.tokens
+    measure = bench.make_measure(spec.kernel, spec.head_dim, dtype, spec.causal, seqlens=seqlens,
+                                 device=device_name, tokens=tokens, width=width)  # fmt: skip
+    shape = (1, 2, 1, 70, 70, spec.head_dim) if cpu else (2, 8, 2, 1000, 1000, spec.head_dim)
+
+    def verify(cfg):
+        if spec.kernel == "fwd":
+            r = selfcheck.check_forward(shape, dtype=dtype, causal=spec.causal, device=device_name, config=cfg)
+            return None if r.passed else f"relative error {r.rel_err:.1e}"
+        key = "dkdv_config" if spec.kernel == "bwd_dkdv" else "dq_config"
+        err = selfcheck.check_backward(shape, dtype=dtype, causal=spec.causal, device=device_name, **{key: cfg})
+        return None if err <= 2 * selfcheck.REL_TOLERANCE[dtype] else f"gradient relative error {err:.1e}"
+
+    result = tuner.tune(
+        device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype, causal=spec.causal, measure=measure,
+        trials=spec.trials, timeout_s=spec.timeout_s, space=space, storage=_storage(spec.storage),
+        verify=verify if finalize else None, remeasure_top=3 if finalize else 1, default=default, on_trial=on_trial,
+    )  # fmt: skip
+    flops = 0.0 if cpu else sum(
+        bench.attention_flops(max(1, tokens // n), max(1, width // spec.head_dim), n, n, spec.head_dim,
+                              causal=spec.causal, mode="fwd" if spec.kernel == "fwd" else "bwd")
+        for n in seqlens
+    )  # fmt: skip
+    tflops = lambda ms: round(flops / (ms * 1e-3) / 1e12, 1) if ms and flops else None
+    entry = store.Entry(
+        key=store.EntryKey(head_dim=spec.head_dim, dtype=spec.dtype, causal=spec.causal, kernel=spec.kernel),
+        config=result.best, ms=round(result.best_ms, 4), tflops=tflops(result.best_ms),
+        baseline={"name": "planner-default", "config": result.default.to_dict(),
+                  "ms": result.default_ms, "tflops": tflops(result.default_ms)},
+        trials=result.measured, spread=measure.spread(result.best) if finalize else None,
+        triton_version=_triton_version(), torch_version=str(torch.__version__),
+        template_hash=codegen.template_hash(), date=datetime.date.today().isoformat(),
+    )  # fmt: skip
+    return result, entry
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def device_summary(info: DeviceInfo) -> dict:
+    return {"name": info.name, "slug": info.slug, "capability": list(info.capability), "sm_count": info.sm_count,
+            "smem_per_block": info.smem_per_block}  # fmt: skip
+
+
+def write(entry: store.Entry, device_name: str, config_dir: Path) -> Path:
+    info = selection.device_info(device_name)
+    path = Path(config_dir) / f"{info.slug}.yaml"
+    store.write_entries(path, device_summary(info), [entry])
+    return path
+
+
+def _worker(spec: StudySpec, device_name: str) -> None:
+    if device_name.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device_name))
+    run_study(spec, device_name, finalize=False)
+
+
+def run_parallel(
+    spec: StudySpec, device_names: list[str], *, report: Callable[[str], None] = print
+) -> tuple[tuner.TuneResult, store.Entry, dict[str, int]]:
+    """One worker process per device, each timing spec.trials / len(devices) configs of one shared study.
+
+    Returns the finished result (re-timed and verified on the first device), its entry, and each worker's exit
+    code (non-zero: that worker died; its completed trials still count).
+    """
+    if spec.storage is None:
+        raise ValueError("run_parallel needs a shared storage (an Optuna URL or a journal file path)")
+    share = max(1, -(-spec.trials // len(device_names)))
+    context = mp.get_context("spawn")  # CUDA cannot be used in forked children
+    workers = [(name, context.Process(target=_worker, args=(replace(spec, trials=share), name)))
+               for name in device_names]  # fmt: skip
+    for _, process in workers:
+        process.start()
+    codes = {}
+    for i, (name, process) in enumerate(workers):
+        process.join()
+        codes[f"{i}:{name}"] = process.exitcode
+        if process.exitcode != 0:
+            report(f"worker {i} on {name} died (exit code {process.exitcode}); the others carry on")
+    result, entry = run_study(replace(spec, trials=0), device_names[0])
+    return result, entry, codes

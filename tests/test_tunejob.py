@@ -1,0 +1,51 @@
+"""Tuning jobs: one worker process per device on one shared Optuna journal file (run here under the interpreter)."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+import torch
+
+from fa2tune import store, tunejob
+
+
+@pytest.fixture
+def interpreter_only():
+    if torch.cuda.is_available():
+        pytest.skip("runs the workers under Triton's interpreter; on a GPU machine use `fa2tune tune --device all`")
+
+
+def _study(path, spec):
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+    name = f"cpu-interpreter/{spec.kernel}/d{spec.head_dim}/bfloat16/{'causal' if spec.causal else 'full'}"
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+def test_two_workers_share_one_journal_and_lose_nothing(tmp_path, interpreter_only):
+    journal = tmp_path / "studies" / "tune.journal"
+    spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=True, trials=4, storage=str(journal))
+    result, entry, codes = tunejob.run_parallel(spec, ["cpu", "cpu"])
+    assert codes == {"0:cpu": 0, "1:cpu": 0}
+    completed = [t for t in _study(journal, spec).trials if t.state == optuna.trial.TrialState.COMPLETE]
+    configs = {tuple(t.params.values()) for t in completed}
+    assert len(configs) == 4  # two workers × two configs each, none timed twice
+    assert result.measured == 4 and entry.config in {tunejob.planner.KernelConfig(*c) for c in configs}
+    assert entry.ms <= round(min(t.value for t in completed), 4) + 1e-4  # the winner's best reading
+    path = tunejob.write(entry, "cpu", tmp_path / "configs")
+    assert store.read_file(path)[1] == [entry]
+
+
+def test_a_dead_worker_does_not_stop_the_others(tmp_path, interpreter_only):
+    journal = tmp_path / "tune.journal"
+    spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=4, storage=str(journal))
+    said = []
+    result, entry, codes = tunejob.run_parallel(spec, ["cpu", "cuda:7"], report=said.append)
+    assert codes["0:cpu"] == 0 and codes["1:cuda:7"] != 0
+    assert said == [f"worker 1 on cuda:7 died (exit code {codes['1:cuda:7']}); the others carry on"]
+    assert result.measured == 2 and entry.config == result.best
+
+
+def test_parallel_needs_a_shared_storage():
+    spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False)
+    with pytest.raises(ValueError, match="needs a shared storage"):
+        tunejob.run_parallel(spec, ["cpu", "cpu"])
