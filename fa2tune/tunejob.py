@@ -32,6 +32,7 @@ class StudySpec:
     trials: int = 40
     timeout_s: float | None = None
     storage: str | None = None
+    seed: int = 0  # workers of one study get different seeds, so their first proposals differ
 
 
 def _storage(url: str | None):
@@ -85,6 +86,7 @@ def run_study(
         device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype, causal=spec.causal, measure=measure,
         trials=spec.trials, timeout_s=spec.timeout_s, space=space, storage=_storage(spec.storage),
         verify=verify if finalize else None, remeasure_top=3 if finalize else 1, default=default, on_trial=on_trial,
+        seed=spec.seed,
     )  # fmt: skip
     flops = 0.0 if cpu else sum(
         bench.attention_flops(max(1, tokens // n), max(1, width // spec.head_dim), n, n, spec.head_dim,
@@ -140,8 +142,8 @@ def run_parallel(
         raise ValueError("run_parallel needs a shared storage (an Optuna URL or a journal file path)")
     share = max(1, -(-spec.trials // len(device_names)))
     context = mp.get_context("spawn")  # CUDA cannot be used in forked children
-    workers = [(name, context.Process(target=_worker, args=(replace(spec, trials=share), name)))
-               for name in device_names]  # fmt: skip
+    workers = [(name, context.Process(target=_worker, args=(replace(spec, trials=share, seed=spec.seed + i), name)))
+               for i, name in enumerate(device_names)]  # fmt: skip
     for _, process in workers:
         process.start()
     codes = {}
