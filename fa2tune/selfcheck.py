@@ -33,6 +33,14 @@ def default_shapes(on_gpu: bool) -> list[tuple[int, int, int, int, int, int]]:
     return [(1, 2, 1, 37, 37, 64), (1, 2, 2, 1, 40, 96), (1, 2, 2, 70, 30, 32)]
 
 
+def _random_inputs(shape, dtype, device, seed):
+    """q, k, v and dO drawn on the CPU from a seeded generator (the same values on every device), then moved."""
+    batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = shape
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    sizes = [(heads_q, seqlen_q), (heads_kv, seqlen_k), (heads_kv, seqlen_k), (heads_q, seqlen_q)]
+    return [torch.randn(batch, h, n, head_dim, generator=gen).to(device, dtype) for h, n in sizes]
+
+
 def check_forward(
     shape: tuple[int, int, int, int, int, int],
     *,
@@ -43,11 +51,8 @@ def check_forward(
     seed: int = 0,
 ) -> CheckResult:
     """Compares the forward kernel with float64 standard attention on random inputs; the output is poisoned first."""
-    batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = shape
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randn(batch, heads_q, seqlen_q, head_dim, generator=gen).to(device, dtype)
-    k = torch.randn(batch, heads_kv, seqlen_k, head_dim, generator=gen).to(device, dtype)
-    v = torch.randn(batch, heads_kv, seqlen_k, head_dim, generator=gen).to(device, dtype)
+    head_dim = shape[-1]
+    q, k, v, _ = _random_inputs(shape, dtype, device, seed)
     out = torch.full_like(q, float("nan"))
     o, lse = forward(q, k, v, causal=causal, scale=head_dim**-0.5, config=config, out=out)
     ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=causal)
@@ -72,12 +77,8 @@ def check_backward(
     """Worst relative error (‖g − ref‖ / max(‖ref‖, ‖dO‖)) of dq, dk, dv against float64 autograd."""
     from .launcher import backward
 
-    batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = shape
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randn(batch, heads_q, seqlen_q, head_dim, generator=gen).to(device, dtype)
-    k = torch.randn(batch, heads_kv, seqlen_k, head_dim, generator=gen).to(device, dtype)
-    v = torch.randn(batch, heads_kv, seqlen_k, head_dim, generator=gen).to(device, dtype)
-    do = torch.randn(batch, heads_q, seqlen_q, head_dim, generator=gen).to(device, dtype)
+    head_dim = shape[-1]
+    q, k, v, do = _random_inputs(shape, dtype, device, seed)
     scale = head_dim**-0.5
     o, lse = forward(q, k, v, causal=causal, scale=scale)
     grads = backward(do, q, k, v, o, lse, causal=causal, scale=scale, dkdv_config=dkdv_config, dq_config=dq_config)

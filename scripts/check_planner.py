@@ -41,6 +41,45 @@ def _compile(job: tuple[str, int, str, KernelConfig, tuple[int, int]]) -> dict:
     )
 
 
+def summarize(csv_path: str, gpu: str = "h200") -> str:
+    """A markdown table comparing the SRAM model (and the seed's rule) with the compiler's verdicts."""
+    import statistics
+
+    info = device.known_gpu(gpu)
+    limit = info.smem_per_block
+    with open(csv_path) as handle:
+        rows = list(csv.DictReader(handle))
+    out = ["| kernel | d | compiled | fit (compiler) | model: false accepts | model: false rejects | "
+           "prediction / actual, configs > 25 % of the budget | seed rule: false accepts | spill rejections |",
+           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for kernel in planner.KERNELS:
+        for head_dim in sorted({int(r["head_dim"]) for r in rows}):
+            group = [r for r in rows if r["kernel"] == kernel and int(r["head_dim"]) == head_dim]
+            if not group:
+                continue
+            fa = fr = fits = seed_fa = spills = 0
+            ratios = []
+            for r in group:
+                cfg = KernelConfig(int(r["block_m"]), int(r["block_n"]), int(r["num_warps"]), int(r["num_stages"]))
+                shared = int(r["shared_bytes"])
+                predicted = planner.sram_bytes(cfg, head_dim, DTYPES[r["dtype"]], kernel)
+                actual_fits, model_fits = shared <= limit, predicted <= limit
+                fits += actual_fits
+                fa += model_fits and not actual_fits
+                fr += actual_fits and not model_fits
+                seed_fa += planner.seed_rule_bytes(cfg, head_dim, DTYPES[r["dtype"]]) <= limit and not actual_fits
+                reason = planner.check(cfg, info, head_dim, DTYPES[r["dtype"]], kernel)
+                spills += reason is not None and reason.startswith("registers")
+                if shared > limit // 4:
+                    ratios.append(predicted / shared)
+            spread = "-"
+            if ratios:
+                spread = f"{min(ratios):.2f} – {max(ratios):.2f} (median {statistics.median(ratios):.2f})"
+            out.append(f"| {kernel} | {head_dim} | {len(group)} | {fits} | {fa} | {fr} ({fr / max(fits, 1):.0%}) | "
+                       f"{spread} | {seed_fa} | {spills} |")  # fmt: skip
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", default="h200", help=f"one of {sorted(device.KNOWN_GPUS)}")
@@ -49,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default=",".join(planner.KERNELS))
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parser.add_argument("--csv", required=True)
+    parser.add_argument("--summarize", action="store_true", help="only print the comparison table of an existing CSV")
     args = parser.parse_args(argv)
+    if args.summarize:
+        print(summarize(args.csv, args.gpu))
+        return 0
     info = device.known_gpu(args.gpu)
     jobs = [
         (kernel, head_dim, args.dtype, cfg, info.capability)
@@ -71,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         writer.writerows(rows)
     failed = sum(1 for r in rows if r["error"])
     print(f"{len(rows)} configs compiled for {info.name} in {time.time() - start:.0f} s; {failed} failed to compile")
+    print(summarize(args.csv, args.gpu))
     return 0
 
 
