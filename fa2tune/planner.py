@@ -2,17 +2,19 @@
 
 The SRAM model. The seed's rule budgets one Q tile, one K tile and the score tile in SRAM:
     B_r·d + B_c·d + B_r·B_c ≲ SRAM   (elements).
-What Triton actually places in shared memory (checked against the compiler: docs/PLANNER.md) differs in two ways:
-  * the K/V loop is software-pipelined: with num_stages = S ≥ 2 there are S buffers of K_j *and* of V_j in flight
-    (S = 1: one buffer, reused for K_j then V_j), so stages multiply the K/V term — the term that decides fit;
-  * S_ij and P_ij never touch shared memory: the QKᵀ accumulator is in registers and P feeds P·V from registers.
+What Triton actually places in shared memory (checked against the compiler: docs/PLANNER.md) differs:
+  * the K/V loop is software-pipelined: Hopper's wgmma path keeps S = num_stages buffers of K_j *and* of V_j in
+    flight (the mma.sync path of older GPUs, and of Hopper dots under 64 rows, keeps S − 1); with num_stages = 1
+    one buffer serves K_j then V_j. Stages multiply the K/V term — the term that decides fit;
+  * S_ij and P_ij stay in registers on the wgmma path; on the mma.sync path P is re-laid out through shared
+    memory before P·V, so there the seed's B_r·B_c term (+ scores below) is real.
 So, in bytes (e = bytes per element, d = head dim padded to a power of two ≥ 16):
-    fwd       e·d·(B_r + kv·B_c)                         kv = 2·S (S ≥ 2) or 1 (S = 1)
-    bwd_dkdv  e·d·(2·B_c + 2·S·B_r) + 8·S·B_r            K_j, V_j owned; Q_i, dO_i, lse, δ streamed
-    bwd_dq    e·d·(2·B_r + 2·S·B_c)                      Q_i, dO_i owned; K_j, V_j streamed
+    fwd       e·d·(B_r + kv·B_c) + scores                kv = 2·S (num_stages ≥ 2) or 1
+    bwd_dkdv  e·d·(2·B_c + 2·S·B_r) + 8·S·B_r + scores   K_j, V_j owned; Q_i, dO_i, lse, δ streamed; scores ×2
+    bwd_dq    e·d·(2·B_r + 2·S·B_c) + scores             Q_i, dO_i owned; K_j, V_j streamed
 and a config fits when that is ≤ the device's opt-in shared memory per block (Triton's OutOfResources test).
 
-The seed's B_r·B_c term moves to the register file, with the other fp32 accumulators of each kernel:
+On the wgmma path the seed's B_r·B_c term lives in the register file, with the other fp32 accumulators:
     fwd       B_r·(d + B_c)          Õ_i and S_ij
     bwd_dkdv  B_c·(2·d + 2·B_r)      dK_j, dV_j, P_ijᵀ and dP_ijᵀ
     bwd_dq    B_r·(d + 2·B_c)        dQ_i, P_ij and dP_ij
@@ -54,16 +56,29 @@ def seed_rule_bytes(cfg: KernelConfig, head_dim: int, dtype: torch.dtype) -> int
     return e * (cfg.block_m * d + cfg.block_n * d + cfg.block_m * cfg.block_n)
 
 
-def sram_bytes(cfg: KernelConfig, head_dim: int, dtype: torch.dtype, kernel: str = "fwd") -> int:
+def _uses_wgmma(dot_rows: int, capability: tuple[int, int]) -> bool:
+    """Hopper's wgmma takes a dot of >= 64 rows (one warpgroup's minimum); older GPUs and smaller dots use mma.sync."""
+    return capability[0] == 9 and dot_rows >= 64
+
+
+def sram_bytes(
+    cfg: KernelConfig, head_dim: int, dtype: torch.dtype, kernel: str = "fwd", capability: tuple[int, int] = (9, 0)
+) -> int:
     """Predicted shared memory of one program of `kernel` with `cfg`, in bytes (see the module docstring)."""
     _check_kernel(kernel)
-    e, d, s = dtype.itemsize, head_dim_padded(head_dim), cfg.num_stages
+    e, d, m, n = dtype.itemsize, head_dim_padded(head_dim), cfg.block_m, cfg.block_n
+    wgmma = _uses_wgmma(n if kernel == "bwd_dkdv" else m, capability)
+    # wgmma pipelines keep num_stages buffers of each streamed tile in flight, mma.sync pipelines one fewer.
+    s = max(1, cfg.num_stages if wgmma else cfg.num_stages - 1)
+    # On the mma.sync path P (and in dK/dV also dSᵀ) is re-laid out through shared memory before the second dot:
+    # the seed's B_r·B_c term. wgmma reads them from registers.
+    scores = 0 if wgmma else e * m * n * (2 if kernel == "bwd_dkdv" else 1)
     if kernel == "fwd":
-        kv_buffers = 2 * s if s >= 2 else 1
-        return e * d * (cfg.block_m + kv_buffers * cfg.block_n)
+        kv_buffers = 2 * s if cfg.num_stages >= 2 else 1  # one stage: a single buffer serves K_j, then V_j
+        return e * d * (m + kv_buffers * n) + scores
     if kernel == "bwd_dkdv":
-        return e * d * (2 * cfg.block_n + 2 * s * cfg.block_m) + 8 * s * cfg.block_m
-    return e * d * (2 * cfg.block_m + 2 * s * cfg.block_n)
+        return e * d * (2 * n + 2 * s * m) + 8 * s * m + scores
+    return e * d * (2 * m + 2 * s * n) + scores
 
 
 MAX_ACCUMULATORS_PER_THREAD = 255
@@ -82,7 +97,7 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
     _check_kernel(kernel)
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         return f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}"
-    need = sram_bytes(cfg, head_dim, dtype, kernel)
+    need = sram_bytes(cfg, head_dim, dtype, kernel, device.capability)
     if need > device.smem_per_block:
         return (
             f"shared memory: needs {need:,} B (model: {_model_terms(cfg, kernel)}), "
@@ -130,7 +145,7 @@ def plan(device: DeviceInfo, head_dim: int, dtype: torch.dtype, kernel: str = "f
     accepted, rejected = [], []
     for cfg in candidates():
         reason = check(cfg, device, head_dim, dtype, kernel)
-        need = sram_bytes(cfg, head_dim, dtype, kernel)
+        need = sram_bytes(cfg, head_dim, dtype, kernel, device.capability)
         if reason is None:
             accepted.append((cfg, need))
         else:

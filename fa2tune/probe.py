@@ -12,6 +12,7 @@ a real launch builds.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,8 @@ def compile_config(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile_config needs Triton's compiler: unset TRITON_INTERPRET in this process")
     template, name = _KERNEL_NAMES[kernel]
     variant = Variant(causal=causal, even_m=True, even_n=True, dot_fp32=False)
     fn = getattr(codegen.load(template, variant), name)

@@ -101,17 +101,19 @@ def main(argv: list[str] | None = None) -> int:
         for cfg in planner.candidates()
     ]
     start = time.time()
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        rows = []
+    os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
+    rows = []
+    with mp.get_context("spawn").Pool(args.workers) as pool, open(args.csv, "w", newline="") as handle:
+        writer = None
         for i, row in enumerate(pool.imap(_compile, jobs, chunksize=4)):
+            if writer is None:
+                writer = csv.DictWriter(handle, fieldnames=list(row))
+                writer.writeheader()
+            writer.writerow(row)  # row by row: a long run that is stopped keeps what it compiled
+            handle.flush()
             rows.append(row)
             if (i + 1) % 100 == 0:
                 print(f"{i + 1}/{len(jobs)} compiled, {time.time() - start:.0f} s", flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
-    with open(args.csv, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
     failed = sum(1 for r in rows if r["error"])
     print(f"{len(rows)} configs compiled for {info.name} in {time.time() - start:.0f} s; {failed} failed to compile")
     print(summarize(args.csv, args.gpu))
