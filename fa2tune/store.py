@@ -38,6 +38,7 @@ from .types import KernelConfig
 
 SCHEMA_VERSION = 1
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
+KERNEL_NAMES = ("fwd", "bwd_dkdv", "bwd_dq")  # planner.KERNELS; repeated so reading YAML needs no torch import
 SEQLEN_BUCKETS = ("all",)  # one config for every length; finer buckets can be added without a schema change
 
 
@@ -50,6 +51,19 @@ class EntryKey:
     causal: bool
     kernel: str  # "fwd" | "bwd_dkdv" | "bwd_dq"
     seqlen_bucket: str = "all"
+
+    def __post_init__(self) -> None:
+        # A hand-edited or foreign file must fail here (and be skipped with a warning), not at launch time.
+        if not isinstance(self.head_dim, int) or not 1 <= self.head_dim <= 256:
+            raise ValueError(f"head_dim must be an int in 1..256, got {self.head_dim!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal must be true or false, got {self.causal!r}")
+        if self.kernel not in KERNEL_NAMES:
+            raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {self.kernel!r}")
+        if self.seqlen_bucket not in SEQLEN_BUCKETS:
+            raise ValueError(f"seqlen_bucket must be one of {SEQLEN_BUCKETS}, got {self.seqlen_bucket!r}")
 
 
 @dataclass(frozen=True)

@@ -90,8 +90,9 @@ def test_lookup_order_env_then_user_then_shipped(config_dir, monkeypatch):
 @pytest.mark.parametrize(
     "content",
     ["{not: [valid yaml", "- just\n- a list\n", "schema_version: 99\nentries: []\n",
-     "schema_version: 1\nentries:\n- key: {head_dim: 64}\n"],
-    ids=["unparsable", "not-a-mapping", "future-schema", "malformed-entry"],
+     "schema_version: 1\nentries:\n- key: {head_dim: 64}\n",
+     "schema_version: 1\nentries:\n- {key: {head_dim: 64, dtype: fp8, causal: false, kernel: fwd}, config: {}}\n"],
+    ids=["unparsable", "not-a-mapping", "future-schema", "malformed-entry", "unknown-dtype"],
 )  # fmt: skip
 def test_a_bad_file_warns_once_and_falls_back(config_dir, content, device):
     bad = config_dir / "env" / f"{selection.device_info(device).slug}.yaml"
