@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
-"""TFLOP/s of fa2tune beside PyTorch SDPA's flash, cuDNN and efficient backends, in one run on one GPU.
+"""TFLOP/s of fa2tune beside PyTorch SDPA's flash, cuDNN and efficient backends and FlexAttention, on one GPU.
 
 Shapes keep batch·N = 16k tokens and heads·d = 2048 (the PERF-NOTES grid). FLOPs = 4·B·H·N²·d (× ~0.5 causal;
-× 3.5 for fwd+bwd), time = median of triton.testing.do_bench. Prints a table last; --csv writes every number.
+× 3.5 for fwd+bwd), time = median of triton.testing.do_bench. Prints a table and the geomean ratios last; --csv
+writes docs/bench/<gpu>.csv's columns; --plots writes one PNG per (head_dim, mode).
 
-    python scripts/bench_vs_sdpa.py --modes fwd,fwd+bwd --seqlens 1024,4096,8192,16384 --csv $OUT/bench.csv
+    python scripts/bench_vs_sdpa.py --csv $OUT/nvidia-h200.csv --plots $OUT
+    python scripts/bench_vs_sdpa.py --from-csv docs/bench/nvidia-h200-v2.csv --plots docs/bench   # no GPU needed
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fa2tune
+from fa2tune import benchreport
 from fa2tune.bench import attention_flops, random_qkv, time_cuda
 
 SDPA_BACKENDS = {
@@ -27,9 +29,28 @@ SDPA_BACKENDS = {
 }
 
 
+def _flex(causal: bool):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention)
+    masks = {}
+
+    def run(q, k, v):
+        if not causal:
+            return compiled(q, k, v)
+        n = q.shape[-2]
+        if n not in masks:  # built once per length, outside the timed region after the first call
+            masks[n] = create_block_mask(lambda b, h, i, j: j <= i, None, None, n, n, device=q.device)
+        return compiled(q, k, v, block_mask=masks[n])
+
+    return run
+
+
 def _provider(name: str, causal: bool):
     if name == "fa2tune":
         return lambda q, k, v: fa2tune.attention(q, k, v, causal=causal)
+    if name == "flex":
+        return _flex(causal)
     backend = SDPA_BACKENDS[name]
 
     def run(q, k, v):
@@ -66,9 +87,11 @@ def _measure(providers, mode, head_dim, seqlen, causal, tokens, width) -> list[d
         try:
             out = torch.cat([t.flatten().float() for t in _as_tuple(fn(q, k, v))])
             err = ((out - ref).norm() / ref.norm()).item()
+            if not err < 2e-2:  # a provider that computes something else must not get a speed number
+                raise RuntimeError(f"relative error {err:.1e} against SDPA flash")
             tflops = time_cuda(lambda fn=fn: fn(q, k, v)).tflops(flops)
         except RuntimeError as exc:  # a backend that does not support the shape
-            err, tflops = float("nan"), float("nan")
+            tflops = float("nan")
             print(f"{name} {mode} d={head_dim} N={seqlen} causal={causal}: {str(exc).splitlines()[0]}")
         rows.append(
             dict(
@@ -91,13 +114,21 @@ def _as_tuple(x):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dims", default="64,128")
-    parser.add_argument("--seqlens", default="1024,4096,8192,16384")
-    parser.add_argument("--providers", default="fa2tune,sdpa_flash,sdpa_cudnn,sdpa_efficient")
+    parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    parser.add_argument("--providers", default="fa2tune,sdpa_flash,sdpa_cudnn,sdpa_efficient,flex")
     parser.add_argument("--tokens", type=int, default=16384, help="batch·N")
     parser.add_argument("--width", type=int, default=2048, help="heads·d")
-    parser.add_argument("--modes", default="fwd", help="fwd, fwd+bwd or both, comma-separated")
+    parser.add_argument("--modes", default="fwd,fwd+bwd", help="fwd, fwd+bwd or both, comma-separated")
     parser.add_argument("--csv", default=None)
+    parser.add_argument("--plots", default=None, help="folder for one PNG per (head_dim, mode)")
+    parser.add_argument("--from-csv", default=None, help="report and plot an earlier run's CSV; measure nothing")
     args = parser.parse_args(argv)
+    if args.from_csv:
+        rows = benchreport.read_rows(args.from_csv)
+        if args.plots:
+            print("\n".join(map(str, benchreport.write_plots(rows, args.plots, _title(args.from_csv)))))
+        print("\n".join(benchreport.summary(rows)))
+        return 0
     if not torch.cuda.is_available():
         print("bench_vs_sdpa.py needs a CUDA GPU; none is visible", file=sys.stderr)
         return 2
@@ -110,17 +141,23 @@ def main(argv: list[str] | None = None) -> int:
                 for causal in (False, True):
                     rows += _measure(providers, mode, head_dim, seqlen, causal, args.tokens, args.width)
     if args.csv:
-        with open(args.csv, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        benchreport.write_rows(rows, args.csv)
+    if args.plots:
+        benchreport.write_plots(rows, args.plots, f"{torch.cuda.get_device_name()} bf16")
     print(f"\n{'mode':>8} {'d':>4} {'N':>6} {'causal':>6} " + " ".join(f"{p:>14}" for p in providers))
     for i in range(0, len(rows), len(providers)):
         group = rows[i : i + len(providers)]
         r = group[0]
         cells = " ".join(f"{g['tflops']:>14}" for g in group)
         print(f"{r['mode']:>8} {r['head_dim']:>4} {r['seqlen']:>6} {r['causal']!s:>6} {cells}")
+    print("\n".join(benchreport.summary(rows)))
     return 0
+
+
+def _title(csv_path: str) -> str:
+    from pathlib import Path
+
+    return Path(csv_path).stem.split("-v")[0].replace("-", " ").upper() + " bf16"
 
 
 if __name__ == "__main__":
