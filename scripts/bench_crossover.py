@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for fn in PROVIDERS.values():
             try:
-                cells.append(f"{time_cuda(lambda fn=fn: fn(q, k, v)).median_ms * 1e3:>12.0f}")
+                cells.append(f"{time_cuda(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v)).median_ms * 1e3:>12.0f}")
             except RuntimeError as exc:  # a backend that does not take the shape
                 cells.append(f"{'n/a':>12}")
                 print(f"  {str(exc).splitlines()[0]}", file=sys.stderr)
