@@ -155,11 +155,17 @@ def _to_ints(config: KernelConfig) -> list[int]:
     return [config.block_m, config.block_n, config.num_warps, config.num_stages]
 
 
+def _from_ints(config: list[int]) -> KernelConfig | None:
+    # [] means "resolve inside the op": the store lookup (file I/O) then runs at call time, never while
+    # torch.compile traces the caller.
+    return KernelConfig(*config) if config else None
+
+
 @torch.library.custom_op("fa2tune::fwd", mutates_args=())
 def _fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, config: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward(q, k, v, causal=causal, scale=scale, config=KernelConfig(*config))
+    return forward(q, k, v, causal=causal, scale=scale, config=_from_ints(config))
 
 
 @_fwd_op.register_fake
@@ -183,7 +189,7 @@ def _bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return backward(
         do, q, k, v, o, lse, causal=causal, scale=scale,
-        dkdv_config=KernelConfig(*dkdv_config), dq_config=KernelConfig(*dq_config),
+        dkdv_config=_from_ints(dkdv_config), dq_config=_from_ints(dq_config),
     )  # fmt: skip
 
 
@@ -197,8 +203,7 @@ class FlashAttnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, config):
-        fwd_config = _config(config, "fwd", q, causal)
-        o, lse = torch.ops.fa2tune.fwd(q, k, v, causal, scale, _to_ints(fwd_config))
+        o, lse = torch.ops.fa2tune.fwd(q, k, v, causal, scale, _to_ints(config) if config is not None else [])
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.scale = causal, scale
         ctx.mark_non_differentiable(lse)
@@ -207,9 +212,7 @@ class FlashAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dkdv_config = _to_ints(_config(None, "bwd_dkdv", q, ctx.causal))
-        dq_config = _to_ints(_config(None, "bwd_dq", q, ctx.causal))
-        dq, dk, dv = torch.ops.fa2tune.bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, dkdv_config, dq_config)
+        dq, dk, dv = torch.ops.fa2tune.bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, [], [])
         return dq, dk, dv, None, None, None
 
 
