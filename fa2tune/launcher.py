@@ -9,6 +9,8 @@ torch.compile sees two opaque ops with known output shapes instead of tracing in
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import codegen, planner, selection
@@ -35,6 +37,11 @@ def _kernel(template: str, name: str, causal: bool, seqlen_q: int, seqlen_k: int
         dot_fp32=_interpreting(),
     )
     return getattr(codegen.load(template, variant), name)
+
+
+def _on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensors' own (cuda:1 inputs, current device 0)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _config(config: KernelConfig | None, kernel: str, q: torch.Tensor, causal: bool) -> KernelConfig:
@@ -70,6 +77,12 @@ def forward(
         return o, lse.fill_(float("-inf"))
     kernel = _kernel("fwd", "_attn_fwd", causal, seqlen_q, seqlen_k, config)
     grid = (_cdiv(seqlen_q, config.block_m) * batch * heads_q,)
+    with _on_device(q):
+        _launch_fwd(kernel, grid, q, k, v, o, lse, heads_q, heads_kv, seqlen_q, seqlen_k, scale, head_dim, config)
+    return o, lse
+
+
+def _launch_fwd(kernel, grid, q, k, v, o, lse, heads_q, heads_kv, seqlen_q, seqlen_k, scale, head_dim, config):
     kernel[grid](
         q, k, v, o, lse,
         q.stride(0), q.stride(1), q.stride(2),
@@ -81,7 +94,6 @@ def forward(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, INPUT_PRECISION=_input_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    return o, lse
 
 
 def backward(
@@ -103,8 +115,6 @@ def backward(
         (dq, dk, dv), contiguous, with the shapes and dtypes of q, k, v; dk/dv summed over the query heads that
         share each K/V head (GQA).
     """
-    batch, heads_q, seqlen_q, head_dim = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if do.stride(-1) != 1:
@@ -115,9 +125,17 @@ def backward(
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = torch.empty_like(lse)
+
+    with _on_device(q):
+        _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, causal, scale, dkdv_config, dq_config)
+    return dq, dk, dv
+
+
+def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, causal, scale, dkdv_config, dq_config):
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim))
     precision = _input_precision(q.dtype)
-
     pre = _kernel("bwd", "_attn_bwd_preprocess", causal, seqlen_q, seqlen_k, dq_config)
     pre[(_cdiv(seqlen_q, dq_config.block_m) * batch * heads_q,)](
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
@@ -144,7 +162,6 @@ def backward(
         **common, BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, INPUT_PRECISION=precision,
         num_warps=dq_config.num_warps, num_stages=dq_config.num_stages,
     )  # fmt: skip
-    return dq, dk, dv
 
 
 # ---- torch custom ops: what torch.compile sees -------------------------------------------------------------
