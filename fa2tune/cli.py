@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+from .inputs import DTYPES_BY_NAME
 
 
 def _resolve_device(name: str) -> str:
@@ -40,11 +40,10 @@ def _resolve_device(name: str) -> str:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     device = _resolve_device(args.device)
-    import torch
 
     from . import selfcheck
 
-    dtypes = [getattr(torch, DTYPES[d]) for d in args.dtype.split(",")]
+    dtypes = [DTYPES_BY_NAME[d] for d in args.dtype.split(",")]
     print(f"{'batch,hq,hkv,nq,nk,d':>24} {'dtype':>9} {'causal':>6} {'rel err O':>10} {'rel err lse':>11}  result")
     failed = 0
     for shape in selfcheck.default_shapes(on_gpu=device != "cpu"):
@@ -91,12 +90,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    import torch
 
     from . import planner
 
     info = _device_info(args)
-    dtype = getattr(torch, DTYPES[args.dtype])
+    dtype = DTYPES_BY_NAME[args.dtype]
     kernels = ["bwd_dkdv", "bwd_dq"] if args.kernel == "bwd" else [args.kernel]
     plans = [planner.plan(info, args.head_dim, dtype, kernel) for kernel in kernels]
     if args.json:
@@ -255,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="run the kernels against a float64 reference on random odd shapes")
     check.add_argument("--device", default="cuda:0", help="cuda[:N], or cpu for Triton's interpreter")
-    check.add_argument("--dtype", default="bf16,fp16", help=f"comma-separated, from {sorted(DTYPES)}")
+    check.add_argument("--dtype", default="bf16,fp16", help=f"comma-separated, from {sorted(DTYPES_BY_NAME)}")
     check.set_defaults(func=_cmd_check)
 
     inspect = sub.add_parser("inspect", help="what the GPU offers: SMs, shared memory, registers, L2")
@@ -269,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     where = plan.add_mutually_exclusive_group()
     where.add_argument("--device", default="cuda:0")
     where.add_argument("--gpu", default=None, help="plan without the card: one of " + ", ".join(_known_gpus()))
-    plan.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    plan.add_argument("--dtype", default="bf16", choices=sorted(DTYPES_BY_NAME))
     plan.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "bwd_dkdv", "bwd_dq"])
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_cmd_plan)
@@ -282,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         "cpu exercises the pipeline (no speed)",
     )
     tune.add_argument("--head-dim", type=_head_dim, required=True)
-    tune.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    tune.add_argument("--dtype", default="bf16", choices=sorted(DTYPES_BY_NAME))
     tune.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     tune.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "all"])
     tune.add_argument("--seqlens", default="1024,4096,16384", help="tuning lengths, at batch·N = --tokens")
@@ -329,9 +327,9 @@ def _head_dim(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "check":
-        bad = [d for d in args.dtype.split(",") if d not in DTYPES]
+        bad = [d for d in args.dtype.split(",") if d not in DTYPES_BY_NAME]
         if bad:
-            print(f"fa2tune: --dtype must be from {sorted(DTYPES)}, got {bad}", file=sys.stderr)
+            print(f"fa2tune: --dtype must be from {sorted(DTYPES_BY_NAME)}, got {bad}", file=sys.stderr)
             return 2
     return args.func(args)
 

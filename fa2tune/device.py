@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -50,6 +51,13 @@ KNOWN_GPUS: dict[str, DeviceInfo] = {
 }
 
 
+# The Triton interpreter as a pseudo-device, so the tune → store → run pipeline also works on a CPU (for tests).
+INTERPRETER = DeviceInfo(
+    name="Triton interpreter (CPU)", slug="cpu-interpreter", capability=(0, 0), sm_count=1,
+    smem_per_block=1 << 30, smem_per_sm=1 << 30, regs_per_sm=1 << 30, l2_bytes=0, source="interpreter",
+)  # fmt: skip
+
+
 def known_gpu(name: str) -> DeviceInfo:
     """Looks up the table by key ('h200') or slug ('nvidia-h200'); unknown names list the choices."""
     key = name.lower()
@@ -91,3 +99,9 @@ def inspect(device: str | torch.device = "cuda:0") -> DeviceInfo:
         triton_version=triton.__version__,
         torch_version=str(torch.__version__),
     )
+
+
+@functools.cache
+def inspect_cached(index: int) -> DeviceInfo:
+    """inspect(f"cuda:{index}"), read once per process: the card does not change under a running program."""
+    return inspect(f"cuda:{index}")

@@ -10,7 +10,10 @@ import torch
 
 from .planner import MAX_HEAD_DIM
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The dtypes the kernels take, and the short names used in YAML, the CLI and Triton signatures.
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+SUPPORTED_DTYPES = tuple(DTYPE_NAMES)
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,8 @@ class AttentionShape:
     head_dim: int
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
@@ -57,7 +61,7 @@ def check_qkv(q: object, k: object, v: object) -> AttentionShape:
         raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
-    if q.device.type == "cpu" and not _interpreting():
+    if q.device.type == "cpu" and not interpreting():
         raise ValueError(
             "q is on the CPU, but fa2tune's kernels run on CUDA devices; move the tensors to a GPU, or set "
             "TRITON_INTERPRET=1 before importing triton to run them through Triton's interpreter (slow, for tests)"

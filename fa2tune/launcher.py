@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from . import codegen, planner, selection
-from .inputs import _interpreting, check_flag, check_qkv, check_scale
+from .inputs import check_flag, check_qkv, check_scale, interpreting
 from .types import KernelConfig, Variant
 
 LOG2E = 1.4426950408889634  # 1/ln(2): the kernels run the softmax on exp2
@@ -34,7 +34,7 @@ def _kernel(template: str, name: str, causal: bool, seqlen_q: int, seqlen_k: int
         causal=causal,
         even_m=seqlen_q % config.block_m == 0,
         even_n=seqlen_k % config.block_n == 0,
-        dot_fp32=_interpreting(),
+        dot_fp32=interpreting(),
     )
     return getattr(codegen.load(template, variant), name)
 

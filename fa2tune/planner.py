@@ -25,12 +25,12 @@ compile, but are never worth timing.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import dataclass
 
 import torch
 
+from .device import INTERPRETER, inspect_cached, known_gpu
 from .types import DeviceInfo, KernelConfig
 
 MAX_HEAD_DIM = 256
@@ -193,13 +193,6 @@ _FALLBACK = {
 INTERPRETER_CONFIG = KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
 
 
-@functools.cache
-def _current_device(index: int) -> DeviceInfo:
-    from .device import inspect
-
-    return inspect(f"cuda:{index}")
-
-
 def default_config(
     head_dim: int,
     dtype: torch.dtype,
@@ -207,7 +200,6 @@ def default_config(
     causal: bool = False,
     kernel: str = "fwd",
     device: DeviceInfo | None = None,
-    interpret: bool = False,
 ) -> KernelConfig:
     """The config used before any tuning: the H200's measured best where it fits the device, else the largest
     moderate tile that does.
@@ -218,20 +210,15 @@ def default_config(
         causal: causal masking (the best d=128 forward tile differs with it).
         kernel: "fwd", "bwd_dkdv" (one program per K/V tile: block_n rows owned, block_m Q rows streamed) or
             "bwd_dq" (one program per Q tile: block_m rows owned, block_n K/V rows streamed).
-        device: the GPU to fit; default: the current CUDA device, else the H200 table entry.
-        interpret: True under TRITON_INTERPRET=1, where small tiles keep the CPU interpreter quick and let
-            tests cross many tile boundaries at small sequence lengths.
+        device: the GPU to fit; default: the current CUDA device, else the H200 table entry. For
+            device.INTERPRETER, small tiles that keep the CPU interpreter quick and let tests cross many tile
+            boundaries at small sequence lengths.
     """
     _check_kernel(kernel)
-    if interpret:
+    if device is INTERPRETER:
         return INTERPRETER_CONFIG
     if device is None:
-        if torch.cuda.is_available():
-            device = _current_device(torch.cuda.current_device())
-        else:
-            from .device import known_gpu
-
-            device = known_gpu("h200")
+        device = inspect_cached(torch.cuda.current_device()) if torch.cuda.is_available() else known_gpu("h200")
     d = head_dim_padded(head_dim)
     key = (kernel, d, causal if kernel == "fwd" else False)
     preferred = _PREFERRED.get(key, []) if dtype != torch.float32 else []

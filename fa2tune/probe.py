@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from . import codegen, planner
+from .inputs import DTYPE_NAMES
 from .types import KernelConfig, Variant
 
-_TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _KERNEL_NAMES = {
     "fwd": ("fwd", "_attn_fwd"),
     "bwd_dkdv": ("bwd", "_attn_bwd_dkdv"),
@@ -86,7 +86,8 @@ def compile_config(
             signature[arg] = "constexpr"
             continue
         if arg in _TENSORS or arg in _FP32_TENSORS:
-            signature[arg] = "*" + ("fp32" if arg in _FP32_TENSORS else _TRITON_DTYPES[dtype])
+            # Triton spells the dtypes as fa2tune's short names do.
+            signature[arg] = "*" + ("fp32" if arg in _FP32_TENSORS else DTYPE_NAMES[dtype])
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif arg in _FLOATS:
             signature[arg] = "fp32"

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from . import planner, selection
+from .inputs import DTYPE_NAMES
 from .launcher import attention
 from .types import DeviceInfo, KernelConfig
 
@@ -70,7 +71,7 @@ def get_kernel(
 
     if not isinstance(head_dim, int) or not 1 <= head_dim <= planner.MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be an int in 1..{planner.MAX_HEAD_DIM}, got {head_dim!r}")
-    if dtype not in selection.DTYPE_NAMES:
+    if dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")

@@ -11,24 +11,9 @@ import os
 import torch
 
 from . import codegen, planner, store
-from .inputs import _interpreting
+from .device import INTERPRETER, inspect_cached
+from .inputs import DTYPE_NAMES, interpreting
 from .types import DeviceInfo, KernelConfig
-
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-
-# The Triton interpreter as a pseudo-device, so the tune → store → run pipeline also works on a CPU (for tests).
-INTERPRETER = DeviceInfo(
-    name="Triton interpreter (CPU)",
-    slug="cpu-interpreter",
-    capability=(0, 0),
-    sm_count=1,
-    smem_per_block=1 << 30,
-    smem_per_sm=1 << 30,
-    regs_per_sm=1 << 30,
-    l2_bytes=0,
-    source="interpreter",
-)
 
 _cache: dict[tuple, tuple[KernelConfig, str]] = {}
 
@@ -36,9 +21,9 @@ _cache: dict[tuple, tuple[KernelConfig, str]] = {}
 def device_info(device: torch.device | str) -> DeviceInfo:
     """The DeviceInfo for a tensor's device: the card's reading (cached), or the interpreter pseudo-device."""
     device = torch.device(device)
-    if device.type == "cpu" or _interpreting():
+    if device.type == "cpu" or interpreting():
         return INTERPRETER
-    return planner._current_device(device.index if device.index is not None else torch.cuda.current_device())
+    return inspect_cached(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def clear_cache() -> None:
@@ -66,10 +51,6 @@ def resolve(
         else:
             store._warn_once(f"fa2tune: tuned config {entry.config} in {path} does not fit {info.name}: {reason}")
     if result is None:
-        if info is INTERPRETER:
-            result = (planner.INTERPRETER_CONFIG, "planner-default")
-        else:
-            cfg = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info)
-            result = (cfg, "planner-default")
+        result = (planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info), "planner-default")
     _cache[cache_key] = result
     return result

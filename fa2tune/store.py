@@ -37,7 +37,7 @@ import yaml
 from .types import KernelConfig
 
 SCHEMA_VERSION = 1
-DTYPE_NAMES = ("bf16", "fp16", "fp32")
+DTYPE_NAMES = ("bf16", "fp16", "fp32")  # inputs.DTYPE_NAMES' values; no torch needed to read YAML
 KERNEL_NAMES = ("fwd", "bwd_dkdv", "bwd_dq")  # planner.KERNELS; repeated so reading YAML needs no torch import
 SEQLEN_BUCKETS = ("all",)  # one config for every length; finer buckets can be added without a schema change
 
@@ -199,7 +199,7 @@ def write_entries(path: Path, device: dict, new_entries: list[Entry]) -> None:
                 _warn_once(f"fa2tune: {path} was unreadable ({exc}); moved aside to {path.name}.corrupt")
         for entry in new_entries:
             entries[entry.key] = entry
-        ordered = sorted(entries.values(), key=lambda e: asdict(e.key).__repr__())
+        ordered = sorted(entries.values(), key=lambda e: tuple(asdict(e.key).values()))
         document = {"schema_version": SCHEMA_VERSION, "device": device, "entries": [e.to_dict() for e in ordered]}
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from . import bench, codegen, planner, selection, selfcheck, store, tuner
+from .inputs import DTYPES_BY_NAME
 from .types import DeviceInfo
 
 
@@ -54,14 +55,12 @@ def run_study(
 ) -> tuple[tuner.TuneResult, store.Entry]:
     """Tunes one kernel on one device; with finalize=False only times trials (a worker of run_parallel)."""
     info = selection.device_info(device_name)
-    dtype = selection.DTYPES_BY_NAME[spec.dtype]
+    dtype = DTYPES_BY_NAME[spec.dtype]
     cpu = _interpreted(device_name)
     seqlens = tuple(min(n, 64) for n in spec.seqlens[:2]) if cpu else spec.seqlens
     if cpu:  # a few small tiles: the interpreter's time grows with the tile count
-        default = planner.INTERPRETER_CONFIG
-        space = [default, *(planner.KernelConfig(m, n, 4, 1) for m in (16, 64) for n in (16, 64))]
+        space = [planner.INTERPRETER_CONFIG, *(planner.KernelConfig(m, n, 4, 1) for m in (16, 64) for n in (16, 64))]
     else:
-        default = None
         candidates = [c for c, _ in planner.plan(info, spec.head_dim, dtype, spec.kernel).accepted]
         if spec.trials > 0:
             failures = bench.precompile(spec.kernel, spec.head_dim, dtype, spec.causal, candidates, seqlens=seqlens,
@@ -85,7 +84,7 @@ def run_study(
     result = tuner.tune(
         device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype, causal=spec.causal, measure=measure,
         trials=spec.trials, timeout_s=spec.timeout_s, space=space, storage=_storage(spec.storage),
-        verify=verify if finalize else None, remeasure_top=3 if finalize else 1, default=default, on_trial=on_trial,
+        verify=verify if finalize else None, remeasure_top=3 if finalize else 1, on_trial=on_trial,
         seed=spec.seed,
     )  # fmt: skip
     flops = 0.0 if cpu else sum(

@@ -18,19 +18,16 @@ import os
 import sys
 import time
 
-import torch
-
 from fa2tune import device, planner
+from fa2tune.inputs import DTYPES_BY_NAME
 from fa2tune.types import KernelConfig
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _compile(job: tuple[str, int, str, KernelConfig, tuple[int, int]]) -> dict:
     from fa2tune.probe import compile_config
 
     kernel, head_dim, dtype, cfg, capability = job
-    report = compile_config(kernel, cfg, head_dim, DTYPES[dtype], causal=True, capability=capability)
+    report = compile_config(kernel, cfg, head_dim, DTYPES_BY_NAME[dtype], causal=True, capability=capability)
     return dict(
         kernel=kernel,
         head_dim=head_dim,
@@ -60,15 +57,16 @@ def summarize(csv_path: str, gpu: str = "h200") -> str:
             fa = fr = fits = seed_fa = spills = 0
             ratios = []
             for r in group:
+                dtype = DTYPES_BY_NAME[r["dtype"]]
                 cfg = KernelConfig(int(r["block_m"]), int(r["block_n"]), int(r["num_warps"]), int(r["num_stages"]))
                 shared = int(r["shared_bytes"])
-                predicted = planner.sram_bytes(cfg, head_dim, DTYPES[r["dtype"]], kernel)
+                predicted = planner.sram_bytes(cfg, head_dim, dtype, kernel)
                 actual_fits, model_fits = shared <= limit, predicted <= limit
                 fits += actual_fits
                 fa += model_fits and not actual_fits
                 fr += actual_fits and not model_fits
-                seed_fa += planner.seed_rule_bytes(cfg, head_dim, DTYPES[r["dtype"]]) <= limit and not actual_fits
-                reason = planner.check(cfg, info, head_dim, DTYPES[r["dtype"]], kernel)
+                seed_fa += planner.seed_rule_bytes(cfg, head_dim, dtype) <= limit and not actual_fits
+                reason = planner.check(cfg, info, head_dim, dtype, kernel)
                 spills += reason is not None and reason.startswith("registers")
                 if shared > limit // 4:
                     ratios.append(predicted / shared)
@@ -84,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", default="h200", help=f"one of {sorted(device.KNOWN_GPUS)}")
     parser.add_argument("--head-dims", default="64,128")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES_BY_NAME))
     parser.add_argument("--kernels", default=",".join(planner.KERNELS))
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parser.add_argument("--csv", required=True)
