@@ -1,7 +1,8 @@
-"""Timing and FLOP accounting shared by the benchmarks in scripts/ (and, later, the tuner)."""
+"""Timing, FLOP accounting and kernel runs shared by the tuner and the benchmarks in scripts/."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,6 +70,40 @@ def random_qkv(
     return q, k, v
 
 
+@dataclass(frozen=True)
+class KernelInputs:
+    """What one timed run of a kernel reads: q, k, v, and for a backward kernel the forward's O, LSE and a dO."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    do: torch.Tensor | None = None
+
+
+def kernel_inputs(kernel: str, causal: bool, batch: int, heads: int, seqlen: int, head_dim: int, *, dtype, device):
+    """Fresh random inputs for `kernel` ("fwd", "bwd_dkdv", "bwd_dq"); backward ones carry a real forward."""
+    from . import launcher
+
+    q, k, v = random_qkv(batch, heads, seqlen, head_dim, dtype=dtype, device=device)
+    if kernel == "fwd":
+        return KernelInputs(q, k, v)
+    o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5)
+    return KernelInputs(q, k, v, o, lse, torch.randn_like(o))
+
+
+def run_kernel(kernel: str, cfg, x: KernelInputs, causal: bool):
+    """Runs `kernel` with `cfg` (a backward kernel: the whole backward, the other kernel at its resolved config)."""
+    from . import launcher
+
+    scale = x.q.shape[-1] ** -0.5
+    if kernel == "fwd":
+        return launcher.forward(x.q, x.k, x.v, causal=causal, scale=scale, config=cfg)
+    key = "dkdv_config" if kernel == "bwd_dkdv" else "dq_config"
+    return launcher.backward(x.do, x.q, x.k, x.v, x.o, x.lse, causal=causal, scale=scale, **{key: cfg})
+
+
 def make_measure(
     kernel: str,
     head_dim: int,
@@ -82,66 +117,47 @@ def make_measure(
 ) -> Callable:
     """The tuner's objective: config -> sum over `seqlens` of the median time (ms) of `kernel` with it.
 
-    Each length runs at batch = tokens // N and heads = width // head_dim (the PERF-NOTES grid). For a backward
-    kernel the whole backward is timed, the other backward kernel at its resolved config. On the CPU (the Triton
-    interpreter) the wall clock of one run is used: right for testing the pipeline, meaningless for speed.
+    Each length runs at batch = tokens // N and heads = width // head_dim (the PERF-NOTES grid). On the CPU (the
+    Triton interpreter) the wall clock of one run is used: right for testing the pipeline, meaningless for speed.
     """
-    from . import launcher
-
-    inputs = {}
-    for seqlen in seqlens:
-        batch, heads = max(1, tokens // seqlen), max(1, width // head_dim)
-        q, k, v = random_qkv(batch, heads, seqlen, head_dim, dtype=dtype, device=device)
-        if kernel == "fwd":
-            inputs[seqlen] = (q, k, v, None, None, None)
-        else:
-            o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5)
-            inputs[seqlen] = (q, k, v, o, lse, torch.randn_like(o))
-
-    def run(cfg, q, k, v, o, lse, do):
-        if kernel == "fwd":
-            return launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5, config=cfg)
-        key = "dkdv_config" if kernel == "bwd_dkdv" else "dq_config"
-        return launcher.backward(do, q, k, v, o, lse, causal=causal, scale=head_dim**-0.5, **{key: cfg})
+    inputs = [
+        kernel_inputs(kernel, causal, max(1, tokens // n), max(1, width // head_dim), n, head_dim, dtype=dtype,
+                      device=device)
+        for n in seqlens
+    ]  # fmt: skip
+    on_gpu = str(device).startswith("cuda")
 
     def measure(cfg) -> float:
         total = 0.0
-        for args in inputs.values():
-            if str(device).startswith("cuda"):
-                total += time_cuda(lambda args=args: run(cfg, *args)).median_ms
+        for x in inputs:
+            if on_gpu:
+                total += time_cuda(lambda x=x: run_kernel(kernel, cfg, x, causal)).median_ms
             else:
-                import time
-
-                run(cfg, *args)  # first call renders and imports the variant
+                run_kernel(kernel, cfg, x, causal)  # first call renders and imports the variant
                 start = time.perf_counter()
-                run(cfg, *args)
+                run_kernel(kernel, cfg, x, causal)
                 total += (time.perf_counter() - start) * 1e3
         return total
 
     def spread(cfg) -> float | None:
         """The winner's worst (p80 − p20) / median over the tuning lengths; None on the CPU."""
-        if not str(device).startswith("cuda"):
+        if not on_gpu:
             return None
-        timings = [time_cuda(lambda args=args: run(cfg, *args)) for args in inputs.values()]
+        timings = [time_cuda(lambda x=x: run_kernel(kernel, cfg, x, causal)) for x in inputs]
         return round(max((t.p80_ms - t.p20_ms) / t.median_ms for t in timings), 4)
 
     measure.spread = spread
+    measure.inputs = inputs
     return measure
 
 
 def _compile_one(job) -> str | None:
     kernel, head_dim, dtype, causal, cfg, seqlen, device = job
     try:
-        from . import launcher
-
-        q, k, v = random_qkv(1, 1, seqlen, head_dim, dtype=dtype, device=device)
-        if kernel == "fwd":
-            launcher.forward(q, k, v, causal=causal, scale=1.0, config=cfg)
-        else:
-            o, lse = launcher.forward(q, k, v, causal=causal, scale=1.0)
-            key = "dkdv_config" if kernel == "bwd_dkdv" else "dq_config"
-            launcher.backward(torch.randn_like(o), q, k, v, o, lse, causal=causal, scale=1.0, **{key: cfg})
-        torch.cuda.synchronize()
+        x = kernel_inputs(kernel, causal, 1, 1, seqlen, head_dim, dtype=dtype, device=device)
+        run_kernel(kernel, cfg, x, causal)
+        if x.q.is_cuda:
+            torch.cuda.synchronize()  # a launch error surfaces here, as this config's failure
         return None
     except Exception as exc:  # failures are data
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"
@@ -149,14 +165,22 @@ def _compile_one(job) -> str | None:
 
 def precompile(kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", workers=16) -> dict:
     """Compiles every config in a pool of processes (compiling is CPU work, most of a tune's time), so the study
-    then only times: Triton's disk cache hands the binaries to this process. Returns {config: failure reason}."""
+    then only times: Triton's disk cache hands the binaries to this process. Returns {config: failure reason}.
+
+    Each length N is compiled at 256 + N mod 256, a short length with the same divisibility by every block size,
+    hence the same Jinja variant (even or ragged tails) as N itself.
+    """
     import multiprocessing as mp
 
-    # A length that is a multiple of every block gives the same Jinja variant as the tuning lengths (all 2^k).
-    jobs = [(kernel, head_dim, dtype, causal, cfg, 256, device) for cfg in configs]
+    lengths = sorted({256 + n % 256 for n in seqlens})
+    jobs = [(kernel, head_dim, dtype, causal, cfg, n, device) for cfg in configs for n in lengths]
     with mp.get_context("spawn").Pool(workers) as pool:
         results = pool.map(_compile_one, jobs)
-    return {cfg: reason for cfg, reason in zip(configs, results, strict=True) if reason}
+    failures = {}
+    for (_, _, _, _, cfg, _, _), reason in zip(jobs, results, strict=True):
+        if reason and cfg not in failures:
+            failures[cfg] = reason
+    return failures
 
 
 def load_sweep(path, *, head_dim: int, causal: bool) -> dict:

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Times every block config of a small grid for one kernel at one shape: the data behind planner.default_config.
 
-Configs are compiled first in a pool of processes (Triton's disk cache keeps the binaries), then timed one at a
-time in this process. A config that fails to compile is reported with its reason, never stops the sweep.
+Configs are compiled first in a pool of processes (bench.precompile; Triton's disk cache keeps the binaries),
+then timed one at a time in this process (bench.make_measure, the tuner's own objective). A config that fails
+to compile is reported with its reason, never stops the sweep.
 For a backward kernel the other backward kernel keeps its default config, and the time is the whole backward.
 
     python scripts/sweep_configs.py --kernel fwd --head-dims 64,128 --seqlen 8192 --csv $OUT/sweep_fwd.csv
@@ -13,49 +14,25 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
-import multiprocessing as mp
 import sys
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from fa2tune import launcher
-from fa2tune.bench import attention_flops, random_qkv, time_cuda
+from fa2tune import bench
 from fa2tune.types import KernelConfig
 
 
-def _runner(kernel: str, q, k, v, causal: bool, cfg: KernelConfig):
-    """A no-argument callable running the kernel under test with cfg, and a function giving its output."""
-    scale = q.shape[-1] ** -0.5
+def _outputs(kernel: str, cfg, x: bench.KernelInputs, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reference, ours) flattened: SDPA's output or gradients against fa2tune's with cfg."""
     if kernel == "fwd":
-        return partial(launcher.forward, q, k, v, causal=causal, scale=scale, config=cfg)
-    o, lse = launcher.forward(q, k, v, causal=causal, scale=scale)
-    do = torch.randn_like(o)
-    key = "dkdv_config" if kernel == "bwd_dkdv" else "dq_config"
-    return partial(launcher.backward, do, q, k, v, o, lse, causal=causal, scale=scale, **{key: cfg})
-
-
-def _reference(kernel: str, q, k, v, causal: bool, run):
-    if kernel == "fwd":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal), run()[0]
-    do = run.args[0]
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    grads = torch.autograd.grad(F.scaled_dot_product_attention(*leaves, is_causal=causal), leaves, do)
-    ours = run()
+        return F.scaled_dot_product_attention(x.q, x.k, x.v, is_causal=causal), bench.run_kernel(
+            kernel, cfg, x, causal
+        )[0]
+    leaves = [t.detach().requires_grad_() for t in (x.q, x.k, x.v)]
+    grads = torch.autograd.grad(F.scaled_dot_product_attention(*leaves, is_causal=causal), leaves, x.do)
+    ours = bench.run_kernel(kernel, cfg, x, causal)
     return torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in ours])
-
-
-def _compile(job: tuple[str, int, bool, KernelConfig, int]) -> str | None:
-    kernel, head_dim, causal, cfg, seqlen = job
-    try:
-        # Same constexprs and Jinja switches (multiples of the blocks) as the timed shape.
-        q, k, v = random_qkv(1, 2, 256 if seqlen % 256 == 0 else seqlen, head_dim)
-        _runner(kernel, q, k, v, causal, cfg)()
-        torch.cuda.synchronize()
-        return None
-    except Exception as exc:  # failures are data: report the reason
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="2,3,4")
     parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=16384, help="batch·N (heads·d stays 2048)")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 (a smoke test)")
     parser.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")]
@@ -75,24 +54,31 @@ def main(argv: list[str] | None = None) -> int:
     configs = [KernelConfig(bm, bn, w, s) for bm, bn, w, s in grid]
     cases = itertools.product(ints(args.head_dims), (False, True), configs)
     jobs = [(args.kernel, d, causal, cfg, args.seqlen) for d, causal, cfg in cases]
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        failures = pool.map(_compile, jobs)
+    failures = {}
+    for kernel, head_dim, causal in {(k, d, c) for k, d, c, _, _ in jobs}:
+        group = [cfg for k, d, c, cfg, _ in jobs if (k, d, c) == (kernel, head_dim, causal)]
+        failed = bench.precompile(kernel, head_dim, torch.bfloat16, causal, group, seqlens=(args.seqlen,),
+                                  device=args.device, workers=args.workers)  # fmt: skip
+        failures.update({(kernel, head_dim, causal, cfg): reason for cfg, reason in failed.items()})
     mode = "fwd" if args.kernel == "fwd" else "bwd"
-    rows = []
-    for (kernel, head_dim, causal, cfg, seqlen), failure in zip(jobs, failures, strict=True):
-        batch, heads = max(1, 16384 // seqlen), 2048 // head_dim
+    rows, measures = [], {}
+    for kernel, head_dim, causal, cfg, seqlen in jobs:
+        batch, heads = max(1, args.tokens // seqlen), 2048 // head_dim  # as make_measure lays them out
         row = dict(kernel=kernel, head_dim=head_dim, causal=causal, **cfg.to_dict(), tflops=float("nan"))
-        row["error"] = failure or ""
-        if failure is None:
-            q, k, v = random_qkv(batch, heads, seqlen, head_dim)
-            run = _runner(kernel, q, k, v, causal, cfg)
-            ref, out = _reference(kernel, q, k, v, causal, run)
+        row["error"] = failures.get((kernel, head_dim, causal, cfg), "")
+        if not row["error"]:
+            if (head_dim, causal) not in measures:  # one set of random inputs per shape, shared by its configs
+                measures[head_dim, causal] = bench.make_measure(
+                    kernel, head_dim, torch.bfloat16, causal, seqlens=(seqlen,), device=args.device, tokens=args.tokens
+                )
+            measure = measures[head_dim, causal]
+            ref, out = _outputs(kernel, cfg, measure.inputs[0], causal)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             if not err < 2e-2:
                 row["error"] = f"wrong result: rel err {err:.2e}"
             else:
-                flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal=causal, mode=mode)
-                row["tflops"] = round(time_cuda(run).tflops(flops), 1)
+                flops = bench.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal=causal, mode=mode)
+                row["tflops"] = round(flops / (measure(cfg) * 1e-3) / 1e12, 1)
         rows.append(row)
     if args.csv:
         with open(args.csv, "w", newline="") as handle:
