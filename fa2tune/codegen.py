@@ -22,7 +22,7 @@ import jinja2
 
 TEMPLATES = ("fwd", "bwd")
 _lock = threading.Lock()
-_modules: dict[tuple[str, str], ModuleType] = {}
+_modules: dict[tuple[str, object, str], ModuleType] = {}
 
 
 def templates_dir() -> Path:
@@ -110,7 +110,7 @@ def load(template: str, variant: object) -> ModuleType:
     The Triton interpreter decides at import time whether @jit builds a GPU or an interpreted function,
     so the in-memory cache is keyed on TRITON_INTERPRET too.
     """
-    key = (template, repr(variant) + os.environ.get("TRITON_INTERPRET", "0"))
+    key = (template, variant, os.environ.get("TRITON_INTERPRET", "0"))
     module = _modules.get(key)
     if module is not None:
         return module
