@@ -331,7 +331,11 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             print(f"fa2tune: --dtype must be from {sorted(DTYPES_BY_NAME)}, got {bad}", file=sys.stderr)
             return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `fa2tune plan ... | head`: the reader left; not an error of ours
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

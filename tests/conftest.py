@@ -7,11 +7,17 @@ first use, but set it here, before anything imports triton, as the interpreter's
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Hermetic config lookup: a tuned YAML in the developer's ~/.cache (say, from `fa2tune tune --device cpu`) must
+# not change which configs the tests launch. Each test run gets its own cache root.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fa2tune-tests-")
+os.environ.pop("FA2TUNE_CONFIG_DIR", None)
 
 import pytest
 
