@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from .launcher import FlashAttnFunction, attention
+from .launcher import FlashAttnFunction, attention, attention_varlen
 from .runtime import AttentionKernel, get_kernel
-from .types import KernelConfig, Variant
+from .types import KernelConfig, Mask, Variant
 
-__all__ = ["AttentionKernel", "FlashAttnFunction", "KernelConfig", "Variant", "attention", "get_kernel"]
+__all__ = [
+    "AttentionKernel",
+    "FlashAttnFunction",
+    "KernelConfig",
+    "Mask",
+    "Variant",
+    "attention",
+    "attention_varlen",
+    "get_kernel",
+]
 __version__ = "0.1.0"

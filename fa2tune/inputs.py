@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -33,22 +34,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def check_qkv(q: object, k: object, v: object) -> AttentionShape:
-    """Validates q, k, v (batch, heads, seqlen, head_dim) and returns their sizes.
-
-    Raises:
-        TypeError: a non-tensor, a non-float dtype, or mixed dtypes.
-        ValueError: wrong rank, mismatched sizes, GQA heads that do not divide, head_dim > 256,
-            a non-unit last stride, tensors on different devices, or CPU tensors without the interpreter.
-    """
+def _check_tensors(q: object, k: object, v: object, layout: str) -> None:
+    """What q, k, v must share in any layout: tensor type, rank, dtype, unit last stride, one device."""
+    rank = layout.count(",") + 1
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must be 4-D (batch, heads, seqlen, head_dim) as in scaled_dot_product_attention, "
-                f"got shape {tuple(t.shape)}"
-            )
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
         if t.stride(-1) != 1 and t.shape[-1] > 1:
@@ -69,23 +62,113 @@ def check_qkv(q: object, k: object, v: object) -> AttentionShape:
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"q must be on a CUDA device, got {q.device}")
 
+
+def _check_heads(heads_q: int, heads_k: int, heads_v: int) -> None:
+    if heads_k != heads_v:
+        raise ValueError(f"k and v must have the same number of heads, got k={heads_k}, v={heads_v}")
+    if heads_k == 0 or heads_q % heads_k != 0:
+        raise ValueError(
+            f"q's heads must be a multiple of k/v's heads (GQA/MQA), got q heads={heads_q}, k/v heads={heads_k}"
+        )
+
+
+def _check_head_dim(head_dim: int, k_dim: int, v_dim: int) -> None:
+    if k_dim != head_dim or v_dim != head_dim:
+        raise ValueError(f"q, k and v must have the same head_dim, got q={head_dim}, k={k_dim}, v={v_dim}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+
+
+def check_qkv(q: object, k: object, v: object) -> AttentionShape:
+    """Validates q, k, v (batch, heads, seqlen, head_dim) and returns their sizes.
+
+    Raises:
+        TypeError: a non-tensor, a non-float dtype, or mixed dtypes.
+        ValueError: wrong rank, mismatched sizes, GQA heads that do not divide, head_dim > 256,
+            a non-unit last stride, tensors on different devices, or CPU tensors without the interpreter.
+    """
+    _check_tensors(q, k, v, "(batch, heads, seqlen, head_dim) as in scaled_dot_product_attention")
     batch, heads_q, seqlen_q, head_dim = q.shape
     if k.shape[0] != batch or v.shape[0] != batch:
         raise ValueError(f"q, k and v must have the same batch size, got {batch}, {k.shape[0]}, {v.shape[0]}")
-    if k.shape[1] != v.shape[1]:
-        raise ValueError(f"k and v must have the same number of heads, got k={k.shape[1]}, v={v.shape[1]}")
-    heads_kv = k.shape[1]
-    if heads_kv == 0 or heads_q % heads_kv != 0:
-        raise ValueError(
-            f"q's heads must be a multiple of k/v's heads (GQA/MQA), got q heads={heads_q}, k/v heads={heads_kv}"
-        )
+    _check_heads(heads_q, k.shape[1], v.shape[1])
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v must have the same sequence length, got k={k.shape[2]}, v={v.shape[2]}")
-    if k.shape[3] != head_dim or v.shape[3] != head_dim:
-        raise ValueError(f"q, k and v must have the same head_dim, got q={head_dim}, k={k.shape[3]}, v={v.shape[3]}")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
-    return AttentionShape(batch, heads_q, heads_kv, seqlen_q, k.shape[2], head_dim)
+    _check_head_dim(head_dim, k.shape[3], v.shape[3])
+    return AttentionShape(batch, heads_q, k.shape[1], seqlen_q, k.shape[2], head_dim)
+
+
+def check_varlen(
+    q: object,
+    k: object,
+    v: object,
+    cu_seqlens_q: object,
+    cu_seqlens_k: object,
+    max_seqlen_q: object,
+    max_seqlen_k: object,
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Validates packed sequences (FlashAttention-2's varlen layout); returns (cu_q, cu_k, max_q, max_k).
+
+    The cumulative lengths are read back to the host once to check them (a small copy and a sync): a wrong
+    cu_seqlens would otherwise read and write out of bounds without any error.
+    """
+    _check_tensors(q, k, v, "(total_tokens, heads, head_dim) as in flash_attn_varlen_func")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v must have the same number of tokens, got k={k.shape[0]}, v={v.shape[0]}")
+    _check_heads(q.shape[1], k.shape[1], v.shape[1])
+    _check_head_dim(q.shape[2], k.shape[2], v.shape[2])
+    lengths = {}
+    for name, cu, total, max_name, max_len in (
+        ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
+        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k),
+    ):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+            got = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+            raise TypeError(f"{name} must be a 1-D torch.int32 tensor of batch + 1 >= 2 offsets, got {got}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 0:
+            raise TypeError(f"{max_name} must be a non-negative int, got {max_len!r}")
+        offsets = cu.tolist()
+        seq_lens = [b - a for a, b in itertools.pairwise(offsets)]
+        if offsets[0] != 0 or min(seq_lens) < 0:
+            shown = f"{offsets[:8]}{'...' if len(offsets) > 8 else ''}"
+            raise ValueError(f"{name} must start at 0 and never decrease, got {shown}")
+        if offsets[-1] != total:
+            raise ValueError(f"{name} must end at the number of tokens ({total}), got {offsets[-1]}")
+        longest = max(seq_lens)
+        if longest > max_len:
+            raise ValueError(f"{max_name}={max_len} is below the longest sequence in {name} ({longest})")
+        lengths[name] = len(offsets)
+    if lengths["cu_seqlens_q"] != lengths["cu_seqlens_k"]:
+        raise ValueError(
+            "cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+            f"{lengths['cu_seqlens_q'] - 1} and {lengths['cu_seqlens_k'] - 1}"
+        )
+    return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+
+
+def check_window(window: object) -> tuple[int, int]:
+    """FlashAttention-2's window_size: (left, right) ints >= -1, -1 = unbounded; None = no window."""
+    if window is None:
+        return (-1, -1)
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or any(isinstance(w, bool) or not isinstance(w, int) for w in window)
+    ):
+        raise TypeError(f"window must be None or a (left, right) pair of ints, got {window!r}")
+    if min(window) < -1:
+        raise ValueError(f"window sides must be >= -1 (-1 = unbounded), got {tuple(window)}")
+    return (int(window[0]), int(window[1]))
+
+
+def check_prefix_len(prefix_len: object) -> int:
+    if isinstance(prefix_len, bool) or not isinstance(prefix_len, int):
+        raise TypeError(f"prefix_len must be an int, got {type(prefix_len).__name__}")
+    if prefix_len < 0:
+        raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
+    return prefix_len
 
 
 def check_scale(scale: object, head_dim: int) -> float:

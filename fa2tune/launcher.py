@@ -10,12 +10,13 @@ torch.compile sees two opaque ops with known output shapes instead of tracing in
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
 from . import codegen, planner, selection
-from .inputs import check_flag, check_qkv, check_scale, interpreting
-from .types import KernelConfig, Variant
+from .inputs import check_flag, check_prefix_len, check_qkv, check_scale, check_varlen, check_window, interpreting
+from .types import KernelConfig, Mask, Variant
 
 LOG2E = 1.4426950408889634  # 1/ln(2): the kernels run the softmax on exp2
 
@@ -29,14 +30,51 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _kernel(template: str, name: str, causal: bool, seqlen_q: int, seqlen_k: int, config: KernelConfig):
+def _kernel(template: str, name: str, mask: Mask, seqlen_q: int, seqlen_k: int, config: KernelConfig, varlen: bool):
     variant = Variant(
-        causal=causal,
-        even_m=seqlen_q % config.block_m == 0,
-        even_n=seqlen_k % config.block_n == 0,
+        causal=mask.causal and not mask.banded,
+        even_m=seqlen_q % config.block_m == 0 and not varlen,
+        even_n=seqlen_k % config.block_n == 0 and not varlen,
         dot_fp32=interpreting(),
+        banded=mask.banded,
+        varlen=varlen,
     )
     return getattr(codegen.load(template, variant), name)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Packed sequences (FlashAttention-2's varlen layout): tensors are (total_tokens, heads, head_dim) and
+    sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) of q (cu_seqlens_k of k/v)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.numel() - 1
+
+
+def _layout(q: torch.Tensor, k: torch.Tensor, packing: Packing | None):
+    """(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), and the (batch, head, row) strides of a tensor,
+    for SDPA's layout or the packed one (whose batch stride is 0: sequences are found through cu_seqlens)."""
+    if packing is None:
+        batch, heads_q, seqlen_q, head_dim = q.shape
+        return (batch, heads_q, k.shape[1], seqlen_q, k.shape[2], head_dim), lambda t: t.stride()[:3]
+    sizes = (packing.batch, q.shape[1], k.shape[1], packing.max_seqlen_q, packing.max_seqlen_k, q.shape[2])
+    return sizes, lambda t: (0, t.stride(1), t.stride(0))
+
+
+def _lse_strides(lse: torch.Tensor, packing: Packing | None) -> tuple[int, int]:
+    # dense (batch, H, N): per batch and head; packed (H, total_q): per head only, the row offset is cu_seqlens_q
+    return lse.stride()[:2] if packing is None else (0, lse.stride(0))
+
+
+def _mask_args(mask: Mask, seqlen_q: int, seqlen_k: int, packing: Packing | None):
+    cu_q, cu_k = (packing.cu_seqlens_q, packing.cu_seqlens_k) if packing is not None else (None, None)
+    return cu_q, cu_k, mask.bounds(seqlen_q, seqlen_k)
 
 
 def _on_device(t: torch.Tensor):
@@ -44,10 +82,10 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _config(config: KernelConfig | None, kernel: str, q: torch.Tensor, causal: bool) -> KernelConfig:
+def _config(config: KernelConfig | None, kernel: str, q: torch.Tensor, mask: Mask, varlen: bool) -> KernelConfig:
     if config is not None:
         return config
-    return selection.resolve(kernel, q.shape[-1], q.dtype, causal, q.device)[0]
+    return selection.resolve(kernel, q.shape[-1], q.dtype, mask.causal, q.device, window=mask.banded, varlen=varlen)[0]
 
 
 def forward(
@@ -55,45 +93,48 @@ def forward(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    causal: bool,
+    causal: bool | Mask,
     scale: float,
     config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
+    packing: Packing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs the forward kernel on validated inputs (see inputs.check_qkv).
+    """Runs the forward kernel on validated inputs (see inputs.check_qkv / inputs.check_varlen).
 
     Args:
+        causal: a bool (plain or causal) or a Mask (window, prefix).
         out: optional preallocated output like q (any strides with a unit last stride); written in place.
+        packing: packed sequences; q, k, v are then (total_tokens, heads, head_dim).
 
     Returns:
-        O with q's shape and dtype, and the fp32 logsumexp (batch, heads_q, seqlen_q) in natural log.
+        O with q's shape and dtype, and the fp32 logsumexp in natural log: (batch, heads_q, seqlen_q), or
+        (heads_q, total_q) for packed sequences.
     """
-    batch, heads_q, seqlen_q, head_dim = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    config = _config(config, "fwd", q, causal)
+    mask = _as_mask(causal)
+    (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), strides = _layout(q, k, packing)
+    config = _config(config, "fwd", q, mask, packing is not None)
     o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
-    lse = torch.empty((batch, heads_q, seqlen_q), device=q.device, dtype=torch.float32)
-    if o.numel() == 0:
+    lse_shape = (batch, heads_q, seqlen_q) if packing is None else (heads_q, q.shape[0])
+    lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
+    if o.numel() == 0 or batch == 0 or seqlen_q == 0:
         return o, lse.fill_(float("-inf"))
-    kernel = _kernel("fwd", "_attn_fwd", causal, seqlen_q, seqlen_k, config)
+    kernel = _kernel("fwd", "_attn_fwd", mask, seqlen_q, seqlen_k, config, packing is not None)
+    cu_q, cu_k, (left, right, prefix) = _mask_args(mask, seqlen_q, seqlen_k, packing)
     grid = (_cdiv(seqlen_q, config.block_m) * batch * heads_q,)
     with _on_device(q):
-        _launch_fwd(kernel, grid, q, k, v, o, lse, heads_q, heads_kv, seqlen_q, seqlen_k, scale, head_dim, config)
+        kernel[grid](
+            q, k, v, o, lse, cu_q, cu_k,
+            *strides(q), *strides(k), *strides(v), *strides(o), *_lse_strides(lse, packing),
+            heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale * LOG2E, left, right, prefix,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim),
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, INPUT_PRECISION=_input_precision(q.dtype),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
     return o, lse
 
 
-def _launch_fwd(kernel, grid, q, k, v, o, lse, heads_q, heads_kv, seqlen_q, seqlen_k, scale, head_dim, config):
-    kernel[grid](
-        q, k, v, o, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale * LOG2E,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, INPUT_PRECISION=_input_precision(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
+def _as_mask(causal: bool | Mask) -> Mask:
+    return causal if isinstance(causal, Mask) else Mask(causal=causal)
 
 
 def backward(
@@ -104,10 +145,11 @@ def backward(
     o: torch.Tensor,
     lse: torch.Tensor,
     *,
-    causal: bool,
+    causal: bool | Mask,
     scale: float,
     dkdv_config: KernelConfig | None = None,
     dq_config: KernelConfig | None = None,
+    packing: Packing | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of O = attention(q, k, v) given dO, recomputing S and P from the saved logsumexp.
 
@@ -119,46 +161,43 @@ def backward(
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if do.stride(-1) != 1:
         do = do.contiguous()  # e.g. the stride-0 gradient of out.sum()
-    dkdv_config = _config(dkdv_config, "bwd_dkdv", q, causal)
-    dq_config = _config(dq_config, "bwd_dq", q, causal)
+    mask = _as_mask(causal)
+    dkdv_config = _config(dkdv_config, "bwd_dkdv", q, mask, packing is not None)
+    dq_config = _config(dq_config, "bwd_dq", q, mask, packing is not None)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = torch.empty_like(lse)
 
     with _on_device(q):
-        _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, causal, scale, dkdv_config, dq_config)
+        _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config, dq_config, packing)
     return dq, dk, dv
 
 
-def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, causal, scale, dkdv_config, dq_config):
-    batch, heads_q, seqlen_q, head_dim = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config, dq_config, packing):
+    (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), strides = _layout(q, k, packing)
+    varlen = packing is not None
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim))
     precision = _input_precision(q.dtype)
-    pre = _kernel("bwd", "_attn_bwd_preprocess", causal, seqlen_q, seqlen_k, dq_config)
-    pre[(_cdiv(seqlen_q, dq_config.block_m) * batch * heads_q,)](
-        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        heads_q, seqlen_q, **common, BLOCK_M=dq_config.block_m,
+    # δ per row needs no sequence boundaries: packed rows are preprocessed as one batch of one long sequence.
+    pre_rows, pre_batch = (q.shape[0], 1) if varlen else (seqlen_q, batch)
+    pre = _kernel("bwd", "_attn_bwd_preprocess", mask, seqlen_q, seqlen_k, dq_config, varlen)
+    pre[(_cdiv(pre_rows, dq_config.block_m) * pre_batch * heads_q,)](
+        o, do, delta, *strides(o), *strides(do), heads_q, pre_rows, **common, BLOCK_M=dq_config.block_m,
     )  # fmt: skip
-    strides = (
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-    )  # fmt: skip
-    sizes = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E)
+    cu_q, cu_k, bounds = _mask_args(mask, seqlen_q, seqlen_k, packing)
+    inputs = (*strides(q), *strides(k), *strides(v), *strides(do), *_lse_strides(lse, packing))
+    sizes = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds)
 
-    dkdv = _kernel("bwd", "_attn_bwd_dkdv", causal, seqlen_q, seqlen_k, dkdv_config)
+    dkdv = _kernel("bwd", "_attn_bwd_dkdv", mask, seqlen_q, seqlen_k, dkdv_config, varlen)
     dkdv[(_cdiv(seqlen_k, dkdv_config.block_n) * batch * heads_kv,)](
-        q, k, v, do, lse, delta, dk, dv, *strides,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *sizes,
+        q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, *inputs, *strides(dk), *strides(dv), *sizes,
         **common, BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, INPUT_PRECISION=precision,
         num_warps=dkdv_config.num_warps, num_stages=dkdv_config.num_stages,
     )  # fmt: skip
-    dq_kernel = _kernel("bwd", "_attn_bwd_dq", causal, seqlen_q, seqlen_k, dq_config)
+    dq_kernel = _kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, dq_config, varlen)
     dq_kernel[(_cdiv(seqlen_q, dq_config.block_m) * batch * heads_q,)](
-        q, k, v, do, lse, delta, dq, *strides, dq.stride(0), dq.stride(1), dq.stride(2), *sizes,
+        q, k, v, do, lse, delta, dq, cu_q, cu_k, *inputs, *strides(dq), *sizes,
         **common, BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, INPUT_PRECISION=precision,
         num_warps=dq_config.num_warps, num_stages=dq_config.num_stages,
     )  # fmt: skip
@@ -178,17 +217,42 @@ def _from_ints(config: list[int]) -> KernelConfig | None:
     return KernelConfig(*config) if config else None
 
 
+def _mask_to_ints(mask: Mask) -> list[int]:
+    return [int(mask.causal), *mask.window, mask.prefix_len]
+
+
+def _mask_from_ints(ints: list[int]) -> Mask:
+    return Mask(causal=bool(ints[0]), window=(ints[1], ints[2]), prefix_len=ints[3])
+
+
+def _packing(cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, max_seqlens: list[int]) -> Packing | None:
+    return None if cu_q is None else Packing(cu_q, cu_k, *max_seqlens)
+
+
+def _lse_like(q: torch.Tensor, varlen: bool) -> torch.Tensor:
+    shape = (q.shape[1], q.shape[0]) if varlen else q.shape[:-1]
+    return q.new_empty(shape, dtype=torch.float32)
+
+
 @torch.library.custom_op("fa2tune::fwd", mutates_args=())
 def _fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, config: list[int]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: list[int],
+    scale: float,
+    config: list[int],
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlens: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward(q, k, v, causal=causal, scale=scale, config=_from_ints(config))
+    return forward(q, k, v, causal=_mask_from_ints(mask), scale=scale, config=_from_ints(config),
+                   packing=_packing(cu_seqlens_q, cu_seqlens_k, max_seqlens))  # fmt: skip
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, causal, scale, config):
-    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+def _fwd_fake(q, k, v, mask, scale, config, cu_seqlens_q, cu_seqlens_k, max_seqlens):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), _lse_like(q, cu_seqlens_q is not None)
 
 
 @torch.library.custom_op("fa2tune::bwd", mutates_args=())
@@ -199,19 +263,23 @@ def _bwd_op(
     v: torch.Tensor,
     o: torch.Tensor,
     lse: torch.Tensor,
-    causal: bool,
+    mask: list[int],
     scale: float,
     dkdv_config: list[int],
     dq_config: list[int],
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlens: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return backward(
-        do, q, k, v, o, lse, causal=causal, scale=scale,
+        do, q, k, v, o, lse, causal=_mask_from_ints(mask), scale=scale,
         dkdv_config=_from_ints(dkdv_config), dq_config=_from_ints(dq_config),
+        packing=_packing(cu_seqlens_q, cu_seqlens_k, max_seqlens),
     )  # fmt: skip
 
 
 @_bwd_op.register_fake
-def _bwd_fake(do, q, k, v, o, lse, causal, scale, dkdv_config, dq_config):
+def _bwd_fake(do, q, k, v, o, lse, mask, scale, dkdv_config, dq_config, cu_seqlens_q, cu_seqlens_k, max_seqlens):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
@@ -219,18 +287,27 @@ class FlashAttnFunction(torch.autograd.Function):
     """Autograd wrapper: the forward saves O and the logsumexp (O(N) memory); the backward recomputes S and P."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, config):
-        o, lse = torch.ops.fa2tune.fwd(q, k, v, causal, scale, _to_ints(config) if config is not None else [])
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
+    def forward(ctx, q, k, v, mask, scale, config, packing=None):
+        mask = _as_mask(mask)
+        cu_q, cu_k, max_seqlens = (
+            (None, None, [])
+            if packing is None
+            else (packing.cu_seqlens_q, packing.cu_seqlens_k, [packing.max_seqlen_q, packing.max_seqlen_k])
+        )
+        o, lse = torch.ops.fa2tune.fwd(
+            q, k, v, _mask_to_ints(mask), scale, _to_ints(config) if config is not None else [], cu_q, cu_k, max_seqlens
+        )
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+        ctx.mask, ctx.scale, ctx.max_seqlens = _mask_to_ints(mask), scale, max_seqlens
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.fa2tune.bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, [], [])
-        return dq, dk, dv, None, None, None
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = torch.ops.fa2tune.bwd(do, q, k, v, o, lse, ctx.mask, ctx.scale, [], [], cu_q, cu_k,
+                                           ctx.max_seqlens)  # fmt: skip
+        return dq, dk, dv, None, None, None, None
 
 
 def attention(
@@ -240,6 +317,8 @@ def attention(
     *,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    prefix_len: int = 0,
     return_lse: bool = False,
     config: KernelConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -251,17 +330,69 @@ def attention(
         causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned, as FlashAttention-2);
             a query that sees no key gets an output of 0 and a logsumexp of -inf.
         scale: softmax scale, default 1/sqrt(head_dim).
+        window: (left, right), FlashAttention-2's window_size: query i sees keys i' - left <= j <= i' + right,
+            i' = i + seqlen_k - seqlen_q; -1 leaves a side unbounded; with causal, right is 0.
+        prefix_len: prefix-LM: keys [0, prefix_len) are visible to every query, causal after them (implies
+            causal; combines with a left window).
         return_lse: also return the fp32 logsumexp (batch, heads_q, seqlen_q) of the scaled scores.
-        config: forward block sizes, warps and stages; default: the planner's pick.
+        config: forward block sizes, warps and stages; default: the tuned or the planner's pick.
 
     Returns:
         O with q's shape and dtype; with return_lse, (O, lse). Differentiable in q, k and v.
     """
     check_qkv(q, k, v)
-    causal = check_flag("causal", causal)
+    mask = _check_mask(causal, window, prefix_len)
     return_lse = check_flag("return_lse", return_lse)
     scale = check_scale(scale, q.shape[-1])
+    _check_config(config)
+    o, lse = FlashAttnFunction.apply(q, k, v, mask, scale, config)
+    return (o, lse) if return_lse else o
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    prefix_len: int = 0,
+    return_lse: bool = False,
+    config: KernelConfig | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed sequences, as FlashAttention-2's flash_attn_varlen_func: nothing attends across a
+    sequence boundary, and no padding is computed.
+
+    Args:
+        q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative lengths starting at 0, on q's device: sequence b
+            is rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) of q and [cu_seqlens_k[b], cu_seqlens_k[b+1]) of k/v.
+        max_seqlen_q, max_seqlen_k: the longest sequence of each (they size the launch grid).
+        causal, scale, window, prefix_len: as attention(), per sequence (bottom-right aligned within it).
+        return_lse: also return the fp32 logsumexp, (heads_q, total_q) as FlashAttention-2 returns it.
+
+    Returns:
+        O (total_q, heads_q, head_dim) in q's dtype; with return_lse, (O, lse). Differentiable in q, k and v.
+    """
+    packing = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    mask = _check_mask(causal, window, prefix_len)
+    return_lse = check_flag("return_lse", return_lse)
+    scale = check_scale(scale, q.shape[-1])
+    _check_config(config)
+    o, lse = FlashAttnFunction.apply(q, k, v, mask, scale, config, Packing(*packing))
+    return (o, lse) if return_lse else o
+
+
+def _check_mask(causal: object, window: object, prefix_len: object) -> Mask:
+    causal = check_flag("causal", causal)
+    return Mask(causal=causal, window=check_window(window), prefix_len=check_prefix_len(prefix_len))
+
+
+def _check_config(config: object) -> None:
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a fa2tune.KernelConfig or None, got {type(config).__name__}")
-    o, lse = FlashAttnFunction.apply(q, k, v, causal, scale, config)
-    return (o, lse) if return_lse else o

@@ -48,6 +48,8 @@ def _example_ints(head_dim_pad: int, heads: int, group: int) -> dict[str, int]:
         "stride_m": head_dim_pad,
         "H_Q": heads,
         "GROUP": group,
+        "stride_lb": heads * seqlen,  # the fp32 logsumexp (batch, heads, seqlen)
+        "stride_lh": seqlen,
     }
 
 
@@ -91,12 +93,15 @@ def compile_config(
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif arg in _FLOATS:
             signature[arg] = "fp32"
-        elif arg in ("N_Q", "N_K"):
+        elif arg in ("CU_Q", "CU_K"):
+            signature[arg] = "constexpr"  # a dense launch passes None for the packed-sequence offsets
+            constexprs[arg] = None
+        elif arg in ("N_Q", "N_K", "window_left", "window_right", "prefix_len"):
             signature[arg] = "i32"  # do_not_specialize in the templates
         else:
             # stride_qm / stride_kn / ... are row strides; stride_*b and stride_*h batch and head strides.
             axis = {"b": "stride_b", "h": "stride_h", "m": "stride_m", "n": "stride_m"}
-            value = ints[axis[arg[-1]]] if arg.startswith("stride_") else ints[arg]
+            value = ints.get(arg) or (ints[axis[arg[-1]]] if arg.startswith("stride_") else ints[arg])
             if value == 1:
                 signature[arg] = "constexpr"
                 constexprs[arg] = 1

@@ -20,6 +20,31 @@ def causal_visible(seqlen_q: int, seqlen_k: int, device: torch.device | str = "c
     return cols <= rows + (seqlen_k - seqlen_q)
 
 
+def band_visible(
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] = (-1, -1),
+    prefix_len: int = 0,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Boolean (seqlen_q, seqlen_k) mask of fa2tune.types.Mask, written out directly from its definition:
+    query i (aligned position i' = i + seqlen_k - seqlen_q) sees key j when j < prefix_len or
+    i' - left <= j <= i' + right, with -1 unbounded and a right bound of 0 under causal or a prefix."""
+    aligned = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    left, right = window
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= cols >= aligned - left
+    if causal or prefix_len > 0:
+        right = 0 if right < 0 else min(right, 0)
+    if right >= 0:
+        visible &= cols <= aligned + right
+    return visible | (cols < prefix_len)
+
+
 def _expand_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     if q.dim() < 3:
         return t  # one head, no head axis
@@ -28,12 +53,20 @@ def _expand_kv(q: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def naive_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    prefix_len: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Standard attention: S = q kᵀ·scale, P = softmax(S), O = P v, materialising the N_q × N_k matrix.
 
     Args:
         q: (..., heads_q, N_q, d); k, v: (..., heads_kv, N_k, d) with heads_q % heads_kv == 0; or one head (N, d).
+        causal, window, prefix_len: the mask, as fa2tune.attention (band_visible).
 
     Returns:
         (O, lse): O like q; lse (..., heads_q, N_q) = logsumexp of each row of S.
@@ -41,8 +74,11 @@ def naive_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     k, v = _expand_kv(q, k), _expand_kv(q, v)
     s = (q @ k.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(~causal_visible(q.shape[-2], k.shape[-2], q.device), float("-inf"))
+    if causal or window != (-1, -1) or prefix_len > 0:
+        visible = band_visible(
+            q.shape[-2], k.shape[-2], causal=causal, window=window, prefix_len=prefix_len, device=q.device
+        )
+        s = s.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])  # rows with no key: all zeros
     return p @ v, lse
@@ -144,4 +180,30 @@ def tiled_attention_batched(
             out[b, h], lse[b, h] = tiled_attention(
                 q[b, h], k[b, h], v[b, h], block_r=block_r, block_c=block_c, causal=causal, scale=scale
             )
+    return out, lse
+
+
+def naive_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    **mask,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """naive_attention on each packed sequence alone: q (total_q, H, d), k/v (total_k, H_kv, d).
+
+    Returns (O (total_q, H, d), lse (H, total_q)), FlashAttention-2's varlen layout.
+    """
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=q.dtype, device=q.device)
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:], strict=False):
+        if q1 == q0:
+            continue
+        o_b, lse_b = naive_attention(
+            q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1), v[k0:k1].transpose(0, 1), **mask
+        )
+        out[q0:q1] = o_b.transpose(0, 1)
+        lse[:, q0:q1] = lse_b
     return out, lse

@@ -1,6 +1,6 @@
 """Which config one attention call launches with: the tuned entry from the store, else the planner's default.
 
-Resolved once per (kernel, head_dim, dtype, causal, device, config dir) and cached, so attention()'s hot path pays
+Resolved once per (kernel, head_dim, dtype, mask kind, device, config dir) and cached, so attention()'s hot path pays
 a dict lookup. A tuned entry that does not fit the device it is used on is ignored with one warning.
 """
 
@@ -32,15 +32,28 @@ def clear_cache() -> None:
 
 
 def resolve(
-    kernel: str, head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device | str
+    kernel: str,
+    head_dim: int,
+    dtype: torch.dtype,
+    causal: bool,
+    device: torch.device | str,
+    *,
+    window: bool = False,
+    varlen: bool = False,
 ) -> tuple[KernelConfig, str]:
-    """(config, source) for one kernel launch; source is "<file>" for a tuned entry, else "planner-default"."""
+    """(config, source) for one kernel launch; source is "<file>" for a tuned entry, else "planner-default".
+
+    window: a band mask (sliding window or prefix-LM); varlen: packed sequences — each its own template variant,
+    tuned and stored under its own key.
+    """
     info = device_info(device)
-    cache_key = (kernel, head_dim, dtype, causal, info.slug, os.environ.get("FA2TUNE_CONFIG_DIR"))
+    cache_key = (kernel, head_dim, dtype, causal, window, varlen, info.slug, os.environ.get("FA2TUNE_CONFIG_DIR"))
     hit = _cache.get(cache_key)
     if hit is not None:
         return hit
-    key = store.EntryKey(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=causal, kernel=kernel)
+    key = store.EntryKey(
+        head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=causal, kernel=kernel, window=window, varlen=varlen
+    )
     found = store.lookup(info.slug, key, template_hash=codegen.template_hash())
     result = None
     if found is not None:

@@ -5,7 +5,7 @@ File layout (schema 1)::
     schema_version: 1
     device: {name: NVIDIA H200, slug: nvidia-h200, capability: [9, 0], sm_count: 132, smem_per_block: 232448}
     entries:
-    - key: {head_dim: 128, dtype: bf16, causal: false, kernel: fwd, seqlen_bucket: all}
+    - key: {head_dim: 128, dtype: bf16, causal: false, kernel: fwd, seqlen_bucket: all, window: false, varlen: false}
       config: {block_m: 256, block_n: 64, num_warps: 8, num_stages: 4}
       ms: 2.16            # median over the tuning lengths
       tflops: 509.3
@@ -51,6 +51,8 @@ class EntryKey:
     causal: bool
     kernel: str  # "fwd" | "bwd_dkdv" | "bwd_dq"
     seqlen_bucket: str = "all"
+    window: bool = False  # the band-mask variant (sliding window, prefix-LM); absent in older files = False
+    varlen: bool = False  # the packed-sequence variant
 
     def __post_init__(self) -> None:
         # A hand-edited or foreign file must fail here (and be skipped with a warning), not at launch time.
@@ -58,8 +60,9 @@ class EntryKey:
             raise ValueError(f"head_dim must be an int in 1..256, got {self.head_dim!r}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
-        if not isinstance(self.causal, bool):
-            raise ValueError(f"causal must be true or false, got {self.causal!r}")
+        for name in ("causal", "window", "varlen"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.kernel not in KERNEL_NAMES:
             raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {self.kernel!r}")
         if self.seqlen_bucket not in SEQLEN_BUCKETS:

@@ -54,12 +54,51 @@ class Variant:
         even_m: q_len is a multiple of the kernel's block_m, so Q-side loads and stores need no row mask.
         even_n: k_len is a multiple of the kernel's block_n, so no K/V tile is ragged.
         dot_fp32: upcast dot operands to fp32 (the Triton interpreter computes bf16 dots wrongly).
+        banded: the general mask of `Mask` (sliding window and/or prefix) with run-time bounds; `causal` is then
+            False, as causality is the window's right bound of 0.
+        varlen: packed sequences (total_tokens, heads, head_dim) split by cumulative lengths; even_m/even_n are
+            then False, as every sequence has its own length.
     """
 
     causal: bool
     even_m: bool
     even_n: bool
     dot_fp32: bool = False
+    banded: bool = False
+    varlen: bool = False
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Which keys a query sees. Positions are aligned bottom-right, as FlashAttention-2 does: query i sits at key
+    position i + seqlen_k - seqlen_q (its own sequence's lengths, for packed sequences).
+
+    Query i sees key j when j < prefix_len, or when i' - left <= j <= i' + right (i' = the aligned position), with
+    (left, right) = window, -1 meaning unbounded on that side. causal=True is a right bound of 0.
+
+    Attributes:
+        causal: no key after the query's own position.
+        window: (left, right) as FlashAttention-2's window_size; (-1, -1) is no window.
+        prefix_len: keys [0, prefix_len) are visible to every query (prefix-LM); implies causal after them.
+    """
+
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    prefix_len: int = 0
+
+    @property
+    def banded(self) -> bool:
+        """True when the kernels need the general (window/prefix) variant rather than plain or causal."""
+        return self.window != (-1, -1) or self.prefix_len > 0
+
+    def bounds(self, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
+        """(left, right, prefix_len) as the kernels take them: -1 becomes a bound no position reaches."""
+        unbounded = seqlen_q + seqlen_k + 1
+        left, right = self.window
+        right = unbounded if right < 0 else right
+        if self.causal or self.prefix_len > 0:
+            right = min(right, 0)
+        return (unbounded if left < 0 else left), right, min(self.prefix_len, seqlen_k)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,12 @@ from fa2tune import codegen
 from fa2tune.types import Variant
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL_FWD_VARIANTS = [Variant(*flags) for flags in itertools.product([False, True], repeat=4)]
+# Every variant the launcher can ask for: a banded mask carries causality itself, packed sequences are ragged.
+ALL_FWD_VARIANTS = [
+    v
+    for v in (Variant(*flags) for flags in itertools.product([False, True], repeat=6))
+    if not (v.banded and v.causal) and not (v.varlen and (v.even_m or v.even_n))
+]
 
 
 @pytest.mark.parametrize("variant", ALL_FWD_VARIANTS, ids=repr)
@@ -22,7 +27,9 @@ def test_every_variant_renders_valid_python(variant):
     source = codegen.render("fwd", variant)
     compile(source, f"<{variant}>", "exec")
     assert f"template_hash: {codegen.template_hash()}" in source
-    assert ("causal_shift = N_K - N_Q" in source) == variant.causal
+    assert ("Bottom-right causal" in source) == variant.causal
+    assert ("lo, full_lo, full_hi, hi = _tile_ranges(" in source) == variant.banded
+    assert ("N_Q = tl.load(CU_Q + off_b + 1) - q_start" in source) == variant.varlen
     assert ("a.to(tl.float32)" in source) == variant.dot_fp32
     assert "{{" not in source and "{%" not in source
 
@@ -32,6 +39,16 @@ def test_structure_switches_change_the_code():
     assert len(sources) == len(ALL_FWD_VARIANTS)
     even = codegen.render("fwd", Variant(causal=False, even_m=True, even_n=True))
     assert "MASKED=True" not in even and even.count("_attn_fwd_inner(") == 2  # definition + one loop
+    banded = codegen.render("fwd", Variant(causal=False, even_m=True, even_n=True, banded=True))
+    assert banded.count("_attn_fwd_inner(") == 6  # prefix (unmasked, masked) + band (masked, unmasked, masked)
+
+
+@pytest.mark.parametrize("variant", [v for v in ALL_FWD_VARIANTS if not v.dot_fp32], ids=repr)
+def test_every_backward_variant_renders_valid_python(variant):
+    source = codegen.render("bwd", variant)
+    compile(source, f"<bwd {variant}>", "exec")
+    assert "{{" not in source and "{%" not in source
+    assert ("N_K = tl.load(CU_K + off_b + 1) - key_start" in source) == variant.varlen
 
 
 def test_bad_arguments():
