@@ -8,21 +8,37 @@ from dataclasses import dataclass
 
 import torch
 
+from .types import Mask
+
 
 def attention_flops(
-    batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, *, causal: bool, mode: str = "fwd"
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    head_dim: int,
+    *,
+    causal: bool | Mask,
+    mode: str = "fwd",
 ) -> float:
     """FLOPs of attention: 2 matmuls of 2·N_q·N_k·d each per head (4·B·H·N_q·N_k·d), over the visible pairs.
 
-    Causal counts the pairs a query may see (bottom-right aligned; N(N+1)/2 for N_q = N_k, the usual "× 0.5").
-    mode "fwd+bwd" multiplies by 3.5: the backward does 5 matmuls of the same size to the forward's 2.
+    A mask counts the pairs a query may see (causal bottom-right aligned: N(N+1)/2 for N_q = N_k, the usual
+    "× 0.5"; a window of (left, 0) about N·(left + 1)). mode "fwd+bwd" multiplies by 3.5: the backward does 5
+    matmuls of the same size to the forward's 2.
     """
-    if causal:
-        shift = seqlen_k - seqlen_q
-        # query i sees min(N_k, max(0, i + shift + 1)) keys
-        pairs = sum(min(seqlen_k, max(0, i + shift + 1)) for i in range(seqlen_q))
-    else:
+    mask = causal if isinstance(causal, Mask) else Mask(causal=causal)
+    if mask == Mask():
         pairs = seqlen_q * seqlen_k
+    else:
+        left, right, prefix = mask.bounds(seqlen_q, seqlen_k)
+        shift = seqlen_k - seqlen_q
+        pairs = 0
+        for i in range(seqlen_q):  # query i sees keys [i' - left, i' + right] and [0, prefix)
+            lo, hi = max(0, i + shift - left), min(seqlen_k - 1, i + shift + right)
+            band = max(0, hi - lo + 1)
+            prefix_in_band = max(0, min(prefix - 1, hi) - lo + 1)
+            pairs += band + prefix - prefix_in_band
     factor = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
     return 4.0 * batch * heads * pairs * head_dim * factor
 
@@ -72,7 +88,8 @@ def random_qkv(
 
 @dataclass(frozen=True)
 class KernelInputs:
-    """What one timed run of a kernel reads: q, k, v, and for a backward kernel the forward's O, LSE and a dO."""
+    """What one timed run of a kernel reads: q, k, v, and for a backward kernel the forward's O, LSE and a dO;
+    packing for packed sequences (q, k, v then (total_tokens, heads, head_dim))."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -80,40 +97,77 @@ class KernelInputs:
     o: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     do: torch.Tensor | None = None
+    packing: object = None
 
 
-def kernel_inputs(kernel: str, causal: bool, batch: int, heads: int, seqlen: int, head_dim: int, *, dtype, device):
-    """Fresh random inputs for `kernel` ("fwd", "bwd_dkdv", "bwd_dq"); backward ones carry a real forward."""
+class PackedBatch:
+    """A batch of SDPA-layout tensors as packed equal-length sequences (the varlen kernels' layout), and back."""
+
+    def __init__(self, batch: int, seqlen_q: int, seqlen_k: int, device):
+        from .launcher import Packing
+
+        cu = [torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=device) for n in (seqlen_q, seqlen_k)]
+        self.packing = Packing(cu[0], cu[1], seqlen_q, seqlen_k)
+        self.batch = batch
+
+    @staticmethod
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, N, d) -> (batch·N, heads, d)."""
+        return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]).contiguous()
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        """(batch·N, heads, d) -> (batch, heads, N, d), a view."""
+        return t.reshape(self.batch, -1, t.shape[1], t.shape[2]).transpose(1, 2)
+
+    def unpack_lse(self, lse: torch.Tensor) -> torch.Tensor:
+        """(heads, batch·N) -> (batch, heads, N), a view."""
+        return lse.reshape(lse.shape[0], self.batch, -1).transpose(0, 1)
+
+
+def kernel_inputs(
+    kernel: str, causal: bool | Mask, batch: int, heads: int, seqlen: int, head_dim: int, *, dtype, device,
+    varlen: bool = False,
+):  # fmt: skip
+    """Fresh random inputs for `kernel` ("fwd", "bwd_dkdv", "bwd_dq"); backward ones carry a real forward.
+    varlen: the batch packed as equal-length sequences, for the packed-sequence variant."""
     from . import launcher
 
     q, k, v = random_qkv(batch, heads, seqlen, head_dim, dtype=dtype, device=device)
+    packing = None
+    if varlen:
+        packed = PackedBatch(batch, seqlen, seqlen, device)
+        q, k, v = map(packed.pack, (q, k, v))
+        packing = packed.packing
     if kernel == "fwd":
-        return KernelInputs(q, k, v)
-    o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5)
-    return KernelInputs(q, k, v, o, lse, torch.randn_like(o))
+        return KernelInputs(q, k, v, packing=packing)
+    o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5, packing=packing)
+    return KernelInputs(q, k, v, o, lse, torch.randn_like(o), packing)
 
 
-def run_kernel(kernel: str, cfg, x: KernelInputs, causal: bool):
+def run_kernel(kernel: str, cfg, x: KernelInputs, causal: bool | Mask):
     """Runs `kernel` with `cfg` (a backward kernel: the whole backward, the other kernel at its resolved config)."""
     from . import launcher
 
     scale = x.q.shape[-1] ** -0.5
     if kernel == "fwd":
-        return launcher.forward(x.q, x.k, x.v, causal=causal, scale=scale, config=cfg)
+        return launcher.forward(x.q, x.k, x.v, causal=causal, scale=scale, config=cfg, packing=x.packing)
     key = "dkdv_config" if kernel == "bwd_dkdv" else "dq_config"
-    return launcher.backward(x.do, x.q, x.k, x.v, x.o, x.lse, causal=causal, scale=scale, **{key: cfg})
+    return launcher.backward(
+        x.do, x.q, x.k, x.v, x.o, x.lse, causal=causal, scale=scale, packing=x.packing, **{key: cfg}
+    )
 
 
 def make_measure(
     kernel: str,
     head_dim: int,
     dtype: torch.dtype,
-    causal: bool,
+    causal: bool | Mask,
     *,
     seqlens: tuple[int, ...],
     device: str,
     tokens: int = 16384,
     width: int = 2048,
+    varlen: bool = False,
 ) -> Callable:
     """The tuner's objective: config -> sum over `seqlens` of the median time (ms) of `kernel` with it.
 
@@ -122,7 +176,7 @@ def make_measure(
     """
     inputs = [
         kernel_inputs(kernel, causal, max(1, tokens // n), max(1, width // head_dim), n, head_dim, dtype=dtype,
-                      device=device)
+                      device=device, varlen=varlen)
         for n in seqlens
     ]  # fmt: skip
     on_gpu = str(device).startswith("cuda")
@@ -152,9 +206,9 @@ def make_measure(
 
 
 def _compile_one(job) -> str | None:
-    kernel, head_dim, dtype, causal, cfg, seqlen, device = job
+    kernel, head_dim, dtype, causal, cfg, seqlen, device, varlen = job
     try:
-        x = kernel_inputs(kernel, causal, 1, 1, seqlen, head_dim, dtype=dtype, device=device)
+        x = kernel_inputs(kernel, causal, 1, 1, seqlen, head_dim, dtype=dtype, device=device, varlen=varlen)
         run_kernel(kernel, cfg, x, causal)
         if x.q.is_cuda:
             torch.cuda.synchronize()  # a launch error surfaces here, as this config's failure
@@ -163,7 +217,7 @@ def _compile_one(job) -> str | None:
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"
 
 
-def precompile(kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", workers=16) -> dict:
+def precompile(kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", workers=16, varlen=False) -> dict:
     """Compiles every config in a pool of processes (compiling is CPU work, most of a tune's time), so the study
     then only times: Triton's disk cache hands the binaries to this process. Returns {config: failure reason}.
 
@@ -173,11 +227,11 @@ def precompile(kernel, head_dim, dtype, causal, configs, *, seqlens, device="cud
     import multiprocessing as mp
 
     lengths = sorted({256 + n % 256 for n in seqlens})
-    jobs = [(kernel, head_dim, dtype, causal, cfg, n, device) for cfg in configs for n in lengths]
+    jobs = [(kernel, head_dim, dtype, causal, cfg, n, device, varlen) for cfg in configs for n in lengths]
     with mp.get_context("spawn").Pool(workers) as pool:
         results = pool.map(_compile_one, jobs)
     failures = {}
-    for (_, _, _, _, cfg, _, _), reason in zip(jobs, results, strict=True):
+    for (_, _, _, _, cfg, _, _, _), reason in zip(jobs, results, strict=True):
         if reason and cfg not in failures:
             failures[cfg] = reason
     return failures

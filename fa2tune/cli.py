@@ -134,6 +134,15 @@ def _cmd_codegen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _window(text: str) -> tuple[int, int]:
+    from .inputs import check_window
+
+    try:
+        return check_window(tuple(int(x) for x in text.split(",")))
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT with ints >= -1, got {text!r} ({exc})") from None
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
     devices = [d.strip() for d in args.device.split(",")] if args.device != "all" else _all_cuda_devices()
     devices = [_resolve_device(d) for d in devices]
@@ -153,7 +162,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         for causal in causals:
             spec = tunejob.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
                                      seqlens=tuple(int(n) for n in args.seqlens.split(",")), tokens=args.tokens,
-                                     trials=args.trials, timeout_s=args.timeout, storage=storage)  # fmt: skip
+                                     trials=args.trials, timeout_s=args.timeout, storage=storage,
+                                     window=args.window, varlen=args.varlen)  # fmt: skip
             if len(devices) > 1:
                 print(f"{kernel} causal={causal}: {len(devices)} workers on one study ({storage})", flush=True)
                 result, entry, _ = tunejob.run_parallel(spec, devices)
@@ -283,6 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--dtype", default="bf16", choices=sorted(DTYPES_BY_NAME))
     tune.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     tune.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "all"])
+    tune.add_argument(
+        "--window",
+        type=_window,
+        default=None,
+        help="LEFT,RIGHT: tune the band-mask variant at this window, e.g. 1024,0 (write --window=-1,0)",
+    )
+    tune.add_argument("--varlen", action="store_true", help="tune the packed-sequence (attention_varlen) variant")
     tune.add_argument("--seqlens", default="1024,4096,16384", help="tuning lengths, at batch·N = --tokens")
     tune.add_argument("--tokens", type=int, default=16384)
     tune.add_argument("--trials", type=int, default=40, help="configs measured per study")

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .bench import PackedBatch
 from .launcher import forward
 from .reference import naive_attention
-from .types import KernelConfig
+from .types import KernelConfig, Mask
 
 # Relative error ‖out − ref‖ / ‖ref‖ allowed per dtype (METHOD.md: bf16 operands land between 1e-3 and 1e-2).
 REL_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -41,38 +42,57 @@ def _random_inputs(shape, dtype, device, seed):
     return [torch.randn(batch, h, n, head_dim, generator=gen).to(device, dtype) for h, n in sizes]
 
 
+def _mask_kwargs(causal: bool | Mask) -> dict:
+    mask = causal if isinstance(causal, Mask) else Mask(causal=causal)
+    return dict(causal=mask.causal, window=mask.window, prefix_len=mask.prefix_len)
+
+
+def _run_forward(q, k, v, causal, config, varlen, out=None):
+    """forward() on SDPA-layout inputs, through the packed-sequence kernels when varlen; outputs in SDPA layout."""
+    scale = q.shape[-1] ** -0.5
+    if not varlen:
+        return forward(q, k, v, causal=causal, scale=scale, config=config, out=out)
+    packed = PackedBatch(q.shape[0], q.shape[2], k.shape[2], q.device)
+    o, lse = forward(*map(packed.pack, (q, k, v)), causal=causal, scale=scale, config=config, packing=packed.packing)
+    return packed.unpack(o), packed.unpack_lse(lse)
+
+
 def check_forward(
     shape: tuple[int, int, int, int, int, int],
     *,
     dtype: torch.dtype,
-    causal: bool,
+    causal: bool | Mask,
     device: str | torch.device,
     config: KernelConfig | None = None,
     seed: int = 0,
+    varlen: bool = False,
 ) -> CheckResult:
-    """Compares the forward kernel with float64 standard attention on random inputs; the output is poisoned first."""
-    head_dim = shape[-1]
+    """Compares the forward kernel with float64 standard attention on random inputs; the output is poisoned first.
+
+    causal may be a Mask (window, prefix); varlen runs the packed-sequence kernels on the batch packed."""
     q, k, v, _ = _random_inputs(shape, dtype, device, seed)
-    out = torch.full_like(q, float("nan"))
-    o, lse = forward(q, k, v, causal=causal, scale=head_dim**-0.5, config=config, out=out)
-    ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+    out = None if varlen else torch.full_like(q, float("nan"))
+    o, lse = _run_forward(q, k, v, causal, config, varlen, out)
+    ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), **_mask_kwargs(causal))
     rel = ((o.double() - ref_o).norm() / ref_o.norm().clamp_min(1e-30)).item()
     finite = torch.isfinite(ref_lse)
     lse_ok = torch.equal(torch.isfinite(lse), finite)
     lse_rel = ((lse.double() - ref_lse)[finite].norm() / ref_lse[finite].norm().clamp_min(1e-30)).item()
     passed = rel <= REL_TOLERANCE[dtype] and lse_rel <= 1e-5 and lse_ok  # NaN compares False: fails
-    return CheckResult(shape, dtype, causal, rel, lse_rel if lse_ok else float("inf"), passed)
+    return CheckResult(shape, dtype, bool(_mask_kwargs(causal)["causal"]), rel, lse_rel if lse_ok else float("inf"),
+                       passed)  # fmt: skip
 
 
 def check_backward(
     shape: tuple[int, int, int, int, int, int],
     *,
     dtype: torch.dtype,
-    causal: bool,
+    causal: bool | Mask,
     device: str | torch.device,
     dkdv_config: KernelConfig | None = None,
     dq_config: KernelConfig | None = None,
     seed: int = 0,
+    varlen: bool = False,
 ) -> float:
     """Worst relative error (‖g − ref‖ / max(‖ref‖, ‖dO‖)) of dq, dk, dv against float64 autograd."""
     from .launcher import backward
@@ -80,10 +100,18 @@ def check_backward(
     head_dim = shape[-1]
     q, k, v, do = _random_inputs(shape, dtype, device, seed)
     scale = head_dim**-0.5
-    o, lse = forward(q, k, v, causal=causal, scale=scale)
-    grads = backward(do, q, k, v, o, lse, causal=causal, scale=scale, dkdv_config=dkdv_config, dq_config=dq_config)
+    configs = dict(dkdv_config=dkdv_config, dq_config=dq_config)
+    if varlen:
+        packed = PackedBatch(q.shape[0], q.shape[2], k.shape[2], q.device)
+        pq, pk, pv, pdo = map(packed.pack, (q, k, v, do))
+        o, lse = forward(pq, pk, pv, causal=causal, scale=scale, packing=packed.packing)
+        grads = backward(pdo, pq, pk, pv, o, lse, causal=causal, scale=scale, packing=packed.packing, **configs)
+        grads = tuple(map(packed.unpack, grads))
+    else:
+        o, lse = forward(q, k, v, causal=causal, scale=scale)
+        grads = backward(do, q, k, v, o, lse, causal=causal, scale=scale, **configs)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    ref_o, _ = naive_attention(*leaves, causal=causal, scale=scale)
+    ref_o, _ = naive_attention(*leaves, scale=scale, **_mask_kwargs(causal))
     refs = torch.autograd.grad(ref_o, leaves, do.double())
     worst = 0.0
     for g, ref in zip(grads, refs, strict=True):

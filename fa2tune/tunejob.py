@@ -17,7 +17,7 @@ import torch
 
 from . import bench, codegen, planner, selection, selfcheck, store, tuner
 from .inputs import DTYPES_BY_NAME
-from .types import DeviceInfo
+from .types import DeviceInfo, Mask
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,17 @@ class StudySpec:
     timeout_s: float | None = None
     storage: str | None = None
     seed: int = 0  # workers of one study get different seeds, so their first proposals differ
+    window: tuple[int, int] | None = None  # tune the band-mask variant at this (left, right) window
+    varlen: bool = False  # tune the packed-sequence variant (the batch packed as equal-length sequences)
+
+    @property
+    def mask(self) -> Mask:
+        return Mask(causal=self.causal, window=self.window or (-1, -1))
+
+    @property
+    def variant(self) -> str:
+        """The study-name suffix of the template variant: "", "window", "varlen" or "window+varlen"."""
+        return "+".join(name for name, on in (("window", self.window is not None), ("varlen", self.varlen)) if on)
 
 
 def _storage(url: str | None):
@@ -63,38 +74,41 @@ def run_study(
     else:
         candidates = [c for c, _ in planner.plan(info, spec.head_dim, dtype, spec.kernel).accepted]
         if spec.trials > 0:
-            failures = bench.precompile(spec.kernel, spec.head_dim, dtype, spec.causal, candidates, seqlens=seqlens,
-                                        device=device_name)  # fmt: skip
+            failures = bench.precompile(spec.kernel, spec.head_dim, dtype, spec.mask, candidates, seqlens=seqlens,
+                                        device=device_name, varlen=spec.varlen)  # fmt: skip
             candidates = [c for c in candidates if c not in failures]
         space = candidates
     width = 2 * spec.head_dim if cpu else 2048
     tokens = 64 if cpu else spec.tokens
-    measure = bench.make_measure(spec.kernel, spec.head_dim, dtype, spec.causal, seqlens=seqlens,
-                                 device=device_name, tokens=tokens, width=width)  # fmt: skip
+    measure = bench.make_measure(spec.kernel, spec.head_dim, dtype, spec.mask, seqlens=seqlens,
+                                 device=device_name, tokens=tokens, width=width, varlen=spec.varlen)  # fmt: skip
     shape = (1, 2, 1, 70, 70, spec.head_dim) if cpu else (2, 8, 2, 1000, 1000, spec.head_dim)
 
     def verify(cfg):
         if spec.kernel == "fwd":
-            r = selfcheck.check_forward(shape, dtype=dtype, causal=spec.causal, device=device_name, config=cfg)
+            r = selfcheck.check_forward(shape, dtype=dtype, causal=spec.mask, device=device_name, config=cfg,
+                                        varlen=spec.varlen)  # fmt: skip
             return None if r.passed else f"relative error {r.rel_err:.1e}"
         key = "dkdv_config" if spec.kernel == "bwd_dkdv" else "dq_config"
-        err = selfcheck.check_backward(shape, dtype=dtype, causal=spec.causal, device=device_name, **{key: cfg})
+        err = selfcheck.check_backward(shape, dtype=dtype, causal=spec.mask, device=device_name,
+                                       varlen=spec.varlen, **{key: cfg})  # fmt: skip
         return None if err <= 2 * selfcheck.REL_TOLERANCE[dtype] else f"gradient relative error {err:.1e}"
 
     result = tuner.tune(
         device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype, causal=spec.causal, measure=measure,
         trials=spec.trials, timeout_s=spec.timeout_s, space=space, storage=_storage(spec.storage),
         verify=verify if finalize else None, remeasure_top=3 if finalize else 1, on_trial=on_trial,
-        seed=spec.seed,
+        seed=spec.seed, variant=spec.variant,
     )  # fmt: skip
     flops = 0.0 if cpu else sum(
         bench.attention_flops(max(1, tokens // n), max(1, width // spec.head_dim), n, n, spec.head_dim,
-                              causal=spec.causal, mode="fwd" if spec.kernel == "fwd" else "bwd")
+                              causal=spec.mask, mode="fwd" if spec.kernel == "fwd" else "bwd")
         for n in seqlens
     )  # fmt: skip
     tflops = lambda ms: round(flops / (ms * 1e-3) / 1e12, 1) if ms and flops else None
     entry = store.Entry(
-        key=store.EntryKey(head_dim=spec.head_dim, dtype=spec.dtype, causal=spec.causal, kernel=spec.kernel),
+        key=store.EntryKey(head_dim=spec.head_dim, dtype=spec.dtype, causal=spec.causal, kernel=spec.kernel,
+                           window=spec.window is not None, varlen=spec.varlen),
         config=result.best, ms=round(result.best_ms, 4), tflops=tflops(result.best_ms),
         baseline={"name": "planner-default", "config": result.default.to_dict(),
                   "ms": result.default_ms, "tflops": tflops(result.default_ms)},

@@ -54,8 +54,12 @@ class TuneResult:
     history: tuple[TrialRecord, ...] = field(repr=False, default=())
 
 
-def study_name(device: DeviceInfo, kernel: str, head_dim: int, dtype: torch.dtype, causal: bool) -> str:
-    return f"{device.slug}/{kernel}/d{head_dim}/{str(dtype).removeprefix('torch.')}/{'causal' if causal else 'full'}"
+def study_name(
+    device: DeviceInfo, kernel: str, head_dim: int, dtype: torch.dtype, causal: bool, variant: str = ""
+) -> str:
+    """e.g. nvidia-h200/fwd/d128/bfloat16/causal, with /window or /varlen for those template variants."""
+    name = f"{device.slug}/{kernel}/d{head_dim}/{str(dtype).removeprefix('torch.')}/{'causal' if causal else 'full'}"
+    return f"{name}/{variant}" if variant else name
 
 
 def _params(cfg: KernelConfig) -> dict[str, int]:
@@ -108,6 +112,7 @@ def tune(
     default: KernelConfig | None = None,
     seed: int = 0,
     on_trial: Callable[[int, int, float | None, float], None] | None = None,
+    variant: str = "",
 ) -> TuneResult:
     """Runs (or resumes, with a persistent `storage`) the study and returns the winner.
 
@@ -119,9 +124,10 @@ def tune(
         verify: checks a winner's output; returns a reason to reject it, or None.
         default: the baseline enqueued first; default: planner.default_config for the device.
         on_trial: progress callback (measured so far, trials, best ms so far, elapsed s).
+        variant: the template variant tuned beyond causal ("window", "varlen", "window+varlen"), in the study name.
     """
     start = time.time()
-    name = study_name(device, kernel, head_dim, dtype, causal)
+    name = study_name(device, kernel, head_dim, dtype, causal, variant)
     candidates = list(space) if space is not None else planner.candidates()
     allowed = set(candidates)
     choices = {

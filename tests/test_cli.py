@@ -113,3 +113,18 @@ def test_tune_on_cpu_writes_yaml_that_the_runtime_then_uses(tmp_path, capsys, mo
     shown = json.loads(capsys.readouterr().out)
     assert any(r.get("file") == str(tmp_path / "cpu-interpreter.yaml") and r.get("used") for r in shown["rows"])
     runtime.clear_cache()
+
+
+def test_tune_window_and_varlen_variants_on_cpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
+    from fa2tune import store
+
+    args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "2", "--causal", "yes", "--kernel", "fwd"]
+    assert cli.main([*args, "--window", "8,0", "--varlen", "--config-dir", str(tmp_path)]) == 0
+    _, entries = store.read_file(tmp_path / "cpu-interpreter.yaml")
+    assert [(e.key.window, e.key.varlen, e.key.causal) for e in entries] == [(True, True, True)]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*args, "--window=-2,0"])  # a leading minus needs the = form, as in any argparse CLI
+    assert exit_info.value.code == 2
+    assert "expected LEFT,RIGHT with ints >= -1" in capsys.readouterr().err

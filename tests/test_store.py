@@ -165,3 +165,20 @@ def test_get_kernel_argument_errors():
         fa2tune.get_kernel(64, dtype=torch.int8)
     with pytest.raises(TypeError, match=r"causal must be True or False"):
         fa2tune.get_kernel(64, causal="yes")
+
+
+def test_window_and_varlen_entries_are_their_own_keys(config_dir, device):
+    # A file written before these keys existed reads them as False; a window/varlen entry is used only there.
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    plain = _entry(64)
+    windowed = store.Entry(**{**plain.__dict__, "key": store.EntryKey(64, "fp32", False, "fwd", window=True),
+                              "config": KernelConfig(16, 16, 4, 1)})  # fmt: skip
+    store.write_entries(path, DEVICE, [plain, windowed])
+    text = path.read_text()
+    path.write_text(text.replace("    window: false\n", "", 1))  # the plain entry as an older file wrote it
+    _, entries = store.read_file(path)
+    assert {e.key.window for e in entries} == {False, True}
+    resolve = lambda **kw: selection.resolve("fwd", 64, torch.float32, False, "cpu", **kw)[0]
+    assert resolve() == _CFG
+    assert resolve(window=True) == KernelConfig(16, 16, 4, 1)
+    assert resolve(varlen=True) != KernelConfig(16, 16, 4, 1)  # no varlen entry: the planner's default
