@@ -205,6 +205,12 @@ def make_measure(
     return measure
 
 
+def failure_reason(exc: BaseException) -> str:
+    """One line saying why a config failed: the exception's type and the first line of its message."""
+    message = str(exc).strip()
+    return f"{type(exc).__name__}: {message.splitlines()[0][:200] if message else ''}"
+
+
 def _compile_one(job) -> str | None:
     kernel, head_dim, dtype, causal, cfg, seqlen, device, varlen = job
     try:
@@ -214,27 +220,50 @@ def _compile_one(job) -> str | None:
             torch.cuda.synchronize()  # a launch error surfaces here, as this config's failure
         return None
     except Exception as exc:  # failures are data
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"
+        return failure_reason(exc)
+
+
+class CompilePool:
+    """Spawned processes that compile kernel configs (CPU work, most of a tune's time) into Triton's disk cache, so
+    the timing process then only loads binaries. Start it once and hand it every batch: each process pays the
+    torch/CUDA start-up once. Use as a context manager, or call close().
+    """
+
+    def __init__(self, workers: int = 16):
+        import multiprocessing as mp
+
+        self.workers = workers
+        self._pool = mp.get_context("spawn").Pool(workers)  # CUDA cannot be used in forked children
+
+    def compile(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", varlen=False) -> dict:
+        """Compiles every config; returns {config: failure reason} for those that failed.
+
+        Each length N is compiled at 256 + N mod 256, a short length with the same divisibility by every block
+        size, hence the same Jinja variant (even or ragged tails) as N itself.
+        """
+        lengths = sorted({256 + n % 256 for n in seqlens})
+        jobs = [(kernel, head_dim, dtype, causal, cfg, n, device, varlen) for cfg in configs for n in lengths]
+        failures = {}
+        for job, reason in zip(jobs, self._pool.map(_compile_one, jobs, chunksize=1), strict=True):
+            if reason and job[4] not in failures:
+                failures[job[4]] = reason
+        return failures
+
+    def close(self) -> None:
+        self._pool.close()
+        self._pool.join()
+
+    def __enter__(self) -> CompilePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def precompile(kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", workers=16, varlen=False) -> dict:
-    """Compiles every config in a pool of processes (compiling is CPU work, most of a tune's time), so the study
-    then only times: Triton's disk cache hands the binaries to this process. Returns {config: failure reason}.
-
-    Each length N is compiled at 256 + N mod 256, a short length with the same divisibility by every block size,
-    hence the same Jinja variant (even or ragged tails) as N itself.
-    """
-    import multiprocessing as mp
-
-    lengths = sorted({256 + n % 256 for n in seqlens})
-    jobs = [(kernel, head_dim, dtype, causal, cfg, n, device, varlen) for cfg in configs for n in lengths]
-    with mp.get_context("spawn").Pool(workers) as pool:
-        results = pool.map(_compile_one, jobs)
-    failures = {}
-    for (_, _, _, _, cfg, _, _, _), reason in zip(jobs, results, strict=True):
-        if reason and cfg not in failures:
-            failures[cfg] = reason
-    return failures
+    """CompilePool.compile in a pool of its own. Returns {config: failure reason}."""
+    with CompilePool(workers) as pool:
+        return pool.compile(kernel, head_dim, dtype, causal, configs, seqlens=seqlens, device=device, varlen=varlen)
 
 
 def load_sweep(path, *, head_dim: int, causal: bool) -> dict:

@@ -146,7 +146,7 @@ def _window(text: str) -> tuple[int, int]:
 def _cmd_tune(args: argparse.Namespace) -> int:
     devices = [d.strip() for d in args.device.split(",")] if args.device != "all" else _all_cuda_devices()
     devices = [_resolve_device(d) for d in devices]
-    from . import planner, runtime, store, tunejob
+    from . import bench, planner, runtime, store, tunejob
 
     if devices[0] == "cpu":
         print("note: CPU timings (Triton's interpreter) say nothing about GPU speed; this run only exercises the "
@@ -158,25 +158,31 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if storage is None and len(devices) > 1:  # workers share one study through a journal file
         storage = str(config_dir / ".studies" / "tune.journal")
     rows, path = [], None
-    for kernel in kernels:
-        for causal in causals:
-            spec = tunejob.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
-                                     seqlens=tuple(int(n) for n in args.seqlens.split(",")), tokens=args.tokens,
-                                     trials=args.trials, timeout_s=args.timeout, storage=storage,
-                                     window=args.window, varlen=args.varlen)  # fmt: skip
-            if len(devices) > 1:
-                print(f"{kernel} causal={causal}: {len(devices)} workers on one study ({storage})", flush=True)
-                result, entry, _ = tunejob.run_parallel(spec, devices)
-            else:
+    # One pool of compile processes for every study of a single-GPU tune (multi-GPU workers start their own).
+    pool = bench.CompilePool(os.cpu_count() or 1) if devices[0] != "cpu" and len(devices) == 1 else None
+    try:
+        for kernel in kernels:
+            for causal in causals:
+                spec = tunejob.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
+                                         seqlens=tuple(int(n) for n in args.seqlens.split(",")), tokens=args.tokens,
+                                         trials=args.trials, timeout_s=args.timeout, storage=storage,
+                                         window=args.window, varlen=args.varlen)  # fmt: skip
+                if len(devices) > 1:
+                    print(f"{kernel} causal={causal}: {len(devices)} workers on one study ({storage})", flush=True)
+                    result, entry, _ = tunejob.run_parallel(spec, devices)
+                else:
 
-                def progress(done, total, best_ms, elapsed, kernel=kernel, causal=causal):
-                    print(f"\r  {kernel} causal={causal}: trial {done}/{total}  best {best_ms:.3f} ms  "
-                          f"{elapsed:.0f} s", end="", flush=True)  # fmt: skip
+                    def progress(done, total, best_ms, elapsed, kernel=kernel, causal=causal):
+                        print(f"\r  {kernel} causal={causal}: trial {done}/{total}  best {best_ms:.3f} ms  "
+                              f"{elapsed:.0f} s", end="", flush=True)  # fmt: skip
 
-                result, entry = tunejob.run_study(spec, devices[0], on_trial=progress)
-                print()
-            path = tunejob.write(entry, devices[0], config_dir)
-            rows.append((kernel, causal, result))
+                    result, entry = tunejob.run_study(spec, devices[0], on_trial=progress, compile_pool=pool)
+                    print()
+                path = tunejob.write(entry, devices[0], config_dir)
+                rows.append((kernel, causal, result))
+    finally:
+        if pool is not None:
+            pool.close()
     runtime.clear_cache()
     print(f"\nwrote {path}")
     print(f"{'kernel':>9} {'causal':>6} {'winner':>22} {'ms':>8} {'default ms':>10} {'median ms':>9} {'timed':>5} "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,6 +19,8 @@ import torch
 from . import bench, codegen, planner, selection, selfcheck, store, tuner
 from .inputs import DTYPES_BY_NAME
 from .types import DeviceInfo, Mask
+
+BATCH = 16  # configs compiled together, then timed: one per process of a 16-core machine's compile pool
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,18 @@ def _interpreted(device_name: str) -> bool:
 
 
 def run_study(
-    spec: StudySpec, device_name: str, *, on_trial: Callable | None = None, finalize: bool = True
+    spec: StudySpec,
+    device_name: str,
+    *,
+    on_trial: Callable | None = None,
+    finalize: bool = True,
+    compile_pool: bench.CompilePool | None = None,
 ) -> tuple[tuner.TuneResult, store.Entry]:
-    """Tunes one kernel on one device; with finalize=False only times trials (a worker of run_parallel)."""
+    """Tunes one kernel on one device; with finalize=False only times trials (a worker of run_parallel).
+
+    On a GPU the study asks Optuna for BATCH configs at a time, compiles them at once in compile_pool (one of its
+    own if None), then times them: a tune compiles what it times, not the whole search space.
+    """
     info = selection.device_info(device_name)
     dtype = DTYPES_BY_NAME[spec.dtype]
     cpu = _interpreted(device_name)
@@ -72,12 +84,14 @@ def run_study(
     if cpu:  # a few small tiles: the interpreter's time grows with the tile count
         space = [planner.INTERPRETER_CONFIG, *(planner.KernelConfig(m, n, 4, 1) for m in (16, 64) for n in (16, 64))]
     else:
-        candidates = [c for c, _ in planner.plan(info, spec.head_dim, dtype, spec.kernel).accepted]
-        if spec.trials > 0:
-            failures = bench.precompile(spec.kernel, spec.head_dim, dtype, spec.mask, candidates, seqlens=seqlens,
-                                        device=device_name, varlen=spec.varlen)  # fmt: skip
-            candidates = [c for c in candidates if c not in failures]
-        space = candidates
+        space = [c for c, _ in planner.plan(info, spec.head_dim, dtype, spec.kernel).accepted]
+    own_pool = compile_pool is None and not cpu and spec.trials > 0
+    pool = None if cpu else bench.CompilePool(os.cpu_count() or 1) if own_pool else compile_pool
+
+    def prepare(configs):
+        return pool.compile(spec.kernel, spec.head_dim, dtype, spec.mask, configs, seqlens=seqlens,
+                            device=device_name, varlen=spec.varlen)  # fmt: skip
+
     width = 2 * spec.head_dim if cpu else 2048
     tokens = 64 if cpu else spec.tokens
     measure = bench.make_measure(spec.kernel, spec.head_dim, dtype, spec.mask, seqlens=seqlens,
@@ -98,8 +112,11 @@ def run_study(
         device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype, causal=spec.causal, measure=measure,
         trials=spec.trials, timeout_s=spec.timeout_s, space=space, storage=_storage(spec.storage),
         verify=verify if finalize else None, remeasure_top=3 if finalize else 1, on_trial=on_trial,
-        seed=spec.seed, variant=spec.variant,
+        seed=spec.seed, variant=spec.variant, prepare=prepare if pool is not None else None,
+        batch_size=BATCH if pool is not None else 1,
     )  # fmt: skip
+    if own_pool:
+        pool.close()
     flops = 0.0 if cpu else sum(
         bench.attention_flops(max(1, tokens // n), max(1, width // spec.head_dim), n, n, spec.head_dim,
                               causal=spec.mask, mode="fwd" if spec.kernel == "fwd" else "bwd")
@@ -137,10 +154,14 @@ def write(entry: store.Entry, device_name: str, config_dir: Path) -> Path:
     return path
 
 
-def _worker(spec: StudySpec, device_name: str) -> None:
+def _worker(spec: StudySpec, device_name: str, compile_workers: int) -> None:
     if device_name.startswith("cuda"):
         torch.cuda.set_device(torch.device(device_name))
-    run_study(spec, device_name, finalize=False)
+    if _interpreted(device_name):
+        run_study(spec, device_name, finalize=False)
+        return
+    with bench.CompilePool(compile_workers) as pool:
+        run_study(spec, device_name, finalize=False, compile_pool=pool)
 
 
 def run_parallel(
@@ -155,7 +176,9 @@ def run_parallel(
         raise ValueError("run_parallel needs a shared storage (an Optuna URL or a journal file path)")
     share = max(1, -(-spec.trials // len(device_names)))
     context = mp.get_context("spawn")  # CUDA cannot be used in forked children
-    workers = [(name, context.Process(target=_worker, args=(replace(spec, trials=share, seed=spec.seed + i), name)))
+    compile_workers = max(1, (os.cpu_count() or 1) // len(device_names))  # the host's cores, shared by the workers
+    workers = [(name, context.Process(target=_worker, args=(replace(spec, trials=share, seed=spec.seed + i), name,
+                                                            compile_workers)))
                for i, name in enumerate(device_names)]  # fmt: skip
     for _, process in workers:
         process.start()

@@ -22,10 +22,12 @@ import optuna
 import torch
 
 from . import planner
+from .bench import failure_reason
 from .types import DeviceInfo, KernelConfig
 
 Measure = Callable[[KernelConfig], float]
 Verify = Callable[[KernelConfig], str | None]
+Prepare = Callable[[list[KernelConfig]], dict[KernelConfig, str]]  # compiles configs; returns {config: failure}
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,8 @@ def tune(
     seed: int = 0,
     on_trial: Callable[[int, int, float | None, float], None] | None = None,
     variant: str = "",
+    prepare: Prepare | None = None,
+    batch_size: int = 1,
 ) -> TuneResult:
     """Runs (or resumes, with a persistent `storage`) the study and returns the winner.
 
@@ -125,6 +129,10 @@ def tune(
         default: the baseline enqueued first; default: planner.default_config for the device.
         on_trial: progress callback (measured so far, trials, best ms so far, elapsed s).
         variant: the template variant tuned beyond causal ("window", "varlen", "window+varlen"), in the study name.
+        prepare: compiles a batch of configs before they are timed (in parallel processes); returns failures.
+        batch_size: new configs asked of Optuna before each prepare + timing round. With more than one, the
+            sampler is told of pending trials (constant liar), so a batch spreads out instead of repeating itself;
+            compiling batch_size configs at once is what makes this worth it.
     """
     start = time.time()
     name = study_name(device, kernel, head_dim, dtype, causal, variant)
@@ -142,7 +150,7 @@ def tune(
             choices[dim] = sorted(set(choices[dim]) | {getattr(default, dim)})
 
     optuna.logging.set_verbosity(logging.WARNING)
-    sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=3)
+    sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=3, constant_liar=batch_size > 1)
     study = optuna.create_study(
         study_name=name, storage=storage, sampler=sampler, direction="minimize", load_if_exists=True
     )
@@ -161,7 +169,41 @@ def tune(
     timed = 0  # the budget counts configs this process timed: repeats and other workers' trials are free
     repeats = 0
     rng = random.Random(seed)
-    while timed < trials and asked < 20 * trials + 50:
+    pending: list[tuple[optuna.trial.Trial, KernelConfig]] = []  # asked, to be compiled and timed as one batch
+    failures: dict[KernelConfig, str] = {}  # configs that failed to compile or run: never tried again
+
+    def fail(trial, cfg, reason):
+        trial.set_user_attr("reason", reason)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        history.append(TrialRecord(trial.number, cfg, None, reason))
+
+    def run_batch():
+        nonlocal timed
+        new = list(dict.fromkeys(cfg for _, cfg in pending if cfg not in measured))
+        if prepare is not None and new:
+            failures.update(prepare(new))
+        for trial, cfg in pending:
+            if cfg in failures:
+                fail(trial, cfg, failures[cfg])
+                continue
+            if cfg not in measured:  # a config asked twice in one batch is timed once
+                try:
+                    measured[cfg] = float(measure(cfg))
+                except Exception as exc:  # a failed compile or launch is data, never the end of the study
+                    failures[cfg] = failure_reason(exc)
+                    fail(trial, cfg, failures[cfg])
+                    continue
+                timed += 1
+            study.tell(trial, measured[cfg])
+            history.append(TrialRecord(trial.number, cfg, measured[cfg]))
+            if on_trial is not None:
+                on_trial(timed, trials, min(measured.values()), time.time() - start)
+        pending.clear()
+
+    def batch_configs() -> int:
+        return len({cfg for _, cfg in pending})
+
+    while timed + batch_configs() < trials and asked < 20 * trials + 50:
         if timeout_s is not None and time.time() - start > timeout_s:
             break
         trial = study.ask()
@@ -175,30 +217,26 @@ def tune(
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
             history.append(TrialRecord(trial.number, cfg, None, reason))
             continue
+        if cfg in failures:
+            fail(trial, cfg, failures[cfg])
+            continue
         if cfg not in measured and storage is not None:  # another worker may have timed it meanwhile
             measured.update(_completed(study))
         if cfg in measured:  # a config timed before: reuse the number, spend no device time
-            ms = measured[cfg]
             repeats += 1
-            untried = [c for c in feasible if c not in measured]
+            untried = [
+                c for c in feasible if c not in measured and c not in failures and c not in {p for _, p in pending}
+            ]
             if repeats >= 5 and untried:  # TPE keeps proposing the incumbent: explore an untried config instead
                 study.enqueue_trial(_params(rng.choice(untried)), skip_if_exists=True)
                 repeats = 0
-        else:
-            try:
-                ms = float(measure(cfg))
-            except Exception as exc:  # a failed compile or launch is data, never the end of the study
-                reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"
-                trial.set_user_attr("reason", reason)
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                history.append(TrialRecord(trial.number, cfg, None, reason))
-                continue
-            measured[cfg] = ms
-            timed += 1
-        study.tell(trial, ms)
-        history.append(TrialRecord(trial.number, cfg, ms))
-        if on_trial is not None:
-            on_trial(timed, trials, min(measured.values()), time.time() - start)
+            study.tell(trial, measured[cfg])
+            history.append(TrialRecord(trial.number, cfg, measured[cfg]))
+            continue
+        pending.append((trial, cfg))
+        if batch_configs() >= batch_size:
+            run_batch()
+    run_batch()
 
     if not measured:
         raise RuntimeError(f"{name}: no config could be measured; reasons: {[r.reason for r in history][:5]}")

@@ -5,11 +5,14 @@ For each (head_dim, causal) of docs/bench/nvidia-h200-sweep-fwd-v1.csv and 5 see
 median config (not the planner default, which was set from this sweep) and may time a fraction of the configs.
 Prints, per fraction: runs within 2 % of the best, of all runs; worst and mean (best TFLOP/s / found TFLOP/s).
 
-    python scripts/replay_tuner.py
+    python scripts/replay_tuner.py [--batch 16]
+
+--batch B replays the GPU tune's batched study (B configs asked, compiled together, then timed).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import warnings
@@ -27,6 +30,10 @@ warnings.filterwarnings("ignore")
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1, help="configs per ask/compile/time round")
+    args = parser.parse_args()
+    print(f"batch {args.batch}")
     print(f"{'fraction':>8} {'within 2%':>10} {'worst':>6} {'mean':>6}")
     for fraction in (0.25, 0.4, 0.5):
         ok, ratios = 0, []
@@ -49,6 +56,7 @@ def main() -> int:
                     default=median,
                     seed=seed,
                     remeasure_top=1,
+                    batch_size=args.batch,
                 )
                 ok += result.best_ms <= best * 1.02
                 ratios.append(best / result.best_ms)

@@ -118,3 +118,33 @@ def test_a_persistent_study_resumes(tmp_path):
     second = tuner.tune(measure=measure, trials=12, **kwargs)
     assert second.measured >= 12 and second.best_ms <= first.best_ms
     assert len(calls) - n_first <= 12  # what the first run measured is not measured again
+
+
+def test_batched_study_compiles_each_batch_before_timing_it():
+    # The GPU tune asks for a batch, compiles it at once (prepare), then times it; compile failures are failed
+    # trials and are never timed.
+    table = _recorded(128, False)
+    space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
+    broken = set(space[::7])  # "fail to compile"
+    events = []
+
+    def prepare(configs):
+        assert len(configs) == len(set(configs)) <= 4
+        events.append(("compile", tuple(configs)))
+        return {c: "CompilationError: boom" for c in configs if c in broken}
+
+    def measure(cfg):
+        assert any(cfg in batch for kind, batch in events if kind == "compile"), "timed before it was compiled"
+        assert cfg not in broken
+        events.append(("time", cfg))
+        return table[cfg]
+
+    result = tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
+                        measure=measure, trials=16, space=space, seed=3, prepare=prepare, batch_size=4,
+                        remeasure_top=1)  # fmt: skip
+    compiled = [c for kind, batch in events if kind == "compile" for c in batch]
+    assert len(compiled) == len(set(compiled))  # nothing compiled twice
+    assert result.measured == 16 and result.best not in broken
+    failed = [r for r in result.history if r.reason == "CompilationError: boom"]
+    assert failed and result.failed == len(failed)
+    assert result.best_ms == min(table[c] for c in compiled if c not in broken)
