@@ -159,7 +159,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         storage = str(config_dir / ".studies" / "tune.journal")
     rows, path = [], None
     # One pool of compile processes for every study of a single-GPU tune (multi-GPU workers start their own).
-    pool = bench.CompilePool(os.cpu_count() or 1) if devices[0] != "cpu" and len(devices) == 1 else None
+    jobs = args.jobs or os.cpu_count() or 1
+    pool = bench.CompilePool(jobs) if devices[0] != "cpu" and len(devices) == 1 else None
     try:
         for kernel in kernels:
             for causal in causals:
@@ -306,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="LEFT,RIGHT: tune the band-mask variant at this window, e.g. 1024,0 (write --window=-1,0)",
     )
     tune.add_argument("--varlen", action="store_true", help="tune the packed-sequence (attention_varlen) variant")
+    tune.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU core)")
     tune.add_argument("--seqlens", default="1024,4096,16384", help="tuning lengths, at batch·N = --tokens")
     tune.add_argument("--tokens", type=int, default=16384)
     tune.add_argument("--trials", type=int, default=40, help="configs measured per study")
