@@ -11,7 +11,7 @@ jobs=$(( $(nproc) / 2 ))
 tune() {  # device, then head dims and dtypes to tune on it one after another
   local device=$1; shift
   for spec in "$@"; do
-    fa2tune tune --device "$device" --head-dim "${spec%/*}" --dtype "${spec#*/}" --kernel all --causal both \
+    ${FA2TUNE:-fa2tune} tune --device "$device" --head-dim "${spec%/*}" --dtype "${spec#*/}" --kernel all --causal both \
       --trials "$trials" --jobs "$jobs" --config-dir tuned_configs
   done
 }
