@@ -162,25 +162,29 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     jobs = args.jobs or os.cpu_count() or 1
     pool = bench.CompilePool(jobs) if devices[0] != "cpu" and len(devices) == 1 else None
     try:
-        for kernel in kernels:
-            for causal in causals:
-                spec = tunejob.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
-                                         seqlens=tuple(int(n) for n in args.seqlens.split(",")), tokens=args.tokens,
-                                         trials=args.trials, timeout_s=args.timeout, storage=storage,
-                                         window=args.window, varlen=args.varlen)  # fmt: skip
-                if len(devices) > 1:
-                    print(f"{kernel} causal={causal}: {len(devices)} workers on one study ({storage})", flush=True)
-                    result, entry, _ = tunejob.run_parallel(spec, devices)
-                else:
-
-                    def progress(done, total, best_ms, elapsed, kernel=kernel, causal=causal):
-                        print(f"\r  {kernel} causal={causal}: trial {done}/{total}  best {best_ms:.3f} ms  "
-                              f"{elapsed:.0f} s", end="", flush=True)  # fmt: skip
-
-                    result, entry = tunejob.run_study(spec, devices[0], on_trial=progress, compile_pool=pool)
-                    print()
+        specs = [
+            tunejob.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
+                              seqlens=tuple(int(n) for n in args.seqlens.split(",")), tokens=args.tokens,
+                              trials=args.trials, timeout_s=args.timeout, storage=storage,
+                              window=args.window, varlen=args.varlen)
+            for kernel in kernels for causal in causals
+        ]  # fmt: skip
+        if len(devices) > 1:
+            print(f"{len(specs)} studies, {len(devices)} workers on each ({storage})", flush=True)
+            done = tunejob.run_parallel_many(specs, devices)
+            for spec, (result, entry, _) in zip(specs, done, strict=True):
                 path = tunejob.write(entry, devices[0], config_dir)
-                rows.append((kernel, causal, result))
+                rows.append((spec.kernel, spec.causal, result))
+        for spec in specs if len(devices) == 1 else []:
+
+            def progress(done, total, best_ms, elapsed, spec=spec):
+                print(f"\r  {spec.kernel} causal={spec.causal}: trial {done}/{total}  best {best_ms:.3f} ms  "
+                      f"{elapsed:.0f} s", end="", flush=True)  # fmt: skip
+
+            result, entry = tunejob.run_study(spec, devices[0], on_trial=progress, compile_pool=pool)
+            print()
+            path = tunejob.write(entry, devices[0], config_dir)
+            rows.append((spec.kernel, spec.causal, result))
     finally:
         if pool is not None:
             pool.close()

@@ -154,39 +154,92 @@ def write(entry: store.Entry, device_name: str, config_dir: Path) -> Path:
     return path
 
 
-def _worker(spec: StudySpec, device_name: str, compile_workers: int) -> None:
+def _worker(number: int, device_name: str, compile_workers: int, inbox, outbox) -> None:
+    """A worker of run_parallel_many: runs its share of each study it is sent, until it is sent None.
+
+    It lives for the whole tune, so its CUDA context and its compile pool start once, not once per study.
+    """
     if device_name.startswith("cuda"):
         torch.cuda.set_device(torch.device(device_name))
-    if _interpreted(device_name):
-        run_study(spec, device_name, finalize=False)
-        return
-    with bench.CompilePool(compile_workers) as pool:
-        run_study(spec, device_name, finalize=False, compile_pool=pool)
+    pool = None if _interpreted(device_name) else bench.CompilePool(compile_workers)
+    try:
+        while (job := inbox.get()) is not None:
+            index, spec = job
+            try:
+                run_study(spec, device_name, finalize=False, compile_pool=pool)
+                outbox.put((index, number, None))
+            except Exception as exc:  # one study failing here is reported; the worker carries on with the next
+                outbox.put((index, number, bench.failure_reason(exc)))
+    finally:
+        if pool is not None:
+            pool.close()
 
 
 def run_parallel(
     spec: StudySpec, device_names: list[str], *, report: Callable[[str], None] = print
 ) -> tuple[tuner.TuneResult, store.Entry, dict[str, int]]:
-    """One worker process per device, each timing spec.trials / len(devices) configs of one shared study.
+    """run_parallel_many for one study."""
+    return run_parallel_many([spec], device_names, report=report)[0]
 
-    Returns the finished result (re-timed and verified on the first device), its entry, and each worker's exit
-    code (non-zero: that worker died; its completed trials still count).
+
+def run_parallel_many(
+    specs: list[StudySpec], device_names: list[str], *, report: Callable[[str], None] = print
+) -> list[tuple[tuner.TuneResult, store.Entry, dict[str, int]]]:
+    """One worker process per device for the whole list of studies; each study is shared by all live workers,
+    each timing spec.trials / len(devices) configs of it, and finished here (top configs re-timed and verified on
+    the first device) before the next starts.
+
+    Returns per study: the result, its entry, and each worker's exit code (0 while alive; non-zero once it died —
+    its completed trials still count, and the others carry on).
     """
-    if spec.storage is None:
+    if any(spec.storage is None for spec in specs):
         raise ValueError("run_parallel needs a shared storage (an Optuna URL or a journal file path)")
-    share = max(1, -(-spec.trials // len(device_names)))
     context = mp.get_context("spawn")  # CUDA cannot be used in forked children
     compile_workers = max(1, (os.cpu_count() or 1) // len(device_names))  # the host's cores, shared by the workers
-    workers = [(name, context.Process(target=_worker, args=(replace(spec, trials=share, seed=spec.seed + i), name,
-                                                            compile_workers)))
-               for i, name in enumerate(device_names)]  # fmt: skip
-    for _, process in workers:
+    outbox = context.Queue()
+    workers = []
+    for number, name in enumerate(device_names):
+        inbox = context.Queue()
+        process = context.Process(target=_worker, args=(number, name, compile_workers, inbox, outbox), daemon=True)
         process.start()
-    codes = {}
-    for i, (name, process) in enumerate(workers):
-        process.join()
-        codes[f"{i}:{name}"] = process.exitcode
-        if process.exitcode != 0:
-            report(f"worker {i} on {name} died (exit code {process.exitcode}); the others carry on")
-    result, entry = run_study(replace(spec, trials=0), device_names[0])
-    return result, entry, codes
+        workers.append((name, process, inbox))
+    dead: dict[int, int] = {}
+    results = []
+    try:
+        for index, spec in enumerate(specs):
+            share = max(1, -(-spec.trials // len(device_names)))
+            waiting = set()
+            for i, (_, _, inbox) in enumerate(workers):
+                if i not in dead:
+                    inbox.put((index, replace(spec, trials=share, seed=spec.seed + i)))
+                    waiting.add(i)
+            while waiting:
+                _collect(workers, outbox, index, waiting, dead, report)
+            codes = {f"{i}:{name}": dead.get(i, 0) for i, (name, _, _) in enumerate(workers)}
+            results.append((*run_study(replace(spec, trials=0), device_names[0]), codes))
+    finally:
+        for _, process, inbox in workers:
+            if process.is_alive():
+                inbox.put(None)
+        for _, process, _ in workers:
+            process.join(timeout=60)
+    return results
+
+
+def _collect(workers, outbox, index, waiting, dead, report) -> None:
+    """Waits (at most a few seconds) for a worker to finish study `index` or to die; updates waiting and dead."""
+    import queue
+
+    try:
+        done, i, problem = outbox.get(timeout=2.0)
+        if done == index and i in waiting:
+            waiting.discard(i)
+            if problem:
+                report(f"worker {i} on {workers[i][0]} failed this study ({problem}); the others carry on")
+    except queue.Empty:
+        pass
+    for i, (name, process, _) in enumerate(workers):
+        if i in waiting and not process.is_alive():
+            dead[i] = process.exitcode if process.exitcode else 1
+            waiting.discard(i)
+            report(f"worker {i} on {name} died (exit code {dead[i]}); the others carry on")

@@ -258,6 +258,9 @@ def tune(
     if best is None:
         raise RuntimeError(f"{name}: no measured config passed verification")
     values = [r.ms for r in history if r.ms is not None]
+    if not values:  # finishing a study other processes ran (multi-GPU): their trials, in the order they were told
+        values = [t.value for t in sorted(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)),
+                                          key=lambda t: t.datetime_complete or t.datetime_start)]  # fmt: skip
     within = next((i + 1 for i, v in enumerate(values) if v <= min(values) * 1.02), None)
     return TuneResult(
         study_name=name,

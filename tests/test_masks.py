@@ -85,23 +85,24 @@ def test_lse_and_empty_rows(device):
 
 
 def test_tiles_outside_the_window_are_never_read(device):
-    # 16 queries at the end of 128 keys with window (16, 0) see keys 96..127 only. Keys 0..79 lie in tiles that
-    # no query tile reaches: NaN there would poison any tile that is visited (0·NaN = NaN), even a masked one.
+    # 16 queries at the end of 512 keys with window (16, 0) see keys 480..511 only. With K/V tiles of up to 128
+    # rows (any config the forward and backward may pick), keys 0..383 lie in tiles no query tile reaches: NaN
+    # there would poison any tile that is visited (0·NaN = NaN), even a masked one.
     torch.manual_seed(9)
     q = torch.randn(1, 1, 16, 32, device=device)
-    k, v = (torch.randn(1, 1, 128, 32, device=device) for _ in range(2))
+    k, v = (torch.randn(1, 1, 512, 32, device=device) for _ in range(2))
     clean = naive_attention(q.double(), k.double(), v.double(), window=(16, 0))[0]
     k_poisoned, v_poisoned = k.clone(), v.clone()
-    k_poisoned[:, :, :80] = float("nan")
-    v_poisoned[:, :, :80] = float("nan")
+    k_poisoned[:, :, :384] = float("nan")
+    v_poisoned[:, :, :384] = float("nan")
     q_, k_, v_ = (t.requires_grad_() for t in (q, k_poisoned, v_poisoned))
-    out = fa2tune.attention(q_, k_, v_, window=(16, 0), config=KernelConfig(16, 16))
+    out = fa2tune.attention(q_, k_, v_, window=(16, 0))
     assert_close(out, clean, torch.float32)
     dq, dk, dv = torch.autograd.grad(out, (q_, k_, v_), torch.randn_like(out))
     assert not dq.isnan().any()
     # dK/dV of unseen keys are exactly 0 (their loop is empty), not NaN
-    assert torch.equal(dk[:, :, :80].cpu(), torch.zeros(1, 1, 80, 32))
-    assert torch.equal(dv[:, :, :80].cpu(), torch.zeros(1, 1, 80, 32))
+    assert torch.equal(dk[:, :, :384].cpu(), torch.zeros(1, 1, 384, 32))
+    assert torch.equal(dv[:, :, :384].cpu(), torch.zeros(1, 1, 384, 32))
 
 
 def test_reference_mask_definition():

@@ -51,3 +51,14 @@ def test_parallel_needs_a_shared_storage():
     spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False)
     with pytest.raises(ValueError, match="needs a shared storage"):
         tunejob.run_parallel(spec, ["cpu", "cpu"])
+
+
+def test_workers_live_across_studies(tmp_path, interpreter_only):
+    # `fa2tune tune --device a,b` with several studies: the same two workers serve each study in turn.
+    journal = str(tmp_path / "tune.journal")
+    specs = [tunejob.StudySpec(kernel=k, head_dim=16, dtype="bf16", causal=c, trials=2, storage=journal)
+             for k, c in (("fwd", False), ("bwd_dq", True))]  # fmt: skip
+    done = tunejob.run_parallel_many(specs, ["cpu", "cpu"])
+    assert [entry.key.kernel for _, entry, _ in done] == ["fwd", "bwd_dq"]
+    assert all(codes == {"0:cpu": 0, "1:cpu": 0} for _, _, codes in done)
+    assert all(result.measured >= 2 and result.within_2pct_at is not None for result, _, _ in done)
