@@ -200,7 +200,7 @@ def run_parallel_many(
     workers = []
     for number, name in enumerate(device_names):
         inbox = context.Queue()
-        process = context.Process(target=_worker, args=(number, name, compile_workers, inbox, outbox), daemon=True)
+        process = context.Process(target=_worker, args=(number, name, compile_workers, inbox, outbox))
         process.start()
         workers.append((name, process, inbox))
     dead: dict[int, int] = {}
