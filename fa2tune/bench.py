@@ -214,7 +214,9 @@ def failure_reason(exc: BaseException) -> str:
 def _compile_one(job) -> str | None:
     kernel, head_dim, dtype, causal, cfg, seqlen, device, varlen = job
     try:
-        x = kernel_inputs(kernel, causal, 1, 1, seqlen, head_dim, dtype=dtype, device=device, varlen=varlen)
+        # batch and heads of 2, not 1: Triton compiles an int argument equal to 1 as a constant, so a binary built
+        # with H_Q = 1 would not be the one a real launch (H_Q = 16) loads from the cache.
+        x = kernel_inputs(kernel, causal, 2, 2, seqlen, head_dim, dtype=dtype, device=device, varlen=varlen)
         run_kernel(kernel, cfg, x, causal)
         if x.q.is_cuda:
             torch.cuda.synchronize()  # a launch error surfaces here, as this config's failure
