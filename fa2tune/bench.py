@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,11 +56,18 @@ class Timing:
         return flops / (self.median_ms * 1e-3) / 1e12
 
 
-def time_cuda(fn: Callable[[], object], *, warmup_ms: int = 25, rep_ms: int = 100) -> Timing:
-    """Times fn on the current CUDA device with triton.testing.do_bench (events, L2 flushed between runs)."""
+def time_cuda(
+    fn: Callable[[], object], *, warmup_ms: int = 25, rep_ms: int = 100, device: str | torch.device | None = None
+) -> Timing:
+    """Times fn with triton.testing.do_bench (events, L2 flushed between runs) on `device` (default: the current).
+
+    do_bench records its events and flushes L2 on the *current* device: timing a kernel that runs on another GPU
+    measures nothing, so the device the work runs on is made current here.
+    """
     from triton.testing import do_bench
 
-    p20, median, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+    with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        p20, median, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
     return Timing(median_ms=median, p20_ms=p20, p80_ms=p80)
 
 
@@ -185,7 +193,7 @@ def make_measure(
         total = 0.0
         for x in inputs:
             if on_gpu:
-                total += time_cuda(lambda x=x: run_kernel(kernel, cfg, x, causal)).median_ms
+                total += time_cuda(lambda x=x: run_kernel(kernel, cfg, x, causal), device=device).median_ms
             else:
                 run_kernel(kernel, cfg, x, causal)  # first call renders and imports the variant
                 start = time.perf_counter()
@@ -197,7 +205,7 @@ def make_measure(
         """The winner's worst (p80 − p20) / median over the tuning lengths; None on the CPU."""
         if not on_gpu:
             return None
-        timings = [time_cuda(lambda x=x: run_kernel(kernel, cfg, x, causal)) for x in inputs]
+        timings = [time_cuda(lambda x=x: run_kernel(kernel, cfg, x, causal), device=device) for x in inputs]
         return round(max((t.p80_ms - t.p20_ms) / t.median_ms for t in timings), 4)
 
     measure.spread = spread

@@ -80,6 +80,8 @@ def run_study(
     info = selection.device_info(device_name)
     dtype = DTYPES_BY_NAME[spec.dtype]
     cpu = _interpreted(device_name)
+    if not cpu:  # timing (do_bench's events), the checks and every allocation belong on the tuned GPU
+        torch.cuda.set_device(torch.device(device_name))
     seqlens = tuple(min(n, 64) for n in spec.seqlens[:2]) if cpu else spec.seqlens
     if cpu:  # a few small tiles: the interpreter's time grows with the tile count
         space = [planner.INTERPRETER_CONFIG, *(planner.KernelConfig(m, n, 4, 1) for m in (16, 64) for n in (16, 64))]
