@@ -61,8 +61,12 @@ def compile_config(
     *,
     causal: bool = False,
     capability: tuple[int, int] = (9, 0),
+    banded: bool = False,
+    varlen: bool = False,
 ) -> CompileReport:
-    """Compiles `kernel` ("fwd", "bwd_dkdv", "bwd_dq") with `config` for a CUDA target of this capability."""
+    """Compiles `kernel` ("fwd", "bwd_dkdv", "bwd_dq") with `config` for a CUDA target of this capability.
+
+    banded / varlen: the window/prefix and packed-sequence variants (ragged tails, as they always are)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -70,7 +74,7 @@ def compile_config(
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_config needs Triton's compiler: unset TRITON_INTERPRET in this process")
     template, name = _KERNEL_NAMES[kernel]
-    variant = Variant(causal=causal, even_m=True, even_n=True, dot_fp32=False)
+    variant = Variant(causal=causal and not banded, even_m=not varlen, even_n=not varlen, banded=banded, varlen=varlen)
     fn = getattr(codegen.load(template, variant), name)
     head_dim_pad = planner.head_dim_padded(head_dim)
     ints = _example_ints(head_dim_pad, heads=16, group=1)
@@ -93,6 +97,9 @@ def compile_config(
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif arg in _FLOATS:
             signature[arg] = "fp32"
+        elif arg in ("CU_Q", "CU_K") and varlen:
+            signature[arg] = "*i32"
+            attrs[(index,)] = [["tt.divisibility", 16]]
         elif arg in ("CU_Q", "CU_K"):
             signature[arg] = "constexpr"  # a dense launch passes None for the packed-sequence offsets
             constexprs[arg] = None

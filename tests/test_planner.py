@@ -130,11 +130,13 @@ def test_recording_still_matches_the_installed_compiler():
             ("bwd_dq", 128, KernelConfig(128, 64, 8, 3))]  # fmt: skip
     recorded = {(k, d, cfg): shared for k, d, cfg, shared, _ in _recorded()}
     # The probe needs Triton's real compiler, not the interpreter this test process may run under.
+    # The window/prefix (banded) and packed (varlen) variants keep the same tiles: the planner's model holds
+    # for them only if the compiler gives them the same shared memory as the recorded causal variant.
     script = (
         "import json, sys, torch; from fa2tune.probe import compile_config; from fa2tune.types import KernelConfig\n"
         "rows = json.loads(sys.argv[1])\n"
-        "print(json.dumps([compile_config(k, KernelConfig(*c), d, torch.bfloat16, causal=True).shared_bytes "
-        "for k, d, c in rows]))"
+        "print(json.dumps([compile_config(k, KernelConfig(*c), d, torch.bfloat16, causal=True, banded=i == 1,"
+        " varlen=i == 2).shared_bytes for i, (k, d, c) in enumerate(rows)]))"
     )
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     args = json.dumps([(k, d, list(cfg.to_dict().values())) for k, d, cfg in rows])
