@@ -341,12 +341,7 @@ def attention(
         O with q's shape and dtype; with return_lse, (O, lse). Differentiable in q, k and v.
     """
     check_qkv(q, k, v)
-    mask = _check_mask(causal, window, prefix_len)
-    return_lse = check_flag("return_lse", return_lse)
-    scale = check_scale(scale, q.shape[-1])
-    _check_config(config)
-    o, lse = FlashAttnFunction.apply(q, k, v, mask, scale, config)
-    return (o, lse) if return_lse else o
+    return _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, None)
 
 
 def attention_varlen(
@@ -379,20 +374,17 @@ def attention_varlen(
     Returns:
         O (total_q, heads_q, head_dim) in q's dtype; with return_lse, (O, lse). Differentiable in q, k and v.
     """
-    packing = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    mask = _check_mask(causal, window, prefix_len)
+    packing = Packing(*check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, packing)
+
+
+def _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, packing):
+    """The keyword arguments attention() and attention_varlen() share, checked; then the autograd Function."""
+    mask = Mask(causal=check_flag("causal", causal), window=check_window(window),
+                prefix_len=check_prefix_len(prefix_len))  # fmt: skip
     return_lse = check_flag("return_lse", return_lse)
     scale = check_scale(scale, q.shape[-1])
-    _check_config(config)
-    o, lse = FlashAttnFunction.apply(q, k, v, mask, scale, config, Packing(*packing))
-    return (o, lse) if return_lse else o
-
-
-def _check_mask(causal: object, window: object, prefix_len: object) -> Mask:
-    causal = check_flag("causal", causal)
-    return Mask(causal=causal, window=check_window(window), prefix_len=check_prefix_len(prefix_len))
-
-
-def _check_config(config: object) -> None:
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a fa2tune.KernelConfig or None, got {type(config).__name__}")
+    o, lse = FlashAttnFunction.apply(q, k, v, mask, scale, config, packing)
+    return (o, lse) if return_lse else o
