@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from . import planner, selection
-from .inputs import DTYPE_NAMES
-from .launcher import attention
+from .inputs import DTYPE_NAMES, check_prefix_len, check_window
+from .launcher import attention, attention_varlen
 from .types import DeviceInfo, KernelConfig
 
 
@@ -19,6 +19,8 @@ class AttentionKernel:
 
     Attributes:
         head_dim, dtype, causal: what it was resolved for; calls with anything else are refused.
+        window, prefix_len: the band mask every call applies ((-1, -1) and 0: none).
+        varlen: calls take packed sequences: ``kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)``.
         device: the GPU it was resolved for.
         config: the forward config; bwd_dkdv_config / bwd_dq_config: the backward's.
         source: where the forward config came from — a YAML file path, or "planner-default".
@@ -35,33 +37,73 @@ class AttentionKernel:
     bwd_dkdv_config: KernelConfig
     bwd_dq_config: KernelConfig
     bwd_source: str
+    window: tuple[int, int] = (-1, -1)
+    prefix_len: int = 0
+    varlen: bool = False
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None, return_lse: bool = False
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *packing,
+        scale: float | None = None,
+        return_lse: bool = False,
     ):
-        """attention(q, k, v) with this kernel's configs (the backward's come from the same store)."""
+        """attention(q, k, v) — or attention_varlen(q, k, v, *packing) for a varlen kernel — with this kernel's
+        mask and configs (the backward's come from the same store)."""
         if q.shape[-1] != self.head_dim or q.dtype != self.dtype:
             raise ValueError(
                 f"this kernel was resolved for head_dim={self.head_dim}, dtype={self.dtype}; "
                 f"got q with head_dim={q.shape[-1]}, dtype={q.dtype}: call fa2tune.get_kernel for that"
             )
-        return attention(q, k, v, causal=self.causal, scale=scale, return_lse=return_lse, config=self.config)
+        if bool(packing) != self.varlen:
+            expected = (
+                "cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k after q, k, v"
+                if self.varlen
+                else ("only q, k, v (get_kernel(..., varlen=True) gives a kernel for packed sequences)")
+            )
+            raise TypeError(f"this kernel takes {expected}; got {len(packing)} more positional arguments")
+        mask = dict(causal=self.causal, window=self.window, prefix_len=self.prefix_len)
+        options = dict(scale=scale, return_lse=return_lse, config=self.config)
+        if self.varlen:
+            return attention_varlen(q, k, v, *packing, **mask, **options)
+        return attention(q, k, v, **mask, **options)
 
 
 @functools.cache
-def _resolved(head_dim: int, device: str, dtype: torch.dtype, causal: bool, config_dir: str | None) -> AttentionKernel:
-    fwd, source = selection.resolve("fwd", head_dim, dtype, causal, device)
-    dkdv, bwd_source = selection.resolve("bwd_dkdv", head_dim, dtype, causal, device)
-    dq, _ = selection.resolve("bwd_dq", head_dim, dtype, causal, device)
-    return AttentionKernel(
-        head_dim, dtype, causal, selection.device_info(device), device, fwd, source, dkdv, dq, bwd_source
-    )
+def _resolved(
+    head_dim: int,
+    device: str,
+    dtype: torch.dtype,
+    causal: bool,
+    config_dir: str | None,
+    window: tuple[int, int],
+    prefix_len: int,
+    varlen: bool,
+) -> AttentionKernel:
+    banded = window != (-1, -1) or prefix_len > 0
+    configs = [selection.resolve(kernel, head_dim, dtype, causal, device, window=banded, varlen=varlen)
+               for kernel in ("fwd", "bwd_dkdv", "bwd_dq")]  # fmt: skip
+    (fwd, source), (dkdv, bwd_source), (dq, _) = configs
+    return AttentionKernel(head_dim, dtype, causal, selection.device_info(device), device, fwd, source, dkdv, dq,
+                           bwd_source, window, prefix_len, varlen)  # fmt: skip
 
 
 def get_kernel(
-    head_dim: int, *, device: str | torch.device = "cuda:0", dtype: torch.dtype = torch.bfloat16, causal: bool = False
+    head_dim: int,
+    *,
+    device: str | torch.device = "cuda:0",
+    dtype: torch.dtype = torch.bfloat16,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    prefix_len: int = 0,
+    varlen: bool = False,
 ) -> AttentionKernel:
     """The attention kernel for a GPU, head dim, dtype and mask, with its configs and where they came from.
+
+    window / prefix_len: a band mask (as fa2tune.attention) applied by every call; varlen: the kernel takes packed
+    sequences (as fa2tune.attention_varlen). Each is a template variant with its own tuned entries.
 
     Lookup order for each config: $FA2TUNE_CONFIG_DIR, the user cache dir (~/.cache/fa2tune/configs), the shipped
     tuned_configs/, then the planner's default. A missing, corrupt or stale file warns once and falls back.
@@ -73,10 +115,12 @@ def get_kernel(
         raise ValueError(f"head_dim must be an int in 1..{planner.MAX_HEAD_DIM}, got {head_dim!r}")
     if dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
+    for name, flag in (("causal", causal), ("varlen", varlen)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    window, prefix_len = check_window(window), check_prefix_len(prefix_len)
     device = str(torch.device(device))
-    return _resolved(head_dim, device, dtype, causal, os.environ.get("FA2TUNE_CONFIG_DIR"))
+    return _resolved(head_dim, device, dtype, causal, os.environ.get("FA2TUNE_CONFIG_DIR"), window, prefix_len, varlen)
 
 
 def clear_cache() -> None:

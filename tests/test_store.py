@@ -182,3 +182,31 @@ def test_window_and_varlen_entries_are_their_own_keys(config_dir, device):
     assert resolve() == _CFG
     assert resolve(window=True) == KernelConfig(16, 16, 4, 1)
     assert resolve(varlen=True) != KernelConfig(16, 16, 4, 1)  # no varlen entry: the planner's default
+
+
+def test_get_kernel_for_a_window_and_for_packed_sequences(config_dir, device):
+    from fa2tune.reference import naive_attention, naive_attention_varlen
+
+    slug = selection.device_info(device).slug
+    path = config_dir / "env" / f"{slug}.yaml"
+    windowed_cfg = KernelConfig(16, 16, 4, 1)
+    key = store.EntryKey(head_dim=64, dtype="fp32", causal=True, kernel="fwd", window=True)
+    store.write_entries(path, DEVICE, [store.Entry(**{**_entry().__dict__, "key": key, "config": windowed_cfg})])
+    windowed = fa2tune.get_kernel(64, device=device, dtype=torch.float32, causal=True, window=(8, -1))
+    assert windowed.config == windowed_cfg and windowed.source == str(path)
+    q = torch.randn(1, 2, 40, 64, device=device)
+    ref = naive_attention(q.double(), q.double(), q.double(), causal=True, window=(8, -1))[0]
+    torch.testing.assert_close(windowed(q, q, q).double(), ref, rtol=1e-5, atol=1e-5)
+
+    packed = fa2tune.get_kernel(64, device=device, dtype=torch.float32, varlen=True)
+    assert packed.source == "planner-default"  # no varlen entry stored
+    cu = torch.tensor([0, 7, 40], dtype=torch.int32, device=device)
+    x = torch.randn(40, 2, 64, device=device)
+    ref = naive_attention_varlen(x.double(), x.double(), x.double(), cu, cu)[0]
+    torch.testing.assert_close(packed(x, x, x, cu, cu, 33, 33).double(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="this kernel takes cu_seqlens_q, cu_seqlens_k"):
+        packed(x, x, x)
+    with pytest.raises(TypeError, match=r"this kernel takes only q, k, v"):
+        windowed(q, q, q, cu)
+    with pytest.raises(ValueError, match="window sides must be >= -1"):
+        fa2tune.get_kernel(64, window=(-3, 0))
