@@ -37,14 +37,40 @@ def templates_dir() -> Path:
     )
 
 
+# The template each kernel is rendered from (planner.KERNELS); tuned entries go stale with their own template only.
+TEMPLATE_OF = {"fwd": "fwd", "bwd_dkdv": "bwd", "bwd_dq": "bwd"}
+
+
 @functools.cache
-def template_hash() -> str:
-    """Hash over every template file: changes whenever any kernel's source could change."""
+def template_hash(template: str | None = None) -> str:
+    """Hash of the template files a kernel module is rendered from: `template` ("fwd", "bwd") and every file it
+    includes or imports, so a tuned entry goes stale when its own kernel's source could change and not when
+    another template does. None: every template file.
+    """
+    if template is None:
+        files = sorted(path.name for path in templates_dir().glob("*.jinja"))
+    else:
+        files = sorted(_dependencies(f"{template}.py.jinja"))
     digest = hashlib.sha256()
-    for path in sorted(templates_dir().glob("*.jinja")):
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
+    for name in files:
+        digest.update(name.encode())
+        digest.update((templates_dir() / name).read_bytes())
     return digest.hexdigest()[:16]
+
+
+def _dependencies(name: str) -> set[str]:
+    """`name` and the templates it includes or imports, recursively."""
+    from jinja2 import meta
+
+    found, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        if current in found:
+            continue
+        found.add(current)
+        source = (templates_dir() / current).read_text()
+        todo.extend(ref for ref in meta.find_referenced_templates(_environment().parse(source)) if ref)
+    return found
 
 
 @functools.cache
@@ -65,7 +91,7 @@ def render(template: str, variant: object) -> str:
         raise TypeError(f"variant must be a dataclass instance, got {type(variant).__name__}")
     fields = dataclasses.asdict(variant)
     source = _environment().get_template(f"{template}.py.jinja")
-    return source.render(**fields, variant=repr(variant), template_hash=template_hash())
+    return source.render(**fields, variant=repr(variant), template_hash=template_hash(template))
 
 
 def cache_dir() -> Path:

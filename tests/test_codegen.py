@@ -26,7 +26,7 @@ ALL_FWD_VARIANTS = [
 def test_every_variant_renders_valid_python(variant):
     source = codegen.render("fwd", variant)
     compile(source, f"<{variant}>", "exec")
-    assert f"template_hash: {codegen.template_hash()}" in source
+    assert f"template_hash: {codegen.template_hash('fwd')}" in source
     assert ("Bottom-right causal" in source) == variant.causal
     assert ("lo, full_lo, full_hi, hi = _tile_ranges(" in source) == variant.banded
     assert ("N_Q = tl.load(CU_Q + off_b + 1) - q_start" in source) == variant.varlen
@@ -134,3 +134,32 @@ def test_non_editable_install_renders_templates(tmp_path):
         timeout=300,
     ).stdout.split()
     assert Path(out[0]).is_relative_to(target) and out[1] == "True"
+
+
+def test_each_kernel_goes_stale_with_its_own_templates_only(tmp_path, monkeypatch):
+    # A copy of the templates; editing bwd.py.jinja changes the backward's hash, not the forward's; editing the
+    # shared _common.py.jinja changes both; a new template file changes neither.
+    import shutil
+
+    copy = tmp_path / "templates"
+    shutil.copytree(codegen.templates_dir(), copy)
+    monkeypatch.setattr(codegen, "templates_dir", lambda: copy)
+
+    def hashes():
+        codegen.template_hash.cache_clear()
+        codegen._environment.cache_clear()
+        return codegen.template_hash("fwd"), codegen.template_hash("bwd")
+
+    try:
+        fwd, bwd = hashes()
+        assert codegen._dependencies("fwd.py.jinja") == {"fwd.py.jinja", "_common.py.jinja", "_macros.jinja"}
+        (copy / "bwd.py.jinja").write_text((copy / "bwd.py.jinja").read_text() + "\n# edited\n")
+        assert hashes() == (fwd, hashes()[1]) and hashes()[1] != bwd
+        (copy / "fwd_tma.py.jinja").write_text("# a new variant\n")
+        assert hashes()[0] == fwd
+        (copy / "_common.py.jinja").write_text((copy / "_common.py.jinja").read_text() + "\n# edited\n")
+        assert hashes()[0] != fwd
+    finally:
+        monkeypatch.undo()
+        codegen.template_hash.cache_clear()
+        codegen._environment.cache_clear()

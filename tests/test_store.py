@@ -19,10 +19,11 @@ _CFG = KernelConfig(64, 32, 4, 2)
 
 
 def _entry(head_dim=64, causal=False, kernel="fwd", cfg=_CFG, template_hash=None, ms=1.0):
+    template_hash = template_hash or codegen.template_hash(codegen.TEMPLATE_OF[kernel])
     return store.Entry(
         key=store.EntryKey(head_dim=head_dim, dtype="fp32", causal=causal, kernel=kernel),
         config=cfg, ms=ms, tflops=None, baseline={"name": "planner-default"}, trials=7, spread=0.01,
-        triton_version="3.6.0", torch_version="2.13.0", template_hash=template_hash or codegen.template_hash(),
+        triton_version="3.6.0", torch_version="2.13.0", template_hash=template_hash,
         date="2026-11-29",
     )  # fmt: skip
 
@@ -70,10 +71,10 @@ def test_lookup_order_env_then_user_then_shipped(config_dir, monkeypatch):
     user = store.user_config_dir() / "cpu-interpreter.yaml"
     assert user.is_relative_to(config_dir / "xdg")
     store.write_entries(user, DEVICE, [_entry(cfg=KernelConfig(16, 16, 4, 1))])
-    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash())
+    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash("fwd"))
     assert found.config == KernelConfig(16, 16, 4, 1) and path == user
     store.write_entries(config_dir / "env" / "cpu-interpreter.yaml", DEVICE, [_entry(cfg=KernelConfig(32, 16, 4, 1))])
-    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash())
+    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash("fwd"))
     assert found.config == KernelConfig(32, 16, 4, 1) and path.parent == config_dir / "env"
     assert store.config_dirs()[-1] == store.shipped_config_dir()
     # Last, the shipped folder (patched here: the repository's own must stay untouched).
@@ -81,9 +82,9 @@ def test_lookup_order_env_then_user_then_shipped(config_dir, monkeypatch):
     monkeypatch.setattr(store, "shipped_config_dir", lambda: shipped)
     monkeypatch.delenv("FA2TUNE_CONFIG_DIR")
     user.unlink()
-    assert store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash()) is None
+    assert store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash("fwd")) is None
     store.write_entries(shipped / "cpu-interpreter.yaml", DEVICE, [_entry(cfg=KernelConfig(64, 64, 4, 1))])
-    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash())
+    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash("fwd"))
     assert found.config == KernelConfig(64, 64, 4, 1) and path.parent == shipped
 
 
