@@ -107,20 +107,16 @@ def check_varlen(
     max_seqlen_q: object,
     max_seqlen_k: object,
 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Validates packed sequences (FlashAttention-2's varlen layout); returns (cu_q, cu_k, max_q, max_k).
-
-    The cumulative lengths are read back to the host once to check them (a small copy and a sync): a wrong
-    cu_seqlens would otherwise read and write out of bounds without any error.
-    """
+    """Validates packed sequences' shapes and types (FlashAttention-2's varlen layout); returns
+    (cu_q, cu_k, max_q, max_k). The offsets' values are checked by check_offsets, inside the kernel op."""
     _check_tensors(q, k, v, "(total_tokens, heads, head_dim) as in flash_attn_varlen_func")
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"k and v must have the same number of tokens, got k={k.shape[0]}, v={v.shape[0]}")
     _check_heads(q.shape[1], k.shape[1], v.shape[1])
     _check_head_dim(q.shape[2], k.shape[2], v.shape[2])
-    lengths = {}
-    for name, cu, total, max_name, max_len in (
-        ("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
-        ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k),
+    for name, cu, max_name, max_len in (
+        ("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q),
+        ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k),
     ):
         if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
             got = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
@@ -129,6 +125,25 @@ def check_varlen(
             raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 0:
             raise TypeError(f"{max_name} must be a non-negative int, got {max_len!r}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            "cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
+        )
+    return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+
+
+def check_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, total_q: int, total_k: int):
+    """The values of packed sequences' offsets: start at 0, never decrease, end at the token count, no sequence
+    longer than its max_seqlen. A wrong cu_seqlens would otherwise read and write out of bounds with no error.
+
+    Reads the offsets back to the host (a small copy and a sync). Called inside the fa2tune::fwd op, which runs
+    eagerly even in a torch.compile graph, where a host read would break the graph.
+    """
+    for name, cu, total, max_name, max_len in (
+        ("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
+        ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k),
+    ):
         offsets = cu.tolist()
         seq_lens = [b - a for a, b in itertools.pairwise(offsets)]
         if offsets[0] != 0 or min(seq_lens) < 0:
@@ -139,13 +154,6 @@ def check_varlen(
         longest = max(seq_lens)
         if longest > max_len:
             raise ValueError(f"{max_name}={max_len} is below the longest sequence in {name} ({longest})")
-        lengths[name] = len(offsets)
-    if lengths["cu_seqlens_q"] != lengths["cu_seqlens_k"]:
-        raise ValueError(
-            "cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
-            f"{lengths['cu_seqlens_q'] - 1} and {lengths['cu_seqlens_k'] - 1}"
-        )
-    return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
 
 
 def check_window(window: object) -> tuple[int, int]:

@@ -15,7 +15,16 @@ from dataclasses import dataclass
 import torch
 
 from . import codegen, planner, selection
-from .inputs import check_flag, check_prefix_len, check_qkv, check_scale, check_varlen, check_window, interpreting
+from .inputs import (
+    check_flag,
+    check_offsets,
+    check_prefix_len,
+    check_qkv,
+    check_scale,
+    check_varlen,
+    check_window,
+    interpreting,
+)
 from .types import KernelConfig, Mask, Variant
 
 LOG2E = 1.4426950408889634  # 1/ln(2): the kernels run the softmax on exp2
@@ -246,8 +255,10 @@ def _fwd_op(
     cu_seqlens_k: torch.Tensor | None,
     max_seqlens: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward(q, k, v, causal=_mask_from_ints(mask), scale=scale, config=_from_ints(config),
-                   packing=_packing(cu_seqlens_q, cu_seqlens_k, max_seqlens))  # fmt: skip
+    packing = _packing(cu_seqlens_q, cu_seqlens_k, max_seqlens)
+    if packing is not None:  # here, not in attention_varlen: this runs eagerly even inside a compiled graph
+        check_offsets(cu_seqlens_q, cu_seqlens_k, *max_seqlens, q.shape[0], k.shape[0])
+    return forward(q, k, v, causal=_mask_from_ints(mask), scale=scale, config=_from_ints(config), packing=packing)
 
 
 @_fwd_op.register_fake

@@ -187,7 +187,7 @@ def _packed(device, lens=(4, 6)):
 @pytest.mark.parametrize(
     "change, error, words",
     [
-        (dict(cu_seqlens_q=[0, 6, 4, 10]), ValueError, "never decrease"),
+        (dict(cu_seqlens_q=[0, 6, 4, 10], cu_seqlens_k=[0, 4, 4, 10]), ValueError, "never decrease"),
         (dict(cu_seqlens_q=[1, 4, 10]), ValueError, "start at 0"),
         (dict(cu_seqlens_q=[0, 4, 9]), ValueError, "end at the number of tokens"),
         (dict(max_seqlen_q=5), ValueError, "max_seqlen_q=5 is below the longest"),
@@ -227,3 +227,26 @@ def test_mask_bad_input(kwargs, error, words, device):
     q = torch.randn(1, 1, 8, 16, device=device)
     with pytest.raises(error, match=words):
         fa2tune.attention(q, q, q, **kwargs)
+
+
+def test_varlen_and_window_under_torch_compile_fullgraph(device):
+    # The offsets' values are checked inside the custom op (a host read would break the graph), so a compiled
+    # caller still gets the clear error.
+    torch._dynamo.reset()
+    cu = _cu([7, 33], device)
+    q, k, v = (torch.randn(40, 2, 16, device=device, requires_grad=True) for _ in range(3))
+
+    def layer(q, k, v):
+        packed = fa2tune.attention_varlen(q, k, v, cu, cu, 33, 33, causal=True, window=(5, -1))
+        return packed.square().sum()
+
+    compiled = torch.compile(layer, fullgraph=True)
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = naive_attention_varlen(*leaves, cu, cu, causal=True, window=(5, -1))[0].square().sum()
+    for got, want in zip(grads, torch.autograd.grad(ref, leaves), strict=True):
+        assert_close(got, want, torch.float32, what="gradient")
+    bad = torch.tensor([0, 34, 40], dtype=torch.int32, device=device)
+    with pytest.raises(Exception, match=r"max_seqlen_q=33 is below the longest sequence in cu_seqlens_q \(34\)"):
+        torch.compile(lambda q: fa2tune.attention_varlen(q, k, v, bad, bad, 33, 33), fullgraph=True)(q.detach())
