@@ -159,8 +159,12 @@ def backward(
     dkdv_config: KernelConfig | None = None,
     dq_config: KernelConfig | None = None,
     packing: Packing | None = None,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of O = attention(q, k, v) given dO, recomputing S and P from the saved logsumexp.
+
+    dlse: the gradient of the logsumexp output, if a loss used it. ∂lse_i/∂s_ij = P_ij, so it enters as
+    dS = P ∘ (dP − (δ − dlse)): it only shifts δ, and the kernels need no change.
 
     Returns:
         (dq, dk, dv), contiguous, with the shapes and dtypes of q, k, v; dk/dv summed over the query heads that
@@ -179,11 +183,11 @@ def backward(
     delta = torch.empty_like(lse)
 
     with _on_device(q):
-        _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config, dq_config, packing)
+        _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config, dq_config, packing, dlse)
     return dq, dk, dv
 
 
-def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config, dq_config, packing):
+def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config, dq_config, packing, dlse):
     (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), strides = _layout(q, k, packing)
     varlen = packing is not None
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim))
@@ -194,6 +198,8 @@ def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config
     pre[(_cdiv(pre_rows, dq_config.block_m) * pre_batch * heads_q,)](
         o, do, delta, *strides(o), *strides(do), heads_q, pre_rows, **common, BLOCK_M=dq_config.block_m,
     )  # fmt: skip
+    if dlse is not None:
+        delta.sub_(dlse)  # same layout as lse, hence as δ
     cu_q, cu_k, bounds = _mask_args(mask, seqlen_q, seqlen_k, packing)
     inputs = (*strides(q), *strides(k), *strides(v), *strides(do), *_lse_strides(lse, packing))
     sizes = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds)
@@ -281,16 +287,17 @@ def _bwd_op(
     cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None,
     max_seqlens: list[int],
+    dlse: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return backward(
         do, q, k, v, o, lse, causal=_mask_from_ints(mask), scale=scale,
         dkdv_config=_from_ints(dkdv_config), dq_config=_from_ints(dq_config),
-        packing=_packing(cu_seqlens_q, cu_seqlens_k, max_seqlens),
+        packing=_packing(cu_seqlens_q, cu_seqlens_k, max_seqlens), dlse=dlse,
     )  # fmt: skip
 
 
 @_bwd_op.register_fake
-def _bwd_fake(do, q, k, v, o, lse, mask, scale, dkdv_config, dq_config, cu_seqlens_q, cu_seqlens_k, max_seqlens):
+def _bwd_fake(do, q, k, v, o, lse, mask, scale, dkdv_config, dq_config, cu_seqlens_q, cu_seqlens_k, max_seqlens, dlse):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
@@ -310,14 +317,16 @@ class FlashAttnFunction(torch.autograd.Function):
         )
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
         ctx.mask, ctx.scale, ctx.max_seqlens = _mask_to_ints(mask), scale, max_seqlens
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to make and subtract
         return o, lse
 
     @staticmethod
-    def backward(ctx, do, _dlse):
+    def backward(ctx, do, dlse):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        if do is None:  # only the logsumexp reached the loss
+            do = torch.zeros_like(o)
         dq, dk, dv = torch.ops.fa2tune.bwd(do, q, k, v, o, lse, ctx.mask, ctx.scale, [], [], cu_q, cu_k,
-                                           ctx.max_seqlens)  # fmt: skip
+                                           ctx.max_seqlens, dlse)  # fmt: skip
         return dq, dk, dv, None, None, None, None
 
 
@@ -345,7 +354,8 @@ def attention(
             i' = i + seqlen_k - seqlen_q; -1 leaves a side unbounded; with causal, right is 0.
         prefix_len: prefix-LM: keys [0, prefix_len) are visible to every query, causal after them (implies
             causal; combines with a left window).
-        return_lse: also return the fp32 logsumexp (batch, heads_q, seqlen_q) of the scaled scores.
+        return_lse: also return the fp32 logsumexp (batch, heads_q, seqlen_q) of the scaled scores; it is
+            differentiable too (a loss may use it, e.g. to merge attention over chunks of keys).
         config: forward block sizes, warps and stages; default: the tuned or the planner's pick.
 
     Returns:

@@ -10,6 +10,7 @@ from fa2tune import launcher
 from fa2tune.reference import naive_attention
 from fa2tune.types import KernelConfig
 
+from .conftest import assert_close
 from .test_launcher import DTYPES, SHAPES
 
 # ‖grad − ref‖ / max(‖ref‖, ‖dO‖) per dtype (METHOD.md: bf16 operands land between 1e-3 and 1e-2; fp32 far
@@ -143,3 +144,22 @@ def test_torch_compile_fullgraph_matches_eager(device):
     torch.testing.assert_close(loss_compiled, loss_eager, rtol=1e-6, atol=1e-6)
     for a, b in zip(leaves_compiled, leaves_eager, strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_output", [True, False], ids=["o-and-lse", "lse-only"])
+def test_the_logsumexp_is_differentiable(use_output, device):
+    # ∂lse_i/∂s_ij = P_ij: a loss on the logsumexp (merging attention over key chunks, z-loss) gets its gradient.
+    q, k, v, _ = _random((1, 2, 1, 37, 45, 32), torch.float32, device, seed=12)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = fa2tune.attention(*leaves, causal=True, return_lse=True)
+    weights = torch.randn_like(lse)
+    loss = (lse * weights).sum() + (o.square().sum() if use_output else 0)
+    grads = torch.autograd.grad(loss, leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_o, ref_lse = naive_attention(*ref_leaves, causal=True)
+    finite = torch.isfinite(ref_lse)  # causal with q_len < k_len: every row sees a key here
+    assert finite.all()
+    ref_loss = (ref_lse * weights.double()).sum() + (ref_o.square().sum() if use_output else 0)
+    wants = torch.autograd.grad(ref_loss, ref_leaves, allow_unused=True)  # the logsumexp alone does not use v
+    for got, want, leaf in zip(grads, wants, ref_leaves, strict=True):
+        assert_close(got, torch.zeros_like(leaf) if want is None else want, torch.float32, what="gradient")
