@@ -301,33 +301,46 @@ def _bwd_fake(do, q, k, v, o, lse, mask, scale, dkdv_config, dq_config, cu_seqle
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
-class FlashAttnFunction(torch.autograd.Function):
-    """Autograd wrapper: the forward saves O and the logsumexp (O(N) memory); the backward recomputes S and P."""
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, mask, scale, _config, cu_q, cu_k, max_seqlens = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+    ctx.mask, ctx.scale, ctx.max_seqlens = mask, scale, max_seqlens
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to make and subtract
+
+
+def _backward(ctx, do, dlse):
+    """O(N) saved state (q, k, v, O, logsumexp); S and P are recomputed. dlse: see backward()."""
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    if do is None:  # only the logsumexp reached the loss
+        do = torch.zeros_like(o)
+    dq, dk, dv = torch.ops.fa2tune.bwd(do, q, k, v, o, lse, ctx.mask, ctx.scale, [], [], cu_q, cu_k,
+                                       ctx.max_seqlens, dlse)  # fmt: skip
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+# The autograd formula lives on the op itself (not a Python autograd.Function), so torch.compile traces one op —
+# also when q, k and v are one tensor, which dynamo refuses for an autograd.Function.
+torch.library.register_autograd("fa2tune::fwd", _backward, setup_context=_setup_context)
+
+
+def _apply(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packing: Packing | None = None):
+    cu_q, cu_k, max_seqlens = (
+        (None, None, [])
+        if packing is None
+        else (packing.cu_seqlens_q, packing.cu_seqlens_k, [packing.max_seqlen_q, packing.max_seqlen_k])
+    )
+    config_ints = _to_ints(config) if config is not None else []
+    return torch.ops.fa2tune.fwd(q, k, v, _mask_to_ints(mask), scale, config_ints, cu_q, cu_k, max_seqlens)
+
+
+class FlashAttnFunction:
+    """`FlashAttnFunction.apply(q, k, v, causal_or_mask, scale, config[, packing])` -> (O, logsumexp), both
+    differentiable: the differentiable op behind attention(), for code written against an autograd.Function."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale, config, packing=None):
-        mask = _as_mask(mask)
-        cu_q, cu_k, max_seqlens = (
-            (None, None, [])
-            if packing is None
-            else (packing.cu_seqlens_q, packing.cu_seqlens_k, [packing.max_seqlen_q, packing.max_seqlen_k])
-        )
-        o, lse = torch.ops.fa2tune.fwd(
-            q, k, v, _mask_to_ints(mask), scale, _to_ints(config) if config is not None else [], cu_q, cu_k, max_seqlens
-        )
-        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-        ctx.mask, ctx.scale, ctx.max_seqlens = _mask_to_ints(mask), scale, max_seqlens
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to make and subtract
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, dlse):
-        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-        if do is None:  # only the logsumexp reached the loss
-            do = torch.zeros_like(o)
-        dq, dk, dv = torch.ops.fa2tune.bwd(do, q, k, v, o, lse, ctx.mask, ctx.scale, [], [], cu_q, cu_k,
-                                           ctx.max_seqlens, dlse)  # fmt: skip
-        return dq, dk, dv, None, None, None, None
+    def apply(q, k, v, mask, scale, config, packing=None):
+        return _apply(q, k, v, _as_mask(mask), scale, config, packing)
 
 
 def attention(
@@ -407,5 +420,5 @@ def _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, confi
     scale = check_scale(scale, q.shape[-1])
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a fa2tune.KernelConfig or None, got {type(config).__name__}")
-    o, lse = FlashAttnFunction.apply(q, k, v, mask, scale, config, packing)
+    o, lse = _apply(q, k, v, mask, scale, config, packing)
     return (o, lse) if return_lse else o

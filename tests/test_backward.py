@@ -163,3 +163,16 @@ def test_the_logsumexp_is_differentiable(use_output, device):
     wants = torch.autograd.grad(ref_loss, ref_leaves, allow_unused=True)  # the logsumexp alone does not use v
     for got, want, leaf in zip(grads, wants, ref_leaves, strict=True):
         assert_close(got, torch.zeros_like(leaf) if want is None else want, torch.float32, what="gradient")
+
+
+def test_torch_compile_with_one_tensor_as_q_k_and_v(device):
+    # dynamo refuses an autograd.Function given one tensor twice; the autograd formula is on the op instead.
+    torch._dynamo.reset()
+    x = _random((1, 2, 2, 40, 40, 16), torch.float32, device, seed=13)[0].requires_grad_()
+    out = torch.compile(lambda x: fa2tune.attention(x, x, x, causal=True), fullgraph=True)(x)
+    (grad,) = torch.autograd.grad(out.square().sum(), x)
+    ref_x = x.detach().double().requires_grad_()
+    ref = naive_attention(ref_x, ref_x, ref_x, causal=True)[0]
+    (ref_grad,) = torch.autograd.grad(ref.square().sum(), ref_x)
+    assert_close(out, ref, torch.float32)
+    assert_close(grad, ref_grad, torch.float32, what="gradient")
