@@ -1,4 +1,4 @@
-"""Launchers for the generated kernels, the autograd Function, and the public attention() entry point.
+"""Launchers for the generated kernels, their autograd formula, and the public attention() entry points.
 
 Importing fa2tune does not import triton: the kernels' modules are rendered and imported on first use, so a
 program (or `fa2tune --device cpu`) can still choose Triton's interpreter (TRITON_INTERPRET=1) after importing us.
@@ -413,7 +413,7 @@ def attention_varlen(
 
 
 def _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, packing):
-    """The keyword arguments attention() and attention_varlen() share, checked; then the autograd Function."""
+    """The keyword arguments attention() and attention_varlen() share, checked; then the differentiable op."""
     mask = Mask(causal=check_flag("causal", causal), window=check_window(window),
                 prefix_len=check_prefix_len(prefix_len))  # fmt: skip
     return_lse = check_flag("return_lse", return_lse)
