@@ -250,3 +250,26 @@ def test_varlen_and_window_under_torch_compile_fullgraph(device):
     bad = torch.tensor([0, 34, 40], dtype=torch.int32, device=device)
     with pytest.raises(Exception, match=r"max_seqlen_q=33 is below the longest sequence in cu_seqlens_q \(34\)"):
         torch.compile(lambda q: fa2tune.attention_varlen(q, k, v, bad, bad, 33, 33), fullgraph=True)(q.detach())
+
+
+def test_varlen_half_precision_with_a_generous_max_seqlen(device):
+    # max_seqlen above the longest sequence (as a fixed-size buffer gives): the extra programs exit early.
+    torch.manual_seed(14)
+    lens = [19, 1, 45]
+    cu = _cu(lens, device)
+    q, k, v = (torch.randn(sum(lens), 4, 64, device=device, dtype=torch.bfloat16) for _ in range(3))
+    _check_against_reference(
+        q, k, v,
+        lambda q, k, v: fa2tune.attention_varlen(q, k, v, cu, cu, 128, 128, causal=True),
+        lambda q, k, v: naive_attention_varlen(q, k, v, cu, cu, causal=True)[0],
+        torch.bfloat16,
+    )  # fmt: skip
+
+
+def test_varlen_with_no_tokens(device):
+    cu = torch.zeros(3, dtype=torch.int32, device=device)  # two empty sequences
+    q = torch.randn(0, 2, 16, device=device, requires_grad=True)
+    o, lse = fa2tune.attention_varlen(q, q, q, cu, cu, 0, 0, return_lse=True)
+    assert o.shape == (0, 2, 16) and lse.shape == (2, 0)
+    (grad,) = torch.autograd.grad(o.sum(), q)
+    assert grad.shape == q.shape
