@@ -54,7 +54,8 @@ def resolve(
     key = store.EntryKey(
         head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=causal, kernel=kernel, window=window, varlen=varlen
     )
-    found = store.lookup(info.slug, key, template_hash=codegen.template_hash(codegen.TEMPLATE_OF[kernel]))
+    code = codegen.code_hash(kernel, causal=causal, window=window, varlen=varlen)
+    found = store.lookup(info.slug, key, template_hash=code)
     result = None
     if found is not None:
         entry, path = found

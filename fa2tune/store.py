@@ -14,7 +14,7 @@ File layout (schema 1)::
       spread: 0.012       # (p80 - p20) / median of the winner's timing
       triton_version: 3.6.0
       torch_version: 2.11.0
-      template_hash: 07d0e375c676c38c   # codegen.template_hash('fwd'): fwd.py.jinja and what it includes
+      template_hash: b42404956400aab5   # codegen.code_hash: the rendered kernel code this entry runs
       date: '2026-11-29'
 
 Writes are atomic (temporary file + rename) under an inter-process lock, and merge: an entry replaces only the

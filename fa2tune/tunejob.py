@@ -133,7 +133,8 @@ def run_study(
                   "ms": result.default_ms, "tflops": tflops(result.default_ms)},
         trials=result.measured, spread=measure.spread(result.best) if finalize else None,
         triton_version=_triton_version(), torch_version=str(torch.__version__),
-        template_hash=codegen.template_hash(codegen.TEMPLATE_OF[spec.kernel]), date=datetime.date.today().isoformat(),
+        template_hash=codegen.code_hash(spec.kernel, causal=spec.causal, window=spec.window is not None,
+                                        varlen=spec.varlen), date=datetime.date.today().isoformat(),
     )  # fmt: skip
     return result, entry
 

@@ -136,9 +136,9 @@ def test_non_editable_install_renders_templates(tmp_path):
     assert Path(out[0]).is_relative_to(target) and out[1] == "True"
 
 
-def test_each_kernel_goes_stale_with_its_own_templates_only(tmp_path, monkeypatch):
-    # A copy of the templates; editing bwd.py.jinja changes the backward's hash, not the forward's; editing the
-    # shared _common.py.jinja changes both; a new template file changes neither.
+def test_an_entry_goes_stale_only_when_its_own_code_changes(tmp_path, monkeypatch):
+    # On a copy of the templates: editing bwd.py.jinja leaves forward entries fresh; a new switch that is off for
+    # an entry leaves it fresh; a change to the code it runs (here, in the shared _common) stales it.
     import shutil
 
     copy = tmp_path / "templates"
@@ -146,20 +146,32 @@ def test_each_kernel_goes_stale_with_its_own_templates_only(tmp_path, monkeypatc
     monkeypatch.setattr(codegen, "templates_dir", lambda: copy)
 
     def hashes():
-        codegen.template_hash.cache_clear()
-        codegen._environment.cache_clear()
-        return codegen.template_hash("fwd"), codegen.template_hash("bwd")
+        for cached in (codegen.code_hash, codegen.template_hash, codegen._environment):
+            cached.cache_clear()
+        codegen._modules.clear()
+        return codegen.code_hash("fwd", causal=True), codegen.code_hash("bwd_dq", causal=True)
+
+    def edit(name, old, new):
+        text = (copy / name).read_text()
+        assert old in text
+        (copy / name).write_text(text.replace(old, new, 1))
 
     try:
         fwd, bwd = hashes()
-        assert codegen._dependencies("fwd.py.jinja") == {"fwd.py.jinja", "_common.py.jinja", "_macros.jinja"}
-        (copy / "bwd.py.jinja").write_text((copy / "bwd.py.jinja").read_text() + "\n# edited\n")
-        assert hashes() == (fwd, hashes()[1]) and hashes()[1] != bwd
-        (copy / "fwd_tma.py.jinja").write_text("# a new variant\n")
-        assert hashes()[0] == fwd
-        (copy / "_common.py.jinja").write_text((copy / "_common.py.jinja").read_text() + "\n# edited\n")
+        fwd_varlen = codegen.code_hash("fwd", causal=True, varlen=True)
+        edit("bwd.py.jinja", "    dq = dq * scale\n", "    dq = dq * scale  # edited\n")
+        assert hashes()[0] == fwd and hashes()[1] != bwd
+        edit(
+            "fwd.py.jinja",
+            "    seen = l_i > 0.0\n",
+            "{%- if varlen and causal %}\n    pass\n{%- endif %}\n    seen = l_i > 0.0\n",
+        )
+        assert hashes()[0] == fwd  # on for causal+varlen entries only: the plain causal entry's code is the same
+        assert codegen.code_hash("fwd", causal=True, varlen=True) != fwd_varlen
+        edit("_common.py.jinja", "    aligned = rows + shift\n", "    aligned = shift + rows\n")
         assert hashes()[0] != fwd
     finally:
         monkeypatch.undo()
-        codegen.template_hash.cache_clear()
-        codegen._environment.cache_clear()
+        for cached in (codegen.code_hash, codegen.template_hash, codegen._environment):
+            cached.cache_clear()
+        codegen._modules.clear()

@@ -18,10 +18,10 @@ DEVICE = {"name": "Triton interpreter (CPU)", "slug": "cpu-interpreter"}
 _CFG = KernelConfig(64, 32, 4, 2)
 
 
-def _entry(head_dim=64, causal=False, kernel="fwd", cfg=_CFG, template_hash=None, ms=1.0):
-    template_hash = template_hash or codegen.template_hash(codegen.TEMPLATE_OF[kernel])
+def _entry(head_dim=64, causal=False, kernel="fwd", cfg=_CFG, template_hash=None, ms=1.0, window=False):
+    template_hash = template_hash or codegen.code_hash(kernel, causal=causal, window=window)
     return store.Entry(
-        key=store.EntryKey(head_dim=head_dim, dtype="fp32", causal=causal, kernel=kernel),
+        key=store.EntryKey(head_dim=head_dim, dtype="fp32", causal=causal, kernel=kernel, window=window),
         config=cfg, ms=ms, tflops=None, baseline={"name": "planner-default"}, trials=7, spread=0.01,
         triton_version="3.6.0", torch_version="2.13.0", template_hash=template_hash,
         date="2026-11-29",
@@ -71,10 +71,10 @@ def test_lookup_order_env_then_user_then_shipped(config_dir, monkeypatch):
     user = store.user_config_dir() / "cpu-interpreter.yaml"
     assert user.is_relative_to(config_dir / "xdg")
     store.write_entries(user, DEVICE, [_entry(cfg=KernelConfig(16, 16, 4, 1))])
-    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash("fwd"))
+    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.code_hash("fwd", causal=False))
     assert found.config == KernelConfig(16, 16, 4, 1) and path == user
     store.write_entries(config_dir / "env" / "cpu-interpreter.yaml", DEVICE, [_entry(cfg=KernelConfig(32, 16, 4, 1))])
-    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash("fwd"))
+    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.code_hash("fwd", causal=False))
     assert found.config == KernelConfig(32, 16, 4, 1) and path.parent == config_dir / "env"
     assert store.config_dirs()[-1] == store.shipped_config_dir()
     # Last, the shipped folder (patched here: the repository's own must stay untouched).
@@ -82,9 +82,9 @@ def test_lookup_order_env_then_user_then_shipped(config_dir, monkeypatch):
     monkeypatch.setattr(store, "shipped_config_dir", lambda: shipped)
     monkeypatch.delenv("FA2TUNE_CONFIG_DIR")
     user.unlink()
-    assert store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash("fwd")) is None
+    assert store.lookup("cpu-interpreter", key, template_hash=codegen.code_hash("fwd", causal=False)) is None
     store.write_entries(shipped / "cpu-interpreter.yaml", DEVICE, [_entry(cfg=KernelConfig(64, 64, 4, 1))])
-    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.template_hash("fwd"))
+    found, path = store.lookup("cpu-interpreter", key, template_hash=codegen.code_hash("fwd", causal=False))
     assert found.config == KernelConfig(64, 64, 4, 1) and path.parent == shipped
 
 
@@ -171,9 +171,7 @@ def test_get_kernel_argument_errors():
 def test_window_and_varlen_entries_are_their_own_keys(config_dir, device):
     # A file written before these keys existed reads them as False; a window/varlen entry is used only there.
     path = config_dir / "env" / "cpu-interpreter.yaml"
-    plain = _entry(64)
-    windowed = store.Entry(**{**plain.__dict__, "key": store.EntryKey(64, "fp32", False, "fwd", window=True),
-                              "config": KernelConfig(16, 16, 4, 1)})  # fmt: skip
+    plain, windowed = _entry(64), _entry(64, window=True, cfg=KernelConfig(16, 16, 4, 1))
     store.write_entries(path, DEVICE, [plain, windowed])
     text = path.read_text()
     path.write_text(text.replace("    window: false\n", "", 1))  # the plain entry as an older file wrote it
@@ -191,8 +189,7 @@ def test_get_kernel_for_a_window_and_for_packed_sequences(config_dir, device):
     slug = selection.device_info(device).slug
     path = config_dir / "env" / f"{slug}.yaml"
     windowed_cfg = KernelConfig(16, 16, 4, 1)
-    key = store.EntryKey(head_dim=64, dtype="fp32", causal=True, kernel="fwd", window=True)
-    store.write_entries(path, DEVICE, [store.Entry(**{**_entry().__dict__, "key": key, "config": windowed_cfg})])
+    store.write_entries(path, DEVICE, [_entry(causal=True, window=True, cfg=windowed_cfg)])
     windowed = fa2tune.get_kernel(64, device=device, dtype=torch.float32, causal=True, window=(8, -1))
     assert windowed.config == windowed_cfg and windowed.source == str(path)
     q = torch.randn(1, 2, 40, 64, device=device)
