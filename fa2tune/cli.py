@@ -42,17 +42,22 @@ def _cmd_check(args: argparse.Namespace) -> int:
     device = _resolve_device(args.device)
 
     from . import selfcheck
+    from .types import Mask
 
     dtypes = [DTYPES_BY_NAME[d] for d in args.dtype.split(",")]
-    print(f"{'batch,hq,hkv,nq,nk,d':>24} {'dtype':>9} {'causal':>6} {'rel err O':>10} {'rel err lse':>11}  result")
+    print(f"{'batch,hq,hkv,nq,nk,d':>24} {'dtype':>9} {'mask':>14} {'rel err O':>10} {'rel err lse':>11}  result")
     failed = 0
     for shape in selfcheck.default_shapes(on_gpu=device != "cpu"):
+        left = max(8, shape[4] // 4)  # a window that leaves whole K tiles out at the larger lengths
+        masks = [("full", Mask(), False), ("causal", Mask(causal=True), False),
+                 (f"window {left},0", Mask(causal=True, window=(left, -1)), False),
+                 ("causal varlen", Mask(causal=True), True)]  # fmt: skip
         for dtype in dtypes:
-            for causal in (False, True):
-                r = selfcheck.check_forward(shape, dtype=dtype, causal=causal, device=device)
+            for name, mask, varlen in masks:
+                r = selfcheck.check_forward(shape, dtype=dtype, causal=mask, device=device, varlen=varlen)
                 failed += not r.passed
                 print(
-                    f"{','.join(map(str, r.shape)):>24} {str(dtype).replace('torch.', ''):>9} {causal!s:>6} "
+                    f"{','.join(map(str, r.shape)):>24} {str(dtype).replace('torch.', ''):>9} {name:>14} "
                     f"{r.rel_err:>10.1e} {r.lse_rel_err:>11.1e}  {'ok' if r.passed else 'FAIL'}"
                 )
     print("all checks passed" if not failed else f"{failed} checks FAILED")

@@ -14,7 +14,8 @@ def test_check_passes_and_prints_a_row_per_case(capsys, device):
     assert cli.main(["check", "--device", device, "--dtype", "fp16"]) == 0
     out = capsys.readouterr().out
     assert "all checks passed" in out
-    assert out.count(" ok") == 2 * len(selfcheck.default_shapes(on_gpu=device != "cpu"))
+    assert out.count(" ok") == 4 * len(selfcheck.default_shapes(on_gpu=device != "cpu"))  # full, causal, window, varlen
+    assert "window" in out and "varlen" in out
 
 
 def test_check_fails_loudly_when_the_kernel_is_wrong(capsys, monkeypatch, device):
