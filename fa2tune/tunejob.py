@@ -110,31 +110,34 @@ def run_study(
                                        varlen=spec.varlen, **{key: cfg})  # fmt: skip
         return None if err <= 2 * selfcheck.REL_TOLERANCE[dtype] else f"gradient relative error {err:.1e}"
 
-    result = tuner.tune(
-        device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype, causal=spec.causal, measure=measure,
-        trials=spec.trials, timeout_s=spec.timeout_s, space=space, storage=_storage(spec.storage),
-        verify=verify if finalize else None, remeasure_top=3 if finalize else 1, on_trial=on_trial,
-        seed=spec.seed, variant=spec.variant, prepare=prepare if pool is not None else None,
-        batch_size=BATCH if pool is not None else 1,
-    )  # fmt: skip
-    if own_pool:
-        pool.close()
+    try:
+        result = tuner.tune(
+            device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype, causal=spec.causal,
+            measure=measure, trials=spec.trials, timeout_s=spec.timeout_s, space=space, storage=_storage(spec.storage),
+            verify=verify if finalize else None, remeasure_top=3 if finalize else 1, on_trial=on_trial,
+            seed=spec.seed, variant=spec.variant, prepare=prepare if pool is not None else None,
+            batch_size=BATCH if pool is not None else 1,
+        )  # fmt: skip
+    finally:
+        if own_pool:
+            pool.close()
     flops = 0.0 if cpu else sum(
         bench.attention_flops(max(1, tokens // n), max(1, width // spec.head_dim), n, n, spec.head_dim,
                               causal=spec.mask, mode="fwd" if spec.kernel == "fwd" else "bwd")
         for n in seqlens
     )  # fmt: skip
     tflops = lambda ms: round(flops / (ms * 1e-3) / 1e12, 1) if ms and flops else None
+    key = store.EntryKey(head_dim=spec.head_dim, dtype=spec.dtype, causal=spec.causal, kernel=spec.kernel,
+                         window=spec.window is not None, varlen=spec.varlen)  # fmt: skip
     entry = store.Entry(
-        key=store.EntryKey(head_dim=spec.head_dim, dtype=spec.dtype, causal=spec.causal, kernel=spec.kernel,
-                           window=spec.window is not None, varlen=spec.varlen),
+        key=key,
         config=result.best, ms=round(result.best_ms, 4), tflops=tflops(result.best_ms),
         baseline={"name": "planner-default", "config": result.default.to_dict(),
                   "ms": result.default_ms, "tflops": tflops(result.default_ms)},
         trials=result.measured, spread=measure.spread(result.best) if finalize else None,
         triton_version=_triton_version(), torch_version=str(torch.__version__),
-        template_hash=codegen.code_hash(spec.kernel, causal=spec.causal, window=spec.window is not None,
-                                        varlen=spec.varlen), date=datetime.date.today().isoformat(),
+        template_hash=codegen.code_hash(spec.kernel, causal=spec.causal, window=key.window, varlen=key.varlen),
+        date=datetime.date.today().isoformat(),
     )  # fmt: skip
     return result, entry
 
