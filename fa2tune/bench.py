@@ -6,10 +6,14 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .types import Mask
+
+if TYPE_CHECKING:
+    from .launcher import Packing
 
 
 def attention_flops(
@@ -105,7 +109,7 @@ class KernelInputs:
     o: torch.Tensor | None = None
     lse: torch.Tensor | None = None
     do: torch.Tensor | None = None
-    packing: object = None
+    packing: Packing | None = None
 
 
 class PackedBatch:
