@@ -105,3 +105,17 @@ def inspect(device: str | torch.device = "cuda:0") -> DeviceInfo:
 def inspect_cached(index: int) -> DeviceInfo:
     """inspect(f"cuda:{index}"), read once per process: the card does not change under a running program."""
     return inspect(f"cuda:{index}")
+
+
+# Dense bf16/fp16 tensor-core FLOP per clock per SM, by compute capability, from NVIDIA's whitepapers (A100 312
+# TFLOP/s = 108 SMs × 1.41 GHz × 2048; H100 SXM 989 = 132 × 1.83 GHz × 4096; Ada and GA10x: 1024 at most).
+_TENSOR_FLOP_PER_CLOCK_PER_SM = {(8, 0): 2048, (8, 6): 1024, (8, 7): 1024, (8, 9): 1024, (9, 0): 4096}
+_CLOCK_CEILING_HZ = 2.6e9  # above any boost clock of these parts: the bound must never reject a real timing
+
+
+def tflops_ceiling(info: DeviceInfo) -> float | None:
+    """TFLOP/s no attention kernel can exceed on this GPU (its tensor cores at an impossible clock), or None for
+    an unknown architecture. A timing above it measured something other than the kernel — e.g. events recorded on
+    another GPU than the one that ran it."""
+    per_clock = _TENSOR_FLOP_PER_CLOCK_PER_SM.get(tuple(info.capability))
+    return None if per_clock is None else info.sm_count * per_clock * _CLOCK_CEILING_HZ / 1e12

@@ -127,6 +127,7 @@ def run_study(
         for n in seqlens
     )  # fmt: skip
     tflops = lambda ms: round(flops / (ms * 1e-3) / 1e12, 1) if ms and flops else None
+    _check_plausible(result, tflops, info)
     key = store.EntryKey(head_dim=spec.head_dim, dtype=spec.dtype, causal=spec.causal, kernel=spec.kernel,
                          window=spec.window is not None, varlen=spec.varlen)  # fmt: skip
     entry = store.Entry(
@@ -140,6 +141,19 @@ def run_study(
         date=datetime.date.today().isoformat(),
     )  # fmt: skip
     return result, entry
+
+
+def _check_plausible(result: tuner.TuneResult, tflops: Callable, info: DeviceInfo) -> None:
+    """Refuses a result whose timing no GPU of this kind could produce, before it reaches a config file."""
+    from .device import tflops_ceiling
+
+    ceiling, best = tflops_ceiling(info), tflops(result.best_ms)
+    if ceiling is not None and best is not None and best > ceiling:
+        raise RuntimeError(
+            f"{result.study_name}: the winner measured {best:,.0f} TFLOP/s, above the {ceiling:,.0f} that "
+            f"{info.name}'s tensor cores can reach: the timing did not measure the kernel (were the events recorded "
+            "on another GPU?). Nothing was written."
+        )
 
 
 def _triton_version() -> str:

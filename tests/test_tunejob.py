@@ -62,3 +62,18 @@ def test_workers_live_across_studies(tmp_path, interpreter_only):
     assert [entry.key.kernel for _, entry, _ in done] == ["fwd", "bwd_dq"]
     assert all(codes == {"0:cpu": 0, "1:cpu": 0} for _, _, codes in done)
     assert all(result.measured >= 2 and result.within_2pct_at is not None for result, _, _ in done)
+
+
+def test_an_impossible_timing_is_refused_before_it_is_written():
+    # The bug this guards against: do_bench timed cuda:0 while the kernels ran on cuda:1 (~13,000 "TFLOP/s").
+    from fa2tune import device, tuner
+    from fa2tune.types import KernelConfig
+
+    h200 = device.known_gpu("h200")
+    assert 1000 < device.tflops_ceiling(h200) < 2000  # above the 989 datasheet peak, far below a broken timing
+    assert device.tflops_ceiling(device.INTERPRETER) is None
+    result = tuner.TuneResult("nvidia-h200/fwd/d64/bfloat16/full", KernelConfig(128, 64, 8, 3), 0.2161,
+                              KernelConfig(128, 64, 8, 3), 0.2161, 0.3, 16, 0, 0, 10.0, 1)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"13,357 TFLOP/s, above the 1,406 .* Nothing was written"):
+        tunejob._check_plausible(result, lambda ms: 13357.2 if ms else None, h200)
+    tunejob._check_plausible(result, lambda ms: 427.0, h200)  # a real timing passes
