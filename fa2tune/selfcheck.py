@@ -47,14 +47,22 @@ def _mask_kwargs(causal: bool | Mask) -> dict:
     return dict(causal=mask.causal, window=mask.window, prefix_len=mask.prefix_len)
 
 
+def _kernel_layout(q, k, varlen: bool):
+    """(to_kernel, to_sdpa, to_sdpa_lse, packing): identity for SDPA's layout; for varlen, the batch packed as
+    equal-length sequences (PackedBatch) and its outputs put back, so checks compare in one layout."""
+    if not varlen:
+        same = lambda t: t
+        return same, same, same, None
+    packed = PackedBatch(q.shape[0], q.shape[2], k.shape[2], q.device)
+    return packed.pack, packed.unpack, packed.unpack_lse, packed.packing
+
+
 def _run_forward(q, k, v, causal, config, varlen, out=None):
     """forward() on SDPA-layout inputs, through the packed-sequence kernels when varlen; outputs in SDPA layout."""
-    scale = q.shape[-1] ** -0.5
-    if not varlen:
-        return forward(q, k, v, causal=causal, scale=scale, config=config, out=out)
-    packed = PackedBatch(q.shape[0], q.shape[2], k.shape[2], q.device)
-    o, lse = forward(*map(packed.pack, (q, k, v)), causal=causal, scale=scale, config=config, packing=packed.packing)
-    return packed.unpack(o), packed.unpack_lse(lse)
+    to_kernel, to_sdpa, to_sdpa_lse, packing = _kernel_layout(q, k, varlen)
+    o, lse = forward(*map(to_kernel, (q, k, v)), causal=causal, scale=q.shape[-1] ** -0.5, config=config,
+                     out=out, packing=packing)  # fmt: skip
+    return to_sdpa(o), to_sdpa_lse(lse)
 
 
 def check_forward(
@@ -100,16 +108,12 @@ def check_backward(
     head_dim = shape[-1]
     q, k, v, do = _random_inputs(shape, dtype, device, seed)
     scale = head_dim**-0.5
-    configs = dict(dkdv_config=dkdv_config, dq_config=dq_config)
-    if varlen:
-        packed = PackedBatch(q.shape[0], q.shape[2], k.shape[2], q.device)
-        pq, pk, pv, pdo = map(packed.pack, (q, k, v, do))
-        o, lse = forward(pq, pk, pv, causal=causal, scale=scale, packing=packed.packing)
-        grads = backward(pdo, pq, pk, pv, o, lse, causal=causal, scale=scale, packing=packed.packing, **configs)
-        grads = tuple(map(packed.unpack, grads))
-    else:
-        o, lse = forward(q, k, v, causal=causal, scale=scale)
-        grads = backward(do, q, k, v, o, lse, causal=causal, scale=scale, **configs)
+    to_kernel, to_sdpa, _, packing = _kernel_layout(q, k, varlen)
+    kq, kk, kv, kdo = map(to_kernel, (q, k, v, do))
+    o, lse = forward(kq, kk, kv, causal=causal, scale=scale, packing=packing)
+    grads = backward(kdo, kq, kk, kv, o, lse, causal=causal, scale=scale, packing=packing,
+                     dkdv_config=dkdv_config, dq_config=dq_config)  # fmt: skip
+    grads = tuple(map(to_sdpa, grads))
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref_o, _ = naive_attention(*leaves, scale=scale, **_mask_kwargs(causal))
     refs = torch.autograd.grad(ref_o, leaves, do.double())
