@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from .inputs import DTYPES_BY_NAME
@@ -109,8 +110,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 "kernel": p.kernel,
                 "head_dim": p.head_dim,
                 "dtype": args.dtype,
-                "accepted": [{**cfg.to_dict(), "sram_bytes": need} for cfg, need in p.accepted],
-                "rejected": [{**cfg.to_dict(), "sram_bytes": need, "reason": why} for cfg, need, why in p.rejected],
+                # asdict, not to_dict: every row of a table has every column, switches at 0 included
+                "accepted": [{**asdict(cfg), "sram_bytes": need} for cfg, need in p.accepted],
+                "rejected": [{**asdict(cfg), "sram_bytes": need, "reason": why} for cfg, need, why in p.rejected],
             }
             for p in plans
         ]

@@ -59,11 +59,14 @@ def template_hash(template: str | None = None) -> str:
 
 
 @functools.cache
-def code_hash(kernel: str, *, causal: bool, window: bool = False, varlen: bool = False) -> str:
+def code_hash(
+    kernel: str, *, causal: bool, window: bool = False, varlen: bool = False, pipeline_qk: bool = False
+) -> str:
     """Hash of the Triton code a tuned entry for this kernel and mask runs: the rendered modules of its variants
     (each combination of even and ragged tails), provenance comments left out. A stored entry records it and goes
     stale exactly when that code changes — not when another kernel's template does, nor when a template gains a
     switch that is off for this entry — so performance work on one variant does not void every shipped config.
+    pipeline_qk: the entry's config switch of that name (KernelConfig.pipeline_qk), which selects other code.
     """
     from .types import Variant
 
@@ -71,7 +74,14 @@ def code_hash(kernel: str, *, causal: bool, window: bool = False, varlen: bool =
     tails = [(False, False)] if varlen else [(m, n) for m in (True, False) for n in (True, False)]
     digest = hashlib.sha256(template.encode())
     for even_m, even_n in tails:
-        variant = Variant(causal=causal and not window, even_m=even_m, even_n=even_n, banded=window, varlen=varlen)
+        variant = Variant(
+            causal=causal and not window,
+            even_m=even_m,
+            even_n=even_n,
+            banded=window,
+            varlen=varlen,
+            pipeline_qk=pipeline_qk and template == "fwd",
+        )
         code = [line for line in render(template, variant).splitlines() if not line.startswith(_PROVENANCE)]
         digest.update("\n".join(code).encode())
     return digest.hexdigest()[:16]

@@ -47,6 +47,7 @@ def _kernel(template: str, name: str, mask: Mask, seqlen_q: int, seqlen_k: int, 
         dot_fp32=interpreting(),
         banded=mask.banded,
         varlen=varlen,
+        pipeline_qk=bool(config.pipeline_qk) and template == "fwd",
     )
     return getattr(codegen.load(template, variant), name)
 
@@ -223,7 +224,7 @@ def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config
 
 
 def _to_ints(config: KernelConfig) -> list[int]:
-    return [config.block_m, config.block_n, config.num_warps, config.num_stages]
+    return [config.block_m, config.block_n, config.num_warps, config.num_stages, config.pipeline_qk]
 
 
 def _from_ints(config: list[int]) -> KernelConfig | None:

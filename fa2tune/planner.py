@@ -9,13 +9,13 @@ What Triton actually places in shared memory (checked against the compiler: docs
   * S_ij and P_ij stay in registers on the wgmma path; on the mma.sync path P is re-laid out through shared
     memory before P·V, so there the seed's B_r·B_c term (+ scores below) is real.
 So, in bytes (e = bytes per element, d = head dim padded to a power of two ≥ 16):
-    fwd       e·d·(B_r + kv·B_c) + scores                kv = 2·S (num_stages ≥ 2) or 1
+    fwd       e·d·(B_r + kv·B_c) + scores                kv = 2·S (num_stages ≥ 2; + 1 with pipeline_qk) or 1
     bwd_dkdv  e·d·(2·B_c + 2·S·B_r) + 8·S·B_r + scores   K_j, V_j owned; Q_i, dO_i, lse, δ streamed; scores ×2
     bwd_dq    e·d·(2·B_r + 2·S·B_c) + scores             Q_i, dO_i owned; K_j, V_j streamed
 and a config fits when that is ≤ the device's opt-in shared memory per block (Triton's OutOfResources test).
 
 On the wgmma path the seed's B_r·B_c term lives in the register file, with the other fp32 accumulators:
-    fwd       B_r·(d + B_c)          Õ_i and S_ij
+    fwd       B_r·(d + B_c)          Õ_i and S_ij (and S_i,j+1 with pipeline_qk)
     bwd_dkdv  B_c·(2·d + 2·B_r)      dK_j, dV_j, P_ijᵀ and dP_ijᵀ
     bwd_dq    B_r·(d + 2·B_c)        dQ_i, P_ij and dP_ij
 spread over 32·num_warps threads. A thread has at most 255 registers; at 256 accumulator values per thread or
@@ -75,6 +75,8 @@ def sram_bytes(
     scores = 0 if wgmma else e * m * n * (2 if kernel == "bwd_dkdv" else 1)
     if kernel == "fwd":
         kv_buffers = 2 * s if cfg.num_stages >= 2 else 1  # one stage: a single buffer serves K_j, then V_j
+        if cfg.pipeline_qk and wgmma and cfg.num_stages >= 2:
+            kv_buffers += 1  # the K tile of the QKᵀ issued ahead holds a buffer of its own (measured: docs/PLANNER.md)
         return e * d * (m + kv_buffers * n) + scores
     if kernel == "bwd_dkdv":
         return e * d * (2 * n + 2 * s * m) + 8 * s * m + scores
@@ -88,7 +90,9 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
     """fp32 accumulator values each thread holds (see the module docstring)."""
     _check_kernel(kernel)
     d, m, n = head_dim_padded(head_dim), cfg.block_m, cfg.block_n
-    values = {"fwd": m * (d + n), "bwd_dkdv": n * (2 * d + 2 * m), "bwd_dq": m * (d + 2 * n)}[kernel]
+    values = {"fwd": m * (d + n * (1 + cfg.pipeline_qk)), "bwd_dkdv": n * (2 * d + 2 * m), "bwd_dq": m * (d + 2 * n)}[
+        kernel
+    ]
     return values / (32 * cfg.num_warps)
 
 
@@ -97,6 +101,8 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
     _check_kernel(kernel)
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         return f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}"
+    if cfg.pipeline_qk and kernel != "fwd":
+        return f"pipeline_qk is a forward switch; {kernel} has no QKᵀ loop to pipeline that way"
     need = sram_bytes(cfg, head_dim, dtype, kernel, device.capability)
     if need > device.smem_per_block:
         return (
@@ -122,10 +128,13 @@ def _model_terms(cfg: KernelConfig, kernel: str) -> str:
     return f"Q,dO {cfg.block_m}×d + {s}×(K,V) {cfg.block_n}×d"
 
 
-def candidates() -> list[KernelConfig]:
-    """The search space: block_m, block_n in {16..256}, num_warps in {4, 8}, num_stages in {1..5}."""
-    grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES)
-    return [KernelConfig(m, n, w, s) for m, n, w, s in grid]
+def candidates(kernel: str = "fwd") -> list[KernelConfig]:
+    """The search space of `kernel`: block_m, block_n in {16..256}, num_warps in {4, 8}, num_stages in {1..5};
+    the forward also pipeline_qk in {0, 1}."""
+    _check_kernel(kernel)
+    switches = (0, 1) if kernel == "fwd" else (0,)
+    grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES, switches)
+    return [KernelConfig(m, n, w, s, p) for m, n, w, s, p in grid]
 
 
 @dataclass(frozen=True)
@@ -143,7 +152,7 @@ class Plan:
 def plan(device: DeviceInfo, head_dim: int, dtype: torch.dtype, kernel: str = "fwd") -> Plan:
     """Splits candidates() into accepted and rejected (with reasons) for one kernel on one device."""
     accepted, rejected = [], []
-    for cfg in candidates():
+    for cfg in candidates(kernel):
         reason = check(cfg, device, head_dim, dtype, kernel)
         need = sram_bytes(cfg, head_dim, dtype, kernel, device.capability)
         if reason is None:

@@ -74,7 +74,14 @@ def compile_config(
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_config needs Triton's compiler: unset TRITON_INTERPRET in this process")
     template, name = _KERNEL_NAMES[kernel]
-    variant = Variant(causal=causal and not banded, even_m=not varlen, even_n=not varlen, banded=banded, varlen=varlen)
+    variant = Variant(
+        causal=causal and not banded,
+        even_m=not varlen,
+        even_n=not varlen,
+        banded=banded,
+        varlen=varlen,
+        pipeline_qk=bool(config.pipeline_qk) and template == "fwd",
+    )
     fn = getattr(codegen.load(template, variant), name)
     head_dim_pad = planner.head_dim_padded(head_dim)
     ints = _example_ints(head_dim_pad, heads=16, group=1)

@@ -54,7 +54,12 @@ def resolve(
     key = store.EntryKey(
         head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=causal, kernel=kernel, window=window, varlen=varlen
     )
-    code = codegen.code_hash(kernel, causal=causal, window=window, varlen=varlen)
+
+    def code(config: KernelConfig) -> str:
+        return codegen.code_hash(
+            kernel, causal=causal, window=window, varlen=varlen, pipeline_qk=bool(config.pipeline_qk)
+        )
+
     found = store.lookup(info.slug, key, template_hash=code)
     result = None
     if found is not None:

@@ -29,6 +29,7 @@ import fcntl
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -148,10 +149,13 @@ def read_file(path: Path) -> tuple[dict, list[Entry]]:
     return data, entries
 
 
-def lookup(slug: str, key: EntryKey, *, template_hash: str) -> tuple[Entry, Path] | None:
+def lookup(
+    slug: str, key: EntryKey, *, template_hash: str | Callable[[KernelConfig], str]
+) -> tuple[Entry, Path] | None:
     """The first usable entry for `key` in `<dir>/<slug>.yaml` along config_dirs(), or None.
 
     An entry tuned against other kernel templates (a different template_hash) is stale: skipped with a warning.
+    template_hash may be a function of the entry's config, for configs whose switches select other code.
     """
     for directory in config_dirs():
         path = directory / f"{slug}.yaml"
@@ -166,10 +170,11 @@ def lookup(slug: str, key: EntryKey, *, template_hash: str) -> tuple[Entry, Path
         for entry in entries:
             if entry.key != key:
                 continue
-            if entry.template_hash != template_hash:
+            expected = template_hash(entry.config) if callable(template_hash) else template_hash
+            if entry.template_hash != expected:
                 _warn_once(
                     f"fa2tune: the tuned config for {key} in {path} was tuned for kernel templates "
-                    f"{entry.template_hash}, these are {template_hash} (stale); re-run `fa2tune tune`. "
+                    f"{entry.template_hash}, these are {expected} (stale); re-run `fa2tune tune`. "
                     "Using the next source"
                 )
                 break

@@ -137,7 +137,8 @@ def run_study(
                   "ms": result.default_ms, "tflops": tflops(result.default_ms)},
         trials=result.measured, spread=measure.spread(result.best) if finalize else None,
         triton_version=_triton_version(), torch_version=str(torch.__version__),
-        template_hash=codegen.code_hash(spec.kernel, causal=spec.causal, window=key.window, varlen=key.varlen),
+        template_hash=codegen.code_hash(spec.kernel, causal=spec.causal, window=key.window, varlen=key.varlen,
+                                        pipeline_qk=bool(result.best.pipeline_qk)),
         date=datetime.date.today().isoformat(),
     )  # fmt: skip
     return result, entry

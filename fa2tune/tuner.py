@@ -64,8 +64,12 @@ def study_name(
     return f"{name}/{variant}" if variant else name
 
 
+_DIMS = ("block_m", "block_n", "num_warps", "num_stages", "pipeline_qk")
+
+
 def _params(cfg: KernelConfig) -> dict[str, int]:
-    return cfg.to_dict()
+    # Every dimension, switches at 0 included: an enqueued trial missing one would have Optuna sample it.
+    return {dim: getattr(cfg, dim) for dim in _DIMS}
 
 
 def _completed(study: optuna.Study) -> dict[KernelConfig, float]:
@@ -136,11 +140,9 @@ def tune(
     """
     start = time.time()
     name = study_name(device, kernel, head_dim, dtype, causal, variant)
-    candidates = list(space) if space is not None else planner.candidates()
+    candidates = list(space) if space is not None else planner.candidates(kernel)
     allowed = set(candidates)
-    choices = {
-        dim: sorted({getattr(c, dim) for c in candidates}) for dim in ("block_m", "block_n", "num_warps", "num_stages")
-    }
+    choices = {dim: sorted({getattr(c, dim) for c in candidates}) for dim in _DIMS}
     if default is None:
         default = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
     if default not in allowed:  # the default is always a candidate: tuned >= default by construction

@@ -16,12 +16,15 @@ class KernelConfig:
         block_n: B_c, rows of K/V streamed per inner step.
         num_warps: warps per program (4 warps = one Hopper warpgroup).
         num_stages: pipelining depth of the K/V loop (shared-memory buffers in flight).
+        pipeline_qk: forward only, 0 or 1: issue the next tile's QKᵀ before this tile's softmax (templates'
+            `pipeline_qk` switch), so the tensor cores and the softmax overlap within one warpgroup.
     """
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    pipeline_qk: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -32,14 +35,21 @@ class KernelConfig:
             raise ValueError(f"num_warps must be one of (1, 2, 4, 8, 16), got {self.num_warps!r}")
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"num_stages must be in 1..8, got {self.num_stages!r}")
+        if self.pipeline_qk not in (0, 1):
+            raise ValueError(f"pipeline_qk must be 0 or 1, got {self.pipeline_qk!r}")
 
     def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+        """The fields as a mapping; switches at their default (off) are left out, so entries written before a switch
+        existed and entries that do not use it read the same."""
+        data = asdict(self)
+        if not data["pipeline_qk"]:
+            del data["pipeline_qk"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> KernelConfig:
         """Builds a config from a mapping (a YAML entry); unknown keys are an error, not silently dropped."""
-        unknown = set(data) - {"block_m", "block_n", "num_warps", "num_stages"}
+        unknown = set(data) - {"block_m", "block_n", "num_warps", "num_stages", "pipeline_qk"}
         if unknown:
             raise ValueError(f"unknown KernelConfig keys {sorted(unknown)}")
         return cls(**{k: int(v) for k, v in data.items()})
@@ -58,6 +68,7 @@ class Variant:
             False, as causality is the window's right bound of 0.
         varlen: packed sequences (total_tokens, heads, head_dim) split by cumulative lengths; even_m/even_n are
             then False, as every sequence has its own length.
+        pipeline_qk: the forward's unmasked loop issues the next QKᵀ before this softmax (KernelConfig.pipeline_qk).
     """
 
     causal: bool
@@ -66,6 +77,7 @@ class Variant:
     dot_fp32: bool = False
     banded: bool = False
     varlen: bool = False
+    pipeline_qk: bool = False
 
 
 @dataclass(frozen=True)

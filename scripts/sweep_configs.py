@@ -15,6 +15,8 @@ import argparse
 import csv
 import itertools
 import sys
+import time
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +37,11 @@ def _outputs(kernel: str, cfg, x: bench.KernelInputs, causal: bool) -> tuple[tor
     return torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in ours])
 
 
+def _label(row: dict) -> str:
+    pipelined = " pipelined" if row["pipeline_qk"] else ""
+    return f"{row['block_m']:>4} {row['block_n']:>4} w{row['num_warps']} s{row['num_stages']}{pipelined}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernel", default="fwd", choices=["fwd", "bwd_dkdv", "bwd_dq"])
@@ -44,27 +51,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-n", default="32,64,128")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="2,3,4")
+    parser.add_argument("--pipeline-qk", default="0", help="forward only: 0, 1 or 0,1 (KernelConfig.pipeline_qk)")
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=16384, help="batch·N (heads·d stays 2048)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 (a smoke test)")
     parser.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")]
-    grid = itertools.product(ints(args.block_m), ints(args.block_n), ints(args.warps), ints(args.stages))
-    configs = [KernelConfig(bm, bn, w, s) for bm, bn, w, s in grid]
+    grid = itertools.product(
+        ints(args.block_m), ints(args.block_n), ints(args.warps), ints(args.stages), ints(args.pipeline_qk)
+    )
+    configs = [KernelConfig(*values) for values in grid]
     cases = itertools.product(ints(args.head_dims), (False, True), configs)
     jobs = [(args.kernel, d, causal, cfg, args.seqlen) for d, causal, cfg in cases]
     failures = {}
+    started = time.time()
+    progress = lambda what: print(f"[{time.time() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
     for kernel, head_dim, causal in {(k, d, c) for k, d, c, _, _ in jobs}:
         group = [cfg for k, d, c, cfg, _ in jobs if (k, d, c) == (kernel, head_dim, causal)]
         failed = bench.precompile(kernel, head_dim, torch.bfloat16, causal, group, seqlens=(args.seqlen,),
                                   device=args.device, workers=args.workers)  # fmt: skip
         failures.update({(kernel, head_dim, causal, cfg): reason for cfg, reason in failed.items()})
+        progress(f"compiled {len(group)} configs of {kernel} d={head_dim} causal={causal}")
     mode = "fwd" if args.kernel == "fwd" else "bwd"
     rows, measures = [], {}
     for kernel, head_dim, causal, cfg, seqlen in jobs:
         batch, heads = max(1, args.tokens // seqlen), 2048 // head_dim  # as make_measure lays them out
-        row = dict(kernel=kernel, head_dim=head_dim, causal=causal, **cfg.to_dict(), tflops=float("nan"))
+        row = dict(kernel=kernel, head_dim=head_dim, causal=causal, **asdict(cfg), tflops=float("nan"))
         row["error"] = failures.get((kernel, head_dim, causal, cfg), "")
         if not row["error"]:
             if (head_dim, causal) not in measures:  # one set of random inputs per shape, shared by its configs
@@ -80,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 flops = bench.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal=causal, mode=mode)
                 row["tflops"] = round(flops / (measure(cfg) * 1e-3) / 1e12, 1)
         rows.append(row)
+        progress(f"{_label(row)} d={head_dim} causal={causal}: {row['tflops']} {row['error']}")
     if args.csv:
         with open(args.csv, "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
@@ -92,11 +106,14 @@ def main(argv: list[str] | None = None) -> int:
             bad = [r for r in group if r["tflops"] != r["tflops"]]
             print(f"\n{args.kernel} d={head_dim} causal={causal} N={args.seqlen}: {len(ok)} ran, {len(bad)} failed")
             for r in ok[:4]:
-                print(f"  {r['block_m']:>4} {r['block_n']:>4} w{r['num_warps']} s{r['num_stages']}  {r['tflops']}")
+                print(f"  {_label(r)}  {r['tflops']}")
             if ok:
                 print(f"  median {ok[len(ok) // 2]['tflops']}  worst {ok[-1]['tflops']}")
+            for switch in sorted({r["pipeline_qk"] for r in ok}) if len({r["pipeline_qk"] for r in ok}) > 1 else []:
+                best = next(r for r in ok if r["pipeline_qk"] == switch)
+                print(f"  best with pipeline_qk={switch}: {_label(best)}  {best['tflops']}")
             for r in bad[:2]:
-                print(f"  failed {r['block_m']} {r['block_n']} w{r['num_warps']} s{r['num_stages']}: {r['error']}")
+                print(f"  failed {_label(r)}: {r['error']}")
     return 0
 
 

@@ -50,8 +50,8 @@ def test_plan_json_for_a_known_gpu(capsys):
     assert cli.main(["plan", "--gpu", "h200", "--head-dim", "128", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["device"]["smem_per_block"] == 232448 and out["head_dim"] == 128 and out["dtype"] == "bf16"
-    assert len(out["accepted"]) + len(out["rejected"]) == 250
-    assert set(out["accepted"][0]) == {"block_m", "block_n", "num_warps", "num_stages", "sram_bytes"}
+    assert len(out["accepted"]) + len(out["rejected"]) == 500  # 250 block/warp/stage configs × pipeline_qk
+    assert set(out["accepted"][0]) == {"block_m", "block_n", "num_warps", "num_stages", "pipeline_qk", "sram_bytes"}
     assert all(r["sram_bytes"] <= 232448 for r in out["accepted"]) and all(r["reason"] for r in out["rejected"])
 
 

@@ -29,7 +29,9 @@ SHAPES = [
 
 
 def _reference(q, k, v, causal, scale=None):
-    return naive_attention(q.double(), k.double(), v.double(), causal=causal, scale=scale)
+    mask = causal if isinstance(causal, fa2tune.Mask) else fa2tune.Mask(causal=causal)
+    return naive_attention(q.double(), k.double(), v.double(), causal=mask.causal, scale=scale, window=mask.window,
+                           prefix_len=mask.prefix_len)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -52,8 +54,15 @@ def test_forward_matches_reference(shape, causal, dtype, device):
 
 @pytest.mark.parametrize(
     "config",
-    [KernelConfig(16, 16), KernelConfig(16, 64), KernelConfig(64, 16), KernelConfig(64, 32, num_warps=8)],
-    ids=lambda c: f"m{c.block_m}n{c.block_n}",
+    [
+        KernelConfig(16, 16),
+        KernelConfig(16, 64),
+        KernelConfig(64, 16),
+        KernelConfig(64, 32, num_warps=8),
+        KernelConfig(16, 16, pipeline_qk=1),
+        KernelConfig(32, 16, pipeline_qk=1),
+    ],
+    ids=lambda c: f"m{c.block_m}n{c.block_n}" + ("-pipelined" if c.pipeline_qk else ""),
 )
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_any_block_config_gives_the_same_function(config, causal, device):
@@ -64,6 +73,28 @@ def test_any_block_config_gives_the_same_function(config, causal, device):
     o, lse = launcher.forward(q, k, v, causal=causal, scale=0.3, config=config)
     ref_o, ref_lse = _reference(q, k, v, causal, scale=0.3)
     assert_close(o, ref_o, torch.float32)
+    assert_close(lse, ref_lse, torch.float32, what="lse")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "mask",
+    [False, True, fa2tune.Mask(window=(20, 5)), fa2tune.Mask(causal=True, prefix_len=24)],
+    ids=["full", "causal", "window", "prefix"],
+)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_pipelined_forward_matches_reference(shape, mask, dtype, device):
+    # pipeline_qk reorders the unmasked loop (prologue QKᵀ, steady state, epilogue softmax): loops of 0, 1 and
+    # many full tiles occur across these shapes and masks.
+    batch, hq, hkv, nq, nk, d = shape
+    torch.manual_seed(hash((shape, str(mask), str(dtype))) % 2**31)
+    q = torch.randn(batch, hq, nq, d, dtype=dtype, device=device)
+    k = torch.randn(batch, hkv, nk, d, dtype=dtype, device=device)
+    v = torch.randn(batch, hkv, nk, d, dtype=dtype, device=device)
+    out = torch.full_like(q, float("nan"))
+    o, lse = launcher.forward(q, k, v, causal=mask, scale=d**-0.5, out=out, config=KernelConfig(16, 16, pipeline_qk=1))
+    ref_o, ref_lse = _reference(q, k, v, mask)
+    assert_close(o, ref_o, dtype)
     assert_close(lse, ref_lse, torch.float32, what="lse")
 
 

@@ -65,7 +65,10 @@ def test_seed_rule_alone_would_accept_configs_that_fail():
 def test_every_rejection_has_a_reason_and_plan_partitions_candidates():
     for kernel in planner.KERNELS:
         plan = planner.plan(known_gpu("l4"), 96, torch.float16, kernel)
-        assert len(plan.accepted) + len(plan.rejected) == len(planner.candidates()) == 250
+        # 250 block/warp/stage configs; the forward's doubled by its pipeline_qk switch
+        assert (
+            len(plan.accepted) + len(plan.rejected) == len(planner.candidates(kernel)) == 250 * (kernel == "fwd") + 250
+        )
         assert plan.accepted and plan.rejected
         for _cfg, need, reason in plan.rejected:
             assert reason.startswith(("shared memory", "registers")), reason
@@ -127,8 +130,11 @@ def test_recording_still_matches_the_installed_compiler():
         pytest.skip(f"the recording was made with triton 3.6.0; this is {triton.__version__}")
 
     rows = [("fwd", 128, KernelConfig(64, 128, 4, 4)), ("bwd_dkdv", 64, KernelConfig(32, 128, 4, 3)),
-            ("bwd_dq", 128, KernelConfig(128, 64, 8, 3))]  # fmt: skip
+            ("bwd_dq", 128, KernelConfig(128, 64, 8, 3)),
+            ("fwd", 64, KernelConfig(128, 64, 8, 2, pipeline_qk=1))]  # fmt: skip
     recorded = {(k, d, cfg): shared for k, d, cfg, shared, _ in _recorded()}
+    # pipeline_qk is not in the recording: its row must match the model itself, to the byte
+    recorded[rows[3]] = planner.sram_bytes(rows[3][2], 64, torch.bfloat16)
     # The probe needs Triton's real compiler, not the interpreter this test process may run under.
     # The window/prefix (banded) and packed (varlen) variants keep the same tiles: the planner's model holds
     # for them only if the compiler gives them the same shared memory as the recorded causal variant.
@@ -143,3 +149,17 @@ def test_recording_still_matches_the_installed_compiler():
     out = subprocess.run([sys.executable, "-c", script, args], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [recorded[row] for row in rows]
+
+
+def test_pipeline_qk_is_a_forward_switch_that_costs_one_score_tile_of_registers():
+    h200 = known_gpu("h200")
+    plain, pipelined = KernelConfig(128, 64, 8, 3), KernelConfig(128, 64, 8, 3, pipeline_qk=1)
+    assert planner.check(pipelined, h200, 128, torch.bfloat16) is None
+    assert planner.check(pipelined, h200, 128, torch.bfloat16, "bwd_dq").startswith("pipeline_qk")
+    extra = planner.accumulators_per_thread(pipelined, 128) - planner.accumulators_per_thread(plain, 128)
+    assert extra == 128 * 64 / 256  # one more 128×64 fp32 score tile over 8 warps
+    # The QKᵀ issued ahead holds its K tile in one more shared-memory buffer (compiled for sm_90: docs/PLANNER.md)
+    assert planner.sram_bytes(pipelined, 128, torch.bfloat16) - planner.sram_bytes(plain, 128, torch.bfloat16) == 16384
+    assert planner.check(KernelConfig(128, 128, 8, 3, pipeline_qk=1), h200, 128, torch.bfloat16).startswith("shared")
+    # (256, 64, 8w): 192 accumulators per thread plain, 256 pipelined: the second would spill
+    assert planner.check(KernelConfig(256, 64, 8, 4, pipeline_qk=1), h200, 128, torch.bfloat16).startswith("registers")
