@@ -177,7 +177,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             for kernel in kernels for causal in causals
         ]  # fmt: skip
         if len(devices) > 1:
-            print(f"{len(specs)} studies, {len(devices)} workers on each ({storage})", flush=True)
+            print(f"{len(specs)} studies shared by {len(devices)} workers ({storage})", flush=True)
             done = tunejob.run_parallel_many(specs, devices)
             for spec, (result, entry, _) in zip(specs, done, strict=True):
                 path = tunejob.write(entry, devices[0], config_dir)

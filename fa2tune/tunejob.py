@@ -1,8 +1,8 @@
 """One tuning job: for a device, plan → compile in parallel → Optuna study → verify → a store entry.
 
-`run_study` does it on one device. `run_parallel` runs one worker process per device on one shared study (an
-Optuna journal file by default), then finishes in this process: the best trials of all workers are timed again
-on the first device, verified, and written. A worker that dies is reported and does not stop the others.
+`run_study` does it on one device. `run_parallel_many` runs one worker process per device on shared studies (an
+Optuna journal file by default), without a barrier between studies, and has the workers finish the studies too
+(best trials timed again, winner verified). A worker that dies is reported and does not stop the others.
 """
 
 from __future__ import annotations
@@ -176,7 +176,9 @@ def write(entry: store.Entry, device_name: str, config_dir: Path) -> Path:
 
 
 def _worker(number: int, device_name: str, compile_workers: int, inbox, outbox) -> None:
-    """A worker of run_parallel_many: runs its share of each study it is sent, until it is sent None.
+    """A worker of run_parallel_many: runs the jobs it is sent until it is sent None. A job is ("trials", index,
+    spec): time a share of a study; or ("finish", index, spec): re-time its best configs, verify, and send back the
+    (result, entry). Every job is answered on outbox with (index, worker number, problem or None, payload).
 
     It lives for the whole tune, so its CUDA context and its compile pool start once, not once per study.
     """
@@ -185,12 +187,12 @@ def _worker(number: int, device_name: str, compile_workers: int, inbox, outbox) 
     pool = None if _interpreted(device_name) else bench.CompilePool(compile_workers)
     try:
         while (job := inbox.get()) is not None:
-            index, spec = job
+            kind, index, spec = job
             try:
-                run_study(spec, device_name, finalize=False, compile_pool=pool)
-                outbox.put((index, number, None))
+                done = run_study(spec, device_name, finalize=kind == "finish", compile_pool=pool)
+                outbox.put((index, number, None, done if kind == "finish" else None))
             except Exception as exc:  # one study failing here is reported; the worker carries on with the next
-                outbox.put((index, number, bench.failure_reason(exc)))
+                outbox.put((index, number, bench.failure_reason(exc), None))
     finally:
         if pool is not None:
             pool.close()
@@ -206,17 +208,25 @@ def run_parallel(
 def run_parallel_many(
     specs: list[StudySpec], device_names: list[str], *, report: Callable[[str], None] = print
 ) -> list[tuple[tuner.TuneResult, store.Entry, dict[str, int]]]:
-    """One worker process per device for the whole list of studies; each study is shared by all live workers,
-    each timing spec.trials / len(devices) configs of it, and finished here (top configs re-timed and verified on
-    the first device) before the next starts.
+    """One worker process per device for the whole list of studies, each study shared by all workers through its
+    storage. Two phases, neither with a barrier per study:
 
-    Returns per study: the result, its entry, and each worker's exit code (0 while alive; non-zero once it died —
-    its completed trials still count, and the others carry on).
+    1. Every worker is sent its share (spec.trials / devices) of every study at once, starting at a different study
+       (worker i at study i·S/n) and taking the rest in turn. A worker's compile rounds and start-up then overlap
+       the others' timing instead of holding them at a barrier; a worker coming to a study later builds on the
+       trials already in it.
+    2. Each study is finished (its best configs re-timed, its winner verified) by one worker, studies dealt
+       round-robin over the devices, so finishing runs in parallel too.
+
+    Returns per study: the result, its entry, and each worker's exit code (0 if alive at the end; non-zero if it
+    died: its completed trials still count, and the others carry on). A study no worker could finish is finished
+    in this process on the first device once the workers are done, so nothing else is timed meanwhile.
     """
     if any(spec.storage is None for spec in specs):
         raise ValueError("run_parallel needs a shared storage (an Optuna URL or a journal file path)")
     context = mp.get_context("spawn")  # CUDA cannot be used in forked children
-    compile_workers = max(1, (os.cpu_count() or 1) // len(device_names))  # the host's cores, shared by the workers
+    count = len(device_names)
+    compile_workers = max(1, (os.cpu_count() or 1) // count)  # the host's cores, shared by the workers
     outbox = context.Queue()
     workers = []
     for number, name in enumerate(device_names):
@@ -225,42 +235,56 @@ def run_parallel_many(
         process.start()
         workers.append((name, process, inbox))
     dead: dict[int, int] = {}
-    results = []
+    finished: dict[int, tuple[tuner.TuneResult, store.Entry]] = {}
+    waiting: set[tuple[int, int]] = set()  # (worker, study) jobs sent and not yet answered
     try:
-        for index, spec in enumerate(specs):
-            share = max(1, -(-spec.trials // len(device_names)))
-            waiting = set()
-            for i, (_, _, inbox) in enumerate(workers):
-                if i not in dead:
-                    inbox.put((index, replace(spec, trials=share, seed=spec.seed + i)))
-                    waiting.add(i)
-            while waiting:
-                _collect(workers, outbox, index, waiting, dead, report)
-            codes = {f"{i}:{name}": dead.get(i, 0) for i, (name, _, _) in enumerate(workers)}
-            results.append((*run_study(replace(spec, trials=0), device_names[0]), codes))
+        for i, (_, _, inbox) in enumerate(workers):
+            first = i * len(specs) // count
+            for index in [(first + j) % len(specs) for j in range(len(specs))]:
+                share = max(1, -(-specs[index].trials // count))
+                inbox.put(("trials", index, replace(specs[index], trials=share, seed=specs[index].seed + i)))
+                waiting.add((i, index))
+        while waiting:
+            _collect(workers, outbox, waiting, dead, finished, report)
+        alive = [i for i in range(count) if i not in dead]
+        for turn, index in enumerate(range(len(specs)) if alive else []):
+            i = alive[turn % len(alive)]
+            workers[i][2].put(("finish", index, replace(specs[index], trials=0)))
+            waiting.add((i, index))
+        while waiting:
+            _collect(workers, outbox, waiting, dead, finished, report)
     finally:
         for _, process, inbox in workers:
             if process.is_alive():
                 inbox.put(None)
         for _, process, _ in workers:
             process.join(timeout=60)
+    codes = {f"{i}:{name}": dead.get(i, 0) for i, (name, _, _) in enumerate(workers)}
+    results = []
+    for index, spec in enumerate(specs):
+        if index not in finished:  # its worker died or failed: finish here (a study that cannot finish raises here)
+            finished[index] = run_study(replace(spec, trials=0), device_names[0])
+        results.append((*finished[index], dict(codes)))
     return results
 
 
-def _collect(workers, outbox, index, waiting, dead, report) -> None:
-    """Waits (at most a few seconds) for a worker to finish study `index` or to die; updates waiting and dead."""
+def _collect(workers, outbox, waiting, dead, finished, report) -> None:
+    """Waits (at most a few seconds) for a worker to answer a job or to die; updates waiting, dead and finished."""
     import queue
 
     try:
-        done, i, problem = outbox.get(timeout=2.0)
-        if done == index and i in waiting:
-            waiting.discard(i)
+        index, i, problem, payload = outbox.get(timeout=2.0)
+        if (i, index) in waiting:
+            waiting.discard((i, index))
             if problem:
-                report(f"worker {i} on {workers[i][0]} failed this study ({problem}); the others carry on")
+                report(f"worker {i} on {workers[i][0]} failed study {index} ({problem}); the others carry on")
+            elif payload is not None:
+                finished[index] = payload
     except queue.Empty:
         pass
     for i, (name, process, _) in enumerate(workers):
-        if i in waiting and not process.is_alive():
+        if i not in dead and not process.is_alive():
             dead[i] = process.exitcode if process.exitcode else 1
-            waiting.discard(i)
             report(f"worker {i} on {name} died (exit code {dead[i]}); the others carry on")
+        if i in dead:
+            waiting.difference_update({job for job in waiting if job[0] == i})
