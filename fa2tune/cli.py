@@ -150,6 +150,20 @@ def _window(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT with ints >= -1, got {text!r} ({exc})") from None
 
 
+def _worker_progress(specs, devices):
+    """A one-line progress display for a multi-GPU tune: each worker's study, trials timed, best ms so far."""
+    states: dict[int, str] = {}
+
+    def show(index, worker, state):
+        timed, trials, best_ms, elapsed = state
+        spec = specs[index]
+        states[worker] = (f"{devices[worker]} {spec.kernel} causal={spec.causal}: {timed}/{trials} "
+                          f"best {best_ms:.3f} ms {elapsed:.0f} s")  # fmt: skip
+        print("\r  " + " | ".join(states[w] for w in sorted(states)), end="", flush=True)
+
+    return show
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
     devices = [d.strip() for d in args.device.split(",")] if args.device != "all" else _all_cuda_devices()
     devices = [_resolve_device(d) for d in devices]
@@ -178,7 +192,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         if len(devices) > 1:
             print(f"{len(specs)} studies shared by {len(devices)} workers ({storage})", flush=True)
-            done = tunejob.run_parallel_many(specs, devices)
+            done = tunejob.run_parallel_many(specs, devices, progress=_worker_progress(specs, devices))
+            print()
             for spec, (result, entry, _) in zip(specs, done, strict=True):
                 path = tunejob.write(entry, devices[0], config_dir)
                 rows.append((spec.kernel, spec.causal, result))
@@ -315,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--window",
         type=_window,
         default=None,
-        help="LEFT,RIGHT: tune the band-mask variant at this window, e.g. 1024,0 (write --window=-1,0)",
+        help="LEFT,RIGHT: tune the band-mask variant at this window, e.g. 1024,0 or -1,0 (-1: unbounded)",
     )
     tune.add_argument("--varlen", action="store_true", help="tune the packed-sequence (attention_varlen) variant")
     tune.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU core)")
@@ -360,7 +375,20 @@ def _head_dim(text: str) -> int:
     return value
 
 
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """`--window -1,0` as `--window=-1,0`: argparse takes a value starting with '-' for an option (it only knows
+    plain negative numbers), and -1 (unbounded) is the window's most common first value."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--window" and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"--window={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = _join_negative_values(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
     if args.command == "check":
         bad = [d for d in args.dtype.split(",") if d not in DTYPES_BY_NAME]

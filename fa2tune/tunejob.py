@@ -178,7 +178,8 @@ def write(entry: store.Entry, device_name: str, config_dir: Path) -> Path:
 def _worker(number: int, device_name: str, compile_workers: int, inbox, outbox) -> None:
     """A worker of run_parallel_many: runs the jobs it is sent until it is sent None. A job is ("trials", index,
     spec): time a share of a study; or ("finish", index, spec): re-time its best configs, verify, and send back the
-    (result, entry). Every job is answered on outbox with (index, worker number, problem or None, payload).
+    (result, entry). Every job is answered on outbox with ("done", index, worker number, problem or None, payload);
+    each timed trial is told as ("progress", index, worker number, (timed, trials, best ms, elapsed s)).
 
     It lives for the whole tune, so its CUDA context and its compile pool start once, not once per study.
     """
@@ -188,11 +189,15 @@ def _worker(number: int, device_name: str, compile_workers: int, inbox, outbox) 
     try:
         while (job := inbox.get()) is not None:
             kind, index, spec = job
+
+            def on_trial(*state, index=index):  # (timed, trials, best ms, elapsed s), for the progress line
+                outbox.put(("progress", index, number, state))
+
             try:
-                done = run_study(spec, device_name, finalize=kind == "finish", compile_pool=pool)
-                outbox.put((index, number, None, done if kind == "finish" else None))
+                done = run_study(spec, device_name, finalize=kind == "finish", compile_pool=pool, on_trial=on_trial)
+                outbox.put(("done", index, number, None, done if kind == "finish" else None))
             except Exception as exc:  # one study failing here is reported; the worker carries on with the next
-                outbox.put((index, number, bench.failure_reason(exc), None))
+                outbox.put(("done", index, number, bench.failure_reason(exc), None))
     finally:
         if pool is not None:
             pool.close()
@@ -205,8 +210,15 @@ def run_parallel(
     return run_parallel_many([spec], device_names, report=report)[0]
 
 
+Progress = Callable[[int, int, tuple[int, int, float, float]], None]
+
+
 def run_parallel_many(
-    specs: list[StudySpec], device_names: list[str], *, report: Callable[[str], None] = print
+    specs: list[StudySpec],
+    device_names: list[str],
+    *,
+    report: Callable[[str], None] = print,
+    progress: Progress | None = None,
 ) -> list[tuple[tuner.TuneResult, store.Entry, dict[str, int]]]:
     """One worker process per device for the whole list of studies, each study shared by all workers through its
     storage. Two phases, neither with a barrier per study:
@@ -221,6 +233,8 @@ def run_parallel_many(
     Returns per study: the result, its entry, and each worker's exit code (0 if alive at the end; non-zero if it
     died: its completed trials still count, and the others carry on). A study no worker could finish is finished
     in this process on the first device once the workers are done, so nothing else is timed meanwhile.
+    progress(study index, worker number, (timed, trials, best ms, elapsed s)) is called for each trial a worker
+    times.
     """
     if any(spec.storage is None for spec in specs):
         raise ValueError("run_parallel needs a shared storage (an Optuna URL or a journal file path)")
@@ -245,14 +259,14 @@ def run_parallel_many(
                 inbox.put(("trials", index, replace(specs[index], trials=share, seed=specs[index].seed + i)))
                 waiting.add((i, index))
         while waiting:
-            _collect(workers, outbox, waiting, dead, finished, report)
+            _collect(workers, outbox, waiting, dead, finished, report, progress)
         alive = [i for i in range(count) if i not in dead]
         for turn, index in enumerate(range(len(specs)) if alive else []):
             i = alive[turn % len(alive)]
             workers[i][2].put(("finish", index, replace(specs[index], trials=0)))
             waiting.add((i, index))
         while waiting:
-            _collect(workers, outbox, waiting, dead, finished, report)
+            _collect(workers, outbox, waiting, dead, finished, report, progress)
     finally:
         for _, process, inbox in workers:
             if process.is_alive():
@@ -268,12 +282,17 @@ def run_parallel_many(
     return results
 
 
-def _collect(workers, outbox, waiting, dead, finished, report) -> None:
+def _collect(workers, outbox, waiting, dead, finished, report, progress) -> None:
     """Waits (at most a few seconds) for a worker to answer a job or to die; updates waiting, dead and finished."""
     import queue
 
     try:
-        index, i, problem, payload = outbox.get(timeout=2.0)
+        message = outbox.get(timeout=2.0)
+        if message[0] == "progress":
+            if progress is not None:
+                progress(*message[1:])
+            return
+        _, index, i, problem, payload = message
         if (i, index) in waiting:
             waiting.discard((i, index))
             if problem:

@@ -126,6 +126,15 @@ def test_tune_window_and_varlen_variants_on_cpu(tmp_path, capsys):
     _, entries = store.read_file(tmp_path / "cpu-interpreter.yaml")
     assert [(e.key.window, e.key.varlen, e.key.causal) for e in entries] == [(True, True, True)]
     with pytest.raises(SystemExit) as exit_info:
-        cli.main([*args, "--window=-2,0"])  # a leading minus needs the = form, as in any argparse CLI
+        cli.main([*args, "--window", "-2,0"])  # a leading minus is a value here, not an unknown option
     assert exit_info.value.code == 2
     assert "expected LEFT,RIGHT with ints >= -1" in capsys.readouterr().err
+
+
+def test_a_window_may_start_with_minus_one_without_the_equals_form():
+    parse = lambda *argv: cli.build_parser().parse_args(cli._join_negative_values(list(argv)))
+    assert parse("tune", "--head-dim", "64", "--window", "-1,0").window == (-1, 0)
+    assert parse("tune", "--head-dim", "64", "--window=-1,0").window == (-1, 0)
+    assert parse("tune", "--head-dim", "64", "--window", "128,0").window == (128, 0)
+    with pytest.raises(SystemExit):  # an option after --window is still an option, not a window
+        parse("tune", "--head-dim", "64", "--window", "--varlen")

@@ -77,3 +77,15 @@ def test_an_impossible_timing_is_refused_before_it_is_written():
     with pytest.raises(RuntimeError, match=r"13,357 TFLOP/s, above the 1,406 .* Nothing was written"):
         tunejob._check_plausible(result, lambda ms: 13357.2 if ms else None, h200)
     tunejob._check_plausible(result, lambda ms: 427.0, h200)  # a real timing passes
+
+
+def test_workers_report_each_timed_trial_for_the_progress_line(tmp_path, interpreter_only):
+    journal = str(tmp_path / "tune.journal")
+    spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=4, storage=journal)
+    seen = []
+    tunejob.run_parallel_many([spec], ["cpu", "cpu"], progress=lambda *message: seen.append(message))
+    assert {worker for _, worker, _ in seen} == {0, 1}
+    for index, _, (timed, trials, best_ms, elapsed) in seen:
+        assert index == 0 and 1 <= timed <= trials == 2 and best_ms > 0 and elapsed >= 0
+    # each worker counts up to its share of the 4 trials
+    assert all(max(state[0] for _, w, state in seen if w == worker) == 2 for worker in (0, 1))
