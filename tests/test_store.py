@@ -208,3 +208,20 @@ def test_get_kernel_for_a_window_and_for_packed_sequences(config_dir, device):
         windowed(q, q, q, cu)
     with pytest.raises(ValueError, match="window sides must be >= -1"):
         fa2tune.get_kernel(64, window=(-3, 0))
+
+
+def test_a_pipelined_entry_is_fresh_with_the_code_it_runs_and_stale_with_the_plain_code(config_dir):
+    # pipeline_qk selects other kernel code: the entry records that code's hash, and an entry whose switch and
+    # hash disagree (hand-edited, or tuned by an older fa2tune) falls back with one warning.
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    pipelined = KernelConfig(16, 16, 4, 1, pipeline_qk=1)
+    pipelined_hash = codegen.code_hash("fwd", causal=False, pipeline_qk=True)
+    assert pipelined_hash != codegen.code_hash("fwd", causal=False)
+    store.write_entries(path, DEVICE, [_entry(64, cfg=pipelined, template_hash=pipelined_hash)])
+    assert "pipeline_qk: 1" in path.read_text()
+    assert selection.resolve("fwd", 64, torch.float32, False, "cpu") == (pipelined, str(path))
+    runtime.clear_cache()
+    store.write_entries(path, DEVICE, [_entry(64, cfg=pipelined)])  # plain code's hash, switch on: stale
+    with pytest.warns(RuntimeWarning, match="stale"):
+        config, source = selection.resolve("fwd", 64, torch.float32, False, "cpu")
+    assert source == "planner-default" and config != pipelined
