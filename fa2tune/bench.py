@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -237,6 +238,13 @@ def _compile_one(job) -> str | None:
         return failure_reason(exc)
 
 
+def _lower_priority() -> None:
+    try:
+        os.nice(10)
+    except OSError:  # not allowed here: compile at normal priority
+        pass
+
+
 class CompilePool:
     """Spawned processes that compile kernel configs (CPU work, most of a tune's time) into Triton's disk cache, so
     the timing process then only loads binaries. Start it once and hand it every batch: each process pays the
@@ -247,7 +255,9 @@ class CompilePool:
         import multiprocessing as mp
 
         self.workers = workers
-        self._pool = mp.get_context("spawn").Pool(workers)  # CUDA cannot be used in forked children
+        # spawn: CUDA cannot be used in forked children. Lower priority: compiles may run while the tuning process
+        # times kernels, and a timing process waiting for a core would launch late and read slow.
+        self._pool = mp.get_context("spawn").Pool(workers, initializer=_lower_priority)
 
     def compile(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", varlen=False) -> dict:
         """Compiles every config; returns {config: failure reason} for those that failed.
@@ -255,13 +265,22 @@ class CompilePool:
         Each length N is compiled at 256 + N mod 256, a short length with the same divisibility by every block
         size, hence the same Jinja variant (even or ragged tails) as N itself.
         """
+        return self.start(kernel, head_dim, dtype, causal, configs, seqlens=seqlens, device=device, varlen=varlen)()
+
+    def start(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", varlen=False):
+        """compile() in the background: returns at once with the wait for {config: failure reason}."""
         lengths = sorted({256 + n % 256 for n in seqlens})
         jobs = [(kernel, head_dim, dtype, causal, cfg, n, device, varlen) for cfg in configs for n in lengths]
-        failures = {}
-        for job, reason in zip(jobs, self._pool.map(_compile_one, jobs, chunksize=1), strict=True):
-            if reason and job[4] not in failures:
-                failures[job[4]] = reason
-        return failures
+        pending = self._pool.map_async(_compile_one, jobs, chunksize=1)
+
+        def wait() -> dict:
+            failures = {}
+            for job, reason in zip(jobs, pending.get(), strict=True):
+                if reason and job[4] not in failures:
+                    failures[job[4]] = reason
+            return failures
+
+        return wait
 
     def close(self) -> None:
         self._pool.close()

@@ -75,7 +75,8 @@ def run_study(
     """Tunes one kernel on one device; with finalize=False only times trials (a worker of run_parallel).
 
     On a GPU the study asks Optuna for BATCH configs at a time, compiles them at once in compile_pool (one of its
-    own if None), then times them: a tune compiles what it times, not the whole search space.
+    own if None), then times them, the next batch compiling while this one is timed: a tune compiles what it
+    times, not the whole search space.
     """
     info = selection.device_info(device_name)
     dtype = DTYPES_BY_NAME[spec.dtype]
@@ -90,9 +91,9 @@ def run_study(
     own_pool = compile_pool is None and not cpu and spec.trials > 0
     pool = None if cpu else bench.CompilePool(os.cpu_count() or 1) if own_pool else compile_pool
 
-    def prepare(configs):
-        return pool.compile(spec.kernel, spec.head_dim, dtype, spec.mask, configs, seqlens=seqlens,
-                            device=device_name, varlen=spec.varlen)  # fmt: skip
+    def start_prepare(configs):
+        return pool.start(spec.kernel, spec.head_dim, dtype, spec.mask, configs, seqlens=seqlens,
+                          device=device_name, varlen=spec.varlen)  # fmt: skip
 
     width = 2 * spec.head_dim if cpu else 2048
     tokens = 64 if cpu else spec.tokens
@@ -115,7 +116,7 @@ def run_study(
             device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype, causal=spec.causal,
             measure=measure, trials=spec.trials, timeout_s=spec.timeout_s, space=space, storage=_storage(spec.storage),
             verify=verify if finalize else None, remeasure_top=3 if finalize else 1, on_trial=on_trial,
-            seed=spec.seed, variant=spec.variant, prepare=prepare if pool is not None else None,
+            seed=spec.seed, variant=spec.variant, start_prepare=start_prepare if pool is not None else None,
             batch_size=BATCH if pool is not None else 1,
         )  # fmt: skip
     finally:

@@ -15,6 +15,7 @@ import logging
 import random
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from .types import DeviceInfo, KernelConfig
 Measure = Callable[[KernelConfig], float]
 Verify = Callable[[KernelConfig], str | None]
 Prepare = Callable[[list[KernelConfig]], dict[KernelConfig, str]]  # compiles configs; returns {config: failure}
+# Starts compiling configs in the background; returns the wait for {config: failure}.
+StartPrepare = Callable[[list[KernelConfig]], Callable[[], dict[KernelConfig, str]]]
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ def tune(
     variant: str = "",
     prepare: Prepare | None = None,
     batch_size: int = 1,
+    start_prepare: StartPrepare | None = None,
 ) -> TuneResult:
     """Runs (or resumes, with a persistent `storage`) the study and returns the winner.
 
@@ -137,6 +141,9 @@ def tune(
         batch_size: new configs asked of Optuna before each prepare + timing round. With more than one, the
             sampler is told of pending trials (constant liar), so a batch spreads out instead of repeating itself;
             compiling batch_size configs at once is what makes this worth it.
+        start_prepare: as prepare, but starts the compile and returns its wait: the study then keeps two batches in
+            flight, the next one compiling (on the CPUs) while this one is timed (on the GPU), so a tune waits for
+            one compile round per study instead of one per batch.
     """
     start = time.time()
     name = study_name(device, kernel, head_dim, dtype, causal, variant)
@@ -171,24 +178,76 @@ def tune(
     timed = 0  # the budget counts configs this process timed: repeats and other workers' trials are free
     repeats = 0
     rng = random.Random(seed)
-    pending: list[tuple[optuna.trial.Trial, KernelConfig]] = []  # asked, to be compiled and timed as one batch
     failures: dict[KernelConfig, str] = {}  # configs that failed to compile or run: never tried again
+    # Batches asked of Optuna, each with the wait for its compile. With start_prepare two are in flight: the next
+    # batch compiles while this one is timed (TPE's constant liar lets it be asked before this one is told).
+    in_flight: deque[tuple[list[tuple[optuna.trial.Trial, KernelConfig]], Callable[[], dict]]] = deque()
+    depth = 2 if start_prepare is not None else 1
 
     def fail(trial, cfg, reason):
         trial.set_user_attr("reason", reason)
         study.tell(trial, state=optuna.trial.TrialState.FAIL)
         history.append(TrialRecord(trial.number, cfg, None, reason))
 
-    def run_batch():
-        nonlocal timed
-        new = list(dict.fromkeys(cfg for _, cfg in pending if cfg not in measured))
-        if prepare is not None and new:
-            failures.update(prepare(new))
-        for trial, cfg in pending:
+    def in_flight_configs() -> set[KernelConfig]:
+        return {cfg for batch, _ in in_flight for _, cfg in batch}
+
+    def ask_batch() -> list[tuple[optuna.trial.Trial, KernelConfig]]:
+        """Asks until the batch holds batch_size configs, or the budget (counting batches in flight) is spent."""
+        nonlocal asked, repeats
+        batch: list[tuple[optuna.trial.Trial, KernelConfig]] = []
+
+        def planned() -> set[KernelConfig]:
+            return in_flight_configs() | {cfg for _, cfg in batch}
+
+        while len({cfg for _, cfg in batch}) < batch_size and asked < 20 * trials + 50:
+            if timed + len(planned() - measured.keys()) >= trials:
+                break
+            if timeout_s is not None and time.time() - start > timeout_s:
+                break
+            trial = study.ask()
+            asked += 1
+            cfg = KernelConfig(**{dim: trial.suggest_categorical(dim, values) for dim, values in choices.items()})
+            reason = planner.check(cfg, device, head_dim, dtype, kernel)
+            if reason is None and cfg not in allowed:
+                reason = "not in the search space"
+            if reason is not None:
+                trial.set_user_attr("reason", reason)
+                study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                history.append(TrialRecord(trial.number, cfg, None, reason))
+                continue
             if cfg in failures:
                 fail(trial, cfg, failures[cfg])
                 continue
-            if cfg not in measured:  # a config asked twice in one batch is timed once
+            if cfg not in measured and storage is not None:  # another worker may have timed it meanwhile
+                measured.update(_completed(study))
+            if cfg in measured:  # a config timed before: reuse the number, spend no device time
+                repeats += 1
+                untried = [c for c in feasible if c not in measured and c not in failures and c not in planned()]
+                if repeats >= 5 and untried:  # TPE keeps proposing the incumbent: explore an untried config instead
+                    study.enqueue_trial(_params(rng.choice(untried)), skip_if_exists=True)
+                    repeats = 0
+                study.tell(trial, measured[cfg])
+                history.append(TrialRecord(trial.number, cfg, measured[cfg]))
+                continue
+            batch.append((trial, cfg))  # a config already in a batch is timed once, with that batch
+        return batch
+
+    def launch(batch) -> Callable[[], dict]:
+        """Starts compiling the batch's new configs; returns the wait for {config: failure}."""
+        new = list(dict.fromkeys(cfg for _, cfg in batch if cfg not in measured and cfg not in in_flight_configs()))
+        if start_prepare is not None and new:
+            return start_prepare(new)
+        done = prepare(new) if prepare is not None and new else {}
+        return lambda: done
+
+    def run_batch(batch):
+        nonlocal timed
+        for trial, cfg in batch:
+            if cfg in failures:
+                fail(trial, cfg, failures[cfg])
+                continue
+            if cfg not in measured:  # a config asked twice is timed once
                 try:
                     measured[cfg] = float(measure(cfg))
                 except Exception as exc:  # a failed compile or launch is data, never the end of the study
@@ -200,45 +259,15 @@ def tune(
             history.append(TrialRecord(trial.number, cfg, measured[cfg]))
             if on_trial is not None:
                 on_trial(timed, trials, min(measured.values()), time.time() - start)
-        pending.clear()
 
-    def batch_configs() -> int:
-        return len({cfg for _, cfg in pending})
-
-    while timed + batch_configs() < trials and asked < 20 * trials + 50:
-        if timeout_s is not None and time.time() - start > timeout_s:
+    while True:
+        while len(in_flight) < depth and (batch := ask_batch()):
+            in_flight.append((batch, launch(batch)))
+        if not in_flight:
             break
-        trial = study.ask()
-        asked += 1
-        cfg = KernelConfig(**{dim: trial.suggest_categorical(dim, values) for dim, values in choices.items()})
-        reason = planner.check(cfg, device, head_dim, dtype, kernel)
-        if reason is None and cfg not in allowed:
-            reason = "not in the search space"
-        if reason is not None:
-            trial.set_user_attr("reason", reason)
-            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-            history.append(TrialRecord(trial.number, cfg, None, reason))
-            continue
-        if cfg in failures:
-            fail(trial, cfg, failures[cfg])
-            continue
-        if cfg not in measured and storage is not None:  # another worker may have timed it meanwhile
-            measured.update(_completed(study))
-        if cfg in measured:  # a config timed before: reuse the number, spend no device time
-            repeats += 1
-            untried = [
-                c for c in feasible if c not in measured and c not in failures and c not in {p for _, p in pending}
-            ]
-            if repeats >= 5 and untried:  # TPE keeps proposing the incumbent: explore an untried config instead
-                study.enqueue_trial(_params(rng.choice(untried)), skip_if_exists=True)
-                repeats = 0
-            study.tell(trial, measured[cfg])
-            history.append(TrialRecord(trial.number, cfg, measured[cfg]))
-            continue
-        pending.append((trial, cfg))
-        if batch_configs() >= batch_size:
-            run_batch()
-    run_batch()
+        batch, wait = in_flight.popleft()
+        failures.update(wait())
+        run_batch(batch)
 
     if not measured:
         raise RuntimeError(f"{name}: no config could be measured; reasons: {[r.reason for r in history][:5]}")

@@ -150,6 +150,41 @@ def test_batched_study_compiles_each_batch_before_timing_it():
     assert result.best_ms == min(table[c] for c in compiled if c not in broken)
 
 
+def test_the_next_batch_compiles_while_this_one_is_timed():
+    # start_prepare: batch k+1 is asked and its compile started before batch k is timed; a config is timed only
+    # after the wait for its own compile has returned; failures are still never timed.
+    table = _recorded(128, False)
+    space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
+    broken = set(space[::7])
+    events, finished = [], set()
+
+    def start_prepare(configs):
+        number = sum(kind == "start" for kind, _ in events)
+        events.append(("start", number))
+
+        def wait():
+            events.append(("wait", number))
+            finished.update(configs)
+            return {c: "CompilationError: boom" for c in configs if c in broken}
+
+        return wait
+
+    def measure(cfg):
+        assert cfg in finished, "timed before its compile was waited for"
+        events.append(("time", cfg))
+        return table[cfg]
+
+    result = tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
+                        measure=measure, trials=16, space=space, seed=3, start_prepare=start_prepare, batch_size=4,
+                        remeasure_top=1)  # fmt: skip
+    assert events[:3] == [("start", 0), ("start", 1), ("wait", 0)]  # batch 1 compiles before batch 0 is timed
+    assert events[3][0] == "time"
+    starts = sum(kind == "start" for kind, _ in events)
+    assert starts == sum(kind == "wait" for kind, _ in events) >= 4  # every compile started is waited for
+    assert result.measured == 16 and result.best not in broken
+    assert result.best_ms == min(table[c] for c in finished if c not in broken)
+
+
 def test_the_default_is_timed_twice_like_the_top_configs():
     # A cold first reading (clocks ramping up) must not make the default look slower than it is.
     table = _recorded(128, True)
