@@ -176,3 +176,44 @@ def test_torch_compile_with_one_tensor_as_q_k_and_v(device):
     (ref_grad,) = torch.autograd.grad(ref.square().sum(), ref_x)
     assert_close(out, ref, torch.float32)
     assert_close(grad, ref_grad, torch.float32, what="gradient")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "varlen"])
+def test_eager_calls_and_the_custom_op_give_the_same_outputs_and_gradients(packed, device):
+    # Eager calls skip the custom op's dispatch (launcher._EagerAttention); torch.compile sees the op. The two
+    # must agree bit for bit: same kernels, same configs, same logsumexp gradient, same varlen checks.
+    from fa2tune import launcher
+    from fa2tune.types import Mask
+
+    torch.manual_seed(14)
+    if packed:
+        lengths = [5, 0, 33, 17]
+        total = sum(lengths)
+        q, k, v = (torch.randn(total, 4, 32, device=device) for _ in range(3))
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        packing = launcher.Packing(cu, cu, max(lengths), max(lengths))
+    else:
+        q, k, v = (torch.randn(2, 4, 41, 32, device=device) for _ in range(3))
+        packing = None
+    mask = Mask(causal=True, window=(9, -1))
+    runs = []
+    for eager in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        apply = launcher._EagerAttention.apply if eager else lambda *args: launcher._apply_op(*args)
+        o, lse = apply(*leaves, mask, 0.3, None, packing)
+        weights = torch.randn_like(o, generator=torch.Generator(device).manual_seed(1))
+        loss = (o * weights).sum() + torch.where(torch.isfinite(lse), lse, 0).sum()
+        runs.append((o, lse, *torch.autograd.grad(loss, leaves)))
+    for eager_t, op_t in zip(*runs, strict=True):
+        assert torch.equal(eager_t, op_t)
+
+
+def test_traced_calls_go_through_the_custom_op(device):
+    # Under a dispatch mode (fake tensors, make_fx) the launchers must not run: the op's fake kernel answers.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 1000, 64, dtype=torch.bfloat16, device=device)
+        k = torch.empty(2, 2, 1500, 64, dtype=torch.bfloat16, device=device)
+        o, lse = fa2tune.attention(q, k, k, causal=True, return_lse=True)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (2, 4, 1000) and lse.dtype == torch.float32
