@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -137,13 +138,19 @@ def check_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: i
     """The values of packed sequences' offsets: start at 0, never decrease, end at the token count, no sequence
     longer than its max_seqlen. A wrong cu_seqlens would otherwise read and write out of bounds with no error.
 
-    Reads the offsets back to the host (a small copy and a sync). Called inside the fa2tune::fwd op, which runs
-    eagerly even in a torch.compile graph, where a host read would break the graph.
+    Reads the offsets back to the host (a small copy and a sync) — once per offsets tensor: a tensor checked before
+    with the same totals and maxima, not modified since (its version counter unchanged), is not read again, so a
+    model whose layers share one cu_seqlens pays one host sync per step, not one per layer. Called inside the
+    fa2tune::fwd op, which runs eagerly even in a torch.compile graph, where a host read would break the graph.
     """
     for name, cu, total, max_name, max_len in (
         ("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k),
     ):
+        stamp = (cu._version, total, max_len)
+        seen = _checked_offsets.get(id(cu))
+        if seen is not None and seen[0]() is cu and seen[1] == stamp:
+            continue
         offsets = cu.tolist()
         seq_lens = [b - a for a, b in itertools.pairwise(offsets)]
         if offsets[0] != 0 or min(seq_lens) < 0:
@@ -154,6 +161,13 @@ def check_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: i
         longest = max(seq_lens)
         if longest > max_len:
             raise ValueError(f"{max_name}={max_len} is below the longest sequence in {name} ({longest})")
+        if len(_checked_offsets) >= 64:  # a bound, not an LRU: offsets tensors normally live for one step
+            _checked_offsets.clear()
+        _checked_offsets[id(cu)] = (weakref.ref(cu), stamp)
+
+
+# id(offsets tensor) -> (weak reference to it, (version, total, max_len) it was checked with)
+_checked_offsets: dict[int, tuple[weakref.ref, tuple[int, int, int]]] = {}
 
 
 def check_window(window: object) -> tuple[int, int]:

@@ -213,6 +213,26 @@ def test_varlen_bad_input(change, error, words, device):
         fa2tune.attention_varlen(**args)
 
 
+def test_varlen_offsets_are_read_back_once_per_tensor_until_modified(device):
+    # Every layer of a packed batch shares one cu_seqlens: one host read per step, not one per layer — but a
+    # tensor changed in place is checked again, and a new tensor with other values is always checked.
+    q, k, v, cu = _packed(device)
+    reads = []
+    original = cu.tolist
+    cu.tolist = lambda: reads.append(1) or original()  # instance attribute: counts this tensor's host reads
+    for _layer in range(3):
+        fa2tune.attention_varlen(q, k, v, cu, cu, 6, 6)
+    assert len(reads) == 1
+    fa2tune.attention_varlen(q, k, v, cu, cu, 7, 7)  # other maxima: checked again
+    assert len(reads) == 2
+    cu[1] = 7  # in place: lengths 7 and 3, above max_seqlen 6
+    with pytest.raises(ValueError, match="max_seqlen_q=6 is below the longest"):
+        fa2tune.attention_varlen(q, k, v, cu, cu, 6, 6)
+    bad = _cu([7, 3], device)
+    with pytest.raises(ValueError, match="below the longest"):
+        fa2tune.attention_varlen(q, k, v, bad, bad, 6, 6)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
