@@ -74,13 +74,8 @@ def code_hash(
     tails = [(False, False)] if varlen else [(m, n) for m in (True, False) for n in (True, False)]
     digest = hashlib.sha256(template.encode())
     for even_m, even_n in tails:
-        variant = Variant(
-            causal=causal and not window,
-            even_m=even_m,
-            even_n=even_n,
-            banded=window,
-            varlen=varlen,
-            pipeline_qk=pipeline_qk and template == "fwd",
+        variant = Variant.for_template(
+            template, causal=causal, banded=window, varlen=varlen, even_m=even_m, even_n=even_n, pipeline_qk=pipeline_qk
         )
         code = [line for line in render(template, variant).splitlines() if not line.startswith(_PROVENANCE)]
         digest.update("\n".join(code).encode())

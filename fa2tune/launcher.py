@@ -40,15 +40,10 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _kernel(template: str, name: str, mask: Mask, seqlen_q: int, seqlen_k: int, config: KernelConfig, varlen: bool):
-    variant = Variant(
-        causal=mask.causal and not mask.banded,
-        even_m=seqlen_q % config.block_m == 0 and not varlen,
-        even_n=seqlen_k % config.block_n == 0 and not varlen,
-        dot_fp32=interpreting(),
-        banded=mask.banded,
-        varlen=varlen,
-        pipeline_qk=bool(config.pipeline_qk) and template == "fwd",
-    )
+    variant = Variant.for_template(
+        template, causal=mask.causal, banded=mask.banded, varlen=varlen, even_m=seqlen_q % config.block_m == 0,
+        even_n=seqlen_k % config.block_n == 0, pipeline_qk=config.pipeline_qk, dot_fp32=interpreting(),
+    )  # fmt: skip
     return getattr(codegen.load(template, variant), name)
 
 
@@ -263,9 +258,16 @@ def _fwd_op(
     max_seqlens: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     packing = _packing(cu_seqlens_q, cu_seqlens_k, max_seqlens)
-    if packing is not None:  # here, not in attention_varlen: this runs eagerly even inside a compiled graph
-        check_offsets(cu_seqlens_q, cu_seqlens_k, *max_seqlens, q.shape[0], k.shape[0])
-    return forward(q, k, v, causal=_mask_from_ints(mask), scale=scale, config=_from_ints(config), packing=packing)
+    return _checked_forward(q, k, v, _mask_from_ints(mask), scale, _from_ints(config), packing)
+
+
+def _checked_forward(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packing: Packing | None):
+    """forward(), after checking packed offsets' values: here, not in attention_varlen, as the op runs eagerly
+    even inside a compiled graph (where reading them back would break it). Both call paths come through here."""
+    if packing is not None:
+        check_offsets(packing.cu_seqlens_q, packing.cu_seqlens_k, packing.max_seqlen_q, packing.max_seqlen_k,
+                      q.shape[0], k.shape[0])  # fmt: skip
+    return forward(q, k, v, causal=mask, scale=scale, config=config, packing=packing)
 
 
 @_fwd_op.register_fake
@@ -337,10 +339,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, config, packing):
-        if packing is not None:
-            check_offsets(packing.cu_seqlens_q, packing.cu_seqlens_k, packing.max_seqlen_q, packing.max_seqlen_k,
-                          q.shape[0], k.shape[0])  # fmt: skip
-        o, lse = forward(q, k, v, causal=mask, scale=scale, config=config, packing=packing)
+        o, lse = _checked_forward(q, k, v, mask, scale, config, packing)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.mask, ctx.scale, ctx.packing = mask, scale, packing
         ctx.set_materialize_grads(False)

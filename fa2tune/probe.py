@@ -74,13 +74,8 @@ def compile_config(
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_config needs Triton's compiler: unset TRITON_INTERPRET in this process")
     template, name = _KERNEL_NAMES[kernel]
-    variant = Variant(
-        causal=causal and not banded,
-        even_m=not varlen,
-        even_n=not varlen,
-        banded=banded,
-        varlen=varlen,
-        pipeline_qk=bool(config.pipeline_qk) and template == "fwd",
+    variant = Variant.for_template(
+        template, causal=causal, banded=banded, varlen=varlen, even_m=True, even_n=True, pipeline_qk=config.pipeline_qk
     )
     fn = getattr(codegen.load(template, variant), name)
     head_dim_pad = planner.head_dim_padded(head_dim)

@@ -91,7 +91,7 @@ def run_study(
     own_pool = compile_pool is None and not cpu and spec.trials > 0
     pool = None if cpu else bench.CompilePool(os.cpu_count() or 1) if own_pool else compile_pool
 
-    def start_prepare(configs):
+    def prepare(configs):
         return pool.start(spec.kernel, spec.head_dim, dtype, spec.mask, configs, seqlens=seqlens,
                           device=device_name, varlen=spec.varlen)  # fmt: skip
 
@@ -116,7 +116,7 @@ def run_study(
             device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype, causal=spec.causal,
             measure=measure, trials=spec.trials, timeout_s=spec.timeout_s, space=space, storage=_storage(spec.storage),
             verify=verify if finalize else None, remeasure_top=3 if finalize else 1, on_trial=on_trial,
-            seed=spec.seed, variant=spec.variant, start_prepare=start_prepare if pool is not None else None,
+            seed=spec.seed, variant=spec.variant, prepare=prepare if pool is not None else None,
             batch_size=BATCH if pool is not None else 1,
         )  # fmt: skip
     finally:

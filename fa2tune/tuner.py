@@ -17,7 +17,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import optuna
 import torch
@@ -28,9 +28,8 @@ from .types import DeviceInfo, KernelConfig
 
 Measure = Callable[[KernelConfig], float]
 Verify = Callable[[KernelConfig], str | None]
-Prepare = Callable[[list[KernelConfig]], dict[KernelConfig, str]]  # compiles configs; returns {config: failure}
-# Starts compiling configs in the background; returns the wait for {config: failure}.
-StartPrepare = Callable[[list[KernelConfig]], Callable[[], dict[KernelConfig, str]]]
+# Starts compiling configs (in the background, or at once); returns the wait for {config: failure}.
+Prepare = Callable[[list[KernelConfig]], Callable[[], dict[KernelConfig, str]]]
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ def study_name(
     return f"{name}/{variant}" if variant else name
 
 
-_DIMS = ("block_m", "block_n", "num_warps", "num_stages", "pipeline_qk")
+_DIMS = tuple(f.name for f in fields(KernelConfig))  # the search dimensions
 
 
 def _params(cfg: KernelConfig) -> dict[str, int]:
@@ -124,7 +123,6 @@ def tune(
     variant: str = "",
     prepare: Prepare | None = None,
     batch_size: int = 1,
-    start_prepare: StartPrepare | None = None,
 ) -> TuneResult:
     """Runs (or resumes, with a persistent `storage`) the study and returns the winner.
 
@@ -137,13 +135,12 @@ def tune(
         default: the baseline enqueued first; default: planner.default_config for the device.
         on_trial: progress callback (measured so far, trials, best ms so far, elapsed s).
         variant: the template variant tuned beyond causal ("window", "varlen", "window+varlen"), in the study name.
-        prepare: compiles a batch of configs before they are timed (in parallel processes); returns failures.
+        prepare: starts compiling a batch of configs (in parallel processes) and returns the wait for their
+            failures. With it the study keeps two batches in flight: the next one compiles (on the CPUs) while this
+            one is timed (on the GPU), so a study waits for one compile round, not one per batch.
         batch_size: new configs asked of Optuna before each prepare + timing round. With more than one, the
             sampler is told of pending trials (constant liar), so a batch spreads out instead of repeating itself;
             compiling batch_size configs at once is what makes this worth it.
-        start_prepare: as prepare, but starts the compile and returns its wait: the study then keeps two batches in
-            flight, the next one compiling (on the CPUs) while this one is timed (on the GPU), so a tune waits for
-            one compile round per study instead of one per batch.
     """
     start = time.time()
     name = study_name(device, kernel, head_dim, dtype, causal, variant)
@@ -179,10 +176,10 @@ def tune(
     repeats = 0
     rng = random.Random(seed)
     failures: dict[KernelConfig, str] = {}  # configs that failed to compile or run: never tried again
-    # Batches asked of Optuna, each with the wait for its compile. With start_prepare two are in flight: the next
-    # batch compiles while this one is timed (TPE's constant liar lets it be asked before this one is told).
+    # Batches asked of Optuna, each with the wait for its compile. With prepare two are in flight: the next batch
+    # compiles while this one is timed (TPE's constant liar lets it be asked before this one is told).
     in_flight: deque[tuple[list[tuple[optuna.trial.Trial, KernelConfig]], Callable[[], dict]]] = deque()
-    depth = 2 if start_prepare is not None else 1
+    depth = 2 if prepare is not None else 1
 
     def fail(trial, cfg, reason):
         trial.set_user_attr("reason", reason)
@@ -236,10 +233,7 @@ def tune(
     def launch(batch) -> Callable[[], dict]:
         """Starts compiling the batch's new configs; returns the wait for {config: failure}."""
         new = list(dict.fromkeys(cfg for _, cfg in batch if cfg not in measured and cfg not in in_flight_configs()))
-        if start_prepare is not None and new:
-            return start_prepare(new)
-        done = prepare(new) if prepare is not None and new else {}
-        return lambda: done
+        return prepare(new) if prepare is not None and new else lambda: {}
 
     def run_batch(batch):
         nonlocal timed

@@ -79,6 +79,27 @@ class Variant:
     varlen: bool = False
     pipeline_qk: bool = False
 
+    @classmethod
+    def for_template(
+        cls,
+        template: str,
+        *,
+        causal: bool,
+        banded: bool,
+        varlen: bool,
+        even_m: bool,
+        even_n: bool,
+        pipeline_qk: int | bool = False,
+        dot_fp32: bool = False,
+    ) -> Variant:
+        """The variant `template` ("fwd", "bwd") renders for a call: the rules the launcher, codegen.code_hash and
+        the probe must agree on, or a stored entry's hash would not name the code it runs. A band mask carries
+        causality itself; packed sequences have no even tails; pipeline_qk exists in the forward template only."""
+        return cls(
+            causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,
+            dot_fp32=dot_fp32, banded=banded, varlen=varlen, pipeline_qk=bool(pipeline_qk) and template == "fwd",
+        )  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Mask:

@@ -64,7 +64,7 @@ def main() -> int:
                     seed=seed,
                     remeasure_top=1,
                     batch_size=args.batch,
-                    start_prepare=compiled_at_once,
+                    prepare=compiled_at_once,
                 )
                 ok += result.best_ms <= best * 1.02
                 ratios.append(best / result.best_ms)

@@ -128,10 +128,11 @@ def test_batched_study_compiles_each_batch_before_timing_it():
     broken = set(space[::7])  # "fail to compile"
     events = []
 
-    def prepare(configs):
+    def prepare(configs):  # compiles at once; the tuner waits through the returned callable
         assert len(configs) == len(set(configs)) <= 4
         events.append(("compile", tuple(configs)))
-        return {c: "CompilationError: boom" for c in configs if c in broken}
+        failed = {c: "CompilationError: boom" for c in configs if c in broken}
+        return lambda: failed
 
     def measure(cfg):
         assert any(cfg in batch for kind, batch in events if kind == "compile"), "timed before it was compiled"
@@ -151,14 +152,14 @@ def test_batched_study_compiles_each_batch_before_timing_it():
 
 
 def test_the_next_batch_compiles_while_this_one_is_timed():
-    # start_prepare: batch k+1 is asked and its compile started before batch k is timed; a config is timed only
+    # prepare: batch k+1 is asked and its compile started before batch k is timed; a config is timed only
     # after the wait for its own compile has returned; failures are still never timed.
     table = _recorded(128, False)
     space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
     broken = set(space[::7])
     events, finished = [], set()
 
-    def start_prepare(configs):
+    def prepare(configs):
         number = sum(kind == "start" for kind, _ in events)
         events.append(("start", number))
 
@@ -175,7 +176,7 @@ def test_the_next_batch_compiles_while_this_one_is_timed():
         return table[cfg]
 
     result = tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
-                        measure=measure, trials=16, space=space, seed=3, start_prepare=start_prepare, batch_size=4,
+                        measure=measure, trials=16, space=space, seed=3, prepare=prepare, batch_size=4,
                         remeasure_top=1)  # fmt: skip
     assert events[:3] == [("start", 0), ("start", 1), ("wait", 0)]  # batch 1 compiles before batch 0 is timed
     assert events[3][0] == "time"
