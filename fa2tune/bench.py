@@ -238,26 +238,33 @@ def _compile_one(job) -> str | None:
         return failure_reason(exc)
 
 
-def _lower_priority() -> None:
+def _start_compiler(device: str | None) -> None:
+    """A compile process's start: lower priority, then the imports and the CUDA context its first compile needs."""
     try:
+        # Compiles run while the tuning process times kernels: a timing process waiting for a core would launch
+        # late and read slow.
         os.nice(10)
     except OSError:  # not allowed here: compile at normal priority
         pass
+    from . import launcher  # noqa: F401  (torch, triton and the templates' renderer)
+
+    if device is not None and str(device).startswith("cuda"):
+        torch.empty(1, device=device)
 
 
 class CompilePool:
     """Spawned processes that compile kernel configs (CPU work, most of a tune's time) into Triton's disk cache, so
     the timing process then only loads binaries. Start it once and hand it every batch: each process pays the
-    torch/CUDA start-up once. Use as a context manager, or call close().
+    torch/CUDA start-up once, and pays it at once (given `device`), while the caller is still starting up too.
+    Use as a context manager, or call close().
     """
 
-    def __init__(self, workers: int = 16):
+    def __init__(self, workers: int = 16, device: str | None = None):
         import multiprocessing as mp
 
         self.workers = workers
-        # spawn: CUDA cannot be used in forked children. Lower priority: compiles may run while the tuning process
-        # times kernels, and a timing process waiting for a core would launch late and read slow.
-        self._pool = mp.get_context("spawn").Pool(workers, initializer=_lower_priority)
+        # spawn: CUDA cannot be used in forked children.
+        self._pool = mp.get_context("spawn").Pool(workers, initializer=_start_compiler, initargs=(device,))
 
     def compile(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", varlen=False) -> dict:
         """Compiles every config; returns {config: failure reason} for those that failed.
@@ -265,20 +272,25 @@ class CompilePool:
         Each length N is compiled at 256 + N mod 256, a short length with the same divisibility by every block
         size, hence the same Jinja variant (even or ragged tails) as N itself.
         """
-        return self.start(kernel, head_dim, dtype, causal, configs, seqlens=seqlens, device=device, varlen=varlen)()
+        wait = self.start(kernel, head_dim, dtype, causal, configs, seqlens=seqlens, device=device, varlen=varlen)
+        return {cfg: reason for cfg in configs if (reason := wait(cfg))}
 
     def start(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", varlen=False):
-        """compile() in the background: returns at once with the wait for {config: failure reason}."""
-        lengths = sorted({256 + n % 256 for n in seqlens})
-        jobs = [(kernel, head_dim, dtype, causal, cfg, n, device, varlen) for cfg in configs for n in lengths]
-        pending = self._pool.map_async(_compile_one, jobs, chunksize=1)
+        """compile() in the background: returns at once with wait(config) -> its failure reason or None.
 
-        def wait() -> dict:
-            failures = {}
-            for job, reason in zip(jobs, pending.get(), strict=True):
-                if reason and job[4] not in failures:
-                    failures[job[4]] = reason
-            return failures
+        wait blocks for that config's compile only (a config not in `configs` returns None at once), so a tuner
+        can time the first config of a batch as soon as it is built, not after the slowest of the batch. The
+        processes take configs up in the order given, and batches in the order started.
+        """
+        lengths = sorted({256 + n % 256 for n in seqlens})
+        pending = {
+            cfg: [self._pool.apply_async(_compile_one, ((kernel, head_dim, dtype, causal, cfg, n, device, varlen),))
+                  for n in lengths]
+            for cfg in dict.fromkeys(configs)
+        }  # fmt: skip
+
+        def wait(cfg) -> str | None:
+            return next((reason for result in pending.get(cfg, ()) if (reason := result.get())), None)
 
         return wait
 
@@ -295,7 +307,7 @@ class CompilePool:
 
 def precompile(kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", workers=16, varlen=False) -> dict:
     """CompilePool.compile in a pool of its own. Returns {config: failure reason}."""
-    with CompilePool(workers) as pool:
+    with CompilePool(workers, device) as pool:
         return pool.compile(kernel, head_dim, dtype, causal, configs, seqlens=seqlens, device=device, varlen=varlen)
 
 

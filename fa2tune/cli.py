@@ -181,7 +181,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     rows, path = [], None
     # One pool of compile processes for every study of a single-GPU tune (multi-GPU workers start their own).
     jobs = args.jobs or os.cpu_count() or 1
-    pool = bench.CompilePool(jobs) if devices[0] != "cpu" and len(devices) == 1 else None
+    pool = bench.CompilePool(jobs, devices[0]) if devices[0] != "cpu" and len(devices) == 1 else None
     try:
         specs = [
             tunejob.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
@@ -197,13 +197,14 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             for spec, (result, entry, _) in zip(specs, done, strict=True):
                 path = tunejob.write(entry, devices[0], config_dir)
                 rows.append((spec.kernel, spec.causal, result))
-        for spec in specs if len(devices) == 1 else []:
+        for number, spec in enumerate(specs if len(devices) == 1 else []):
 
             def progress(done, total, best_ms, elapsed, spec=spec):
                 print(f"\r  {spec.kernel} causal={spec.causal}: trial {done}/{total}  best {best_ms:.3f} ms  "
                       f"{elapsed:.0f} s", end="", flush=True)  # fmt: skip
 
-            result, entry = tunejob.run_study(spec, devices[0], on_trial=progress, compile_pool=pool)
+            then = specs[number + 1] if number + 1 < len(specs) else None  # its first configs compile meanwhile
+            result, entry = tunejob.run_study(spec, devices[0], on_trial=progress, compile_pool=pool, then=then)
             print()
             path = tunejob.write(entry, devices[0], config_dir)
             rows.append((spec.kernel, spec.causal, result))

@@ -1,15 +1,17 @@
 """One tuning job: for a device, plan → compile in parallel → Optuna study → verify → a store entry.
 
-`run_study` does it on one device. `run_parallel_many` runs one worker process per device on shared studies (an
-Optuna journal file by default), without a barrier between studies, and has the workers finish the studies too
-(best trials timed again, winner verified). A worker that dies is reported and does not stop the others.
+`run_study` does it on one device. `run_parallel_many` runs one worker process per device over a list of studies
+kept in a shared storage (an Optuna journal file by default): every worker times its share of every study, with
+no barrier anywhere. A worker that dies is reported; its work goes to the others.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -71,12 +73,14 @@ def run_study(
     on_trial: Callable | None = None,
     finalize: bool = True,
     compile_pool: bench.CompilePool | None = None,
+    then: StudySpec | None = None,
 ) -> tuple[tuner.TuneResult, store.Entry]:
     """Tunes one kernel on one device; with finalize=False only times trials (a worker of run_parallel).
 
     On a GPU the study asks Optuna for BATCH configs at a time, compiles them at once in compile_pool (one of its
     own if None), then times them, the next batch compiling while this one is timed: a tune compiles what it
-    times, not the whole search space.
+    times, not the whole search space. `then`, the study run next on this device: its first configs (known
+    before it starts) compile in the pool meanwhile, so it does not wait for a compile round of its own.
     """
     info = selection.device_info(device_name)
     dtype = DTYPES_BY_NAME[spec.dtype]
@@ -84,16 +88,21 @@ def run_study(
     if not cpu:  # timing (do_bench's events), the checks and every allocation belong on the tuned GPU
         torch.cuda.set_device(torch.device(device_name))
     seqlens = tuple(min(n, 64) for n in spec.seqlens[:2]) if cpu else spec.seqlens
-    if cpu:  # a few small tiles: the interpreter's time grows with the tile count
-        space = [planner.INTERPRETER_CONFIG, *(planner.KernelConfig(m, n, 4, 1) for m in (16, 64) for n in (16, 64))]
-    else:
-        space = [c for c, _ in planner.plan(info, spec.head_dim, dtype, spec.kernel).accepted]
+    space = _space(spec, info, cpu)
     own_pool = compile_pool is None and not cpu and spec.trials > 0
-    pool = None if cpu else bench.CompilePool(os.cpu_count() or 1) if own_pool else compile_pool
+    pool = None if cpu else bench.CompilePool(os.cpu_count() or 1, device_name) if own_pool else compile_pool
+    batches = 0
 
     def prepare(configs):
-        return pool.start(spec.kernel, spec.head_dim, dtype, spec.mask, configs, seqlens=seqlens,
+        nonlocal batches
+        wait = pool.start(spec.kernel, spec.head_dim, dtype, spec.mask, configs, seqlens=seqlens,
                           device=device_name, varlen=spec.varlen)  # fmt: skip
+        batches += 1
+        # The pool takes jobs in order: the next study's first configs go in behind this study's first two batches
+        # (both asked at its start), or behind its only one.
+        if then is not None and batches == min(2, -(-spec.trials // BATCH)):
+            _prefetch(then, device_name, info, pool)
+        return wait
 
     width = 2 * spec.head_dim if cpu else 2048
     tokens = 64 if cpu else spec.tokens
@@ -145,6 +154,22 @@ def run_study(
     return result, entry
 
 
+def _space(spec: StudySpec, info: DeviceInfo, cpu: bool) -> list[planner.KernelConfig]:
+    if cpu:  # a few small tiles: the interpreter's time grows with the tile count
+        return [planner.INTERPRETER_CONFIG, *(planner.KernelConfig(m, n, 4, 1) for m in (16, 64) for n in (16, 64))]
+    return [c for c, _ in planner.plan(info, spec.head_dim, DTYPES_BY_NAME[spec.dtype], spec.kernel).accepted]
+
+
+def _prefetch(spec: StudySpec, device_name: str, info: DeviceInfo, pool: bench.CompilePool) -> None:
+    """Starts compiling the configs `spec`'s study will time first; nobody waits: they land in Triton's cache."""
+    dtype = DTYPES_BY_NAME[spec.dtype]
+    space = _space(spec, info, cpu=False)
+    first = tuner.first_configs(device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype,
+                                causal=spec.causal, trials=spec.trials, space=space)  # fmt: skip
+    pool.start(spec.kernel, spec.head_dim, dtype, spec.mask, first, seqlens=spec.seqlens, device=device_name,
+               varlen=spec.varlen)  # fmt: skip
+
+
 def _check_plausible(result: tuner.TuneResult, tflops: Callable, info: DeviceInfo) -> None:
     """Refuses a result whose timing no GPU of this kind could produce, before it reaches a config file."""
     from .device import tflops_ceiling
@@ -177,28 +202,43 @@ def write(entry: store.Entry, device_name: str, config_dir: Path) -> Path:
 
 
 def _worker(number: int, device_name: str, compile_workers: int, inbox, outbox) -> None:
-    """A worker of run_parallel_many: runs the jobs it is sent until it is sent None. A job is ("trials", index,
-    spec): time a share of a study; or ("finish", index, spec): re-time its best configs, verify, and send back the
-    (result, entry). Every job is answered on outbox with ("done", index, worker number, problem or None, payload);
-    each timed trial is told as ("progress", index, worker number, (timed, trials, best ms, elapsed s)).
+    """A worker of run_parallel_many: runs the jobs it is sent, in order, until it is sent None. A job is
+    ("trials", index, spec): time a share of a study; or ("finish", index, spec): re-time its best configs, verify,
+    and send back the (result, entry). Every job is answered on outbox with ("done", kind, index, worker number,
+    problem or None, payload); each timed trial is told as ("progress", index, worker number, (timed, trials, best
+    ms, elapsed s)).
 
-    It lives for the whole tune, so its CUDA context and its compile pool start once, not once per study.
+    It lives for the whole tune, so its CUDA context and its compile pool start once, not once per study; it
+    knows the jobs queued behind the current one, so the next study's first configs compile meanwhile.
     """
+    import queue
+
+    # The pool first: its processes start up (imports, CUDA context) while this one sets up its own device.
+    pool = None if _interpreted(device_name) else bench.CompilePool(compile_workers, device_name)
     if device_name.startswith("cuda"):
         torch.cuda.set_device(torch.device(device_name))
-    pool = None if _interpreted(device_name) else bench.CompilePool(compile_workers)
+    jobs: deque = deque()
     try:
-        while (job := inbox.get()) is not None:
+        while True:
+            if not jobs:
+                jobs.append(inbox.get())
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    jobs.append(inbox.get_nowait())
+            if (job := jobs.popleft()) is None:
+                break
             kind, index, spec = job
+            then = next((j[2] for j in jobs if j is not None and j[0] != "finish"), None)
 
             def on_trial(*state, index=index):  # (timed, trials, best ms, elapsed s), for the progress line
                 outbox.put(("progress", index, number, state))
 
             try:
-                done = run_study(spec, device_name, finalize=kind == "finish", compile_pool=pool, on_trial=on_trial)
-                outbox.put(("done", index, number, None, done if kind == "finish" else None))
+                done = run_study(spec, device_name, finalize=kind == "finish", compile_pool=pool, on_trial=on_trial,
+                                 then=then)  # fmt: skip
+                outbox.put(("done", kind, index, number, None, done if kind == "finish" else None))
             except Exception as exc:  # one study failing here is reported; the worker carries on with the next
-                outbox.put(("done", index, number, bench.failure_reason(exc), None))
+                outbox.put(("done", kind, index, number, bench.failure_reason(exc), None))
     finally:
         if pool is not None:
             pool.close()
@@ -212,6 +252,25 @@ def run_parallel(
 
 
 Progress = Callable[[int, int, tuple[int, int, float, float]], None]
+Job = tuple[str, int, StudySpec]  # (kind, study index, spec with this job's trial budget)
+
+
+def deal(specs: list[StudySpec], count: int) -> list[list[Job]]:
+    """Each of `count` workers' jobs, in order: its share (trials / count, rounded up) of every study, worker i
+    starting at study i·len(specs)/count and taking the rest in turn, each worker with its own sampler seed.
+
+    Sharing every study (rather than dealing whole studies out) keeps the GPUs equally busy when studies differ
+    in cost — a causal forward study ran 61 s against the non-causal 54 s on one H200, so dealt whole the pair
+    took the longer one's time — and costs no compile round per study: a worker compiles the first configs of its
+    next study while it times this one (run_study's `then`).
+    """
+    plans: list[list[Job]] = [[] for _ in range(count)]
+    for i, plan in enumerate(plans):
+        first = i * len(specs) // count
+        for index in [(first + j) % len(specs) for j in range(len(specs))]:
+            spec = specs[index]
+            plan.append(("trials", index, replace(spec, trials=max(1, -(-spec.trials // count)), seed=spec.seed + i)))
+    return plans
 
 
 def run_parallel_many(
@@ -221,21 +280,17 @@ def run_parallel_many(
     report: Callable[[str], None] = print,
     progress: Progress | None = None,
 ) -> list[tuple[tuner.TuneResult, store.Entry, dict[str, int]]]:
-    """One worker process per device for the whole list of studies, each study shared by all workers through its
-    storage. Two phases, neither with a barrier per study:
+    """One worker process per device for the whole list of studies, sharing them through their storage.
 
-    1. Every worker is sent its share (spec.trials / devices) of every study at once, starting at a different study
-       (worker i at study i·S/n) and taking the rest in turn. A worker's compile rounds and start-up then overlap
-       the others' timing instead of holding them at a barrier; a worker coming to a study later builds on the
-       trials already in it.
-    2. Each study is finished (its best configs re-timed, its winner verified) by one worker, studies dealt
-       round-robin over the devices, so finishing runs in parallel too.
+    The work is dealt by `deal` and sent at once, so no worker waits at a barrier. A study is finished as soon
+    as its last share is in, by the worker with the least left to do. A worker that dies is reported; the
+    jobs it had not answered go to the live worker with the least left to do, less the trials it had timed
+    (they are in the storage), and the others carry on.
 
-    Returns per study: the result, its entry, and each worker's exit code (0 if alive at the end; non-zero if it
-    died: its completed trials still count, and the others carry on). A study no worker could finish is finished
-    in this process on the first device once the workers are done, so nothing else is timed meanwhile.
-    progress(study index, worker number, (timed, trials, best ms, elapsed s)) is called for each trial a worker
-    times.
+    Returns per study: the result, its entry, and each worker's exit code (0 if alive at the end, non-zero if it
+    died). A study no worker could finish is finished in this process on the first device once the workers are
+    done, so nothing else is timed meanwhile. progress(study index, worker number, (timed, trials, best ms,
+    elapsed s)) is called for each trial a worker times.
     """
     if any(spec.storage is None for spec in specs):
         raise ValueError("run_parallel needs a shared storage (an Optuna URL or a journal file path)")
@@ -249,25 +304,54 @@ def run_parallel_many(
         process = context.Process(target=_worker, args=(number, name, compile_workers, inbox, outbox))
         process.start()
         workers.append((name, process, inbox))
+    pending: dict[int, list[Job]] = {i: [] for i in range(count)}  # jobs sent and not yet answered, in order
+    timed: dict[tuple[int, int], int] = {}  # (worker, study) -> trials its current job there has timed
     dead: dict[int, int] = {}
     finished: dict[int, tuple[tuner.TuneResult, store.Entry]] = {}
-    waiting: set[tuple[int, int]] = set()  # (worker, study) jobs sent and not yet answered
-    try:
-        for i, (_, _, inbox) in enumerate(workers):
-            first = i * len(specs) // count
-            for index in [(first + j) % len(specs) for j in range(len(specs))]:
-                share = max(1, -(-specs[index].trials // count))
-                inbox.put(("trials", index, replace(specs[index], trials=share, seed=specs[index].seed + i)))
-                waiting.add((i, index))
-        while waiting:
-            _collect(workers, outbox, waiting, dead, finished, report, progress)
+
+    def send(i: int, job: Job) -> None:
+        pending[i].append(job)
+        workers[i][2].put(job)
+
+    def least_busy() -> int | None:
         alive = [i for i in range(count) if i not in dead]
-        for turn, index in enumerate(range(len(specs)) if alive else []):
-            i = alive[turn % len(alive)]
-            workers[i][2].put(("finish", index, replace(specs[index], trials=0)))
-            waiting.add((i, index))
-        while waiting:
-            _collect(workers, outbox, waiting, dead, finished, report, progress)
+        return min(alive, key=lambda i: (len(pending[i]), i)) if alive else None
+
+    def answered(kind: str, index: int, i: int, problem: str | None, payload) -> None:
+        pending[i].remove(next(job for job in pending[i] if job[:2] == (kind, index)))
+        timed.pop((i, index), None)
+        if problem:
+            report(f"worker {i} on {workers[i][0]} failed study {index} ({problem}); the others carry on")
+        elif payload is not None:
+            finished[index] = payload
+        shares_out = any(job[:2] == ("trials", index) for jobs in pending.values() for job in jobs)
+        if kind == "trials" and not shares_out and (j := least_busy()) is not None:
+            send(j, ("finish", index, replace(specs[index], trials=0)))
+
+    def died(i: int, code: int) -> None:
+        dead[i] = code
+        report(f"worker {i} on {workers[i][0]} died (exit code {code}); the others carry on with its work")
+        jobs, pending[i] = pending[i], []
+        for kind, index, spec in jobs:
+            if (j := least_busy()) is not None:
+                send(j, (kind, index, replace(spec, trials=max(0, spec.trials - timed.pop((i, index), 0)))))
+
+    try:
+        for i, plan in enumerate(deal(specs, count)):
+            for job in plan:
+                send(i, job)
+        while any(pending.values()):
+            message = _next_message(outbox)
+            if message is not None and message[0] == "progress":
+                index, i, state = message[1:]
+                timed[(i, index)] = state[0]
+                if progress is not None:
+                    progress(index, i, state)
+            elif message is not None and message[3] not in dead:
+                answered(message[1], message[2], *message[3:])
+            for i, (_, process, _) in enumerate(workers):
+                if i not in dead and not process.is_alive():
+                    died(i, process.exitcode if process.exitcode else 1)
     finally:
         for _, process, inbox in workers:
             if process.is_alive():
@@ -277,34 +361,17 @@ def run_parallel_many(
     codes = {f"{i}:{name}": dead.get(i, 0) for i, (name, _, _) in enumerate(workers)}
     results = []
     for index, spec in enumerate(specs):
-        if index not in finished:  # its worker died or failed: finish here (a study that cannot finish raises here)
+        if index not in finished:  # no live worker could finish it: finish here (one that cannot finish raises)
             finished[index] = run_study(replace(spec, trials=0), device_names[0])
         results.append((*finished[index], dict(codes)))
     return results
 
 
-def _collect(workers, outbox, waiting, dead, finished, report, progress) -> None:
-    """Waits (at most a few seconds) for a worker to answer a job or to die; updates waiting, dead and finished."""
+def _next_message(outbox, timeout_s: float = 2.0):
+    """The next message from the workers, or None after a few seconds (so deaths are noticed)."""
     import queue
 
     try:
-        message = outbox.get(timeout=2.0)
-        if message[0] == "progress":
-            if progress is not None:
-                progress(*message[1:])
-            return
-        _, index, i, problem, payload = message
-        if (i, index) in waiting:
-            waiting.discard((i, index))
-            if problem:
-                report(f"worker {i} on {workers[i][0]} failed study {index} ({problem}); the others carry on")
-            elif payload is not None:
-                finished[index] = payload
+        return outbox.get(timeout=timeout_s)
     except queue.Empty:
-        pass
-    for i, (name, process, _) in enumerate(workers):
-        if i not in dead and not process.is_alive():
-            dead[i] = process.exitcode if process.exitcode else 1
-            report(f"worker {i} on {name} died (exit code {dead[i]}); the others carry on")
-        if i in dead:
-            waiting.difference_update({job for job in waiting if job[0] == i})
+        return None

@@ -28,8 +28,9 @@ from .types import DeviceInfo, KernelConfig
 
 Measure = Callable[[KernelConfig], float]
 Verify = Callable[[KernelConfig], str | None]
-# Starts compiling configs (in the background, or at once); returns the wait for {config: failure}.
-Prepare = Callable[[list[KernelConfig]], Callable[[], dict[KernelConfig, str]]]
+# Starts compiling configs (in the background, or at once); returns wait(config) -> its failure reason or None.
+Wait = Callable[[KernelConfig], str | None]
+Prepare = Callable[[list[KernelConfig]], Wait]
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,24 @@ def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k:
     return picks
 
 
+def _first(default: KernelConfig, feasible, head_dim: int, kernel: str, trials: int) -> list[KernelConfig]:
+    """The configs a study times first, known before any trial: the default, then `promising` shapes."""
+    return [default, *promising(feasible, head_dim, kernel, k=max(3, trials // 2))] if trials > 0 else []
+
+
+def first_configs(
+    *, device: DeviceInfo, kernel: str, head_dim: int, dtype: torch.dtype, causal: bool, trials: int,
+    space: Sequence[KernelConfig], default: KernelConfig | None = None,
+) -> list[KernelConfig]:  # fmt: skip
+    """What tune() with these arguments enqueues first: a tune of several studies compiles the next study's first
+    batch while this one is timed, so the next starts timing at once."""
+    if default is None:
+        default = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
+    candidates = [*space, default] if default not in space else space  # as tune() extends its space
+    feasible = [c for c in candidates if planner.check(c, device, head_dim, dtype, kernel) is None]
+    return _first(default, feasible, head_dim, kernel, trials)
+
+
 def tune(
     *,
     device: DeviceInfo,
@@ -135,9 +154,10 @@ def tune(
         default: the baseline enqueued first; default: planner.default_config for the device.
         on_trial: progress callback (measured so far, trials, best ms so far, elapsed s).
         variant: the template variant tuned beyond causal ("window", "varlen", "window+varlen"), in the study name.
-        prepare: starts compiling a batch of configs (in parallel processes) and returns the wait for their
-            failures. With it the study keeps two batches in flight: the next one compiles (on the CPUs) while this
-            one is timed (on the GPU), so a study waits for one compile round, not one per batch.
+        prepare: starts compiling a batch of configs (in parallel processes) and returns wait(config) for one
+            config's failure or None. With it the study keeps two batches in flight: the next one compiles (on the
+            CPUs) while this one is timed (on the GPU), and a config is timed as soon as its own compile is done,
+            so a study waits for one compile (its first config's), not one round per batch.
         batch_size: new configs asked of Optuna before each prepare + timing round. With more than one, the
             sampler is told of pending trials (constant liar), so a batch spreads out instead of repeating itself;
             compiling batch_size configs at once is what makes this worth it.
@@ -165,7 +185,7 @@ def tune(
     tried = {KernelConfig(**(t.params or t.system_attrs.get("fixed_params", {}))) for t in study.trials
              if t.params or t.system_attrs.get("fixed_params")}  # fmt: skip
     feasible = [c for c in candidates if planner.check(c, device, head_dim, dtype, kernel) is None]
-    for cfg in [default, *promising(feasible, head_dim, kernel, k=max(3, trials // 2))] if trials > 0 else []:
+    for cfg in _first(default, feasible, head_dim, kernel, trials):
         if cfg not in tried:
             study.enqueue_trial(_params(cfg), skip_if_exists=True)  # workers sharing a study enqueue once
             tried.add(cfg)
@@ -178,7 +198,7 @@ def tune(
     failures: dict[KernelConfig, str] = {}  # configs that failed to compile or run: never tried again
     # Batches asked of Optuna, each with the wait for its compile. With prepare two are in flight: the next batch
     # compiles while this one is timed (TPE's constant liar lets it be asked before this one is told).
-    in_flight: deque[tuple[list[tuple[optuna.trial.Trial, KernelConfig]], Callable[[], dict]]] = deque()
+    in_flight: deque[tuple[list[tuple[optuna.trial.Trial, KernelConfig]], Wait]] = deque()
     depth = 2 if prepare is not None else 1
 
     def fail(trial, cfg, reason):
@@ -230,14 +250,16 @@ def tune(
             batch.append((trial, cfg))  # a config already in a batch is timed once, with that batch
         return batch
 
-    def launch(batch) -> Callable[[], dict]:
-        """Starts compiling the batch's new configs; returns the wait for {config: failure}."""
+    def launch(batch) -> Wait:
+        """Starts compiling the batch's new configs; returns wait(config) -> its failure or None."""
         new = list(dict.fromkeys(cfg for _, cfg in batch if cfg not in measured and cfg not in in_flight_configs()))
-        return prepare(new) if prepare is not None and new else lambda: {}
+        return prepare(new) if prepare is not None and new else lambda cfg: None
 
-    def run_batch(batch):
+    def run_batch(batch, wait: Wait):
         nonlocal timed
         for trial, cfg in batch:
+            if cfg not in measured and cfg not in failures and (reason := wait(cfg)):
+                failures[cfg] = reason
             if cfg in failures:
                 fail(trial, cfg, failures[cfg])
                 continue
@@ -259,9 +281,7 @@ def tune(
             in_flight.append((batch, launch(batch)))
         if not in_flight:
             break
-        batch, wait = in_flight.popleft()
-        failures.update(wait())
-        run_batch(batch)
+        run_batch(*in_flight.popleft())
 
     if not measured:
         raise RuntimeError(f"{name}: no config could be measured; reasons: {[r.reason for r in history][:5]}")

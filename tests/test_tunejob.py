@@ -43,8 +43,18 @@ def test_a_dead_worker_does_not_stop_the_others(tmp_path, interpreter_only):
     said = []
     result, entry, codes = tunejob.run_parallel(spec, ["cpu", "cuda:7"], report=said.append)
     assert codes["0:cpu"] == 0 and codes["1:cuda:7"] != 0
-    assert said == [f"worker 1 on cuda:7 died (exit code {codes['1:cuda:7']}); the others carry on"]
-    assert result.measured == 2 and entry.config == result.best
+    assert said == [f"worker 1 on cuda:7 died (exit code {codes['1:cuda:7']}); the others carry on with its work"]
+    # The dead worker's share of the study went to the live one: the whole budget was timed.
+    assert result.measured == 4 and entry.config == result.best
+
+
+def test_a_dead_worker_s_shares_of_several_studies_are_timed_by_another(tmp_path, interpreter_only):
+    journal = str(tmp_path / "tune.journal")
+    specs = [tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=c, trials=2, storage=journal)
+             for c in (False, True)]  # fmt: skip
+    done = tunejob.run_parallel_many(specs, ["cpu", "cuda:7"], report=lambda line: None)
+    assert [entry.key.causal for _, entry, _ in done] == [False, True]
+    assert all(result.measured == 2 for result, _, _ in done)  # each study's full budget, both shares
 
 
 def test_parallel_needs_a_shared_storage():
@@ -54,7 +64,7 @@ def test_parallel_needs_a_shared_storage():
 
 
 def test_workers_live_across_studies(tmp_path, interpreter_only):
-    # `fa2tune tune --device a,b` with several studies: the same two workers serve each study in turn.
+    # `fa2tune tune --device a,b` with several studies: the same two workers serve every study.
     journal = str(tmp_path / "tune.journal")
     specs = [tunejob.StudySpec(kernel=k, head_dim=16, dtype="bf16", causal=c, trials=2, storage=journal)
              for k, c in (("fwd", False), ("bwd_dq", True))]  # fmt: skip
@@ -89,3 +99,73 @@ def test_workers_report_each_timed_trial_for_the_progress_line(tmp_path, interpr
         assert index == 0 and 1 <= timed <= trials == 2 and best_ms > 0 and elapsed >= 0
     # each worker counts up to its share of the 4 trials
     assert all(max(state[0] for _, w, state in seen if w == worker) == 2 for worker in (0, 1))
+
+
+def test_every_worker_gets_its_share_of_every_study():
+    specs = [tunejob.StudySpec(kernel=k, head_dim=64, dtype="bf16", causal=c, trials=40, storage="j.journal")
+             for k in ("fwd", "bwd_dq") for c in (False, True)][:3]  # fmt: skip
+    plans = tunejob.deal(specs, 2)
+    # Half the budget of each study each, starting at different studies (no two workers open on one study's first
+    # compile), with different seeds so the workers' first proposals differ.
+    assert [[(kind, index, spec.trials) for kind, index, spec in plan] for plan in plans] == [
+        [("trials", 0, 20), ("trials", 1, 20), ("trials", 2, 20)],
+        [("trials", 1, 20), ("trials", 2, 20), ("trials", 0, 20)],
+    ]
+    assert all(plans[0][j][2].seed != plans[1][(j + 2) % 3][2].seed for j in range(3))
+    # The budget is rounded up; more workers than studies still start spread out.
+    plans = tunejob.deal(specs[:2], 3)
+    assert [[(index, spec.trials) for _, index, spec in plan] for plan in plans] == [
+        [(0, 14), (1, 14)],
+        [(0, 14), (1, 14)],
+        [(1, 14), (0, 14)],
+    ]
+    # One GPU: every study whole, in order.
+    assert [(index, spec.trials) for _, index, spec in tunejob.deal(specs, 1)[0]] == [(0, 40), (1, 40), (2, 40)]
+
+
+class _RecordingPool:
+    def __init__(self):
+        self.started = []
+
+    def start(self, kernel, head_dim, dtype, causal, configs, **kwargs):
+        self.started.append((kernel, head_dim, list(configs)))
+        return lambda cfg: None
+
+
+def test_the_next_study_s_first_configs_compile_during_this_one():
+    # A tune of several studies on one GPU: while a study is timed, the configs the next one times first are
+    # already compiling, so the next study does not start with a compile round of its own.
+    from fa2tune import device, planner, tuner
+
+    h200 = device.known_gpu("h200")
+    spec = tunejob.StudySpec(kernel="bwd_dq", head_dim=64, dtype="bf16", causal=True, trials=40)
+    pool = _RecordingPool()
+    tunejob._prefetch(spec, "cuda:0", h200, pool)
+    [(kernel, head_dim, configs)] = pool.started
+    space = [c for c, _ in planner.plan(h200, 64, torch.bfloat16, "bwd_dq").accepted]
+    assert (kernel, head_dim) == ("bwd_dq", 64) and len(configs) == 1 + 40 // 2
+    # ... and they are what that study's tune enqueues first: the first trials it times, in order.
+    timed = []
+
+    def measure(cfg):
+        timed.append(cfg)
+        return 1.0 + cfg.block_m / 1000
+
+    tuner.tune(device=h200, kernel="bwd_dq", head_dim=64, dtype=torch.bfloat16, causal=True, measure=measure,
+               trials=40, space=space, remeasure_top=1)  # fmt: skip
+    assert timed[: len(configs)] == configs
+
+
+def test_the_compile_pool_answers_for_each_config_on_its_own(interpreter_only):
+    # The tuner times a config as soon as its own compile is done: wait(config) returns that config's failure or
+    # None, and None at once for a config that was never started.
+    from fa2tune import bench
+    from fa2tune.types import KernelConfig, Mask
+
+    good, other = KernelConfig(64, 64, 4, 1), KernelConfig(32, 64, 4, 1)
+    with bench.CompilePool(2, "cpu") as pool:
+        wait_good = pool.start("fwd", 16, torch.bfloat16, Mask(), [good], seqlens=(64,), device="cpu")
+        wait_bad = pool.start("fwd", 16, torch.bfloat16, Mask(), [good], seqlens=(64,), device="no-such-device")
+        assert wait_good(good) is None and wait_good(other) is None
+        assert "no-such-device" in wait_bad(good)
+        assert pool.compile("fwd", 16, torch.bfloat16, Mask(), [good, other], seqlens=(64,), device="cpu") == {}
