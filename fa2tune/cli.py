@@ -150,6 +150,26 @@ def _window(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT with ints >= -1, got {text!r} ({exc})") from None
 
 
+def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
+    """--seqlens, or the bucket's default; a short bucket tuned at a length it never serves would be wrong."""
+    from .store import SHORT_SEQLEN
+
+    text = text or ("512,1024" if bucket == "short" else "1024,4096,16384")
+    try:
+        seqlens = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        seqlens = ()
+    problem = None
+    if not seqlens or min(seqlens) < 1:
+        problem = f"--seqlens must be comma-separated ints >= 1, got {text!r}"
+    elif bucket == "short" and max(seqlens) > SHORT_SEQLEN:
+        problem = f"--seqlen-bucket short serves lengths <= {SHORT_SEQLEN}; --seqlens {text} goes past it"
+    if problem:
+        print(f"fa2tune: {problem}", file=sys.stderr)
+        sys.exit(2)
+    return seqlens
+
+
 def _worker_progress(specs, devices):
     """A one-line progress display for a multi-GPU tune: each worker's study, trials timed, best ms so far."""
     states: dict[int, str] = {}
@@ -173,6 +193,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         print("note: CPU timings (Triton's interpreter) say nothing about GPU speed; this run only exercises the "
               "pipeline on tiny shapes.")  # fmt: skip
     kernels = {"fwd": ["fwd"], "bwd": ["bwd_dkdv", "bwd_dq"], "all": list(planner.KERNELS)}[args.kernel]
+    seqlens = _tuning_lengths(args.seqlens, args.seqlen_bucket)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     config_dir = Path(args.config_dir) if args.config_dir else store.user_config_dir()
     storage = args.storage
@@ -185,9 +206,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     try:
         specs = [
             tunejob.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
-                              seqlens=tuple(int(n) for n in args.seqlens.split(",")), tokens=args.tokens,
-                              trials=args.trials, timeout_s=args.timeout, storage=storage,
-                              window=args.window, varlen=args.varlen)
+                              seqlens=seqlens, tokens=args.tokens, trials=args.trials, timeout_s=args.timeout,
+                              storage=storage, window=args.window, varlen=args.varlen,
+                              seqlen_bucket=args.seqlen_bucket)
             for kernel in kernels for causal in causals
         ]  # fmt: skip
         if len(devices) > 1:
@@ -283,6 +304,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
                         "bwd_source": k.bwd_source,
                     }
                 )
+                if (k.short_config, k.short_source) != (k.config, k.source):  # a "short" entry for N <= 1024
+                    rows[-1].update(fwd_short=k.short_config.to_dict(), short_source=k.short_source)
     if args.json:
         print(json.dumps({"slug": slug, "search_path": [str(d) for d in store.config_dirs()], "rows": rows}, indent=2))
         return 0
@@ -335,7 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--varlen", action="store_true", help="tune the packed-sequence (attention_varlen) variant")
     tune.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU core)")
-    tune.add_argument("--seqlens", default="1024,4096,16384", help="tuning lengths, at batch·N = --tokens")
+    tune.add_argument("--seqlens", default=None,
+                      help="tuning lengths, at batch·N = --tokens (default 1024,4096,16384; 512,1024 for "
+                           "--seqlen-bucket short)")  # fmt: skip
+    tune.add_argument("--seqlen-bucket", default="all", choices=["all", "short"],
+                      help="short: an entry used only by calls with max(seqlen_q, seqlen_k) <= 1024, tuned at such "
+                           "lengths; all: the entry for every other length")  # fmt: skip
     tune.add_argument("--tokens", type=int, default=16384)
     tune.add_argument("--trials", type=int, default=40, help="configs measured per study")
     tune.add_argument("--timeout", type=float, default=None, help="seconds per study")

@@ -87,10 +87,15 @@ def _on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _config(config: KernelConfig | None, kernel: str, q: torch.Tensor, mask: Mask, varlen: bool) -> KernelConfig:
+def _config(
+    config: KernelConfig | None, kernel: str, q: torch.Tensor, k: torch.Tensor, mask: Mask, packing: Packing | None
+) -> KernelConfig:
     if config is not None:
         return config
-    return selection.resolve(kernel, q.shape[-1], q.dtype, mask.causal, q.device, window=mask.banded, varlen=varlen)[0]
+    # The longer side picks the length bucket of the tuned configs (store.buckets_for).
+    longest = max(packing.max_seqlen_q, packing.max_seqlen_k) if packing is not None else max(q.shape[2], k.shape[2])
+    return selection.resolve(kernel, q.shape[-1], q.dtype, mask.causal, q.device, window=mask.banded,
+                             varlen=packing is not None, seqlen=longest)[0]  # fmt: skip
 
 
 def forward(
@@ -117,7 +122,7 @@ def forward(
     """
     mask = _as_mask(causal)
     (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), strides = _layout(q, k, packing)
-    config = _config(config, "fwd", q, mask, packing is not None)
+    config = _config(config, "fwd", q, k, mask, packing)
     o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     lse_shape = (batch, heads_q, seqlen_q) if packing is None else (heads_q, q.shape[0])
     lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
@@ -171,8 +176,8 @@ def backward(
     if do.stride(-1) != 1:
         do = do.contiguous()  # e.g. the stride-0 gradient of out.sum()
     mask = _as_mask(causal)
-    dkdv_config = _config(dkdv_config, "bwd_dkdv", q, mask, packing is not None)
-    dq_config = _config(dq_config, "bwd_dq", q, mask, packing is not None)
+    dkdv_config = _config(dkdv_config, "bwd_dkdv", q, k, mask, packing)
+    dq_config = _config(dq_config, "bwd_dq", q, k, mask, packing)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import planner, selection
+from . import planner, selection, store
 from .inputs import DTYPE_NAMES, check_prefix_len, check_window
 from .launcher import attention, attention_varlen
 from .types import DeviceInfo, KernelConfig
@@ -25,6 +25,9 @@ class AttentionKernel:
         config: the forward config; bwd_dkdv_config / bwd_dq_config: the backward's.
         source: where the forward config came from — a YAML file path, or "planner-default".
         bwd_source: the same for the backward configs.
+        short_config, short_source: the forward config for calls whose longer side is at most
+            store.SHORT_SEQLEN, and where it came from: the store's "short" entry if there is one, else the same
+            as config. (The backward looks its configs up the same way at each call.)
     """
 
     head_dim: int
@@ -40,6 +43,8 @@ class AttentionKernel:
     window: tuple[int, int] = (-1, -1)
     prefix_len: int = 0
     varlen: bool = False
+    short_config: KernelConfig | None = None
+    short_source: str | None = None
 
     def __call__(
         self,
@@ -65,7 +70,9 @@ class AttentionKernel:
             )
             raise TypeError(f"this kernel takes {expected}; got {len(packing)} more positional arguments")
         mask = dict(causal=self.causal, window=self.window, prefix_len=self.prefix_len)
-        options = dict(scale=scale, return_lse=return_lse, config=self.config)
+        longest = max(packing[2:4]) if self.varlen and len(packing) >= 4 else max(q.shape[-2], k.shape[-2])
+        short = self.short_config is not None and isinstance(longest, int) and longest <= store.SHORT_SEQLEN
+        options = dict(scale=scale, return_lse=return_lse, config=self.short_config if short else self.config)
         if self.varlen:
             return attention_varlen(q, k, v, *packing, **mask, **options)
         return attention(q, k, v, **mask, **options)
@@ -86,8 +93,10 @@ def _resolved(
     configs = [selection.resolve(kernel, head_dim, dtype, causal, device, window=banded, varlen=varlen)
                for kernel in ("fwd", "bwd_dkdv", "bwd_dq")]  # fmt: skip
     (fwd, source), (dkdv, bwd_source), (dq, _) = configs
+    short, short_source = selection.resolve("fwd", head_dim, dtype, causal, device, window=banded, varlen=varlen,
+                                            seqlen=store.SHORT_SEQLEN)  # fmt: skip
     return AttentionKernel(head_dim, dtype, causal, selection.device_info(device), device, fwd, source, dkdv, dq,
-                           bwd_source, window, prefix_len, varlen)  # fmt: skip
+                           bwd_source, window, prefix_len, varlen, short, short_source)  # fmt: skip
 
 
 def get_kernel(

@@ -40,7 +40,16 @@ from .types import KernelConfig
 SCHEMA_VERSION = 1
 DTYPE_NAMES = ("bf16", "fp16", "fp32")  # inputs.DTYPE_NAMES' values; no torch needed to read YAML
 KERNEL_NAMES = ("fwd", "bwd_dkdv", "bwd_dq")  # planner.KERNELS; repeated so reading YAML needs no torch import
-SEQLEN_BUCKETS = ("all",)  # one config for every length; finer buckets can be added without a schema change
+# Configs per sequence length: "all" serves every length; "short" (optional) serves calls whose longer side,
+# max(seqlen_q, seqlen_k), is at most SHORT_SEQLEN — there a tile grid of a few programs per head and the masked
+# diagonal tiles weigh more, and the best config can differ from the long-sequence one (docs/TUNING.md).
+SEQLEN_BUCKETS = ("all", "short")
+SHORT_SEQLEN = 1024
+
+
+def buckets_for(seqlen: int | None) -> tuple[str, ...]:
+    """The buckets a call of this length looks up, in order: its own, then "all"."""
+    return ("short", "all") if seqlen is not None and seqlen <= SHORT_SEQLEN else ("all",)
 
 
 @dataclass(frozen=True)

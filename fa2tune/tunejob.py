@@ -41,6 +41,7 @@ class StudySpec:
     seed: int = 0  # workers of one study get different seeds, so their first proposals differ
     window: tuple[int, int] | None = None  # tune the band-mask variant at this (left, right) window
     varlen: bool = False  # tune the packed-sequence variant (the batch packed as equal-length sequences)
+    seqlen_bucket: str = "all"  # "short": an entry for calls with max(N_q, N_k) <= store.SHORT_SEQLEN
 
     @property
     def mask(self) -> Mask:
@@ -48,8 +49,10 @@ class StudySpec:
 
     @property
     def variant(self) -> str:
-        """The study-name suffix of the template variant: "", "window", "varlen" or "window+varlen"."""
-        return "+".join(name for name, on in (("window", self.window is not None), ("varlen", self.varlen)) if on)
+        """The study-name suffix: the template variant ("window", "varlen") and the length bucket ("short"), joined
+        by "+"; "" for the plain variant at every length."""
+        parts = (("window", self.window is not None), ("varlen", self.varlen), ("short", self.seqlen_bucket == "short"))
+        return "+".join(name for name, on in parts if on)
 
 
 def _storage(url: str | None):
@@ -139,7 +142,8 @@ def run_study(
     tflops = lambda ms: round(flops / (ms * 1e-3) / 1e12, 1) if ms and flops else None
     _check_plausible(result, tflops, info)
     key = store.EntryKey(head_dim=spec.head_dim, dtype=spec.dtype, causal=spec.causal, kernel=spec.kernel,
-                         window=spec.window is not None, varlen=spec.varlen)  # fmt: skip
+                         seqlen_bucket=spec.seqlen_bucket, window=spec.window is not None,
+                         varlen=spec.varlen)  # fmt: skip
     entry = store.Entry(
         key=key,
         config=result.best, ms=round(result.best_ms, 4), tflops=tflops(result.best_ms),

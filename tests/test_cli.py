@@ -131,6 +131,28 @@ def test_tune_window_and_varlen_variants_on_cpu(tmp_path, capsys):
     assert "expected LEFT,RIGHT with ints >= -1" in capsys.readouterr().err
 
 
+def test_tune_a_short_length_bucket_on_cpu(tmp_path, capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
+    from fa2tune import store, tunejob
+
+    seen = []
+    real = tunejob.run_study
+    monkeypatch.setattr(tunejob, "run_study", lambda spec, *a, **kw: seen.append(spec) or real(spec, *a, **kw))
+    args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "2", "--causal", "no", "--kernel", "fwd"]
+    assert cli.main([*args, "--seqlen-bucket", "short", "--config-dir", str(tmp_path)]) == 0
+    (spec,) = seen
+    assert spec.seqlens == (512, 1024) and spec.variant == "short"  # its own lengths and its own Optuna study
+    _, entries = store.read_file(tmp_path / "cpu-interpreter.yaml")
+    assert [e.key.seqlen_bucket for e in entries] == ["short"]
+    for bad in ("512,2048", "0", "a,b"):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([*args, "--seqlen-bucket", "short", "--seqlens", bad])
+        assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "serves lengths <= 1024; --seqlens 512,2048 goes past it" in err and "comma-separated ints >= 1" in err
+
+
 def test_a_window_may_start_with_minus_one_without_the_equals_form():
     parse = lambda *argv: cli.build_parser().parse_args(cli._join_negative_values(list(argv)))
     assert parse("tune", "--head-dim", "64", "--window", "-1,0").window == (-1, 0)

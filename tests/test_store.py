@@ -18,10 +18,11 @@ DEVICE = {"name": "Triton interpreter (CPU)", "slug": "cpu-interpreter"}
 _CFG = KernelConfig(64, 32, 4, 2)
 
 
-def _entry(head_dim=64, causal=False, kernel="fwd", cfg=_CFG, template_hash=None, ms=1.0, window=False):
+def _entry(head_dim=64, causal=False, kernel="fwd", cfg=_CFG, template_hash=None, ms=1.0, window=False, bucket="all"):
     template_hash = template_hash or codegen.code_hash(kernel, causal=causal, window=window)
     return store.Entry(
-        key=store.EntryKey(head_dim=head_dim, dtype="fp32", causal=causal, kernel=kernel, window=window),
+        key=store.EntryKey(head_dim=head_dim, dtype="fp32", causal=causal, kernel=kernel, seqlen_bucket=bucket,
+                           window=window),
         config=cfg, ms=ms, tflops=None, baseline={"name": "planner-default"}, trials=7, spread=0.01,
         triton_version="3.6.0", torch_version="2.13.0", template_hash=template_hash,
         date="2026-11-29",
@@ -225,3 +226,60 @@ def test_a_pipelined_entry_is_fresh_with_the_code_it_runs_and_stale_with_the_pla
     with pytest.warns(RuntimeWarning, match="stale"):
         config, source = selection.resolve("fwd", 64, torch.float32, False, "cpu")
     assert source == "planner-default" and config != pipelined
+
+
+def test_a_short_entry_serves_calls_up_to_1024_and_the_all_entry_the_rest(config_dir, device):
+    from fa2tune import launcher
+    from fa2tune.types import Mask
+
+    slug = selection.device_info(device).slug
+    path = config_dir / "env" / f"{slug}.yaml"
+    short_cfg, long_cfg, dq_short = KernelConfig(16, 16, 4, 1), KernelConfig(32, 16, 4, 1), KernelConfig(16, 32, 4, 1)
+    store.write_entries(path, DEVICE, [_entry(cfg=long_cfg), _entry(cfg=short_cfg, bucket="short"),
+                                       _entry(kernel="bwd_dq", cfg=dq_short, bucket="short")])  # fmt: skip
+    assert store.buckets_for(1024) == ("short", "all") and store.buckets_for(1025) == store.buckets_for(None)
+    resolve = lambda kernel, n: selection.resolve(kernel, 64, torch.float32, False, device, seqlen=n)
+    assert resolve("fwd", 1) == resolve("fwd", 1024) == (short_cfg, str(path))
+    assert resolve("fwd", 1025) == resolve("fwd", None) == (long_cfg, str(path))
+    assert resolve("bwd_dq", 512) == (dq_short, str(path))
+    assert resolve("bwd_dq", 4096)[1] == "planner-default"  # no "all" entry for dq: the default, not the short one
+    # A call's longer side picks the bucket: 64 queries against 2048 keys is not short.
+    q, k = torch.empty(1, 2, 64, 64, device=device), torch.empty(1, 2, 2048, 64, device=device)
+    assert launcher._config(None, "fwd", q, q, Mask(), None) == short_cfg
+    assert launcher._config(None, "fwd", q, k, Mask(), None) == long_cfg
+    # Packed sequences: the longest sequence of either side.
+    seen = []
+    real_resolve = selection.resolve
+    packing = launcher.Packing(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 64, 1500)
+    try:
+        selection.resolve = lambda *args, seqlen=None, **kw: seen.append(seqlen) or real_resolve(*args, **kw)
+        launcher._config(None, "fwd", q[0].transpose(0, 1), q[0].transpose(0, 1), Mask(), packing)
+    finally:
+        selection.resolve = real_resolve
+    assert seen == [1500]
+
+    # get_kernel shows both forward configs and launches the one for the call's length.
+    kernel = fa2tune.get_kernel(64, device=device, dtype=torch.float32)
+    assert (kernel.config, kernel.short_config, kernel.short_source) == (long_cfg, short_cfg, str(path))
+    x = torch.randn(1, 2, 40, 64, device=device)
+    from fa2tune.reference import naive_attention
+
+    torch.testing.assert_close(kernel(x, x, x).double(), naive_attention(x.double(), x.double(), x.double())[0],
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    launched = []
+    real = runtime.attention
+    try:
+        runtime.attention = lambda *args, config=None, **kw: launched.append(config)
+        kernel(x, x, x)
+        kernel(x, torch.empty(1, 2, 1100, 64), torch.empty(1, 2, 1100, 64))
+    finally:
+        runtime.attention = real
+    assert launched == [short_cfg, long_cfg]
+
+
+def test_a_short_entry_key_round_trips_and_a_bad_bucket_is_refused(config_dir):
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    store.write_entries(path, DEVICE, [_entry(bucket="short"), _entry()])
+    assert sorted(e.key.seqlen_bucket for e in store.read_file(path)[1]) == ["all", "short"]
+    with pytest.raises(ValueError, match="seqlen_bucket must be one of"):
+        store.EntryKey(head_dim=64, dtype="bf16", causal=False, kernel="fwd", seqlen_bucket="medium")
