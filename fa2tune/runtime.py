@@ -70,8 +70,9 @@ class AttentionKernel:
             )
             raise TypeError(f"this kernel takes {expected}; got {len(packing)} more positional arguments")
         mask = dict(causal=self.causal, window=self.window, prefix_len=self.prefix_len)
+        # The call's longer side picks the forward config, by the store's rule (what attention() does without one).
         longest = max(packing[2:4]) if self.varlen and len(packing) >= 4 else max(q.shape[-2], k.shape[-2])
-        short = self.short_config is not None and isinstance(longest, int) and longest <= store.SHORT_SEQLEN
+        short = self.short_config is not None and store.buckets_for(longest)[0] == "short"
         options = dict(scale=scale, return_lse=return_lse, config=self.short_config if short else self.config)
         if self.varlen:
             return attention_varlen(q, k, v, *packing, **mask, **options)
