@@ -104,22 +104,20 @@ def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k:
     return picks
 
 
-def _first(default: KernelConfig, feasible, head_dim: int, kernel: str, trials: int) -> list[KernelConfig]:
-    """The configs a study times first, known before any trial: the default, then `promising` shapes."""
-    return [default, *promising(feasible, head_dim, kernel, k=max(3, trials // 2))] if trials > 0 else []
-
-
 def first_configs(
     *, device: DeviceInfo, kernel: str, head_dim: int, dtype: torch.dtype, causal: bool, trials: int,
     space: Sequence[KernelConfig], default: KernelConfig | None = None,
 ) -> list[KernelConfig]:  # fmt: skip
-    """What tune() with these arguments enqueues first: a tune of several studies compiles the next study's first
-    batch while this one is timed, so the next starts timing at once."""
+    """The configs tune() with these arguments times first, known before any trial: the default, then one
+    `promising` config per block shape. tune() enqueues them; a tune of several studies compiles the next study's
+    while this one is timed, so the next starts timing at once."""
+    if trials <= 0:
+        return []
     if default is None:
         default = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
     candidates = [*space, default] if default not in space else space  # as tune() extends its space
     feasible = [c for c in candidates if planner.check(c, device, head_dim, dtype, kernel) is None]
-    return _first(default, feasible, head_dim, kernel, trials)
+    return [default, *promising(feasible, head_dim, kernel, k=max(3, trials // 2))]
 
 
 def tune(
@@ -185,7 +183,9 @@ def tune(
     tried = {KernelConfig(**(t.params or t.system_attrs.get("fixed_params", {}))) for t in study.trials
              if t.params or t.system_attrs.get("fixed_params")}  # fmt: skip
     feasible = [c for c in candidates if planner.check(c, device, head_dim, dtype, kernel) is None]
-    for cfg in _first(default, feasible, head_dim, kernel, trials):
+    first = first_configs(device=device, kernel=kernel, head_dim=head_dim, dtype=dtype, causal=causal, trials=trials,
+                          space=candidates, default=default)  # fmt: skip
+    for cfg in first:
         if cfg not in tried:
             study.enqueue_trial(_params(cfg), skip_if_exists=True)  # workers sharing a study enqueue once
             tried.add(cfg)
