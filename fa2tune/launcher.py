@@ -39,6 +39,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+GRID_AXIS_MAX = 65535  # CUDA's cap on grid axes 1 and 2
+
+
+def fwd_grid(q_tiles: int, batch_heads: int) -> tuple[int, int, int]:
+    """The forward's grid: (Q tiles, B1, B2) with B1·B2 >= batch_heads and B1, B2 <= GRID_AXIS_MAX.
+
+    Programs with pid_bh = axis2·B1 + axis1 >= batch_heads return at once; there are fewer than B2 of them.
+    """
+    axis_max = GRID_AXIS_MAX
+    b2 = _cdiv(batch_heads, axis_max)
+    if b2 > axis_max:
+        raise ValueError(f"batch·heads = {batch_heads} exceeds what one launch can cover ({axis_max}²)")
+    b1 = _cdiv(batch_heads, b2)  # the smallest B1 for that B2: fewer than b2 idle programs per Q tile
+    return (q_tiles, b1, b2)
+
+
 def _kernel(template: str, name: str, mask: Mask, seqlen_q: int, seqlen_k: int, config: KernelConfig, varlen: bool):
     variant = Variant.for_template(
         template, causal=mask.causal, banded=mask.banded, varlen=varlen, even_m=seqlen_q % config.block_m == 0,
@@ -130,12 +146,12 @@ def forward(
         return o, lse.fill_(float("-inf"))
     kernel = _kernel("fwd", "_attn_fwd", mask, seqlen_q, seqlen_k, config, packing is not None)
     cu_q, cu_k, (left, right, prefix) = _mask_args(mask, seqlen_q, seqlen_k, packing)
-    grid = (_cdiv(seqlen_q, config.block_m) * batch * heads_q,)
+    grid = fwd_grid(_cdiv(seqlen_q, config.block_m), batch * heads_q)
     with _on_device(q):
         kernel[grid](
             q, k, v, o, lse, cu_q, cu_k,
             *strides(q), *strides(k), *strides(v), *strides(o), *_lse_strides(lse, packing),
-            heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale * LOG2E, left, right, prefix,
+            batch, heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale * LOG2E, left, right, prefix,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, INPUT_PRECISION=_input_precision(q.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,

@@ -92,6 +92,7 @@ def run_study(
         torch.cuda.set_device(torch.device(device_name))
     seqlens = tuple(min(n, 64) for n in spec.seqlens[:2]) if cpu else spec.seqlens
     space = _space(spec, info, cpu)
+    default, default_name = baseline(spec, device_name, info)
     own_pool = compile_pool is None and not cpu and spec.trials > 0
     pool = None if cpu else bench.CompilePool(os.cpu_count() or 1, device_name) if own_pool else compile_pool
     batches = 0
@@ -129,7 +130,7 @@ def run_study(
             measure=measure, trials=spec.trials, timeout_s=spec.timeout_s, space=space, storage=_storage(spec.storage),
             verify=verify if finalize else None, remeasure_top=3 if finalize else 1, on_trial=on_trial,
             seed=spec.seed, variant=spec.variant, prepare=prepare if pool is not None else None,
-            batch_size=BATCH if pool is not None else 1,
+            batch_size=BATCH if pool is not None else 1, default=default,
         )  # fmt: skip
     finally:
         if own_pool:
@@ -147,7 +148,7 @@ def run_study(
     entry = store.Entry(
         key=key,
         config=result.best, ms=round(result.best_ms, 4), tflops=tflops(result.best_ms),
-        baseline={"name": "planner-default", "config": result.default.to_dict(),
+        baseline={"name": default_name, "config": result.default.to_dict(),
                   "ms": result.default_ms, "tflops": tflops(result.default_ms)},
         trials=result.measured, spread=measure.spread(result.best) if finalize else None,
         triton_version=_triton_version(), torch_version=str(torch.__version__),
@@ -156,6 +157,23 @@ def run_study(
         date=datetime.date.today().isoformat(),
     )  # fmt: skip
     return result, entry
+
+
+def baseline(spec: StudySpec, device_name: str, info: DeviceInfo | None = None) -> tuple[planner.KernelConfig, str]:
+    """(config, name) a study must beat, timed first: the planner's default; for a short-length study, the config
+    calls of those lengths run without its entry — the "all" entry, tuned at longer lengths — so a short entry is
+    written only as at least as fast as that at its own lengths (a tuned config is never slower than its baseline).
+    info: the device's DeviceInfo, if already read.
+    """
+    dtype = DTYPES_BY_NAME[spec.dtype]
+    if spec.seqlen_bucket == "short":
+        config, source = selection.resolve(spec.kernel, spec.head_dim, dtype, spec.causal, device_name,
+                                           window=spec.window is not None, varlen=spec.varlen)  # fmt: skip
+        if source != "planner-default":
+            return config, "seqlen_bucket all"
+    info = info or selection.device_info(device_name)
+    default = planner.default_config(spec.head_dim, dtype, causal=spec.causal, kernel=spec.kernel, device=info)
+    return default, "planner-default"
 
 
 def _space(spec: StudySpec, info: DeviceInfo, cpu: bool) -> list[planner.KernelConfig]:
@@ -169,7 +187,8 @@ def _prefetch(spec: StudySpec, device_name: str, info: DeviceInfo, pool: bench.C
     dtype = DTYPES_BY_NAME[spec.dtype]
     space = _space(spec, info, cpu=False)
     first = tuner.first_configs(device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype,
-                                causal=spec.causal, trials=spec.trials, space=space)  # fmt: skip
+                                causal=spec.causal, trials=spec.trials, space=space,
+                                default=baseline(spec, device_name, info)[0])  # fmt: skip
     pool.start(spec.kernel, spec.head_dim, dtype, spec.mask, first, seqlens=spec.seqlens, device=device_name,
                varlen=spec.varlen)  # fmt: skip
 

@@ -140,3 +140,29 @@ def test_large_scores_stay_finite(device):
     ref_o, ref_lse = _reference(q, k, v, False, scale=1.0)
     assert_close(o, ref_o, torch.float32)
     torch.testing.assert_close(lse.double().cpu(), ref_lse.cpu(), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("batch_heads", [1, 7, 65535, 65536, 200_000, 65535**2])
+def test_forward_grid_covers_every_head_within_cuda_limits(batch_heads):
+    tiles, b1, b2 = launcher.fwd_grid(3, batch_heads)
+    assert tiles == 3 and 1 <= b1 <= launcher.GRID_AXIS_MAX and 1 <= b2 <= launcher.GRID_AXIS_MAX
+    assert batch_heads <= b1 * b2 < batch_heads + b2  # every head has a program; fewer than b2 idle ones
+
+
+def test_forward_grid_refuses_more_heads_than_one_launch_covers():
+    with pytest.raises(ValueError, match="batch·heads"):
+        launcher.fwd_grid(1, launcher.GRID_AXIS_MAX**2 + 1)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_with_batch_heads_split_over_two_grid_axes(causal, device, monkeypatch):
+    # CUDA's cap (65535) made small: 3 batches x 5 heads = 15 go to grid axes (4, 4), one program per tile idle.
+    monkeypatch.setattr(launcher, "GRID_AXIS_MAX", 4)
+    assert launcher.fwd_grid(2, 15) == (2, 4, 4)
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(3, 5, 70, 32, device=device) for _ in range(3))
+    out = torch.full_like(q, float("nan"))
+    o, lse = launcher.forward(q, k, v, causal=causal, scale=32**-0.5, out=out, config=KernelConfig(32, 16))
+    ref_o, ref_lse = _reference(q, k, v, causal)
+    assert_close(o, ref_o, torch.float32)
+    assert_close(lse, ref_lse, torch.float32, what="lse")

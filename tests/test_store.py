@@ -283,3 +283,35 @@ def test_a_short_entry_key_round_trips_and_a_bad_bucket_is_refused(config_dir):
     assert sorted(e.key.seqlen_bucket for e in store.read_file(path)[1]) == ["all", "short"]
     with pytest.raises(ValueError, match="seqlen_bucket must be one of"):
         store.EntryKey(head_dim=64, dtype="bf16", causal=False, kernel="fwd", seqlen_bucket="medium")
+
+
+def test_a_short_study_must_beat_what_short_calls_run_without_it(config_dir, device):
+    from fa2tune import planner, tunejob
+
+    slug = selection.device_info(device).slug
+    long_cfg = KernelConfig(32, 16, 4, 1)
+    spec = lambda bucket, kernel="fwd": tunejob.StudySpec(kernel=kernel, head_dim=64, dtype="fp32", causal=False,
+                                                           seqlen_bucket=bucket)  # fmt: skip
+    default = lambda kernel="fwd": planner.default_config(64, torch.float32, causal=False, kernel=kernel,
+                                                          device=selection.device_info(device))  # fmt: skip
+    assert tunejob.baseline(spec("short"), device) == (default(), "planner-default")  # nothing stored yet
+    store.write_entries(config_dir / "env" / f"{slug}.yaml", DEVICE, [_entry(cfg=long_cfg)])
+    runtime.clear_cache()
+    assert tunejob.baseline(spec("short"), device) == (long_cfg, "seqlen_bucket all")  # the "all" entry
+    assert tunejob.baseline(spec("all"), device) == (default(), "planner-default")
+    assert tunejob.baseline(spec("short", "bwd_dq"), device) == (default("bwd_dq"), "planner-default")
+
+
+
+def test_every_shipped_entry_runs_the_current_kernel_code():
+    # A template change without a re-tune would turn shipped entries stale: every user falls back to the default.
+    paths = sorted(store.shipped_config_dir().glob("*.yaml"))
+    assert paths, "tuned_configs/ ships no YAML"
+    for path in paths:
+        _, entries = store.read_file(path)
+        stale = [
+            e.key for e in entries
+            if e.template_hash != codegen.code_hash(e.key.kernel, causal=e.key.causal, window=e.key.window,
+                                                    varlen=e.key.varlen, pipeline_qk=bool(e.config.pipeline_qk))
+        ]  # fmt: skip
+        assert not stale, f"{path.name}: stale entries {stale}; re-run scripts/gpu-tune-h200.sh"
