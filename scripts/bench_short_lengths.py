@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""Short sequences (issue 6): fwd+bwd with and without the short-length entries, and where a call's time goes.
+
+At N <= 1k a fwd+bwd call's kernels take a few hundred µs, the same order as the host's part of the call, so
+single readings swing. This times fa2tune's fwd+bwd with the "short" entries and with them switched off
+(store.buckets_for patched to "all" only), alternating, several rounds; then, with --profile, compares do_bench's
+time with the sum of the kernels' times from torch.profiler: the difference is time the GPU waited for the host.
+Shapes as in bench_vs_sdpa.py: batch·N = 16k tokens, heads·d = 2048, bf16 (docs/PERF.md v6).
+
+    python scripts/bench_short_lengths.py --rounds 3 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+
+def _case(head_dim: int, seqlen: int, causal: bool, tokens: int, width: int):
+    import fa2tune
+    from fa2tune.bench import attention_flops
+
+    batch, heads = max(1, tokens // seqlen), width // head_dim
+    q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    do = torch.randn_like(q)
+    flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal=causal, mode="fwd+bwd")
+    return (lambda: torch.autograd.grad(fa2tune.attention(q, k, v, causal=causal), (q, k, v), do)), flops
+
+
+def _use_short_entries(on: bool, real) -> None:
+    from fa2tune import selection, store
+
+    store.buckets_for = real if on else (lambda seqlen: ("all",))
+    selection.clear_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dims", default="128,64")
+    parser.add_argument("--seqlens", default="256,512,1024")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--profile", action="store_true", help="also split d × N=512 causal into kernel and idle time")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_short_lengths.py needs a CUDA GPU; none is visible", file=sys.stderr)
+        return 2
+    import triton
+
+    from fa2tune import store
+
+    real = store.buckets_for
+    head_dims, seqlens = [int(d) for d in args.head_dims.split(",")], [int(n) for n in args.seqlens.split(",")]
+    print("fwd+bwd TFLOP/s, one reading per round: with the short entries | 'all' entries only")
+    for head_dim in head_dims:
+        for causal in (True, False):
+            for seqlen in seqlens:
+                fn, flops = _case(head_dim, seqlen, causal, args.tokens, args.width)
+                readings = {True: [], False: []}
+                for _ in range(args.rounds):
+                    for on in (True, False):
+                        _use_short_entries(on, real)
+                        fn()
+                        readings[on].append(flops / triton.testing.do_bench(fn, warmup=50, rep=200) / 1e9)
+                fmt = lambda xs: " ".join(f"{x:5.0f}" for x in xs)
+                print(
+                    f"d={head_dim:<3} N={seqlen:<5} causal={causal!s:<5} {fmt(readings[True])} | "
+                    f"{fmt(readings[False])}",
+                    flush=True,
+                )
+    _use_short_entries(True, real)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for head_dim in head_dims:
+            fn, _ = _case(head_dim, 512, True, args.tokens, args.width)
+            fn()
+            ms = triton.testing.do_bench(fn, warmup=50, rep=200)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    fn()
+                torch.cuda.synchronize()
+            kernels = {e.key: e.device_time_total / 20 / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+            busy = sum(kernels.values())
+            print(
+                f"\nd={head_dim} N=512 causal fwd+bwd: do_bench {ms:.3f} ms, kernels {busy:.3f} ms, GPU idle "
+                f"{ms - busy:.3f} ms per call"
+            )
+            for name, t in sorted(kernels.items(), key=lambda kv: -kv[1]):
+                print(f"  {t:.3f} ms  {name[:80]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
