@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import codegen, planner, selection
+from . import codegen, fastlaunch, planner, selection
 from .inputs import (
     check_flag,
     check_offsets,
@@ -148,10 +148,10 @@ def forward(
     cu_q, cu_k, (left, right, prefix) = _mask_args(mask, seqlen_q, seqlen_k, packing)
     grid = fwd_grid(_cdiv(seqlen_q, config.block_m), batch * heads_q)
     with _on_device(q):
-        kernel[grid](
-            q, k, v, o, lse, cu_q, cu_k,
-            *strides(q), *strides(k), *strides(v), *strides(o), *_lse_strides(lse, packing),
-            batch, heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale * LOG2E, left, right, prefix,
+        fastlaunch.launch(
+            kernel, grid, (q, k, v, o, lse, cu_q, cu_k),
+            (*strides(q), *strides(k), *strides(v), *strides(o), *_lse_strides(lse, packing),
+             batch, heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale * LOG2E, left, right, prefix),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim),
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, INPUT_PRECISION=_input_precision(q.dtype),
             num_warps=config.num_warps, num_stages=config.num_stages,
@@ -212,8 +212,9 @@ def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config
     # δ per row needs no sequence boundaries: packed rows are preprocessed as one batch of one long sequence.
     pre_rows, pre_batch = (q.shape[0], 1) if varlen else (seqlen_q, batch)
     pre = _kernel("bwd", "_attn_bwd_preprocess", mask, seqlen_q, seqlen_k, dq_config, varlen)
-    pre[(_cdiv(pre_rows, dq_config.block_m) * pre_batch * heads_q,)](
-        o, do, delta, *strides(o), *strides(do), heads_q, pre_rows, **common, BLOCK_M=dq_config.block_m,
+    fastlaunch.launch(
+        pre, (_cdiv(pre_rows, dq_config.block_m) * pre_batch * heads_q,),
+        (o, do, delta), (*strides(o), *strides(do), heads_q, pre_rows), **common, BLOCK_M=dq_config.block_m,
     )  # fmt: skip
     if dlse is not None:
         delta.sub_(dlse)  # same layout as lse, hence as δ
@@ -222,14 +223,16 @@ def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config
     sizes = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds)
 
     dkdv = _kernel("bwd", "_attn_bwd_dkdv", mask, seqlen_q, seqlen_k, dkdv_config, varlen)
-    dkdv[(_cdiv(seqlen_k, dkdv_config.block_n) * batch * heads_kv,)](
-        q, k, v, do, lse, delta, dk, dv, cu_q, cu_k, *inputs, *strides(dk), *strides(dv), *sizes,
+    fastlaunch.launch(
+        dkdv, (_cdiv(seqlen_k, dkdv_config.block_n) * batch * heads_kv,),
+        (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k), (*inputs, *strides(dk), *strides(dv), *sizes),
         **common, BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, INPUT_PRECISION=precision,
         num_warps=dkdv_config.num_warps, num_stages=dkdv_config.num_stages,
     )  # fmt: skip
     dq_kernel = _kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, dq_config, varlen)
-    dq_kernel[(_cdiv(seqlen_q, dq_config.block_m) * batch * heads_q,)](
-        q, k, v, do, lse, delta, dq, cu_q, cu_k, *inputs, *strides(dq), *sizes,
+    fastlaunch.launch(
+        dq_kernel, (_cdiv(seqlen_q, dq_config.block_m) * batch * heads_q,),
+        (q, k, v, do, lse, delta, dq, cu_q, cu_k), (*inputs, *strides(dq), *sizes),
         **common, BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, INPUT_PRECISION=precision,
         num_warps=dq_config.num_warps, num_stages=dq_config.num_stages,
     )  # fmt: skip

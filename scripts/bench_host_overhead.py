@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""Host (CPU) time fa2tune spends per call outside the kernels: the Python path of attention() and its backward.
+"""Host (CPU) time fa2tune spends per call: the Python path of attention() and its backward, and the launches.
 
-The kernel launches are replaced by no-ops, so the figure is fa2tune's own overhead (argument checks, config
-lookup, autograd), not Triton's launcher or the GPU. For a short sequence this decides the speed: a forward at
-N=128 runs ~40-100 µs on an H200, and a GPU that finishes before the host has launched the next kernel waits.
+Without --gpu the kernel launches are replaced by no-ops, so the figure is fa2tune's own overhead (argument checks,
+config lookup, autograd), not Triton's launcher or the GPU; no GPU needed. With --gpu the kernels are launched for
+real on a shape so small (1×2×64×128) that the GPU is never the limit, through Triton's launch path and through
+fa2tune.fastlaunch's direct one (FA2TUNE_DIRECT_LAUNCH), in alternating rounds, beside SDPA's flash backend. For a
+short sequence this decides the speed: a GPU that finishes before the host has launched the next kernel waits
+(docs/PERF.md v6, "host time").
 
-    python scripts/bench_host_overhead.py            # the eager path attention() takes
+    python scripts/bench_host_overhead.py            # the eager path attention() takes, launches as no-ops
     python scripts/bench_host_overhead.py --op       # the custom op torch.compile sees, called directly
+    python scripts/bench_host_overhead.py --gpu      # real launches: Triton's path vs direct, and SDPA
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import os
 import sys
 import time
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU needed: nothing is launched
+if "--gpu" not in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU needed: nothing is launched
 
 import torch
 
@@ -33,16 +38,64 @@ class _NoLaunch:
 def _time_us(fn, repeats: int = 2000) -> float:
     for _ in range(50):
         fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
         fn()
-    return (time.perf_counter() - start) / repeats * 1e6
+    elapsed = time.perf_counter() - start  # host time only: no synchronisation inside the timed loop
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return elapsed / repeats * 1e6
+
+
+def _cases(attend, q, k, v, do):
+    detached = [t.detach() for t in (q, k, v)]
+    return {
+        "forward, no grad": lambda: attend(*detached),
+        "forward, grad": lambda: attend(q, k, v),
+        "forward + backward": lambda: torch.autograd.grad(attend(q, k, v), (q, k, v), do),
+    }
+
+
+def _gpu(rounds: int) -> int:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fa2tune import fastlaunch
+
+    if not torch.cuda.is_available():
+        print("--gpu needs a CUDA GPU; none is visible", file=sys.stderr)
+        return 2
+    q, k, v = (torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    ours = _cases(lambda *t: fa2tune.attention(*t, causal=True), q, k, v, do)
+    sdpa = _cases(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), q, k, v, do)
+    readings: dict[str, dict[str, list[float]]] = {}
+    for _ in range(rounds):
+        for label, direct in (("Triton's launch path", False), ("direct launches", True)):
+            fastlaunch._enabled = direct
+            for name, fn in ours.items():
+                readings.setdefault(label, {}).setdefault(name, []).append(_time_us(fn))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            for name, fn in sdpa.items():
+                readings.setdefault("SDPA flash", {}).setdefault(name, []).append(_time_us(fn))
+    print(f"# host µs per call, {torch.cuda.get_device_name()}, 1x2x64x128 bf16 causal, median of {rounds} rounds "
+          f"(direct launches taken: {fastlaunch.direct_launches})")  # fmt: skip
+    print(f"{'':>22}" + "".join(f"{name:>20}" for name in ours))
+    for label, rows in readings.items():
+        print(f"{label:>22}" + "".join(f"{sorted(xs)[len(xs) // 2]:20.0f}" for xs in rows.values()))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", action="store_true", help="call the custom op (the torch.compile path) instead")
+    parser.add_argument("--gpu", action="store_true", help="launch for real on a CUDA GPU (see above)")
+    parser.add_argument("--rounds", type=int, default=5, help="--gpu: alternating rounds")
     args = parser.parse_args(argv)
+    if args.gpu:
+        return _gpu(args.rounds)
     launcher._kernel = lambda *a, **k: _NoLaunch()
     q, k, v = (torch.randn(1, 2, 64, 128, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
@@ -50,14 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         attend = lambda *t: launcher._apply_op(*t, Mask(causal=True), 0.1, None)[0]
     else:
         attend = lambda *t: fa2tune.attention(*t, causal=True)
-    detached = [t.detach() for t in (q, k, v)]
-    rows = {
-        "forward, no grad": lambda: attend(*detached),
-        "forward, grad": lambda: attend(q, k, v),
-        "forward + backward": lambda: torch.autograd.grad(attend(q, k, v), (q, k, v), do),
-    }
     print(f"# host µs per call, {'custom op' if args.op else 'attention()'}, kernels not launched")
-    for name, fn in rows.items():
+    for name, fn in _cases(attend, q, k, v, do).items():
         print(f"{name:>20} {_time_us(fn):8.0f}")
     return 0
 

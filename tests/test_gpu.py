@@ -51,3 +51,40 @@ def test_inspect_reads_the_card():
     assert info.smem_per_block >= 48 * 1024 and info.source == "card" and info.triton_version
     cfg = planner.default_config(128, torch.bfloat16, device=info)
     assert planner.check(cfg, info, 128, torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_direct_launches_give_what_triton_s_launch_path_gives(causal, monkeypatch):
+    # fa2tune.fastlaunch reuses a compiled kernel for later calls of the same argument class. Calls that alternate
+    # classes — 16-byte aligned and not, a stride that is and is not a multiple of 16, another length — must each
+    # get the binary compiled for them: results equal to the JIT path's, bit for bit, and right against float64.
+    from fa2tune import fastlaunch
+
+    torch.manual_seed(3)
+    base = torch.randn(2 * 4 * 300 * 64 + 8, dtype=torch.bfloat16, device="cuda")
+    aligned = base[: 2 * 4 * 300 * 64].view(2, 4, 300, 64)
+    shifted = base[1 : 1 + 2 * 4 * 300 * 64].view(2, 4, 300, 64)  # 2 bytes off a 16-byte boundary
+    wide = torch.randn(2, 4, 300, 72, dtype=torch.bfloat16, device="cuda")[..., :64]  # row stride 72: not % 16
+    cases = [(aligned, aligned, aligned), (shifted, aligned, shifted), (wide, wide, aligned), (aligned[:, :, :77],) * 3]
+
+    def run_all():
+        outs = []
+        for q, k, v in cases * 2:  # every class twice: the second call of each is a direct launch
+            q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+            o = fa2tune.attention(q, k, v, causal=causal)
+            outs.append((o, *torch.autograd.grad(o, (q, k, v), torch.ones_like(o))))
+        return outs
+
+    fastlaunch.clear()
+    monkeypatch.setattr(fastlaunch, "_enabled", True)  # opt-in (FA2TUNE_DIRECT_LAUNCH=1)
+    start = fastlaunch.direct_launches
+    direct = run_all()
+    assert fastlaunch.direct_launches - start >= 4 * len(cases), "the direct path was not taken"
+    monkeypatch.setattr(fastlaunch, "_enabled", False)
+    jit = run_all()
+    for got, want in zip(direct, jit, strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    for (q, k, v), (o, *_) in zip(cases, direct, strict=False):
+        ref, _ = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+        assert_close(o, ref, torch.bfloat16)

@@ -302,7 +302,6 @@ def test_a_short_study_must_beat_what_short_calls_run_without_it(config_dir, dev
     assert tunejob.baseline(spec("short", "bwd_dq"), device) == (default("bwd_dq"), "planner-default")
 
 
-
 def test_every_shipped_entry_runs_the_current_kernel_code():
     # A template change without a re-tune would turn shipped entries stale: every user falls back to the default.
     paths = sorted(store.shipped_config_dir().glob("*.yaml"))

@@ -1,0 +1,100 @@
+"""Kernel launches without Triton's per-call argument binding — opt-in (FA2TUNE_DIRECT_LAUNCH=1), not yet measured.
+
+`kernel[grid](*args, **constexprs)` goes through JITFunction.run on every call: it binds the ~40 arguments, works
+out their specialization (pointer alignment, ints equal to 1 or divisible by 16), renders the options into a cache
+key and only then calls the compiled binary's launcher. Measured on the H200 host: 55-65 µs per launch inside
+fa2tune's calls, against ~20 µs when the compiled kernel is called directly; a fwd+bwd call launches four kernels,
+and at N <= 1k the GPU then waits for the host (docs/PERF.md v6, "host time").
+
+launch() lets Triton's JIT handle the first call of each argument key (it compiles, or loads from its cache) and
+keeps the CompiledKernel it returns; later calls with the same key call that kernel's launcher directly. The key
+(_key) is finer than Triton's specialization — every tensor by dtype and address modulo 16, every scalar by value
+— so a binary is reused only for arguments the JIT would have compiled the same way. The interpreter and launch
+hooks (a profiler such as proton adds them) take the JIT path.
+
+Why opt-in: the one GPU session that had this module measured a first version whose per-argument key cost ~20 µs
+per launch on the H200 host and whose hook test always chose the JIT path (Triton 3.6's hooks are never None:
+empty HookChains); both were fixed after the device time was spent (the key now costs ~3 µs on the development
+machine). tests/test_gpu.py checks the direct path's results against the JIT's bit for bit; its speed is not
+measured yet (docs/PERF.md v6).
+
+This reads three attributes of Triton's CompiledKernel (run, function, packed_metadata) that are not public API;
+if a Triton version changes them, the first direct launch fails with a TypeError or AttributeError, launch() warns
+once and uses the JIT path from then on.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+
+# (id(kernel), device, argument key) -> (kernel, compiled, names of the parameters passed by keyword, in signature
+# order). The kernel is kept in the value so that its id cannot be reused by another object. None as compiled:
+# this key always takes the JIT path (the JIT returned no compiled kernel).
+_compiled: dict[tuple, tuple[Any, Any, tuple[str, ...]] | None] = {}
+_MAX_KEPT = 4096  # distinct scalar values each add a key (say, every sequence length served): bound the dict
+_enabled = os.environ.get("FA2TUNE_DIRECT_LAUNCH", "0") not in ("", "0")
+direct_launches = 0  # how many launches took the direct path (tests check that it was taken)
+
+
+def _key(tensors: tuple, scalars: tuple) -> tuple:
+    """What a kept binary is looked up by: each tensor's dtype and address modulo 16 (Triton specializes on 16-byte
+    alignment), and the scalars' values themselves — finer than Triton's classes (== 1, % 16, int32 range), so a
+    binary is reused only where the JIT would pick the same one, and cheap: one C-level tuple for ~30 ints."""
+    return tuple([None if t is None else (t.dtype, t.data_ptr() & 15) for t in tensors]), scalars
+
+
+def _hooks_installed() -> bool:
+    """True when a launch hook is registered. Triton 3.6's hooks are HookChains, empty rather than None when unused;
+    older versions use None or a callable."""
+    from triton import knobs
+
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(bool(getattr(hook, "calls", hook is not None)) for hook in hooks)
+
+
+def launch(kernel: Any, grid: tuple[int, ...], tensors: tuple, scalars: tuple, **kwargs: Any) -> None:
+    """Launches `kernel[grid](*tensors, *scalars, **kwargs)` on the current CUDA device and stream, directly when
+    it can.
+
+    tensors: the kernel's leading tensor (or None) parameters; scalars: the int/float parameters after them;
+    kwargs: its constexpr parameters plus Triton's launch options (num_warps, num_stages).
+    """
+    global _enabled, direct_launches
+    if not _enabled or not tensors[0].is_cuda:  # off, or the interpreter
+        kernel[grid](*tensors, *scalars, **kwargs)
+        return
+    device = torch.cuda.current_device()
+    key = (id(kernel), device, _key(tensors, scalars), tuple(kwargs.items()))
+    hit = _compiled.get(key, False)
+    if hit is False:  # first call with this key: the JIT compiles or loads the binary, and launches it
+        compiled = kernel[grid](*tensors, *scalars, **kwargs)
+        usable = compiled is not None and hasattr(compiled, "packed_metadata")
+        names = tuple(getattr(kernel, "arg_names", ())[len(tensors) + len(scalars) :])
+        if len(_compiled) >= _MAX_KEPT:
+            _compiled.clear()
+        _compiled[key] = (kernel, compiled, names) if usable and all(n in kwargs for n in names) else None
+        return
+    if hit is None or _hooks_installed():
+        kernel[grid](*tensors, *scalars, **kwargs)
+        return
+    _, compiled, names = hit
+    x, y, z = (*grid, 1, 1)[:3]
+    try:
+        compiled.run(x, y, z, torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
+                     None, None, None, *tensors, *scalars, *(kwargs[n] for n in names))  # fmt: skip
+        direct_launches += 1
+    except (TypeError, AttributeError) as exc:  # Triton's launcher changed: never try again in this process
+        _enabled = False
+        _compiled.clear()
+        warnings.warn(f"fa2tune: launching compiled kernels directly failed ({exc}); using Triton's launch path",
+                      RuntimeWarning, stacklevel=2)  # fmt: skip
+        kernel[grid](*tensors, *scalars, **kwargs)
+
+
+def clear() -> None:
+    """Forgets every kept kernel (tests; after Triton's cache was cleared)."""
+    _compiled.clear()
