@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # How tuned_configs/nvidia-h200.yaml is produced: `fa2tune tune --kernel all --causal both` for each shipped
 # head_dim/dtype, two tunes side by side on a 2-GPU host (each with half the cores for compiling); the store merges
-# their writes under a file lock. On one GPU, run the lists one after another.
-#   bash scripts/gpu-tune-h200.sh TRIALS LOGDIR "GPU0 LIST" "GPU1 LIST"     a list item: HEAD_DIM/DTYPE[/KERNEL]
-#   e.g. bash scripts/gpu-tune-h200.sh 16 /tmp "128/bf16 128/fp16" "64/bf16 64/fp16"
+# their writes under a file lock. On one GPU, run the lists one after another. An item ending in /short tunes the
+# N <= 1k entries (--seqlen-bucket short; run it after the item's "all" tune, whose config it starts from).
+#   bash scripts/gpu-tune-h200.sh TRIALS LOGDIR "GPU0 LIST" "GPU1 LIST"   a list item: HEAD_DIM/DTYPE[/KERNEL[/short]]
+#   e.g. bash scripts/gpu-tune-h200.sh 16 /tmp "128/bf16 128/fp16 128/bf16/all/short" "64/bf16 64/fp16 64/bf16/all/short"
+# (session 5 re-tuned only the forward, 24 trials, then the short entries: docs/bench/logs/ship-tune-d*-session5.log)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 trials=$1 logs=$2
@@ -11,9 +13,9 @@ jobs=$(( $(nproc) / 2 ))
 tune() {  # device, then items to tune one after another
   local device=$1; shift
   for item in "$@"; do
-    IFS=/ read -r head_dim dtype kernel <<<"$item"
+    IFS=/ read -r head_dim dtype kernel bucket <<<"$item"
     ${FA2TUNE:-fa2tune} tune --device "$device" --head-dim "$head_dim" --dtype "$dtype" --kernel "${kernel:-all}" \
-      --causal both --trials "$trials" --jobs "$jobs" --config-dir tuned_configs
+      --causal both --trials "$trials" --jobs "$jobs" --config-dir tuned_configs --seqlen-bucket "${bucket:-all}"
   done
 }
 # shellcheck disable=SC2086  # the lists are meant to split into items
