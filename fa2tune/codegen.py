@@ -82,6 +82,14 @@ def code_hash(
     return digest.hexdigest()[:16]
 
 
+def entry_code_hash(key, config) -> str:
+    """code_hash of the code a stored entry runs: its key (store.EntryKey: kernel, causal, window, varlen) and the
+    switches of its config that select other code. The one rule the store's writer, its reader and the shipped-file
+    test share."""
+    return code_hash(key.kernel, causal=key.causal, window=key.window, varlen=key.varlen,
+                     pipeline_qk=bool(config.pipeline_qk))  # fmt: skip
+
+
 _PROVENANCE = ("# template_hash:", "# variant:")  # header lines that name, not make, the code
 
 

@@ -58,16 +58,11 @@ def resolve(
     if hit is not None:
         return hit
 
-    def code(config: KernelConfig) -> str:
-        return codegen.code_hash(
-            kernel, causal=causal, window=window, varlen=varlen, pipeline_qk=bool(config.pipeline_qk)
-        )
-
     result = None
     for bucket in buckets:
         key = store.EntryKey(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=causal, kernel=kernel,
                              seqlen_bucket=bucket, window=window, varlen=varlen)  # fmt: skip
-        found = store.lookup(info.slug, key, template_hash=code)
+        found = store.lookup(info.slug, key, template_hash=lambda config, key=key: codegen.entry_code_hash(key, config))
         if found is None:
             continue
         entry, path = found

@@ -152,8 +152,7 @@ def run_study(
                   "ms": result.default_ms, "tflops": tflops(result.default_ms)},
         trials=result.measured, spread=measure.spread(result.best) if finalize else None,
         triton_version=_triton_version(), torch_version=str(torch.__version__),
-        template_hash=codegen.code_hash(spec.kernel, causal=spec.causal, window=key.window, varlen=key.varlen,
-                                        pipeline_qk=bool(result.best.pipeline_qk)),
+        template_hash=codegen.entry_code_hash(key, result.best),
         date=datetime.date.today().isoformat(),
     )  # fmt: skip
     return result, entry

@@ -308,9 +308,5 @@ def test_every_shipped_entry_runs_the_current_kernel_code():
     assert paths, "tuned_configs/ ships no YAML"
     for path in paths:
         _, entries = store.read_file(path)
-        stale = [
-            e.key for e in entries
-            if e.template_hash != codegen.code_hash(e.key.kernel, causal=e.key.causal, window=e.key.window,
-                                                    varlen=e.key.varlen, pipeline_qk=bool(e.config.pipeline_qk))
-        ]  # fmt: skip
+        stale = [e.key for e in entries if e.template_hash != codegen.entry_code_hash(e.key, e.config)]
         assert not stale, f"{path.name}: stale entries {stale}; re-run scripts/gpu-tune-h200.sh"
