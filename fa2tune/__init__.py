@@ -1,11 +1,30 @@
-"""fa2tune: exact FlashAttention-2 in Triton, with block sizes tuned per GPU and head dimension."""
+"""fa2tune: exact FlashAttention-2 in Triton, with block sizes tuned per GPU and head dimension.
+
+The public names are imported on first use (PEP 562), not with the package: `import fa2tune` costs nothing, so the
+`fa2tune tune` command can start its helper processes before this process spends seconds importing torch
+(fa2tune.processes). `from fa2tune import attention` and `fa2tune.attention` work as usual.
+"""
 
 from __future__ import annotations
 
-from .launcher import FlashAttnFunction, attention, attention_varlen
-from .runtime import AttentionKernel, get_kernel
-from .types import KernelConfig, Mask, Variant
+import importlib
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:  # what static tools see; at run time __getattr__ below imports on first use
+    from .launcher import FlashAttnFunction, attention, attention_varlen
+    from .runtime import AttentionKernel, get_kernel
+    from .types import KernelConfig, Mask, Variant
+
+_HOMES = {
+    "FlashAttnFunction": "launcher",
+    "attention": "launcher",
+    "attention_varlen": "launcher",
+    "AttentionKernel": "runtime",
+    "get_kernel": "runtime",
+    "KernelConfig": "types",
+    "Mask": "types",
+    "Variant": "types",
+}
 __all__ = [
     "AttentionKernel",
     "FlashAttnFunction",
@@ -16,4 +35,18 @@ __all__ = [
     "attention_varlen",
     "get_kernel",
 ]
+assert sorted(_HOMES) == __all__
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'fa2tune' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value  # the next lookup is a plain module attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

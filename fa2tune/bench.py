@@ -238,33 +238,40 @@ def _compile_one(job) -> str | None:
         return failure_reason(exc)
 
 
-def _start_compiler(device: str | None) -> None:
-    """A compile process's start: lower priority, then the imports and the CUDA context its first compile needs."""
+def _start_compiler(environment: dict[str, str]) -> None:
+    """A compile process's start: the caller's environment, and a lower priority.
+
+    It does not create its CUDA context here: a pool's processes all doing so at once made the tuning process's
+    own context wait behind theirs (4.3 s instead of 0.5 s on the H200 host, docs/TUNING.md session 6). Each
+    creates it with its first compile, after the tuning process has its own.
+    """
+    from . import processes
+
+    processes.adopt(environment)
     try:
         # Compiles run while the tuning process times kernels: a timing process waiting for a core would launch
         # late and read slow.
         os.nice(10)
     except OSError:  # not allowed here: compile at normal priority
         pass
-    from . import launcher  # noqa: F401  (torch, triton and the templates' renderer)
-
-    if device is not None and str(device).startswith("cuda"):
-        torch.empty(1, device=device)
 
 
 class CompilePool:
     """Spawned processes that compile kernel configs (CPU work, most of a tune's time) into Triton's disk cache, so
-    the timing process then only loads binaries. Start it once and hand it every batch: each process pays the
-    torch/CUDA start-up once, and pays it at once (given `device`), while the caller is still starting up too.
-    Use as a context manager, or call close().
+    the timing process then only loads binaries. Start it once and hand it every batch: each process pays its
+    start-up once. Use as a context manager, or call close().
+
+    context: where the processes come from (fa2tune.processes): by default forked from the fork server, which
+    imported torch and fa2tune once for all of them; a process that has not initialized CUDA may pass
+    processes.fork_context() to fork them from itself.
     """
 
-    def __init__(self, workers: int = 16, device: str | None = None):
-        import multiprocessing as mp
+    def __init__(self, workers: int = 16, context=None):
+        from . import processes
 
         self.workers = workers
-        # spawn: CUDA cannot be used in forked children.
-        self._pool = mp.get_context("spawn").Pool(workers, initializer=_start_compiler, initargs=(device,))
+        context = context or processes.context()
+        self._pool = context.Pool(workers, initializer=_start_compiler, initargs=(dict(os.environ),))
 
     def compile(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", varlen=False) -> dict:
         """Compiles every config; returns {config: failure reason} for those that failed.
@@ -307,7 +314,7 @@ class CompilePool:
 
 def precompile(kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", workers=16, varlen=False) -> dict:
     """CompilePool.compile in a pool of its own. Returns {config: failure reason}."""
-    with CompilePool(workers, device) as pool:
+    with CompilePool(workers) as pool:
         return pool.compile(kernel, head_dim, dtype, causal, configs, seqlens=seqlens, device=device, varlen=varlen)
 
 

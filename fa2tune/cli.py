@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from .inputs import DTYPES_BY_NAME
+from .types import DTYPE_CHOICES  # torch-free: `fa2tune tune` starts its helper processes before importing torch
 
 
 def _resolve_device(name: str) -> str:
@@ -43,6 +43,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     device = _resolve_device(args.device)
 
     from . import selfcheck
+    from .inputs import DTYPES_BY_NAME
     from .types import Mask
 
     dtypes = [DTYPES_BY_NAME[d] for d in args.dtype.split(",")]
@@ -98,6 +99,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
 
     from . import planner
+    from .inputs import DTYPES_BY_NAME
 
     info = _device_info(args)
     dtype = DTYPES_BY_NAME[args.dtype]
@@ -185,6 +187,12 @@ def _worker_progress(specs, devices):
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
+    if all(d.strip().startswith("cuda") for d in args.device.split(",")) or args.device == "all":
+        # Before this process imports torch: the fork server that starts the workers and compile processes imports
+        # torch, triton and fa2tune meanwhile (fa2tune.processes), not after.
+        from . import processes
+
+        processes.start_early()
     devices = [d.strip() for d in args.device.split(",")] if args.device != "all" else _all_cuda_devices()
     devices = [_resolve_device(d) for d in devices]
     from . import bench, planner, runtime, store, tunejob
@@ -202,7 +210,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     rows, path = [], None
     # One pool of compile processes for every study of a single-GPU tune (multi-GPU workers start their own).
     jobs = args.jobs or os.cpu_count() or 1
-    pool = bench.CompilePool(jobs, devices[0]) if devices[0] != "cpu" and len(devices) == 1 else None
+    pool = bench.CompilePool(jobs) if devices[0] != "cpu" and len(devices) == 1 else None
     try:
         specs = [
             tunejob.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
@@ -320,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="run the kernels against a float64 reference on random odd shapes")
     check.add_argument("--device", default="cuda:0", help="cuda[:N], or cpu for Triton's interpreter")
-    check.add_argument("--dtype", default="bf16,fp16", help=f"comma-separated, from {sorted(DTYPES_BY_NAME)}")
+    check.add_argument("--dtype", default="bf16,fp16", help=f"comma-separated, from {sorted(DTYPE_CHOICES)}")
     check.set_defaults(func=_cmd_check)
 
     inspect = sub.add_parser("inspect", help="what the GPU offers: SMs, shared memory, registers, L2")
@@ -334,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     where = plan.add_mutually_exclusive_group()
     where.add_argument("--device", default="cuda:0")
     where.add_argument("--gpu", default=None, help="plan without the card: one of " + ", ".join(_known_gpus()))
-    plan.add_argument("--dtype", default="bf16", choices=sorted(DTYPES_BY_NAME))
+    plan.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_CHOICES))
     plan.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "bwd_dkdv", "bwd_dq"])
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_cmd_plan)
@@ -347,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
         "cpu exercises the pipeline (no speed)",
     )
     tune.add_argument("--head-dim", type=_head_dim, required=True)
-    tune.add_argument("--dtype", default="bf16", choices=sorted(DTYPES_BY_NAME))
+    tune.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_CHOICES))
     tune.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     tune.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "all"])
     tune.add_argument(
@@ -393,7 +401,7 @@ def _known_gpus() -> list[str]:
 
 
 def _head_dim(text: str) -> int:
-    from .planner import MAX_HEAD_DIM
+    from .types import MAX_HEAD_DIM
 
     try:
         value = int(text)
@@ -420,9 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = _join_negative_values(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
     if args.command == "check":
-        bad = [d for d in args.dtype.split(",") if d not in DTYPES_BY_NAME]
+        bad = [d for d in args.dtype.split(",") if d not in DTYPE_CHOICES]
         if bad:
-            print(f"fa2tune: --dtype must be from {sorted(DTYPES_BY_NAME)}, got {bad}", file=sys.stderr)
+            print(f"fa2tune: --dtype must be from {sorted(DTYPE_CHOICES)}, got {bad}", file=sys.stderr)
             return 2
     try:
         return args.func(args)

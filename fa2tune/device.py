@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from .types import DeviceInfo
+
+if TYPE_CHECKING:  # torch is imported where a card is read: the CLI parser lists KNOWN_GPUS before any import
+    import torch
 
 _KIB = 1024
 _MIB = 1024 * 1024
@@ -75,6 +77,8 @@ def inspect(device: str | torch.device = "cuda:0") -> DeviceInfo:
     Raises:
         RuntimeError: no CUDA device is visible, or the index does not exist.
     """
+    import torch
+
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device such as 'cuda:0', got {str(device)!r}")

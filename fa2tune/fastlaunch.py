@@ -1,10 +1,10 @@
-"""Kernel launches without Triton's per-call argument binding — opt-in (FA2TUNE_DIRECT_LAUNCH=1), not yet measured.
+"""Kernel launches without Triton's per-call argument binding — on by default with the Triton versions it was
+checked against on a GPU (TESTED_TRITON); FA2TUNE_DIRECT_LAUNCH=0 turns it off, =1 on with any version.
 
 `kernel[grid](*args, **constexprs)` goes through JITFunction.run on every call: it binds the ~40 arguments, works
 out their specialization (pointer alignment, ints equal to 1 or divisible by 16), renders the options into a cache
-key and only then calls the compiled binary's launcher. Measured on the H200 host: 55-65 µs per launch inside
-fa2tune's calls, against ~20 µs when the compiled kernel is called directly; a fwd+bwd call launches four kernels,
-and at N <= 1k the GPU then waits for the host (docs/PERF.md v6, "host time").
+key and only then calls the compiled binary's launcher. At N <= 1k a fwd+bwd call's kernels take about as long as
+the host takes to launch them, so the GPU waits for the host (docs/PERF.md v6, "host time").
 
 launch() lets Triton's JIT handle the first call of each argument key (it compiles, or loads from its cache) and
 keeps the CompiledKernel it returns; later calls with the same key call that kernel's launcher directly. The key
@@ -12,15 +12,14 @@ keeps the CompiledKernel it returns; later calls with the same key call that ker
 — so a binary is reused only for arguments the JIT would have compiled the same way. The interpreter and launch
 hooks (a profiler such as proton adds them) take the JIT path.
 
-Why opt-in: the one GPU session that had this module measured a first version whose per-argument key cost ~20 µs
-per launch on the H200 host and whose hook test always chose the JIT path (Triton 3.6's hooks are never None:
-empty HookChains); both were fixed after the device time was spent (the key now costs ~3 µs on the development
-machine). tests/test_gpu.py checks the direct path's results against the JIT's bit for bit; its speed is not
-measured yet (docs/PERF.md v6).
+Measured on the H200 (docs/PERF.md v7): a fwd+bwd call's host time 807 → 677 µs; fwd+bwd 1.16-1.41× faster at
+N = 256 and at N = 512 causal, d = 128, where the GPU waited for the host; the same speed (±1 %) from N = 1k on.
+tests/test_gpu.py checks the direct path's results against the JIT's bit for bit.
 
-This reads three attributes of Triton's CompiledKernel (run, function, packed_metadata) that are not public API;
-if a Triton version changes them, the first direct launch fails with a TypeError or AttributeError, launch() warns
-once and uses the JIT path from then on.
+This reads three attributes of Triton's CompiledKernel (run, function, packed_metadata) that are not public API:
+hence on only for the versions checked (a new Triton gets the JIT path until tests/test_gpu.py has run with it
+and TESTED_TRITON names it); if a Triton version changes them, the first direct launch fails with a TypeError
+or AttributeError, launch() warns once and uses the JIT path from then on.
 """
 
 from __future__ import annotations
@@ -36,7 +35,23 @@ import torch
 # this key always takes the JIT path (the JIT returned no compiled kernel).
 _compiled: dict[tuple, tuple[Any, Any, tuple[str, ...]] | None] = {}
 _MAX_KEPT = 4096  # distinct scalar values each add a key (say, every sequence length served): bound the dict
-_enabled = os.environ.get("FA2TUNE_DIRECT_LAUNCH", "0") not in ("", "0")
+TESTED_TRITON = ("3.6.",)  # version prefixes whose launcher tests/test_gpu.py checked the direct path against
+
+
+def _enabled_by_default() -> bool:
+    """FA2TUNE_DIRECT_LAUNCH if set (0 or empty: off), else whether the installed Triton is one of TESTED_TRITON."""
+    asked = os.environ.get("FA2TUNE_DIRECT_LAUNCH")
+    if asked is not None:
+        return asked not in ("", "0")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("triton").startswith(TESTED_TRITON)
+    except PackageNotFoundError:
+        return False
+
+
+_enabled = _enabled_by_default()
 direct_launches = 0  # how many launches took the direct path (tests check that it was taken)
 
 

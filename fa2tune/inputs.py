@@ -10,12 +10,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .planner import MAX_HEAD_DIM
+from .types import DTYPE_CHOICES, MAX_HEAD_DIM
 
 # The dtypes the kernels take, and the short names used in YAML, the CLI and Triton signatures.
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 SUPPORTED_DTYPES = tuple(DTYPE_NAMES)
+assert tuple(DTYPES_BY_NAME) == DTYPE_CHOICES, "types.DTYPE_CHOICES must name the dtypes above, in order"
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from .device import INTERPRETER, inspect_cached, known_gpu
-from .types import DeviceInfo, KernelConfig
+from .types import MAX_HEAD_DIM, DeviceInfo, KernelConfig
 
-MAX_HEAD_DIM = 256
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 NUM_WARPS = (4, 8)

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import planner, selection, store
+from . import selection, store
 from .inputs import DTYPE_NAMES, check_prefix_len, check_window
 from .launcher import attention, attention_varlen
-from .types import DeviceInfo, KernelConfig
+from .types import MAX_HEAD_DIM, DeviceInfo, KernelConfig
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,8 @@ def get_kernel(
     """
     import os
 
-    if not isinstance(head_dim, int) or not 1 <= head_dim <= planner.MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be an int in 1..{planner.MAX_HEAD_DIM}, got {head_dim!r}")
+    if not isinstance(head_dim, int) or not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be an int in 1..{MAX_HEAD_DIM}, got {head_dim!r}")
     if dtype not in DTYPE_NAMES:
         raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
     for name, flag in (("causal", causal), ("varlen", varlen)):

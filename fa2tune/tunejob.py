@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import multiprocessing as mp
 import os
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from . import bench, codegen, planner, selection, selfcheck, store, tuner
+from . import bench, codegen, planner, processes, selection, selfcheck, store, tuner
 from .inputs import DTYPES_BY_NAME
 from .types import DeviceInfo, Mask
 
@@ -42,6 +42,7 @@ class StudySpec:
     window: tuple[int, int] | None = None  # tune the band-mask variant at this (left, right) window
     varlen: bool = False  # tune the packed-sequence variant (the batch packed as equal-length sequences)
     seqlen_bucket: str = "all"  # "short": an entry for calls with max(N_q, N_k) <= store.SHORT_SEQLEN
+    run: str | None = None  # set by run_parallel_many: `trials` is the budget of all its workers together
 
     @property
     def mask(self) -> Mask:
@@ -94,7 +95,7 @@ def run_study(
     space = _space(spec, info, cpu)
     default, default_name = baseline(spec, device_name, info)
     own_pool = compile_pool is None and not cpu and spec.trials > 0
-    pool = None if cpu else bench.CompilePool(os.cpu_count() or 1, device_name) if own_pool else compile_pool
+    pool = None if cpu else bench.CompilePool(os.cpu_count() or 1) if own_pool else compile_pool
     batches = 0
 
     def prepare(configs):
@@ -130,7 +131,7 @@ def run_study(
             measure=measure, trials=spec.trials, timeout_s=spec.timeout_s, space=space, storage=_storage(spec.storage),
             verify=verify if finalize else None, remeasure_top=3 if finalize else 1, on_trial=on_trial,
             seed=spec.seed, variant=spec.variant, prepare=prepare if pool is not None else None,
-            batch_size=BATCH if pool is not None else 1, default=default,
+            batch_size=BATCH if pool is not None else 1, default=default, run=spec.run,
         )  # fmt: skip
     finally:
         if own_pool:
@@ -223,7 +224,7 @@ def write(entry: store.Entry, device_name: str, config_dir: Path) -> Path:
     return path
 
 
-def _worker(number: int, device_name: str, compile_workers: int, inbox, outbox) -> None:
+def _worker(number: int, device_name: str, compile_workers: int, environment: dict[str, str], inbox, outbox) -> None:
     """A worker of run_parallel_many: runs the jobs it is sent, in order, until it is sent None. A job is
     ("trials", index, spec): time a share of a study; or ("finish", index, spec): re-time its best configs, verify,
     and send back the (result, entry). Every job is answered on outbox with ("done", kind, index, worker number,
@@ -235,8 +236,13 @@ def _worker(number: int, device_name: str, compile_workers: int, inbox, outbox) 
     """
     import queue
 
-    # The pool first: its processes start up (imports, CUDA context) while this one sets up its own device.
-    pool = None if _interpreted(device_name) else bench.CompilePool(compile_workers, device_name)
+    processes.adopt(environment)  # the caller's, not the fork server's (fa2tune.processes)
+    # The pool first, forked from this process before it touches CUDA (forked children of a process that has
+    # cannot use it): its processes start with torch and fa2tune imported; each creates its CUDA context with its
+    # first compile, after this one has its own.
+    pool = None
+    if not _interpreted(device_name):
+        pool = bench.CompilePool(compile_workers, context=processes.fork_context())
     if device_name.startswith("cuda"):
         torch.cuda.set_device(torch.device(device_name))
     jobs: deque = deque()
@@ -277,21 +283,23 @@ Progress = Callable[[int, int, tuple[int, int, float, float]], None]
 Job = tuple[str, int, StudySpec]  # (kind, study index, spec with this job's trial budget)
 
 
-def deal(specs: list[StudySpec], count: int) -> list[list[Job]]:
-    """Each of `count` workers' jobs, in order: its share (trials / count, rounded up) of every study, worker i
-    starting at study i·len(specs)/count and taking the rest in turn, each worker with its own sampler seed.
+def deal(specs: list[StudySpec], count: int, run: str) -> list[list[Job]]:
+    """Each of `count` workers' jobs, in order: every study, worker i starting at study i·len(specs)/count and
+    taking the rest in turn, each worker with its own sampler seed, all with the study's whole budget shared
+    as `run` (tuner.tune stops every worker of a run once the run has timed the budget).
 
-    Sharing every study (rather than dealing whole studies out) keeps the GPUs equally busy when studies differ
-    in cost — a causal forward study ran 61 s against the non-causal 54 s on one H200, so dealt whole the pair
-    took the longer one's time — and costs no compile round per study: a worker compiles the first configs of its
-    next study while it times this one (run_study's `then`).
+    Shared budgets keep the GPUs equally busy whatever the studies cost: a worker times its first study until
+    the budget is spent, by itself or with the others once they get there, then moves on; the last trials of
+    the tune are timed by every worker, and they stop within one timing of each other. Fixed shares (half of
+    every study each, sessions 3-5) left one GPU idle for the other's last trials: 8 s of a 95 s tune on the
+    2×H200 host, where causal trials take 1.85 s and non-causal 1.4 s. Each worker compiles the first configs
+    of its next study while it times this one (run_study's `then`).
     """
     plans: list[list[Job]] = [[] for _ in range(count)]
     for i, plan in enumerate(plans):
         first = i * len(specs) // count
         for index in [(first + j) % len(specs) for j in range(len(specs))]:
-            spec = specs[index]
-            plan.append(("trials", index, replace(spec, trials=max(1, -(-spec.trials // count)), seed=spec.seed + i)))
+            plan.append(("trials", index, replace(specs[index], seed=specs[index].seed + i, run=run)))
     return plans
 
 
@@ -304,10 +312,11 @@ def run_parallel_many(
 ) -> list[tuple[tuner.TuneResult, store.Entry, dict[str, int]]]:
     """One worker process per device for the whole list of studies, sharing them through their storage.
 
-    The work is dealt by `deal` and sent at once, so no worker waits at a barrier. A study is finished as soon
-    as its last share is in, by the worker with the least left to do. A worker that dies is reported; the
-    jobs it had not answered go to the live worker with the least left to do, less the trials it had timed
-    (they are in the storage), and the others carry on.
+    The work is dealt by `deal` and sent at once, so no worker waits at a barrier. A study is finished — by
+    the worker with the least left to do — as soon as its budget is spent (a worker's job on it ended) and no
+    worker is still timing it: workers whose job on it is still queued will find nothing left to time. A worker
+    that dies is reported; the jobs it had not answered go to the live worker with the least left to do (what
+    it had timed is in the storage and counts against the budget), and the others carry on.
 
     Returns per study: the result, its entry, and each worker's exit code (0 if alive at the end, non-zero if it
     died). A study no worker could finish is finished in this process on the first device once the workers are
@@ -316,20 +325,21 @@ def run_parallel_many(
     """
     if any(spec.storage is None for spec in specs):
         raise ValueError("run_parallel needs a shared storage (an Optuna URL or a journal file path)")
-    context = mp.get_context("spawn")  # CUDA cannot be used in forked children
+    context = processes.context()  # forked from the fork server: torch and fa2tune are imported there once
     count = len(device_names)
     compile_workers = max(1, (os.cpu_count() or 1) // count)  # the host's cores, shared by the workers
     outbox = context.Queue()
     workers = []
     for number, name in enumerate(device_names):
         inbox = context.Queue()
-        process = context.Process(target=_worker, args=(number, name, compile_workers, inbox, outbox))
+        process = context.Process(target=_worker, args=(number, name, compile_workers, dict(os.environ), inbox, outbox))
         process.start()
         workers.append((name, process, inbox))
     pending: dict[int, list[Job]] = {i: [] for i in range(count)}  # jobs sent and not yet answered, in order
-    timed: dict[tuple[int, int], int] = {}  # (worker, study) -> trials its current job there has timed
     dead: dict[int, int] = {}
     finished: dict[int, tuple[tuner.TuneResult, store.Entry]] = {}
+    ended: set[int] = set()  # studies a worker's trials job ended on: their budget is spent
+    finishing: set[int] = set()  # studies whose finish job was sent
 
     def send(i: int, job: Job) -> None:
         pending[i].append(job)
@@ -341,34 +351,42 @@ def run_parallel_many(
 
     def answered(kind: str, index: int, i: int, problem: str | None, payload) -> None:
         pending[i].remove(next(job for job in pending[i] if job[:2] == (kind, index)))
-        timed.pop((i, index), None)
         if problem:
             report(f"worker {i} on {workers[i][0]} failed study {index} ({problem}); the others carry on")
         elif payload is not None:
             finished[index] = payload
-        shares_out = any(job[:2] == ("trials", index) for jobs in pending.values() for job in jobs)
-        if kind == "trials" and not shares_out and (j := least_busy()) is not None:
-            send(j, ("finish", index, replace(specs[index], trials=0)))
+        # A job that ended well leaves the study's budget spent; one that failed says so only if it was the last.
+        if kind == "trials" and (problem is None or not any(job[:2] == ("trials", index) for jobs in pending.values()
+                                                             for job in jobs)):  # fmt: skip
+            ended.add(index)
+        send_finishes()
+
+    def send_finishes() -> None:
+        """Sends the finish of every ended study no worker is timing now (a worker works on its oldest job)."""
+        current = {jobs[0][:2] for i, jobs in pending.items() if jobs and i not in dead}
+        for index in sorted(ended - finishing):
+            if ("trials", index) not in current and (j := least_busy()) is not None:
+                finishing.add(index)
+                send(j, ("finish", index, replace(specs[index], trials=0)))
 
     def died(i: int, code: int) -> None:
         dead[i] = code
         report(f"worker {i} on {workers[i][0]} died (exit code {code}); the others carry on with its work")
         jobs, pending[i] = pending[i], []
-        for kind, index, spec in jobs:
+        for job in jobs:
             if (j := least_busy()) is not None:
-                send(j, (kind, index, replace(spec, trials=max(0, spec.trials - timed.pop((i, index), 0)))))
+                send(j, job)
+        send_finishes()
 
     try:
-        for i, plan in enumerate(deal(specs, count)):
+        for i, plan in enumerate(deal(specs, count, run=uuid.uuid4().hex)):
             for job in plan:
                 send(i, job)
         while any(pending.values()):
             message = _next_message(outbox)
             if message is not None and message[0] == "progress":
-                index, i, state = message[1:]
-                timed[(i, index)] = state[0]
                 if progress is not None:
-                    progress(index, i, state)
+                    progress(*message[1:])
             elif message is not None and message[3] not in dead:
                 answered(message[1], message[2], *message[3:])
             for i, (_, process, _) in enumerate(workers):

@@ -17,7 +17,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 import optuna
 import torch
@@ -68,6 +68,7 @@ def study_name(
 
 
 _DIMS = tuple(f.name for f in fields(KernelConfig))  # the search dimensions
+_REQUIRED = tuple(f.name for f in fields(KernelConfig) if f.default is MISSING)  # the switches default to 0
 
 
 def _params(cfg: KernelConfig) -> dict[str, int]:
@@ -78,6 +79,20 @@ def _params(cfg: KernelConfig) -> dict[str, int]:
 def _completed(study: optuna.Study) -> dict[KernelConfig, float]:
     states = (optuna.trial.TrialState.COMPLETE,)
     return {KernelConfig(**t.params): t.value for t in study.get_trials(deepcopy=False, states=states)}
+
+
+def _proposed(trial: optuna.trial.FrozenTrial) -> KernelConfig | None:
+    """The config a trial stands for: its parameters, or those it was enqueued with; None while another process
+    is still suggesting them one by one (a shared study's running trial can hold block_m and not yet block_n)."""
+    params = trial.params or trial.system_attrs.get("fixed_params", {})
+    return KernelConfig(**params) if all(dim in params for dim in _REQUIRED) else None
+
+
+def _timed_in(study: optuna.Study, run: str) -> int:
+    """Configs timed, or being timed, for the study by every process of `run`: each marks a trial timed_in=run
+    before it times it; a failed one is told FAIL and no longer counts."""
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
+    return sum(t.user_attrs.get("timed_in") == run for t in study.get_trials(deepcopy=False, states=states))
 
 
 def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k: int = 3) -> list[KernelConfig]:
@@ -140,6 +155,7 @@ def tune(
     variant: str = "",
     prepare: Prepare | None = None,
     batch_size: int = 1,
+    run: str | None = None,
 ) -> TuneResult:
     """Runs (or resumes, with a persistent `storage`) the study and returns the winner.
 
@@ -159,6 +175,11 @@ def tune(
         batch_size: new configs asked of Optuna before each prepare + timing round. With more than one, the
             sampler is told of pending trials (constant liar), so a batch spreads out instead of repeating itself;
             compiling batch_size configs at once is what makes this worth it.
+        run: several processes tuning one shared study together (multi-GPU, tunejob.run_parallel_many): `trials`
+            is then their budget together. Each marks a trial it times with the user attribute timed_in=run,
+            counts every process's, and stops — before its next timing — once the run has timed (or is timing)
+            `trials`: the processes end within one timing of each other, whatever their speed. None: `trials`
+            is this process's own.
     """
     start = time.time()
     name = study_name(device, kernel, head_dim, dtype, causal, variant)
@@ -180,8 +201,7 @@ def tune(
     )
     measured = _completed(study)  # a resumed or shared study keeps what was measured
     # Trials other workers ran or enqueued already (enqueued ones carry their params as "fixed_params").
-    tried = {KernelConfig(**(t.params or t.system_attrs.get("fixed_params", {}))) for t in study.trials
-             if t.params or t.system_attrs.get("fixed_params")}  # fmt: skip
+    tried = {cfg for t in study.trials if (cfg := _proposed(t)) is not None}
     feasible = [c for c in candidates if planner.check(c, device, head_dim, dtype, kernel) is None]
     first = first_configs(device=device, kernel=kernel, head_dim=head_dim, dtype=dtype, causal=causal, trials=trials,
                           space=candidates, default=default)  # fmt: skip
@@ -209,6 +229,10 @@ def tune(
     def in_flight_configs() -> set[KernelConfig]:
         return {cfg for batch, _ in in_flight for _, cfg in batch}
 
+    def spent() -> int:
+        """Configs timed against the budget: by this process, or by every process of the run."""
+        return timed if run is None else _timed_in(study, run)
+
     def ask_batch() -> list[tuple[optuna.trial.Trial, KernelConfig]]:
         """Asks until the batch holds batch_size configs, or the budget (counting batches in flight) is spent."""
         nonlocal asked, repeats
@@ -218,7 +242,7 @@ def tune(
             return in_flight_configs() | {cfg for _, cfg in batch}
 
         while len({cfg for _, cfg in batch}) < batch_size and asked < 20 * trials + 50:
-            if timed + len(planned() - measured.keys()) >= trials:
+            if spent() + len(planned() - measured.keys()) >= trials:
                 break
             if timeout_s is not None and time.time() - start > timeout_s:
                 break
@@ -258,12 +282,20 @@ def tune(
     def run_batch(batch, wait: Wait):
         nonlocal timed
         for trial, cfg in batch:
+            if run is not None and cfg not in measured:
+                measured.update(_completed(study))  # another process may have timed it meanwhile
+                if cfg not in measured and spent() >= trials:  # the others spent the run's budget
+                    trial.set_user_attr("reason", "the run's budget was spent by other processes")
+                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    continue
             if cfg not in measured and cfg not in failures and (reason := wait(cfg)):
                 failures[cfg] = reason
             if cfg in failures:
                 fail(trial, cfg, failures[cfg])
                 continue
             if cfg not in measured:  # a config asked twice is timed once
+                if run is not None:  # counted against the run's budget from now on, by every process
+                    trial.set_user_attr("timed_in", run)
                 try:
                     measured[cfg] = float(measure(cfg))
                 except Exception as exc:  # a failed compile or launch is data, never the end of the study
@@ -274,7 +306,7 @@ def tune(
             study.tell(trial, measured[cfg])
             history.append(TrialRecord(trial.number, cfg, measured[cfg]))
             if on_trial is not None:
-                on_trial(timed, trials, min(measured.values()), time.time() - start)
+                on_trial(spent(), trials, min(measured.values()), time.time() - start)
 
     while True:
         while len(in_flight) < depth and (batch := ask_batch()):

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
+MAX_HEAD_DIM = 256  # the largest head dimension the templates take
+# The short names of the dtypes the kernels take, as YAML and the CLI spell them (torch-free, for the CLI's parser;
+# inputs.DTYPES_BY_NAME maps them to torch dtypes).
+DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 
 
 @dataclass(frozen=True)

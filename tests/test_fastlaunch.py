@@ -153,11 +153,18 @@ def test_triton_s_empty_hook_chains_count_as_no_hooks():
     assert not fastlaunch._hooks_installed()
 
 
-def test_direct_launches_are_off_unless_asked_for(monkeypatch):
+def test_direct_launches_are_on_for_the_tested_triton_unless_turned_off(monkeypatch):
     import importlib
+    import importlib.metadata
 
-    for value, enabled in (("", False), ("0", False), ("1", True)):
-        monkeypatch.setenv("FA2TUNE_DIRECT_LAUNCH", value)
-        assert importlib.reload(fastlaunch)._enabled is enabled
-    monkeypatch.delenv("FA2TUNE_DIRECT_LAUNCH")
-    importlib.reload(fastlaunch)
+    monkeypatch.delenv("FA2TUNE_DIRECT_LAUNCH", raising=False)
+    try:
+        for triton_version, enabled in (("3.6.0", True), ("3.6.1", True), ("3.7.0", False), ("4.0.0", False)):
+            monkeypatch.setattr(importlib.metadata, "version", lambda name, v=triton_version: v)
+            assert importlib.reload(fastlaunch)._enabled is enabled, triton_version
+        for value, enabled in (("", False), ("0", False), ("1", True)):  # the variable wins, either way
+            monkeypatch.setenv("FA2TUNE_DIRECT_LAUNCH", value)
+            assert importlib.reload(fastlaunch)._enabled is enabled
+    finally:
+        monkeypatch.undo()
+        importlib.reload(fastlaunch)

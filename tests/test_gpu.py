@@ -76,7 +76,7 @@ def test_direct_launches_give_what_triton_s_launch_path_gives(causal, monkeypatc
         return outs
 
     fastlaunch.clear()
-    monkeypatch.setattr(fastlaunch, "_enabled", True)  # opt-in (FA2TUNE_DIRECT_LAUNCH=1)
+    monkeypatch.setattr(fastlaunch, "_enabled", True)  # whatever FA2TUNE_DIRECT_LAUNCH says
     start = fastlaunch.direct_launches
     direct = run_all()
     assert fastlaunch.direct_launches - start >= 4 * len(cases), "the direct path was not taken"

@@ -120,6 +120,47 @@ def test_a_persistent_study_resumes(tmp_path):
     assert len(calls) - n_first <= 12  # what the first run measured is not measured again
 
 
+def test_processes_of_one_run_share_its_budget_and_stop_when_it_is_spent(tmp_path):
+    # Two workers of a multi-GPU run on one study (tunejob.run_parallel_many): the budget is theirs together, and
+    # one stops before its next timing once the other has spent it. The "other worker" runs inside this one's
+    # second timing, so the interleaving is fixed: this one times 2, the other the remaining 5.
+    table = _recorded(128, False)
+    space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
+    kwargs = dict(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
+                  space=space, storage=f"sqlite:///{tmp_path / 'tune.db'}", remeasure_top=1, trials=7)  # fmt: skip
+    other_measure, other_calls = _replay(table)
+    calls = []
+
+    def measure(cfg):
+        calls.append(cfg)
+        if len(calls) == 2:
+            tuner.tune(measure=other_measure, run="run-1", seed=1, **kwargs)
+        return table[cfg]
+
+    tuner.tune(measure=measure, run="run-1", **kwargs)
+    assert (len(calls), len(other_calls)) == (2, 5)
+    assert not set(calls) & set(other_calls)  # nothing timed twice
+    # The run's budget is spent for any later process of it; another run has a budget of its own.
+    late, late_calls = _replay(table)
+    tuner.tune(measure=late, run="run-1", seed=2, **kwargs)
+    assert late_calls == []
+    tuner.tune(measure=late, run="run-2", seed=2, **kwargs)
+    assert len(late_calls) == 7
+
+
+def test_a_trial_another_process_is_still_suggesting_is_not_read_as_a_config():
+    # A shared study's running trial can hold block_m and not yet block_n (the other process suggests them one
+    # at a time): reading it as a KernelConfig raised TypeError and failed a worker's study.
+    from types import SimpleNamespace
+
+    assert tuner._proposed(SimpleNamespace(params={"block_m": 64}, system_attrs={})) is None
+    assert tuner._proposed(SimpleNamespace(params={}, system_attrs={})) is None
+    whole = KernelConfig(64, 32, 4, 2).to_dict()
+    assert tuner._proposed(SimpleNamespace(params=whole, system_attrs={})) == KernelConfig(64, 32, 4, 2)
+    enqueued = SimpleNamespace(params={}, system_attrs={"fixed_params": whole})
+    assert tuner._proposed(enqueued) == KernelConfig(64, 32, 4, 2)
+
+
 def test_batched_study_compiles_each_batch_before_timing_it():
     # The GPU tune asks for a batch, compiles it at once (prepare), then times it; compile failures are failed
     # trials and are never timed.
