@@ -286,8 +286,9 @@ class CompilePool:
         """compile() in the background: returns at once with wait(config) -> its failure reason or None.
 
         wait blocks for that config's compile only (a config not in `configs` returns None at once), so a tuner
-        can time the first config of a batch as soon as it is built, not after the slowest of the batch. The
-        processes take configs up in the order given, and batches in the order started.
+        can time the first config of a batch as soon as it is built, not after the slowest of the batch;
+        wait.ready(config) says whether it would block. The processes take configs up in the order given, and
+        batches in the order started.
         """
         lengths = sorted({256 + n % 256 for n in seqlens})
         pending = {
@@ -299,6 +300,11 @@ class CompilePool:
         def wait(cfg) -> str | None:
             return next((reason for result in pending.get(cfg, ()) if (reason := result.get())), None)
 
+        def ready(cfg) -> bool:
+            """Whether wait(cfg) would return at once."""
+            return all(result.ready() for result in pending.get(cfg, ()))
+
+        wait.ready = ready
         return wait
 
     def close(self) -> None:

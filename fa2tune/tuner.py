@@ -88,6 +88,16 @@ def _proposed(trial: optuna.trial.FrozenTrial) -> KernelConfig | None:
     return KernelConfig(**params) if all(dim in params for dim in _REQUIRED) else None
 
 
+def _built(wait: Wait, cfg: KernelConfig) -> bool:
+    """Whether to take the compile processes' word on cfg: yes once they have built it (or failed to). If not yet,
+    the timing process does not wait: measure() builds it through the JIT itself. That is a study's first
+    configs, while the pool's processes are still creating their CUDA contexts (on the 2×H200 host the first
+    pool-built config came 10-12 s into a study, the timing process's own compile takes ~2 s); later the pool
+    is a batch ahead and this does not happen."""
+    ready = getattr(wait, "ready", None)
+    return ready is None or ready(cfg)
+
+
 def _timed_in(study: optuna.Study, run: str) -> int:
     """Configs timed, or being timed, for the study by every process of `run`: each marks a trial timed_in=run
     before it times it; a failed one is told FAIL and no longer counts."""
@@ -169,9 +179,10 @@ def tune(
         on_trial: progress callback (measured so far, trials, best ms so far, elapsed s).
         variant: the template variant tuned beyond causal ("window", "varlen", "window+varlen"), in the study name.
         prepare: starts compiling a batch of configs (in parallel processes) and returns wait(config) for one
-            config's failure or None. With it the study keeps two batches in flight: the next one compiles (on the
-            CPUs) while this one is timed (on the GPU), and a config is timed as soon as its own compile is done,
-            so a study waits for one compile (its first config's), not one round per batch.
+            config's failure or None. With it the study keeps two batches in flight: the next one compiles (on
+            the CPUs) while this one is timed (on the GPU), and a config is timed as soon as its own compile is
+            done. If wait has ready(config) -> bool, a config not built yet when its turn comes is timed at once
+            (measure builds it, _built) instead of waited for: a study waits for no compile round at all.
         batch_size: new configs asked of Optuna before each prepare + timing round. With more than one, the
             sampler is told of pending trials (constant liar), so a batch spreads out instead of repeating itself;
             compiling batch_size configs at once is what makes this worth it.
@@ -288,7 +299,7 @@ def tune(
                     trial.set_user_attr("reason", "the run's budget was spent by other processes")
                     study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                     continue
-            if cfg not in measured and cfg not in failures and (reason := wait(cfg)):
+            if cfg not in measured and cfg not in failures and _built(wait, cfg) and (reason := wait(cfg)):
                 failures[cfg] = reason
             if cfg in failures:
                 fail(trial, cfg, failures[cfg])

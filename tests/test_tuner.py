@@ -191,6 +191,37 @@ def test_batched_study_compiles_each_batch_before_timing_it():
     assert result.best_ms == min(table[c] for c in compiled if c not in broken)
 
 
+def test_a_config_the_pool_has_not_built_yet_is_timed_at_once_not_waited_for():
+    # At a study's start the compile processes are still creating their CUDA contexts: a config they have not
+    # built when its turn comes is timed at once (measure builds it through the JIT); one they have built, or
+    # failed to build, is taken from them.
+    table = _recorded(128, False)
+    space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
+    built_by_pool, waited, timed = set(space[::2]), [], []
+    broken = set(space[::4])  # built by the pool, with a failure
+
+    def prepare(configs):
+        def wait(cfg):
+            assert cfg in built_by_pool, "waited for a config the pool had not built"
+            waited.append(cfg)
+            return "CompilationError: boom" if cfg in broken else None
+
+        wait.ready = lambda cfg: cfg in built_by_pool
+        return wait
+
+    def measure(cfg):
+        timed.append(cfg)
+        return table[cfg]
+
+    result = tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
+                        measure=measure, trials=12, space=space, seed=5, prepare=prepare, batch_size=4,
+                        remeasure_top=1)  # fmt: skip
+    assert result.measured == 12
+    assert any(c not in built_by_pool for c in timed)  # timed without a wait
+    assert not set(timed) & broken  # the pool's failures are still never timed
+    assert set(waited) <= built_by_pool
+
+
 def test_the_next_batch_compiles_while_this_one_is_timed():
     # prepare: batch k+1 is asked and its compile started before batch k is timed; a config is timed only
     # after the wait for its own compile has returned (not the whole batch's); failures are still never timed.
