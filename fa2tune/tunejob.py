@@ -256,6 +256,9 @@ def _worker(number: int, device_name: str, compile_workers: int, environment: di
             if (job := jobs.popleft()) is None:
                 break
             kind, index, spec = job
+            if kind == "trials" and _spent(spec, device_name):  # others used the budget: answer at once
+                outbox.put(("done", kind, index, number, None, None))
+                continue
             then = next((j[2] for j in jobs if j is not None and j[0] != "finish"), None)
 
             def on_trial(*state, index=index):  # (timed, trials, best ms, elapsed s), for the progress line
@@ -270,6 +273,22 @@ def _worker(number: int, device_name: str, compile_workers: int, environment: di
     finally:
         if pool is not None:
             pool.close()
+
+
+def _spent(spec: StudySpec, device_name: str) -> bool:
+    """Whether the workers of spec.run have timed its whole budget already — read from the storage, without the
+    inputs, planner and compile-ahead a study's start costs (1-2 s a job on the H200 host)."""
+    if spec.run is None or spec.storage is None:
+        return False
+    import optuna
+
+    name = tuner.study_name(selection.device_info(device_name), spec.kernel, spec.head_dim,
+                            DTYPES_BY_NAME[spec.dtype], spec.causal, spec.variant)  # fmt: skip
+    try:
+        study = optuna.load_study(study_name=name, storage=_storage(spec.storage))
+    except KeyError:  # no worker has opened it yet
+        return False
+    return tuner.timed_in(study, spec.run) >= spec.trials
 
 
 def run_parallel(
@@ -346,8 +365,12 @@ def run_parallel_many(
         workers[i][2].put(job)
 
     def least_busy() -> int | None:
+        """The live worker with the least left to do. A share of a study whose budget is spent is nothing to do
+        (the worker answers it at once, or after the one trial it is timing), so the last studies' finishes go to
+        different GPUs, not one after the other to the same."""
         alive = [i for i in range(count) if i not in dead]
-        return min(alive, key=lambda i: (len(pending[i]), i)) if alive else None
+        left = lambda i: sum(not (job[0] == "trials" and job[1] in ended) for job in pending[i])
+        return min(alive, key=lambda i: (left(i), i)) if alive else None
 
     def answered(kind: str, index: int, i: int, problem: str | None, payload) -> None:
         pending[i].remove(next(job for job in pending[i] if job[:2] == (kind, index)))

@@ -98,7 +98,7 @@ def _built(wait: Wait, cfg: KernelConfig) -> bool:
     return ready is None or ready(cfg)
 
 
-def _timed_in(study: optuna.Study, run: str) -> int:
+def timed_in(study: optuna.Study, run: str) -> int:
     """Configs timed, or being timed, for the study by every process of `run`: each marks a trial timed_in=run
     before it times it; a failed one is told FAIL and no longer counts."""
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
@@ -242,7 +242,7 @@ def tune(
 
     def spent() -> int:
         """Configs timed against the budget: by this process, or by every process of the run."""
-        return timed if run is None else _timed_in(study, run)
+        return timed if run is None else timed_in(study, run)
 
     def ask_batch() -> list[tuple[optuna.trial.Trial, KernelConfig]]:
         """Asks until the batch holds batch_size configs, or the budget (counting batches in flight) is spent."""

@@ -169,3 +169,15 @@ def test_the_compile_pool_answers_for_each_config_on_its_own(interpreter_only, s
         assert wait_good(good) is None and wait_good(other) is None
         assert "no-such-device" in wait_bad(good)
         assert pool.compile("fwd", 16, torch.bfloat16, Mask(), [good, other], seqlens=(64,), device="cpu") == {}
+
+
+def test_a_worker_answers_a_share_of_a_spent_budget_without_starting_the_study(tmp_path, interpreter_only):
+    from dataclasses import replace
+
+    spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=2,
+                             storage=str(tmp_path / "tune.journal"), run="run-1")  # fmt: skip
+    assert not tunejob._spent(spec, "cpu")  # no worker has opened the study yet
+    tunejob.run_study(spec, "cpu", finalize=False)
+    assert tunejob._spent(spec, "cpu")
+    assert not tunejob._spent(replace(spec, run="run-2"), "cpu")  # another run has a budget of its own
+    assert not tunejob._spent(replace(spec, run=None), "cpu")  # a lone process counts its own trials
