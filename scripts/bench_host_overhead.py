@@ -4,9 +4,9 @@
 Without --gpu the kernel launches are replaced by no-ops, so the figure is fa2tune's own overhead (argument checks,
 config lookup, autograd), not Triton's launcher or the GPU; no GPU needed. With --gpu the kernels are launched for
 real on a shape so small (1×2×64×128) that the GPU is never the limit, through Triton's launch path and through
-fa2tune.fastlaunch's direct one (FA2TUNE_DIRECT_LAUNCH), in alternating rounds, beside SDPA's flash backend. For a
-short sequence this decides the speed: a GPU that finishes before the host has launched the next kernel waits
-(docs/PERF.md v6, "host time").
+fa2tune.fastlaunch's direct one (the default; FA2TUNE_DIRECT_LAUNCH=0 turns it off), in alternating rounds,
+beside SDPA's flash backend. For a short sequence this decides the speed: a GPU that finishes before the host has
+launched the next kernel waits (docs/PERF.md v6 "host time", v7).
 
     python scripts/bench_host_overhead.py            # the eager path attention() takes, launches as no-ops
     python scripts/bench_host_overhead.py --op       # the custom op torch.compile sees, called directly
