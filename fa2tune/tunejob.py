@@ -226,10 +226,10 @@ def write(entry: store.Entry, device_name: str, config_dir: Path) -> Path:
 
 def _worker(number: int, device_name: str, compile_workers: int, environment: dict[str, str], inbox, outbox) -> None:
     """A worker of run_parallel_many: runs the jobs it is sent, in order, until it is sent None. A job is
-    ("trials", index, spec): time a share of a study; or ("finish", index, spec): re-time its best configs, verify,
-    and send back the (result, entry). Every job is answered on outbox with ("done", kind, index, worker number,
-    problem or None, payload); each timed trial is told as ("progress", index, worker number, (timed, trials, best
-    ms, elapsed s)).
+    ("trials", index, spec): time the study, with the run's other workers, until its budget is spent; or
+    ("finish", index, spec): re-time its best configs, verify, and send back the (result, entry). Every job is
+    answered on outbox with ("done", kind, index, worker number, problem or None, payload); each timed trial is
+    told as ("progress", index, worker number, (timed by the run, trials, best ms, elapsed s)).
 
     It lives for the whole tune, so its CUDA context and its compile pool start once, not once per study; it
     knows the jobs queued behind the current one, so the next study's first configs compile meanwhile.
@@ -299,7 +299,7 @@ def run_parallel(
 
 
 Progress = Callable[[int, int, tuple[int, int, float, float]], None]
-Job = tuple[str, int, StudySpec]  # (kind, study index, spec with this job's trial budget)
+Job = tuple[str, int, StudySpec]  # (kind, study index, spec: its run and budget, this worker's seed)
 
 
 def deal(specs: list[StudySpec], count: int, run: str) -> list[list[Job]]:
@@ -339,8 +339,8 @@ def run_parallel_many(
 
     Returns per study: the result, its entry, and each worker's exit code (0 if alive at the end, non-zero if it
     died). A study no worker could finish is finished in this process on the first device once the workers are
-    done, so nothing else is timed meanwhile. progress(study index, worker number, (timed, trials, best ms,
-    elapsed s)) is called for each trial a worker times.
+    done, so nothing else is timed meanwhile. progress(study index, worker number, (timed by the run, trials,
+    best ms, elapsed s)) is called for each trial a worker times.
     """
     if any(spec.storage is None for spec in specs):
         raise ValueError("run_parallel needs a shared storage (an Optuna URL or a journal file path)")

@@ -90,17 +90,18 @@ def _proposed(trial: optuna.trial.FrozenTrial) -> KernelConfig | None:
 
 def _built(wait: Wait, cfg: KernelConfig) -> bool:
     """Whether to take the compile processes' word on cfg: yes once they have built it (or failed to). If not yet,
-    the timing process does not wait: measure() builds it through the JIT itself. That is a study's first
+    the timing process does not wait: measure() builds it through the JIT itself. That is mostly a study's first
     configs, while the pool's processes are still creating their CUDA contexts (on the 2×H200 host the first
-    pool-built config came 10-12 s into a study, the timing process's own compile takes ~2 s); later the pool
-    is a batch ahead and this does not happen."""
+    pool-built config came 10-12 s into a study; the timing process's own compile takes ~2 s); later the pool is
+    a batch ahead, except for a worker that joins a study late (docs/TUNING.md, session 6)."""
     ready = getattr(wait, "ready", None)
     return ready is None or ready(cfg)
 
 
 def timed_in(study: optuna.Study, run: str) -> int:
     """Configs timed, or being timed, for the study by every process of `run`: each marks a trial timed_in=run
-    before it times it; a failed one is told FAIL and no longer counts."""
+    before it times it; a failed one is told FAIL and no longer counts. (A process that died while timing leaves
+    its trial RUNNING and counted: the run times one config fewer.)"""
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
     return sum(t.user_attrs.get("timed_in") == run for t in study.get_trials(deepcopy=False, states=states))
 
