@@ -12,6 +12,7 @@ interpreter, or over a recorded table in tests.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import statistics
 import time
@@ -300,14 +301,18 @@ def tune(
                     trial.set_user_attr("reason", "the run's budget was spent by other processes")
                     study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                     continue
-            if cfg not in measured and cfg not in failures and _built(wait, cfg) and (reason := wait(cfg)):
+            waited = time.time()
+            built_here = cfg not in measured and cfg not in failures and not _built(wait, cfg)
+            if cfg not in measured and cfg not in failures and not built_here and (reason := wait(cfg)):
                 failures[cfg] = reason
+            waited = time.time() - waited
             if cfg in failures:
                 fail(trial, cfg, failures[cfg])
                 continue
             if cfg not in measured:  # a config asked twice is timed once
                 if run is not None:  # counted against the run's budget from now on, by every process
                     trial.set_user_attr("timed_in", run)
+                measuring = time.time()
                 try:
                     measured[cfg] = float(measure(cfg))
                 except Exception as exc:  # a failed compile or launch is data, never the end of the study
@@ -315,6 +320,10 @@ def tune(
                     fail(trial, cfg, failures[cfg])
                     continue
                 timed += 1
+                # Where a trial's time went, kept in the storage for scripts/tune_timeline.py: waiting for the
+                # compile processes, and measuring (which includes building the config if built_here).
+                trial.set_user_attr("timing", {"pid": os.getpid(), "wait_s": round(waited, 3), "built_here": built_here,
+                                               "measure_s": round(time.time() - measuring, 3)})  # fmt: skip
             study.tell(trial, measured[cfg])
             history.append(TrialRecord(trial.number, cfg, measured[cfg]))
             if on_trial is not None:

@@ -191,7 +191,7 @@ def test_batched_study_compiles_each_batch_before_timing_it():
     assert result.best_ms == min(table[c] for c in compiled if c not in broken)
 
 
-def test_a_config_the_pool_has_not_built_yet_is_timed_at_once_not_waited_for():
+def test_a_config_the_pool_has_not_built_yet_is_timed_at_once_not_waited_for(tmp_path):
     # At a study's start the compile processes are still creating their CUDA contexts: a config they have not
     # built when its turn comes is timed at once (measure builds it through the JIT); one they have built, or
     # failed to build, is taken from them.
@@ -213,13 +213,22 @@ def test_a_config_the_pool_has_not_built_yet_is_timed_at_once_not_waited_for():
         timed.append(cfg)
         return table[cfg]
 
+    storage = f"sqlite:///{tmp_path / 'tune.db'}"
     result = tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
                         measure=measure, trials=12, space=space, seed=5, prepare=prepare, batch_size=4,
-                        remeasure_top=1)  # fmt: skip
+                        remeasure_top=1, storage=storage)  # fmt: skip
     assert result.measured == 12
     assert any(c not in built_by_pool for c in timed)  # timed without a wait
     assert not set(timed) & broken  # the pool's failures are still never timed
     assert set(waited) <= built_by_pool
+    # Each timed trial keeps where its time went (scripts/tune_timeline.py reads it back), built_here included.
+    import optuna
+
+    study = optuna.load_study(study_name=result.study_name, storage=storage)
+    timings = {KernelConfig(**t.params): t.user_attrs["timing"] for t in study.trials if "timing" in t.user_attrs}
+    assert set(timings) == set(timed)
+    assert all(timing["built_here"] == (cfg not in built_by_pool) for cfg, timing in timings.items())
+    assert all(timing["wait_s"] >= 0 and timing["measure_s"] >= 0 for timing in timings.values())
 
 
 def test_the_next_batch_compiles_while_this_one_is_timed():
