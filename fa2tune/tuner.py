@@ -301,11 +301,11 @@ def tune(
                     trial.set_user_attr("reason", "the run's budget was spent by other processes")
                     study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                     continue
-            waited = time.time()
+            wait_start = time.time()
             built_here = cfg not in measured and cfg not in failures and not _built(wait, cfg)
             if cfg not in measured and cfg not in failures and not built_here and (reason := wait(cfg)):
                 failures[cfg] = reason
-            waited = time.time() - waited
+            waited = time.time() - wait_start
             if cfg in failures:
                 fail(trial, cfg, failures[cfg])
                 continue
