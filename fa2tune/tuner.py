@@ -322,7 +322,8 @@ def tune(
                 timed += 1
                 # Where a trial's time went, kept in the storage for scripts/tune_timeline.py: waiting for the
                 # compile processes, and measuring (which includes building the config if built_here).
-                trial.set_user_attr("timing", {"pid": os.getpid(), "wait_s": round(waited, 3), "built_here": built_here,
+                trial.set_user_attr("timing", {"pid": os.getpid(), "start": round(wait_start, 3),
+                                               "wait_s": round(waited, 3), "built_here": built_here,
                                                "measure_s": round(time.time() - measuring, 3)})  # fmt: skip
             study.tell(trial, measured[cfg])
             history.append(TrialRecord(trial.number, cfg, measured[cfg]))

@@ -27,7 +27,8 @@ def _storage(url: str):
 
 
 def timeline(study) -> list[tuple]:
-    """(completed at, pid, number, wait s, measure s, built here, value) of the study's timed trials, in order."""
+    """(completed at, pid, number, wait s, measure s, built here, value, started at) of the study's timed trials,
+    in order; started at (when the process turned to the trial: its wait began) is None in older records."""
     import optuna
 
     rows = []
@@ -35,7 +36,7 @@ def timeline(study) -> list[tuple]:
         timing = t.user_attrs.get("timing")
         if timing and t.datetime_complete is not None:
             rows.append((t.datetime_complete, timing["pid"], t.number, timing["wait_s"], timing["measure_s"],
-                         timing["built_here"], t.value))  # fmt: skip
+                         timing["built_here"], t.value, timing.get("start")))  # fmt: skip
     return sorted(rows)
 
 
@@ -50,17 +51,23 @@ def main(argv: list[str] | None = None) -> int:
     names = [args.study] if args.study else [s.study_name for s in optuna.get_all_study_summaries(storage)]
     totals: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     first = None
+    last_end: dict[int, float] = {}  # per process, when its previous timed trial ended (epoch s)
     for name in names:
         rows = timeline(optuna.load_study(study_name=name, storage=storage))
         if not rows:
             continue
         first = min(first or rows[0][0], rows[0][0])
         print(f"\n{name}: {len(rows)} timed trials")
-        print(f"{'done at s':>9} {'pid':>7} {'trial':>5} {'wait s':>6} {'measure s':>9} {'built here':>10} {'ms':>8}")
-        for done, pid, number, wait_s, measure_s, built_here, value in rows:
+        print(f"{'done at s':>9} {'pid':>7} {'trial':>5} {'wait s':>6} {'measure s':>9} {'built here':>10} {'ms':>8} "
+              f"{'gap s':>6}")  # fmt: skip
+        for done, pid, number, wait_s, measure_s, built_here, value, started in rows:
             at = (done - first).total_seconds()
+            # gap: from the process's previous trial's end to this one's start (asking Optuna, a finish, idle)
+            gap = f"{started - last_end[pid]:6.2f}" if started is not None and pid in last_end else ""
+            if started is not None:
+                last_end[pid] = started + wait_s + measure_s
             print(f"{at:9.1f} {pid:7d} {number:5d} {wait_s:6.2f} {measure_s:9.2f} {'yes' if built_here else '':>10} "
-                  f"{value:8.3f}")  # fmt: skip
+                  f"{value:8.3f} {gap:>6}")  # fmt: skip
             t = totals[pid]
             t["trials"] += 1
             t["wait_s"] += wait_s

@@ -191,7 +191,7 @@ def test_batched_study_compiles_each_batch_before_timing_it():
     assert result.best_ms == min(table[c] for c in compiled if c not in broken)
 
 
-def test_a_config_the_pool_has_not_built_yet_is_timed_at_once_not_waited_for(tmp_path):
+def test_a_config_the_pool_has_not_built_yet_is_timed_at_once_not_waited_for(tmp_path, capsys):
     # At a study's start the compile processes are still creating their CUDA contexts: a config they have not
     # built when its turn comes is timed at once (measure builds it through the JIT); one they have built, or
     # failed to build, is taken from them.
@@ -229,6 +229,18 @@ def test_a_config_the_pool_has_not_built_yet_is_timed_at_once_not_waited_for(tmp
     assert set(timings) == set(timed)
     assert all(timing["built_here"] == (cfg not in built_by_pool) for cfg, timing in timings.items())
     assert all(timing["wait_s"] >= 0 and timing["measure_s"] >= 0 for timing in timings.values())
+    assert sorted(timings, key=lambda cfg: timings[cfg]["start"]) == timed  # when each was turned to, in order
+    # The script prints them per study, and sums them per process: this one timed all twelve.
+    import importlib.util
+    import os
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "tune_timeline.py"
+    script = importlib.util.module_from_spec(spec := importlib.util.spec_from_file_location("tune_timeline", path))
+    spec.loader.exec_module(script)
+    assert script.main([storage]) == 0
+    out = capsys.readouterr().out
+    assert f"{result.study_name}: 12 timed trials" in out
+    assert out.strip().splitlines()[-1].split()[:2] == [str(os.getpid()), "12"]
 
 
 def test_the_next_batch_compiles_while_this_one_is_timed():
@@ -288,3 +300,4 @@ def test_the_default_is_timed_twice_like_the_top_configs():
                         measure=measure, trials=8, space=space, default=default, seed=0)  # fmt: skip
     assert readings.count(default) == 2
     assert result.default_ms == pytest.approx(table[default])
+
