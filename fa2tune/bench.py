@@ -226,6 +226,8 @@ def failure_reason(exc: BaseException) -> str:
 
 def _compile_one(job) -> str | None:
     kernel, head_dim, dtype, causal, cfg, seqlen, device, varlen = job
+    if _released is not None and _released.is_set():  # the tune times nothing more: skip it (CompilePool.release)
+        return None
     try:
         # batch and heads of 2, not 1: Triton compiles an int argument equal to 1 as a constant, so a binary built
         # with H_Q = 1 would not be the one a real launch (H_Q = 16) loads from the cache.
@@ -238,8 +240,11 @@ def _compile_one(job) -> str | None:
         return failure_reason(exc)
 
 
-def _start_compiler(environment: dict[str, str]) -> None:
-    """A compile process's start: the caller's environment, and a lower priority.
+_released = None  # in a compile process: its pool's release event (CompilePool.release)
+
+
+def _start_compiler(environment: dict[str, str], released=None) -> None:
+    """A compile process's start: the caller's environment, its pool's release event, and a lower priority.
 
     It does not create its CUDA context here: a pool's processes all doing so at once made the tuning process's
     own context wait behind theirs (4.3 s instead of 0.5 s on the H200 host, docs/TUNING.md session 6). Each
@@ -247,7 +252,9 @@ def _start_compiler(environment: dict[str, str]) -> None:
     """
     from . import processes
 
+    global _released
     processes.adopt(environment)
+    _released = released
     try:
         # Compiles run while the tuning process times kernels: a timing process waiting for a core would launch
         # late and read slow.
@@ -271,7 +278,8 @@ class CompilePool:
 
         self.workers = workers
         context = context or processes.context()
-        self._pool = context.Pool(workers, initializer=_start_compiler, initargs=(dict(os.environ),))
+        self._released = context.Event()
+        self._pool = context.Pool(workers, initializer=_start_compiler, initargs=(dict(os.environ), self._released))
 
     def compile(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", varlen=False) -> dict:
         """Compiles every config; returns {config: failure reason} for those that failed.
@@ -307,7 +315,22 @@ class CompilePool:
         wait.ready = ready
         return wait
 
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
+    def release(self) -> None:
+        """For a tune that will time nothing more: the compiles not started yet are skipped (their wait says
+        None, as for a config never started), and the processes exit once their current compile is done — while
+        the caller goes on (the study's finish), not at close(). Waiting at the end for the queued batches and
+        compiles-ahead nobody would load, and for 16 processes to tear down their CUDA contexts, cost 3-4 s at
+        the end of a tune on the 2×H200 host. (Not Pool.terminate: it can hang, python/cpython#78178; a test of it
+        on the H200 host did.) Nothing can be started after this."""
+        self._released.set()
+        self._pool.close()
+
     def close(self) -> None:
+        """Waits for every compile started (none not yet begun, after release()), then for the processes' exit."""
         self._pool.close()
         self._pool.join()
 

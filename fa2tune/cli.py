@@ -233,7 +233,9 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                       f"{elapsed:.0f} s", end="", flush=True)  # fmt: skip
 
             then = specs[number + 1] if number + 1 < len(specs) else None  # its first configs compile meanwhile
-            result, entry = tunejob.run_study(spec, devices[0], on_trial=progress, compile_pool=pool, then=then)
+            result, entry = tunejob.run_study(
+                spec, devices[0], on_trial=progress, compile_pool=pool, then=then, release_pool=then is None
+            )
             print()
             path = tunejob.write(entry, devices[0], config_dir)
             rows.append((spec.kernel, spec.causal, result))

@@ -78,6 +78,7 @@ def run_study(
     finalize: bool = True,
     compile_pool: bench.CompilePool | None = None,
     then: StudySpec | None = None,
+    release_pool: bool = False,
 ) -> tuple[tuner.TuneResult, store.Entry]:
     """Tunes one kernel on one device; with finalize=False only times trials (a worker of run_parallel).
 
@@ -85,6 +86,8 @@ def run_study(
     own if None), then times them, the next batch compiling while this one is timed: a tune compiles what it
     times, not the whole search space. `then`, the study run next on this device: its first configs (known
     before it starts) compile in the pool meanwhile, so it does not wait for a compile round of its own.
+    release_pool: the caller will compile nothing more in compile_pool; it is released (CompilePool.release) as
+    soon as the trials are timed, so its processes exit during the finish. A pool of its own always is.
     """
     info = selection.device_info(device_name)
     dtype = DTYPES_BY_NAME[spec.dtype]
@@ -132,6 +135,7 @@ def run_study(
             verify=verify if finalize else None, remeasure_top=3 if finalize else 1, on_trial=on_trial,
             seed=spec.seed, variant=spec.variant, prepare=prepare if pool is not None else None,
             batch_size=BATCH if pool is not None else 1, default=default, run=spec.run,
+            on_timed=pool.release if pool is not None and (own_pool or release_pool) else None,
         )  # fmt: skip
     finally:
         if own_pool:
@@ -256,7 +260,14 @@ def _worker(number: int, device_name: str, compile_workers: int, environment: di
             if (job := jobs.popleft()) is None:
                 break
             kind, index, spec = job
+            # The pool serves this worker's trials jobs, all sent at the start (they are in `jobs` by now); after
+            # the last, it is let go while the study's finish runs. A job of a worker that died can come later: it
+            # runs with a pool of its own.
+            live_pool = pool if pool is not None and not pool.released else None
+            release = kind == "trials" and not any(j is not None and j[0] == "trials" for j in jobs)
             if kind == "trials" and _spent(spec, device_name):  # others used the budget: answer at once
+                if release and live_pool is not None:
+                    live_pool.release()
                 outbox.put(("done", kind, index, number, None, None))
                 continue
             then = next((j[2] for j in jobs if j is not None and j[0] != "finish"), None)
@@ -265,8 +276,8 @@ def _worker(number: int, device_name: str, compile_workers: int, environment: di
                 outbox.put(("progress", index, number, state))
 
             try:
-                done = run_study(spec, device_name, finalize=kind == "finish", compile_pool=pool, on_trial=on_trial,
-                                 then=then)  # fmt: skip
+                done = run_study(spec, device_name, finalize=kind == "finish", compile_pool=live_pool,
+                                 on_trial=on_trial, then=then, release_pool=release)  # fmt: skip
                 outbox.put(("done", kind, index, number, None, done if kind == "finish" else None))
             except Exception as exc:  # one study failing here is reported; the worker carries on with the next
                 outbox.put(("done", kind, index, number, bench.failure_reason(exc), None))

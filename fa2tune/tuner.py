@@ -168,6 +168,7 @@ def tune(
     prepare: Prepare | None = None,
     batch_size: int = 1,
     run: str | None = None,
+    on_timed: Callable[[], None] | None = None,
 ) -> TuneResult:
     """Runs (or resumes, with a persistent `storage`) the study and returns the winner.
 
@@ -193,6 +194,8 @@ def tune(
             counts every process's, and stops — before its next timing — once the run has timed (or is timing)
             `trials`: the processes end within one timing of each other, whatever their speed. None: `trials`
             is this process's own.
+        on_timed: called once the trials are timed, before the finish (the best re-timed and verified): where a
+            caller lets its compile processes go (CompilePool.release).
     """
     start = time.time()
     name = study_name(device, kernel, head_dim, dtype, causal, variant)
@@ -337,6 +340,8 @@ def tune(
             break
         run_batch(*in_flight.popleft())
 
+    if on_timed is not None:
+        on_timed()
     if not measured:
         raise RuntimeError(f"{name}: no config could be measured; reasons: {[r.reason for r in history][:5]}")
     # Re-measure the top few: a single timing can be lucky. The winner is the best second reading that verifies.

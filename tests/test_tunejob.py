@@ -171,6 +171,27 @@ def test_the_compile_pool_answers_for_each_config_on_its_own(interpreter_only, s
         assert pool.compile("fwd", 16, torch.bfloat16, Mask(), [good, other], seqlens=(64,), device="cpu") == {}
 
 
+@pytest.mark.parametrize("released", [False, True])
+def test_a_released_compile_pool_skips_the_compiles_not_yet_begun(interpreter_only, released):
+    # A tune ends with batches queued that nobody will time: after release() the processes skip them and exit,
+    # instead of close() building them all. Built on a device that does not exist, every config that is
+    # compiled fails with a reason; one that is skipped answers None.
+    from fa2tune import bench
+    from fa2tune.types import KernelConfig, Mask
+
+    configs = [KernelConfig(m, n, 4, 1) for m in (16, 32, 64) for n in (16, 32, 64, 128)]
+    pool = bench.CompilePool(1)
+    wait = pool.start("fwd", 16, torch.bfloat16, Mask(), configs, seqlens=(64,), device="no-such-device")
+    if released:
+        pool.release()
+    pool.close()
+    assert pool.released == released
+    if released:
+        assert wait(configs[-1]) is None
+    else:
+        assert all("no-such-device" in wait(cfg) for cfg in configs)
+
+
 def test_a_worker_answers_a_share_of_a_spent_budget_without_starting_the_study(tmp_path, interpreter_only):
     from dataclasses import replace
 

@@ -301,3 +301,21 @@ def test_the_default_is_timed_twice_like_the_top_configs():
     assert readings.count(default) == 2
     assert result.default_ms == pytest.approx(table[default])
 
+
+def test_on_timed_is_called_once_between_the_trials_and_the_finish():
+    # Where a tune lets its compile processes go (tunejob.run_study, CompilePool.release): after the last trial's
+    # timing and before the winner is re-timed and verified, so they exit while the finish runs.
+    table = _recorded(128, False)
+    space = sorted(table, key=lambda c: tuple(c.to_dict().values()))[:20]
+    measure, calls = _replay(table)
+    events = []
+
+    def verify(cfg):
+        events.append(("verify", len(calls)))
+
+    tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
+               measure=measure, trials=6, space=space, default=space[0], verify=verify,
+               on_timed=lambda: events.append(("timed", len(calls))))  # fmt: skip
+    (timed, at), (first_verify, _) = events[0], events[1]
+    assert [e for e, _ in events].count("timed") == 1 and (timed, first_verify) == ("timed", "verify")
+    assert at == 6 < len(calls)  # the six trials were timed before it; the re-timings of the best after it
