@@ -365,6 +365,7 @@ def run_parallel_many(
         process = context.Process(target=_worker, args=(number, name, compile_workers, dict(os.environ), inbox, outbox))
         process.start()
         workers.append((name, process, inbox))
+    run = uuid.uuid4().hex  # marks the trials this run's workers time: their shared budgets count them
     pending: dict[int, list[Job]] = {i: [] for i in range(count)}  # jobs sent and not yet answered, in order
     dead: dict[int, int] = {}
     finished: dict[int, tuple[tuner.TuneResult, store.Entry]] = {}
@@ -406,6 +407,10 @@ def run_parallel_many(
     def died(i: int, code: int) -> None:
         dead[i] = code
         report(f"worker {i} on {workers[i][0]} died (exit code {code}); the others carry on with its work")
+        # A trial it was timing stays RUNNING and would count against the budget: fail it, so it does not.
+        for url in dict.fromkeys(spec.storage for spec in specs):
+            if abandoned := tuner.fail_abandoned(_storage(url), run, workers[i][1].pid):
+                report(f"worker {i} was timing {abandoned} config(s) when it died: marked failed")
         jobs, pending[i] = pending[i], []
         for job in jobs:
             if (j := least_busy()) is not None:
@@ -413,7 +418,7 @@ def run_parallel_many(
         send_finishes()
 
     try:
-        for i, plan in enumerate(deal(specs, count, run=uuid.uuid4().hex)):
+        for i, plan in enumerate(deal(specs, count, run=run)):
             for job in plan:
                 send(i, job)
         while any(pending.values()):

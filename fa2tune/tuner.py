@@ -101,10 +101,25 @@ def _built(wait: Wait, cfg: KernelConfig) -> bool:
 
 def timed_in(study: optuna.Study, run: str) -> int:
     """Configs timed, or being timed, for the study by every process of `run`: each marks a trial timed_in=run
-    before it times it; a failed one is told FAIL and no longer counts. (A process that died while timing leaves
-    its trial RUNNING and counted: the run times one config fewer.)"""
+    before it times it (and timed_by=its pid); a failed one is told FAIL and no longer counts. A process that
+    dies while timing leaves its trial RUNNING: `fail_abandoned` tells it FAIL, so it stops counting."""
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
     return sum(t.user_attrs.get("timed_in") == run for t in study.get_trials(deepcopy=False, states=states))
+
+
+def fail_abandoned(storage, run: str, pid: int) -> int:
+    """Tells FAIL every trial of every study in `storage` that process `pid` of `run` marked and was still timing
+    — after that process died — so the run's budget no longer counts it (a process still on the study times
+    another config in its place). Returns how many."""
+    running = (optuna.trial.TrialState.RUNNING,)
+    abandoned = 0
+    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        study = optuna.load_study(study_name=summary.study_name, storage=storage)
+        for trial in study.get_trials(deepcopy=False, states=running):
+            if trial.user_attrs.get("timed_in") == run and trial.user_attrs.get("timed_by") == pid:
+                study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                abandoned += 1
+    return abandoned
 
 
 def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k: int = 3) -> list[KernelConfig]:
@@ -315,6 +330,7 @@ def tune(
             if cfg not in measured:  # a config asked twice is timed once
                 if run is not None:  # counted against the run's budget from now on, by every process
                     trial.set_user_attr("timed_in", run)
+                    trial.set_user_attr("timed_by", os.getpid())  # for fail_abandoned, if this process dies
                 measuring = time.time()
                 try:
                     measured[cfg] = float(measure(cfg))

@@ -319,3 +319,26 @@ def test_on_timed_is_called_once_between_the_trials_and_the_finish():
     (timed, at), (first_verify, _) = events[0], events[1]
     assert [e for e, _ in events].count("timed") == 1 and (timed, first_verify) == ("timed", "verify")
     assert at == 6 < len(calls)  # the six trials were timed before it; the re-timings of the best after it
+
+
+def test_a_dead_process_s_trial_in_timing_stops_counting_against_the_run_s_budget(tmp_path):
+    # A worker marks a trial timed_in=run (and timed_by=its pid) before timing it; if it dies there, the trial
+    # stays RUNNING and the run would time one config fewer. fail_abandoned fails that process's trials only.
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'tune.db'}"
+    study = optuna.create_study(study_name="s", storage=storage)
+    dead, alive = study.ask(), study.ask()
+    for trial, pid in ((dead, 111), (alive, 222)):
+        trial.set_user_attr("timed_in", "run-1")
+        trial.set_user_attr("timed_by", pid)
+    other_run = study.ask()
+    other_run.set_user_attr("timed_in", "run-2")
+    other_run.set_user_attr("timed_by", 111)
+    assert tuner.timed_in(study, "run-1") == 2
+    assert tuner.fail_abandoned(storage, "run-1", 111) == 1
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states[dead.number] == optuna.trial.TrialState.FAIL
+    assert states[alive.number] == states[other_run.number] == optuna.trial.TrialState.RUNNING
+    assert tuner.timed_in(study, "run-1") == 1
+    assert tuner.fail_abandoned(storage, "run-1", 111) == 0  # once
