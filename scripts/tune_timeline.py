@@ -40,6 +40,19 @@ def timeline(study) -> list[tuple]:
     return sorted(rows)
 
 
+def gaps(rows: list[tuple]) -> dict[tuple[int, int, float], float]:
+    """{(pid, trial number, started at): seconds from the process's previous timed trial's end, in any study, to
+    this one's start} — asking Optuna, a finish, moving to another study, or nothing to do. A process's first
+    trial, and records without a start, have none."""
+    found, last_end = {}, {}
+    for _, pid, number, wait_s, measure_s, _, _, started in sorted((r for r in rows if r[7] is not None),
+                                                                  key=lambda r: r[7]):  # fmt: skip
+        if pid in last_end:
+            found[pid, number, started] = started - last_end[pid]
+        last_end[pid] = started + wait_s + measure_s
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     import optuna
 
@@ -50,24 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     storage = _storage(args.storage)
     names = [args.study] if args.study else [s.study_name for s in optuna.get_all_study_summaries(storage)]
     totals: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    first = None
-    last_end: dict[int, float] = {}  # per process, when its previous timed trial ended (epoch s)
-    for name in names:
-        rows = timeline(optuna.load_study(study_name=name, storage=storage))
-        if not rows:
-            continue
-        first = min(first or rows[0][0], rows[0][0])
+    studies = {name: rows for name in names if (rows := timeline(optuna.load_study(study_name=name, storage=storage)))}
+    every = [row for rows in studies.values() for row in rows]
+    first = min((row[0] for row in every), default=None)
+    since_previous = gaps(every)
+    for name, rows in studies.items():
         print(f"\n{name}: {len(rows)} timed trials")
         print(f"{'done at s':>9} {'pid':>7} {'trial':>5} {'wait s':>6} {'measure s':>9} {'built here':>10} {'ms':>8} "
               f"{'gap s':>6}")  # fmt: skip
         for done, pid, number, wait_s, measure_s, built_here, value, started in rows:
             at = (done - first).total_seconds()
-            # gap: from the process's previous trial's end to this one's start (asking Optuna, a finish, idle)
-            gap = f"{started - last_end[pid]:6.2f}" if started is not None and pid in last_end else ""
-            if started is not None:
-                last_end[pid] = started + wait_s + measure_s
+            gap = since_previous.get((pid, number, started))
             print(f"{at:9.1f} {pid:7d} {number:5d} {wait_s:6.2f} {measure_s:9.2f} {'yes' if built_here else '':>10} "
-                  f"{value:8.3f} {gap:>6}")  # fmt: skip
+                  f"{value:8.3f} {'' if gap is None else f'{gap:6.2f}':>6}")  # fmt: skip
             t = totals[pid]
             t["trials"] += 1
             t["wait_s"] += wait_s

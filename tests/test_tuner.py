@@ -241,6 +241,8 @@ def test_a_config_the_pool_has_not_built_yet_is_timed_at_once_not_waited_for(tmp
     out = capsys.readouterr().out
     assert f"{result.study_name}: 12 timed trials" in out
     assert out.strip().splitlines()[-1].split()[:2] == [str(os.getpid()), "12"]
+    gaps = script.gaps(script.timeline(study))  # each trial's gap since its process's previous one: all but the first
+    assert len(gaps) == 11 and all(gap >= 0 for gap in gaps.values())
 
 
 def test_the_next_batch_compiles_while_this_one_is_timed():
