@@ -229,11 +229,11 @@ def write(entry: store.Entry, device_name: str, config_dir: Path) -> Path:
 
 
 def _worker(number: int, device_name: str, compile_workers: int, environment: dict[str, str], inbox, outbox) -> None:
-    """A worker of run_parallel_many: runs the jobs it is sent, in order, until it is sent None. A job is
-    ("trials", index, spec): time the study, with the run's other workers, until its budget is spent; or
-    ("finish", index, spec): re-time its best configs, verify, and send back the (result, entry). Every job is
-    answered on outbox with ("done", kind, index, worker number, problem or None, payload); each timed trial is
-    told as ("progress", index, worker number, (timed by the run, trials, best ms, elapsed s)).
+    """A worker of run_parallel_many: runs the jobs it is sent (its plan first, as one list), in order, until it is
+    sent None. A job is ("trials", index, spec): time the study, with the run's other workers, until its budget
+    is spent; or ("finish", index, spec): re-time its best configs, verify, and send back the (result, entry).
+    Every job is answered on outbox with ("done", kind, index, worker number, problem or None, payload); each
+    timed trial is told as ("progress", index, worker number, (timed by the run, trials, best ms, elapsed s)).
 
     It lives for the whole tune, so its CUDA context and its compile pool start once, not once per study; it
     knows the jobs queued behind the current one, so the next study's first configs compile meanwhile.
@@ -250,19 +250,26 @@ def _worker(number: int, device_name: str, compile_workers: int, environment: di
     if device_name.startswith("cuda"):
         torch.cuda.set_device(torch.device(device_name))
     jobs: deque = deque()
+
+    def take(message) -> None:  # a job, None (stop), or a list of jobs: the worker's whole plan, sent at once
+        if isinstance(message, list):
+            jobs.extend(message)
+        else:
+            jobs.append(message)
+
     try:
         while True:
             if not jobs:
-                jobs.append(inbox.get())
+                take(inbox.get())
             with contextlib.suppress(queue.Empty):
                 while True:
-                    jobs.append(inbox.get_nowait())
+                    take(inbox.get_nowait())
             if (job := jobs.popleft()) is None:
                 break
             kind, index, spec = job
-            # The pool serves this worker's trials jobs, all sent at the start (they are in `jobs` by now); after
-            # the last, it is let go while the study's finish runs. A job of a worker that died can come later: it
-            # runs with a pool of its own.
+            # The pool serves this worker's trials jobs, all sent at the start in one message; after the last, it
+            # is let go while the study's finish runs. A job of a worker that died can come later: it runs with a
+            # pool of its own.
             live_pool = pool if pool is not None and not pool.released else None
             release = kind == "trials" and not any(j is not None and j[0] == "trials" for j in jobs)
             if kind == "trials" and _spent(spec, device_name):  # others used the budget: answer at once
@@ -376,6 +383,12 @@ def run_parallel_many(
         pending[i].append(job)
         workers[i][2].put(job)
 
+    def send_plan(i: int, plan: list[Job]) -> None:
+        """The worker's jobs in one message: all there when it looks at its first (it lets its compile pool go
+        after its last trials job)."""
+        pending[i].extend(plan)
+        workers[i][2].put(list(plan))
+
     def least_busy() -> int | None:
         """The live worker with the least left to do. A share of a study whose budget is spent is nothing to do
         (the worker answers it at once, or after the one trial it is timing), so the last studies' finishes go to
@@ -419,8 +432,7 @@ def run_parallel_many(
 
     try:
         for i, plan in enumerate(deal(specs, count, run=run)):
-            for job in plan:
-                send(i, job)
+            send_plan(i, plan)
         while any(pending.values()):
             message = _next_message(outbox)
             if message is not None and message[0] == "progress":
