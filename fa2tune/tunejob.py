@@ -288,9 +288,35 @@ def _worker(number: int, device_name: str, compile_workers: int, environment: di
                 outbox.put(("done", kind, index, number, None, done if kind == "finish" else None))
             except Exception as exc:  # one study failing here is reported; the worker carries on with the next
                 outbox.put(("done", kind, index, number, bench.failure_reason(exc), None))
-    finally:
+    except BaseException:
         if pool is not None:
             pool.close()
+        raise
+    _leave_now(outbox)
+
+
+def _leave_now(outbox) -> None:
+    """Ends a worker that was told to stop, every answer sent, without waiting for anything else.
+
+    Its compile processes may still be in a compile nobody will load (the pool was released during the last
+    finish): closing the pool waits for those compiles and for the processes to tear down their CUDA contexts,
+    and the main process, which joins this one, waits with it — the end of a 2-GPU tune on the 2×H200 host spent
+    2.4 s between the last finish and the workers' exit (docs/TUNING.md, session 7). So they are sent SIGTERM and
+    left to exit (their results are unwanted; Triton writes a cache entry under a temporary name and renames it,
+    so a killed compile leaves at most a stray temporary directory, never a broken entry), the answers still
+    buffered are flushed, and the process exits at once, skipping multiprocessing's exit path (which would join
+    the children again).
+    """
+    import multiprocessing
+    import sys
+
+    for child in multiprocessing.active_children():  # the compile pool's processes: this worker's only children
+        child.terminate()
+    outbox.close()
+    outbox.join_thread()  # every answer is in the pipe before the process goes
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spent(spec: StudySpec, device_name: str) -> bool:

@@ -202,3 +202,50 @@ def test_a_worker_answers_a_share_of_a_spent_budget_without_starting_the_study(t
     assert tunejob._spent(spec, "cpu")
     assert not tunejob._spent(replace(spec, run="run-2"), "cpu")  # another run has a budget of its own
     assert not tunejob._spent(replace(spec, run=None), "cpu")  # a lone process counts its own trials
+
+
+def _stopped_worker_with_a_busy_child(outbox):
+    import multiprocessing
+    import time
+
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,), daemon=True)
+    child.start()
+    outbox.put(("child", child.pid))
+    outbox.put(("done", "finish", 0, 0, None, None))  # an answer still in the feeder's buffer when it leaves
+    tunejob._leave_now(outbox)
+    raise AssertionError("_leave_now returned")
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited: no such pid, or a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_stopped_worker_leaves_at_once_ending_its_compile_processes_and_losing_no_answer():
+    # A worker told to stop does not wait for its compile processes (a compile nobody will load, then their
+    # teardown: seconds at the end of every multi-GPU tune): they are ended, the answers still buffered are
+    # flushed, and the worker exits with 0 — not through multiprocessing's exit path, which would join the child.
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    context = multiprocessing.get_context("fork")
+    outbox = context.Queue()
+    worker = context.Process(target=_stopped_worker_with_a_busy_child, args=(outbox,))
+    worker.start()
+    messages = [outbox.get(timeout=60), outbox.get(timeout=60)]
+    worker.join(timeout=60)
+    assert worker.exitcode == 0
+    assert messages[1] == ("done", "finish", 0, 0, None, None)
+    child = messages[0][1]
+    deadline = time.monotonic() + 60
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not _gone(child):
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the busy child outlived the worker")
