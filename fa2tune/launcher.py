@@ -52,7 +52,17 @@ def fwd_grid(q_tiles: int, batch_heads: int) -> tuple[int, int, int]:
     if b2 > axis_max:
         raise ValueError(f"batch·heads = {batch_heads} exceeds what one launch can cover ({axis_max}²)")
     b1 = _cdiv(batch_heads, b2)  # the smallest B1 for that B2: fewer than b2 idle programs per Q tile
+    if b1 * b2 > MAX_BATCH_HEADS:
+        raise ValueError(
+            f"batch·heads = {batch_heads} is more than the forward kernel can number with 32-bit program ids "
+            f"(at most {MAX_BATCH_HEADS}); split the batch into several calls"
+        )
     return (q_tiles, b1, b2)
+
+
+# The forward computes pid_bh = axis2·B1 + axis1 and batch·heads in int32 (Triton's type for program ids): every
+# program id of the grid must stay below 2^31. Only inputs of ~2^31 heads of a few elements come near it.
+MAX_BATCH_HEADS = 2**31 - 1
 
 
 def _kernel(template: str, name: str, mask: Mask, seqlen_q: int, seqlen_k: int, config: KernelConfig, varlen: bool):

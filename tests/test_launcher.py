@@ -142,7 +142,7 @@ def test_large_scores_stay_finite(device):
     torch.testing.assert_close(lse.double().cpu(), ref_lse.cpu(), rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("batch_heads", [1, 7, 65535, 65536, 200_000, 65535**2])
+@pytest.mark.parametrize("batch_heads", [1, 7, 65535, 65536, 200_000, 2**31 - 65536])
 def test_forward_grid_covers_every_head_within_cuda_limits(batch_heads):
     tiles, b1, b2 = launcher.fwd_grid(3, batch_heads)
     assert tiles == 3 and 1 <= b1 <= launcher.GRID_AXIS_MAX and 1 <= b2 <= launcher.GRID_AXIS_MAX
@@ -152,6 +152,14 @@ def test_forward_grid_covers_every_head_within_cuda_limits(batch_heads):
 def test_forward_grid_refuses_more_heads_than_one_launch_covers():
     with pytest.raises(ValueError, match="batch·heads"):
         launcher.fwd_grid(1, launcher.GRID_AXIS_MAX**2 + 1)
+
+
+@pytest.mark.parametrize("batch_heads", [2**31 - 1, 2**31, 65535**2])
+def test_forward_grid_refuses_program_ids_past_int32(batch_heads):
+    # The kernel numbers (batch, head) programs in int32: a grid whose axis2·B1 + axis1 could reach 2^31 would wrap
+    # to negative heads and write out of bounds. Such a call is refused with a way out, not run.
+    with pytest.raises(ValueError, match=r"32-bit program ids.*split the batch"):
+        launcher.fwd_grid(1, batch_heads)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
