@@ -40,6 +40,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 GRID_AXIS_MAX = 65535  # CUDA's cap on grid axes 1 and 2
+# The forward computes pid_bh = axis2·B1 + axis1 and batch·heads in int32 (Triton's type for program ids): every
+# program id of the grid must stay below 2^31. Only inputs of ~2^31 heads of a few elements come near it.
+MAX_BATCH_HEADS = 2**31 - 1
 
 
 def fwd_grid(q_tiles: int, batch_heads: int) -> tuple[int, int, int]:
@@ -58,11 +61,6 @@ def fwd_grid(q_tiles: int, batch_heads: int) -> tuple[int, int, int]:
             f"(at most {MAX_BATCH_HEADS}); split the batch into several calls"
         )
     return (q_tiles, b1, b2)
-
-
-# The forward computes pid_bh = axis2·B1 + axis1 and batch·heads in int32 (Triton's type for program ids): every
-# program id of the grid must stay below 2^31. Only inputs of ~2^31 heads of a few elements come near it.
-MAX_BATCH_HEADS = 2**31 - 1
 
 
 def _kernel(template: str, name: str, mask: Mask, seqlen_q: int, seqlen_k: int, config: KernelConfig, varlen: bool):

@@ -3,26 +3,18 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
-
-def _script(name: str):
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
-    module = importlib.util.module_from_spec(spec := importlib.util.spec_from_file_location(name, path))
-    spec.loader.exec_module(module)
-    return module
+from ._scripts import load_script
 
 
 @pytest.mark.parametrize("order", ["tile-fast", "head-fast", "persistent"])
 def test_causal_order_experiment_computes_causal_attention_in_every_order(order):
     # scripts/exp_causal_order.py times three orders of the same causal tiles on the H200; each must cover every
     # tile of every head once — the persistent one with a program count that does not divide the work.
-    script = _script("exp_causal_order")
+    script = load_script("exp_causal_order")
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 64, 16) for _ in range(3))
     out = torch.full_like(q, float("nan"))
@@ -35,7 +27,7 @@ def test_causal_order_experiment_computes_causal_attention_in_every_order(order)
 def test_exp2_polynomial_of_the_experiment_is_as_accurate_as_it_says(mode):
     # scripts/exp_exp2_poly.py: 2^round(x)·p(f) within 7.5e-5 of 2^x, and a clamp that keeps -inf and the far
     # negative from wrapping the exponent (2^-126 then, ~1e-38: a normal float, not a sign flip or a NaN).
-    rel, tail = _script("exp_exp2_poly").exp2_errors(mode, device="cpu")
+    rel, tail = load_script("exp_exp2_poly").exp2_errors(mode, device="cpu")
     assert rel < 8e-5
     at_zero, at_minus_one, *far = tail
     assert math.isclose(at_zero, 1.0, rel_tol=8e-5) and math.isclose(at_minus_one, 0.5, rel_tol=8e-5)

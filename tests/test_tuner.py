@@ -12,6 +12,8 @@ from fa2tune.bench import load_sweep
 from fa2tune.device import known_gpu
 from fa2tune.types import KernelConfig
 
+from ._scripts import load_script
+
 SWEEP = Path(__file__).resolve().parent.parent / "docs" / "bench" / "nvidia-h200-sweep-fwd-v1.csv"
 
 
@@ -231,12 +233,9 @@ def test_a_config_the_pool_has_not_built_yet_is_timed_at_once_not_waited_for(tmp
     assert all(timing["wait_s"] >= 0 and timing["measure_s"] >= 0 for timing in timings.values())
     assert sorted(timings, key=lambda cfg: timings[cfg]["start"]) == timed  # when each was turned to, in order
     # The script prints them per study, and sums them per process: this one timed all twelve.
-    import importlib.util
     import os
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "tune_timeline.py"
-    script = importlib.util.module_from_spec(spec := importlib.util.spec_from_file_location("tune_timeline", path))
-    spec.loader.exec_module(script)
+    script = load_script("tune_timeline")
     assert script.main([storage]) == 0
     out = capsys.readouterr().out
     assert f"{result.study_name}: 12 timed trials" in out
