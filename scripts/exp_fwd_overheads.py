@@ -5,11 +5,13 @@ A minimal non-causal forward (even shapes, (batch, heads, N, d) contiguous, bf16
 fa2tune's structure one piece at a time — a 1-D grid instead of (Q tiles, batch·heads), run-time strides instead
 of constexpr ones, the logsumexp store — and LAZY: skip the rescale of Õ and ℓ unless some row's running max grows
 by more than 8 (log2 units; FlashAttention-4's trick: exp2(s - m) stays ≤ 2^8 with a stale max, and the result is
-exact because Õ and ℓ share the max). Each case is checked against SDPA and timed with do_bench beside fa2tune's
-own kernel at the same config (docs/PERF.md v5).
+exact because Õ and ℓ share the max); and UNROLL: two iterations per trip of the loop (tl.range's
+loop_unroll_factor), fewer instructions a score at d=64 (docs/PERF.md v8). Each case is checked against SDPA and
+timed with do_bench beside fa2tune's own kernel at the same config (docs/PERF.md v5).
 
     python scripts/exp_fwd_overheads.py            # on a GPU: the table
-    python scripts/exp_fwd_overheads.py --ptx      # no GPU needed: the inner loop's instruction mix, sm_90
+    python scripts/exp_fwd_overheads.py --ptx      # no GPU needed: the inner loop's instruction mix, sm_90, and
+                                                   # instructions a score with and without unrolling
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def _minimal_fwd(
     Q, K, V, Out, LSE, qk_scale, N, H, stride_b, stride_h, stride_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
     GRID1D: tl.constexpr, STRIDES: tl.constexpr, STORE_LSE: tl.constexpr, LAZY: tl.constexpr,
+    UNROLL: tl.constexpr = 1,
 ):  # fmt: skip
     if GRID1D:  # fa2tune's grid: one axis, Q tile fastest
         num_m = tl.cdiv(N, BLOCK_M)
@@ -54,7 +57,7 @@ def _minimal_fwd(
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     k_ptrs = K + base + offs_n[:, None] * row + offs_d[None, :]
     v_ptrs = V + base + offs_n[:, None] * row + offs_d[None, :]
-    for _ in tl.range(0, N, BLOCK_N):
+    for _ in tl.range(0, N, BLOCK_N, loop_unroll_factor=UNROLL):
         qk = tl.dot(q, tl.trans(tl.load(k_ptrs)))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         if LAZY:
@@ -80,12 +83,15 @@ def _minimal_fwd(
         tl.store(LSE + (b * H + h) * N + offs_m, (m_i + tl.math.log2(l_i)) * 0.6931471805599453)
 
 
-CASES = {  # name: (GRID1D, STRIDES, STORE_LSE, LAZY)
-    "minimal, 2-D grid": (0, 0, 0, 0),
-    "+ 1-D grid": (1, 0, 0, 0),
-    "+ 1-D grid, strides": (1, 1, 0, 0),
-    "+ 1-D grid, strides, LSE": (1, 1, 1, 0),
-    "minimal + lazy rescale": (0, 0, 0, 1),
+CASES = {  # name: (GRID1D, STRIDES, STORE_LSE, LAZY, UNROLL)
+    "minimal, 2-D grid": (0, 0, 0, 0, 1),
+    "+ 1-D grid": (1, 0, 0, 0, 1),
+    "+ 1-D grid, strides": (1, 1, 0, 0, 1),
+    "+ 1-D grid, strides, LSE": (1, 1, 1, 0, 1),
+    "minimal + lazy rescale": (0, 0, 0, 1, 1),
+    # Two iterations per trip of the loop: fewer loop-control and address instructions a score at d=64 in the
+    # sm_90 PTX (8.31 against 8.78), more at d=128 (register moves) — docs/PERF.md v8. Not yet timed.
+    "minimal, loop unrolled x2": (0, 0, 0, 0, 2),
 }
 
 
@@ -135,11 +141,36 @@ def time_table() -> None:
         print(f"{d:>4} {n:>6} {config!s:<17} {name:<28} {tflops:>8.0f} {err:>8.1e}")
 
 
-def loop_mix() -> None:
-    """The sm_90 PTX of the inner loop, by opcode: fa2tune's kernel at (256, 64, 8, 4), d=128, against the minimal."""
+def _loop_ops(kernel) -> list[str]:
+    """The opcodes of a compiled kernel's inner loop (its longest self-looping block) in its PTX."""
+    ptx = kernel.asm["ptx"]
+    loops = []
+    for label in re.findall(r"^(\$L__BB0_\d+):", ptx, re.M):
+        match = re.search(rf"^{re.escape(label)}:.*?bra(?:\.uni)?\s+{re.escape(label)};", ptx, re.S | re.M)
+        if match:
+            loops.append(match.group(0))
+    return re.findall(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)", max(loops, key=len), re.M)
+
+
+def _compile_minimal(config, d: int, unroll: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    block_m, block_n, warps, stages = config
+    names = _minimal_fwd.arg_names
+    signature = {a: "*bf16" for a in ("Q", "K", "V", "Out")} | {"LSE": "*fp32", "qk_scale": "fp32"}
+    signature |= {a: "i32" for a in ("N", "H", "stride_b", "stride_h", "stride_m")}
+    constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "D": d, "GRID1D": 0, "STRIDES": 0, "STORE_LSE": 0,
+                  "LAZY": 0, "UNROLL": unroll}  # fmt: skip
+    signature |= dict.fromkeys(constexprs, "constexpr")
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("Q", "K", "V", "Out", "LSE", "N")}
+    source = ASTSource(_minimal_fwd, {a: signature[a] for a in names}, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def loop_mix() -> None:
+    """The sm_90 PTX of the inner loop, by opcode: fa2tune's kernel at (256, 64, 8, 4), d=128, against the minimal;
+    then the minimal kernel's instructions per score with the loop unrolled x2, at d=128 and d=64."""
     from fa2tune import probe
     from fa2tune.types import KernelConfig
 
@@ -155,20 +186,17 @@ def loop_mix() -> None:
         probe.compile_config("fwd", KernelConfig(256, 64, 8, 4), 128, torch.bfloat16)
     finally:
         triton.compile = compile_
-    names = _minimal_fwd.arg_names
-    signature = {a: "*bf16" for a in ("Q", "K", "V", "Out")} | {"LSE": "*fp32", "qk_scale": "fp32"}
-    signature |= {a: "i32" for a in ("N", "H", "stride_b", "stride_h", "stride_m")}
-    constexprs = {"BLOCK_M": 256, "BLOCK_N": 64, "D": 128, "GRID1D": 0, "STRIDES": 0, "STORE_LSE": 0, "LAZY": 0}
-    signature |= dict.fromkeys(constexprs, "constexpr")
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("Q", "K", "V", "Out", "LSE", "N")}
-    source = ASTSource(_minimal_fwd, {a: signature[a] for a in names}, constexprs=constexprs, attrs=attrs)
-    compiled["minimal"] = compile_(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 4})
+    compiled["minimal"] = _compile_minimal((256, 64, 8, 4), 128, 1)
     for name, kernel in compiled.items():
-        ptx = kernel.asm["ptx"]
-        loop = re.search(r"^\$L__BB0_2:.*?bra\s+\$L__BB0_2;", ptx, re.S | re.M).group(0)  # the one inner loop
-        ops = re.findall(r"^\s*(?:@%p\d+\s+)?([a-z][\w.]*)", loop, re.M)
+        ops = _loop_ops(kernel)
         top = {op: ops.count(op) for op in sorted(set(ops), key=ops.count, reverse=True)[:12]}
         print(f"{name:>8}: {len(ops)} instructions in the loop, shared {kernel.metadata.shared} B; {top}")
+    for d, config in ((128, (256, 64, 8, 4)), (64, (128, 64, 8, 3))):
+        for unroll in (1, 2):
+            ops = _loop_ops(_compile_minimal(config, d, unroll))
+            scores = config[0] * config[1] * unroll / (32 * config[2])  # scores a thread computes per trip
+            per_score = len(ops) / scores
+            print(f"minimal d={d} {config} unroll {unroll}: {len(ops)} instructions a trip, {per_score:.2f} a score")
 
 
 def main() -> None:
