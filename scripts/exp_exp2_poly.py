@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import re
 
 import torch
 import triton
@@ -181,6 +180,7 @@ def time_table() -> None:
 
 def loop_mix() -> None:
     """Each mode's inner loop in sm_90 PTX, by opcode, at d=64 (128, 64, 8 warps, 3 stages)."""
+    from exp_fwd_overheads import loop_ops  # scripts/ is on the path when a script of it runs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -193,9 +193,7 @@ def loop_mix() -> None:
         attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("Q", "K", "V", "Out", "N")}
         source = ASTSource(_minimal_fwd, {a: sig[a] for a in names}, constexprs=constexprs, attrs=attrs)
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "num_stages": 3})
-        ptx = kernel.asm["ptx"]
-        loop = re.search(r"^\$L__BB0_2:.*?bra(?:\.uni)?\s+\$L__BB0_2;", ptx, re.S | re.M).group(0)
-        ops = re.findall(r"^\s*(?:@%p\d+\s+)?([a-z][\w.]*)", loop, re.M)
+        ops = loop_ops(kernel)
         top = {op: ops.count(op) for op in sorted(set(ops), key=ops.count, reverse=True)[:14]}
         layouts = kernel.asm["ttgir"].count("convert_layout")
         print(f"{mode:>6}: {len(ops)} in the loop, shared {kernel.metadata.shared} B, {layouts} convert_layout; {top}")

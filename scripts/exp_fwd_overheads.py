@@ -141,8 +141,9 @@ def time_table() -> None:
         print(f"{d:>4} {n:>6} {config!s:<17} {name:<28} {tflops:>8.0f} {err:>8.1e}")
 
 
-def _loop_ops(kernel) -> list[str]:
-    """The opcodes of a compiled kernel's inner loop (its longest self-looping block) in its PTX."""
+def loop_ops(kernel) -> list[str]:
+    """The opcodes of a compiled kernel's inner loop (its longest self-looping block) in its PTX; also used by
+    scripts/exp_exp2_poly.py --ptx."""
     ptx = kernel.asm["ptx"]
     loops = []
     for label in re.findall(r"^(\$L__BB0_\d+):", ptx, re.M):
@@ -188,12 +189,12 @@ def loop_mix() -> None:
         triton.compile = compile_
     compiled["minimal"] = _compile_minimal((256, 64, 8, 4), 128, 1)
     for name, kernel in compiled.items():
-        ops = _loop_ops(kernel)
+        ops = loop_ops(kernel)
         top = {op: ops.count(op) for op in sorted(set(ops), key=ops.count, reverse=True)[:12]}
         print(f"{name:>8}: {len(ops)} instructions in the loop, shared {kernel.metadata.shared} B; {top}")
     for d, config in ((128, (256, 64, 8, 4)), (64, (128, 64, 8, 3))):
         for unroll in (1, 2):
-            ops = _loop_ops(_compile_minimal(config, d, unroll))
+            ops = loop_ops(_compile_minimal(config, d, unroll))
             scores = config[0] * config[1] * unroll / (32 * config[2])  # scores a thread computes per trip
             per_score = len(ops) / scores
             print(f"minimal d={d} {config} unroll {unroll}: {len(ops)} instructions a trip, {per_score:.2f} a score")
