@@ -32,3 +32,22 @@ def test_exp2_polynomial_of_the_experiment_is_as_accurate_as_it_says(mode):
     at_zero, at_minus_one, *far = tail
     assert math.isclose(at_zero, 1.0, rel_tol=8e-5) and math.isclose(at_minus_one, 0.5, rel_tol=8e-5)
     assert all(0.0 <= value < 2e-38 for value in far)
+
+
+@pytest.mark.parametrize("stagger", [True, False])
+def test_atomic_dq_experiment_computes_all_three_gradients(stagger):
+    # scripts/exp_bwd_atomic_dq.py times a backward whose dK/dV programs add their dQ shares with atomics: every
+    # Q tile must get every K tile's share once, in either loop order, and dK/dV must not change. (The TMA-reduction
+    # case, atomic_dq=2, is beyond the interpreter; the script checks it against cuDNN on the GPU.)
+    script = load_script("exp_bwd_atomic_dq")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 64, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    do = torch.randn(2, 3, 64, 16, dtype=torch.float64)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    ref = torch.autograd.grad(out, (q, k, v), do)
+    scores = q.detach() @ k.detach().transpose(-1, -2) * 16**-0.5
+    lse = torch.logsumexp(scores, -1).float()
+    args = [t.detach().float() for t in (q, k, v, out, lse, do)]
+    dq, dk, dv = script.backward_atomic(*args, (16, 32, 4, 1), stagger=stagger, dot_fp32=True)
+    for got, want in zip((dq, dk, dv), ref, strict=True):
+        assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4)

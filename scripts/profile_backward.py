@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Where fa2tune's backward spends its time: each kernel's device time (torch.profiler), at the tuned configs or
+at dK/dV configs you name, beside the tensor-core rate each kernel reaches on its own matmuls.
+
+The backward is three launches (templates/bwd.py.jinja): δ = rowsum(dO∘O), dK/dV (4 tile matmuls per step:
+QKᵀ, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q) and dQ (3: QKᵀ, dO·Vᵀ, dS·K). The backward's FLOP count has 5 matmuls, so the pair
+does 7/5 of the counted work; the "own" rate below counts each kernel's own matmuls (docs/PERF.md v9).
+
+    python scripts/profile_backward.py                                   # tuned configs, d=64/128, N=8k
+    python scripts/profile_backward.py --head-dims 128 --dkdv 64,64,4,2 --dkdv 64,128,8,3 --causal
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+MATMULS = {"dkdv": 4, "_dq": 3}  # tile matmuls per (Q tile, K tile) pair, by kernel-name fragment
+
+
+def kernel_ms(fn, reps: int = 10) -> dict[str, float]:
+    """Mean device milliseconds per call of each CUDA kernel fn launches (by kernel name)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / reps / 1e3 for e in prof.key_averages() if e.device_time_total}
+
+
+def _profile(d: int, n: int, causal: bool, configs: list) -> None:
+    """Prints each backward kernel's time at each dK/dV config (None: the tuned one), for one head dim."""
+    from dataclasses import astuple
+
+    from fa2tune import launcher
+    from fa2tune.bench import attention_flops, random_qkv
+
+    batch, heads = max(1, 16384 // n), 2048 // d
+    q, k, v = random_qkv(batch, heads, n, d)
+    do = torch.randn_like(q)
+    o, lse = launcher.forward(q, k, v, causal=causal, scale=d**-0.5)
+    matmul_flops = attention_flops(batch, heads, n, n, d, causal=causal) / 2  # one tile matmul's FLOPs
+    for config in configs:
+        times = kernel_ms(
+            lambda config=config: launcher.backward(
+                do, q, k, v, o, lse, causal=causal, scale=d**-0.5, dkdv_config=config
+            )
+        )
+        label = "tuned" if config is None else str(astuple(config)[:4])
+        for name, ms in sorted(times.items()):
+            count = next((m for frag, m in MATMULS.items() if frag in name), 0)
+            own = f"{count * matmul_flops / ms / 1e9:.0f}" if count else "-"
+            print(f"{d:>4} {label:<22} {name[:22]:<22} {ms:>7.3f} {own:>11}")
+        print(f"{d:>4} {label:<22} {'total':<22} {sum(times.values()):>7.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--seqlen", type=int, default=8192)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--dkdv", action="append", default=[], help="BLOCK_M,BLOCK_N,warps,stages; repeatable")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_backward.py needs a CUDA GPU; none is visible", file=sys.stderr)
+        return 2
+    from fa2tune.types import KernelConfig
+
+    configs = [None] + [KernelConfig(*map(int, c.split(","))) for c in args.dkdv]
+    print(f"{'d':>4} {'dK/dV config':<22} {'kernel':<22} {'ms':>7} {'own TFLOP/s':>11}")
+    for d in map(int, args.head_dims.split(",")):
+        _profile(d, args.seqlen, args.causal, configs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
