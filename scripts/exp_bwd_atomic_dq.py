@@ -38,7 +38,19 @@ def _dkdv_dq(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     STAGGER: tl.constexpr, DOT_FP32: tl.constexpr = False,
 ):  # fmt: skip
-    """One program = one BLOCK_N-row K/V tile of one (batch, head); a loop over all Q tiles.
+    """Grid (K tiles, batch·heads): dkdv_tile for each."""
+    dkdv_tile(Q, K, V, DO, LSE2, DELTA, DK, DV, DQ32, DQ_DESC, N, qk_scale, scale, tl.program_id(0),
+              tl.program_id(1).to(tl.int64), BLOCK_M, BLOCK_N, D, ATOMIC_DQ, STAGGER, DOT_FP32)  # fmt: skip
+
+
+@triton.jit
+def dkdv_tile(
+    Q, K, V, DO, LSE2, DELTA, DK, DV, DQ32, DQ_DESC, N, qk_scale, scale, pid_n, bh,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    STAGGER: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """dK and dV of K/V tile pid_n of (batch, head) bh, (batch, heads, N, D) contiguous; a loop over all Q tiles.
+    Also used by scripts/exp_bwd_one_launch.py.
 
     ATOMIC_DQ: 1: also add dS·K·scale of each Q tile into DQ32 (fp32, zeroed) with atomics from every thread;
     2: the same through DQ_DESC, a TMA descriptor of DQ32 as (batch·heads·N, d) rows — one bulk reduction per
@@ -46,8 +58,6 @@ def _dkdv_dq(
     STAGGER: program n starts its loop at the Q tile on its own diagonal, so the programs of a head add into
     different dQ rows at any one time.
     DOT_FP32: dot operands in fp32 (the CPU interpreter's bf16 dot is wrong)."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
     base = bh * N * D
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)

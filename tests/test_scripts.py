@@ -51,3 +51,20 @@ def test_atomic_dq_experiment_computes_all_three_gradients(stagger):
     dq, dk, dv = script.backward_atomic(*args, (16, 32, 4, 1), stagger=stagger, dot_fp32=True)
     for got, want in zip((dq, dk, dv), ref, strict=True):
         assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["two launches", "dkdv+dq", "dq+dkdv"])
+def test_one_launch_experiment_computes_all_three_gradients(layout):
+    # scripts/exp_bwd_one_launch.py puts the dK/dV and dQ programs in one grid: whichever comes first, every K/V
+    # tile and every Q tile of every head must be computed once, with block sizes that differ between the two.
+    script = load_script("exp_bwd_one_launch")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 64, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    do = torch.randn(2, 3, 64, 16, dtype=torch.float64)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    ref = torch.autograd.grad(out, (q, k, v), do)
+    lse = torch.logsumexp(q.detach() @ k.detach().transpose(-1, -2) * 16**-0.5, -1).float()
+    args = [t.detach().float() for t in (q, k, v, out, lse, do)]
+    grads = script.backward(*args, (16, 32, 4, 1), (32, 16, 4, 1), layout, dot_fp32=True)
+    for got, want in zip(grads, ref, strict=True):
+        assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4)
