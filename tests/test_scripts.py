@@ -34,37 +34,37 @@ def test_exp2_polynomial_of_the_experiment_is_as_accurate_as_it_says(mode):
     assert all(0.0 <= value < 2e-38 for value in far)
 
 
-@pytest.mark.parametrize("stagger", [True, False])
-def test_atomic_dq_experiment_computes_all_three_gradients(stagger):
-    # scripts/exp_bwd_atomic_dq.py times a backward whose dK/dV programs add their dQ shares with atomics: every
-    # Q tile must get every K tile's share once, in either loop order, and dK/dV must not change. (The TMA-reduction
-    # case, atomic_dq=2, is beyond the interpreter; the script checks it against cuDNN on the GPU.)
-    script = load_script("exp_bwd_atomic_dq")
+def _backward_problem():
+    """Inputs of the experiments' backward kernels — fp32 q, k, v, O, natural-log logsumexp and dO, (2, 3, 64, 16)
+    — and the float64 autograd gradients they must reproduce."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 64, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
     do = torch.randn(2, 3, 64, 16, dtype=torch.float64)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     ref = torch.autograd.grad(out, (q, k, v), do)
-    scores = q.detach() @ k.detach().transpose(-1, -2) * 16**-0.5
-    lse = torch.logsumexp(scores, -1).float()
-    args = [t.detach().float() for t in (q, k, v, out, lse, do)]
-    dq, dk, dv = script.backward_atomic(*args, (16, 32, 4, 1), stagger=stagger, dot_fp32=True)
-    for got, want in zip((dq, dk, dv), ref, strict=True):
+    lse = torch.logsumexp(q.detach() @ k.detach().transpose(-1, -2) * 16**-0.5, -1)
+    return [t.detach().float() for t in (q, k, v, out, lse, do)], ref
+
+
+def _assert_gradients(grads, ref):
+    for got, want in zip(grads, ref, strict=True):
         assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("stagger", [True, False])
+def test_atomic_dq_experiment_computes_all_three_gradients(stagger):
+    # scripts/exp_bwd_atomic_dq.py times a backward whose dK/dV programs add their dQ shares with atomics: every
+    # Q tile must get every K tile's share once, in either loop order, and dK/dV must not change. (The TMA-reduction
+    # case, atomic_dq=2, is beyond the interpreter; the script checks it against cuDNN on the GPU.)
+    args, ref = _backward_problem()
+    grads = load_script("exp_bwd_atomic_dq").backward_atomic(*args, (16, 32, 4, 1), stagger=stagger, dot_fp32=True)
+    _assert_gradients(grads, ref)
 
 
 @pytest.mark.parametrize("layout", ["two launches", "dkdv+dq", "dq+dkdv"])
 def test_one_launch_experiment_computes_all_three_gradients(layout):
     # scripts/exp_bwd_one_launch.py puts the dK/dV and dQ programs in one grid: whichever comes first, every K/V
     # tile and every Q tile of every head must be computed once, with block sizes that differ between the two.
-    script = load_script("exp_bwd_one_launch")
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 64, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    do = torch.randn(2, 3, 64, 16, dtype=torch.float64)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    ref = torch.autograd.grad(out, (q, k, v), do)
-    lse = torch.logsumexp(q.detach() @ k.detach().transpose(-1, -2) * 16**-0.5, -1).float()
-    args = [t.detach().float() for t in (q, k, v, out, lse, do)]
-    grads = script.backward(*args, (16, 32, 4, 1), (32, 16, 4, 1), layout, dot_fp32=True)
-    for got, want in zip(grads, ref, strict=True):
-        assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4)
+    args, ref = _backward_problem()
+    grads = load_script("exp_bwd_one_launch").backward(*args, (16, 32, 4, 1), (32, 16, 4, 1), layout, dot_fp32=True)
+    _assert_gradients(grads, ref)
