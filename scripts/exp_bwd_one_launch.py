@@ -63,11 +63,18 @@ def _bwd(
     D: tl.constexpr, ROLE: tl.constexpr, DOT_FP32: tl.constexpr = False,
 ):  # fmt: skip
     """1-D grid, tiles fastest within a head. ROLE "dkdv" or "dq": every program is that kind (two launches);
-    "dkdv+dq": the first (N/BLOCK_N1)·BH programs are dK/dV tiles, the rest dQ tiles; "dq+dkdv": dQ tiles first."""
+    "dkdv+dq": the first (N/BLOCK_N1)·BH programs are dK/dV tiles, the rest dQ tiles; "dq+dkdv": dQ tiles first;
+    "by head": head by head, each head's dK/dV tiles then its dQ tiles (FlexAttention's order: its grid is
+    (dK/dV tiles + dQ tiles, batch, heads)), so both kinds of program read one head's Q, K, V, dO at a time."""
     pid = tl.program_id(0)
     num_n = N // BLOCK_N1
     num_m = N // BLOCK_M2
-    if ROLE == "dkdv+dq":
+    if ROLE == "by head":
+        head = pid // (num_n + num_m)
+        within = pid % (num_n + num_m)
+        kv_pid = tl.where(within < num_n, head * num_n + within, -1)
+        q_pid = tl.where(within < num_n, -1, head * num_m + within - num_n)
+    elif ROLE == "dkdv+dq":
         kv_pid = pid
         q_pid = pid - num_n * BH
     elif ROLE == "dq+dkdv":
@@ -90,8 +97,8 @@ def _bwd(
 def backward(q, k, v, o, lse, do, dkdv_config, dq_config, layout: str, *, dot_fp32=False):
     """dq, dk, dv of non-causal attention from the forward's O and natural-log logsumexp.
 
-    layout: "two launches" (each kernel at its own warps and stages), "dkdv+dq" or "dq+dkdv" (one launch, at
-    dkdv_config's warps and stages)."""
+    layout: "two launches" (each kernel at its own warps and stages), "dkdv+dq", "dq+dkdv" or "by head" (one
+    launch, at dkdv_config's warps and stages)."""
     batch, heads, n, d = q.shape
     (m1, n1, warps1, stages1), (m2, n2, warps2, stages2) = dkdv_config, dq_config
     if any(n % b for b in (m1, n1, m2, n2)):
@@ -104,10 +111,10 @@ def backward(q, k, v, o, lse, do, dkdv_config, dq_config, layout: str, *, dot_fp
     if layout == "two launches":
         _bwd[(n // n1 * bh,)](*args, "dkdv", dot_fp32, num_warps=warps1, num_stages=stages1)
         _bwd[(n // m2 * bh,)](*args, "dq", dot_fp32, num_warps=warps2, num_stages=stages2)
-    elif layout in ("dkdv+dq", "dq+dkdv"):
+    elif layout in ("dkdv+dq", "dq+dkdv", "by head"):
         _bwd[(n // n1 * bh + n // m2 * bh,)](*args, layout, dot_fp32, num_warps=warps1, num_stages=stages1)
     else:
-        raise ValueError(f"layout must be 'two launches', 'dkdv+dq' or 'dq+dkdv', got {layout!r}")
+        raise ValueError(f"layout must be 'two launches', 'dkdv+dq', 'dq+dkdv' or 'by head', got {layout!r}")
     return dq, dk, dv
 
 
@@ -115,7 +122,7 @@ CONFIGS = {  # d: [(dK/dV config, dQ config)]: fa2tune's tuned pair (N=8k "all" 
     128: [((64, 128, 8, 3), (128, 128, 8, 2)), ((64, 128, 8, 3), (128, 64, 8, 3)), ((32, 64, 4, 3), (64, 64, 4, 3))],
     64: [((32, 128, 4, 3), (128, 64, 4, 3)), ((64, 128, 8, 3), (128, 64, 8, 3)), ((32, 128, 8, 3), (128, 64, 8, 3))],
 }
-LAYOUTS = ("two launches", "dkdv+dq", "dq+dkdv")
+LAYOUTS = ("two launches", "dkdv+dq", "dq+dkdv", "by head")
 
 
 def _rows(d: int, seqlen: int) -> list[tuple]:

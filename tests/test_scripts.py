@@ -61,7 +61,7 @@ def test_atomic_dq_experiment_computes_all_three_gradients(stagger):
     _assert_gradients(grads, ref)
 
 
-@pytest.mark.parametrize("layout", ["two launches", "dkdv+dq", "dq+dkdv"])
+@pytest.mark.parametrize("layout", ["two launches", "dkdv+dq", "dq+dkdv", "by head"])
 def test_one_launch_experiment_computes_all_three_gradients(layout):
     # scripts/exp_bwd_one_launch.py puts the dK/dV and dQ programs in one grid: whichever comes first, every K/V
     # tile and every Q tile of every head must be computed once, with block sizes that differ between the two.
