@@ -76,6 +76,22 @@ def time_cuda(
     return Timing(median_ms=median, p20_ms=p20, p80_ms=p80)
 
 
+def kernel_times_ms(fn: Callable[[], object], reps: int = 10) -> dict[str, float]:
+    """Mean device milliseconds per call of each CUDA kernel that fn launches, by kernel name (torch.profiler).
+
+    Their sum against time_cuda's reading is the time the GPU waited for the host; each entry is one kernel's share.
+    fn runs once first, so compiles and caches stay out of the profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / reps / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+
+
 def random_qkv(
     batch: int,
     heads: int,

@@ -74,17 +74,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
     _use_short_entries(True, real)
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
+        from fa2tune.bench import kernel_times_ms
 
         for head_dim in head_dims:
             fn, _ = _case(head_dim, 512, True, args.tokens, args.width)
             fn()
             ms = triton.testing.do_bench(fn, warmup=50, rep=200)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(20):
-                    fn()
-                torch.cuda.synchronize()
-            kernels = {e.key: e.device_time_total / 20 / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+            kernels = kernel_times_ms(fn, reps=20)
             busy = sum(kernels.values())
             print(
                 f"\nd={head_dim} N=512 causal fwd+bwd: do_bench {ms:.3f} ms, kernels {busy:.3f} ms, GPU idle "

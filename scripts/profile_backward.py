@@ -20,25 +20,12 @@ import torch
 MATMULS = {"dkdv": 4, "_dq": 3}  # tile matmuls per (Q tile, K tile) pair, by kernel-name fragment
 
 
-def kernel_ms(fn, reps: int = 10) -> dict[str, float]:
-    """Mean device milliseconds per call of each CUDA kernel fn launches (by kernel name)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key: e.device_time_total / reps / 1e3 for e in prof.key_averages() if e.device_time_total}
-
-
 def _profile(d: int, n: int, causal: bool, configs: list) -> None:
     """Prints each backward kernel's time at each dK/dV config (None: the tuned one), for one head dim."""
     from dataclasses import astuple
 
     from fa2tune import launcher
-    from fa2tune.bench import attention_flops, random_qkv
+    from fa2tune.bench import attention_flops, kernel_times_ms, random_qkv
 
     batch, heads = max(1, 16384 // n), 2048 // d
     q, k, v = random_qkv(batch, heads, n, d)
@@ -46,7 +33,7 @@ def _profile(d: int, n: int, causal: bool, configs: list) -> None:
     o, lse = launcher.forward(q, k, v, causal=causal, scale=d**-0.5)
     matmul_flops = attention_flops(batch, heads, n, n, d, causal=causal) / 2  # one tile matmul's FLOPs
     for config in configs:
-        times = kernel_ms(
+        times = kernel_times_ms(
             lambda config=config: launcher.backward(
                 do, q, k, v, o, lse, causal=causal, scale=d**-0.5, dkdv_config=config
             )
