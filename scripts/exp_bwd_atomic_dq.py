@@ -124,12 +124,14 @@ CONFIGS = {  # d: (BLOCK_M, BLOCK_N, warps, stages) of the fused kernel (fa2tune
 }
 
 
-def _relative_error(got, want) -> float:
+def relative_error(got, want) -> float:
     return max(((g.float() - r.float()).norm() / r.float().norm()).item() for g, r in zip(got, want, strict=True))
 
 
-def _rows(d: int, seqlen: int) -> list[tuple]:
-    """(d, case, TFLOP/s, relative error against cuDNN's gradients) for one head dim."""
+def backward_problem(d: int, seqlen: int):
+    """The backward experiments' problem, non-causal bf16 with 16k tokens and heads·d = 2048: (q, k, v, o, lse, do)
+    for the kernels (o and lse from fa2tune's forward), cuDNN's (dq, dk, dv) to check them against, the backward's
+    FLOPs, and cuDNN's backward time in ms (its fwd+bwd less its forward). Also used by exp_bwd_one_launch.py."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -139,15 +141,47 @@ def _rows(d: int, seqlen: int) -> list[tuple]:
     batch, heads = 16384 // seqlen, 2048 // d
     q, k, v = random_qkv(batch, heads, seqlen, d, requires_grad=True)
     do = torch.randn_like(q)
-    flops = attention_flops(batch, heads, seqlen, seqlen, d, causal=False, mode="fwd+bwd") * 2.5 / 3.5
+    flops = attention_flops(batch, heads, seqlen, seqlen, d, causal=False, mode="bwd")
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         ref = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), do)
         fwd_ms = time_cuda(lambda: F.scaled_dot_product_attention(q, k, v)).median_ms
         both = time_cuda(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), do))
-    bwd_ms = both.median_ms - fwd_ms
-    rows = [(d, "cuDNN backward (fwd+bwd - fwd)", flops / bwd_ms / 1e9, 0.0)]
     q, k, v = q.detach(), k.detach(), v.detach()
     o, lse = launcher.forward(q, k, v, causal=False, scale=d**-0.5)
+    return (q, k, v, o, lse, do), ref, flops, both.median_ms - fwd_ms
+
+
+def time_cases(d: int, cases: dict, ref, flops: float, checked=lambda name: slice(0, 3)) -> list[tuple]:
+    """(d, case, TFLOP/s of backward FLOPs, relative error against ref) for each case that runs; checked(name):
+    which of (dq, dk, dv) that case computes. A case that cannot run is reported and skipped."""
+    from fa2tune.bench import time_cuda
+
+    rows = []
+    for name, fn in cases.items():
+        try:
+            grads = fn()
+        except Exception as exc:  # a config past the shared memory, a TMA case the compiler refuses: say so, go on
+            print(f"d={d} {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            continue
+        part = checked(name)
+        rows.append((d, name, time_cuda(fn).tflops(flops), relative_error(grads[part], ref[part])))
+        print(*rows[-1], flush=True)
+    return rows
+
+
+def print_table(seqlen: int, rows: list[tuple]) -> None:
+    width = max(len(row[1]) for row in rows)
+    print(f"\nN={seqlen}, bf16, 16k tokens, heads·d=2048; TFLOP/s of the backward's FLOPs (2.5× the forward's)")
+    print(f"{'d':>4} {'case':<{width}} {'TFLOP/s':>8} {'rel err':>8}")
+    for d, name, tflops, err in rows:
+        print(f"{d:>4} {name:<{width}} {tflops:>8.0f} {err:>8.1e}")
+
+
+def _rows(d: int, seqlen: int) -> list[tuple]:
+    """cuDNN's backward, fa2tune's, and each fused case, for one head dim."""
+    from fa2tune import launcher
+
+    (q, k, v, o, lse, do), ref, flops, cudnn_ms = backward_problem(d, seqlen)
     cases = {"fa2tune launcher.backward (tuned)": lambda: launcher.backward(do, q, k, v, o, lse, causal=False,
                                                                           scale=d**-0.5)}  # fmt: skip
     for c in CONFIGS[d]:
@@ -155,24 +189,13 @@ def _rows(d: int, seqlen: int) -> list[tuple]:
         cases[f"fused, atomic dQ {c}"] = lambda c=c: backward_atomic(q, k, v, o, lse, do, c)
         cases[f"fused, TMA-reduced dQ {c}"] = lambda c=c: backward_atomic(q, k, v, o, lse, do, c, atomic_dq=2)
         cases[f"fused, unstaggered {c}"] = lambda c=c: backward_atomic(q, k, v, o, lse, do, c, stagger=False)
-    for name, fn in cases.items():
-        try:
-            grads = fn()
-        except Exception as exc:  # a config past the shared memory, a TMA case the compiler refuses: say so, go on
-            print(f"d={d} {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-            continue
-        checked = slice(1, 3) if name.startswith("dK/dV only") else slice(0, 3)  # that case leaves dQ at zero
-        rows.append((d, name, time_cuda(fn).tflops(flops), _relative_error(grads[checked], ref[checked])))
-        print(*rows[-1], flush=True)
-    return rows
+    cudnn = (d, "cuDNN backward (fwd+bwd - fwd)", flops / cudnn_ms / 1e9, 0.0)
+    # "dK/dV only" leaves dQ at zero: check dK and dV alone there
+    return [cudnn, *time_cases(d, cases, ref, flops, lambda name: slice(int(name.startswith("dK/dV only")), 3))]
 
 
 def time_table(seqlen: int) -> None:
-    rows = [row for d in CONFIGS for row in _rows(d, seqlen)]
-    print(f"\nN={seqlen}, bf16, 16k tokens, heads·d=2048; TFLOP/s of the backward's FLOPs (2.5× the forward's)")
-    print(f"{'d':>4} {'case':<44} {'TFLOP/s':>8} {'rel err':>8}")
-    for d, name, tflops, err in rows:
-        print(f"{d:>4} {name:<44} {tflops:>8.0f} {err:>8.1e}")
+    print_table(seqlen, [row for d in CONFIGS for row in _rows(d, seqlen)])
 
 
 def atomic_ptx() -> None:

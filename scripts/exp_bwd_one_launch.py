@@ -22,7 +22,9 @@ import argparse
 import torch
 import triton
 import triton.language as tl
-from exp_bwd_atomic_dq import LOG2E, dkdv_tile  # scripts/ is on the path when a script of it runs
+
+# scripts/ is on the path when a script of it runs
+from exp_bwd_atomic_dq import LOG2E, backward_problem, dkdv_tile, print_table, time_cases
 
 
 @triton.jit
@@ -126,49 +128,24 @@ LAYOUTS = ("two launches", "dkdv+dq", "dq+dkdv", "by head")
 
 
 def _rows(d: int, seqlen: int) -> list[tuple]:
-    """(d, case, TFLOP/s of backward FLOPs, relative error against cuDNN) for one head dim."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """fa2tune's backward and each (configs, layout) case, for one head dim."""
     from fa2tune import launcher
-    from fa2tune.bench import attention_flops, random_qkv, time_cuda
 
-    batch, heads = 16384 // seqlen, 2048 // d
-    q, k, v = random_qkv(batch, heads, seqlen, d, requires_grad=True)
-    do = torch.randn_like(q)
-    flops = attention_flops(batch, heads, seqlen, seqlen, d, causal=False, mode="bwd")
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        ref = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v), (q, k, v), do)
-    q, k, v = q.detach(), k.detach(), v.detach()
-    o, lse = launcher.forward(q, k, v, causal=False, scale=d**-0.5)
+    (q, k, v, o, lse, do), ref, flops, _ = backward_problem(d, seqlen)
     cases = {"fa2tune launcher.backward (tuned)": lambda: launcher.backward(do, q, k, v, o, lse, causal=False,
                                                                           scale=d**-0.5)}  # fmt: skip
     for kv, qc in CONFIGS[d]:
         for layout in LAYOUTS:
             cases[f"{layout} {kv} {qc}"] = lambda kv=kv, qc=qc, layout=layout: backward(q, k, v, o, lse, do, kv, qc,
                                                                                       layout)  # fmt: skip
-    rows = []
-    for name, fn in cases.items():
-        try:
-            grads = fn()
-        except Exception as exc:  # a config past the shared memory: say so, go on
-            print(f"d={d} {name}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-            continue
-        err = max(((g.float() - r.float()).norm() / r.float().norm()).item() for g, r in zip(grads, ref, strict=True))
-        rows.append((d, name, time_cuda(fn).tflops(flops), err))
-        print(*rows[-1], flush=True)
-    return rows
+    return time_cases(d, cases, ref, flops)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlen", type=int, default=8192)
     args = parser.parse_args()
-    rows = [row for d in CONFIGS for row in _rows(d, args.seqlen)]
-    print(f"\nN={args.seqlen}, bf16, 16k tokens, heads·d=2048; TFLOP/s of the backward's FLOPs (2.5× the forward's)")
-    print(f"{'d':>4} {'case':<58} {'TFLOP/s':>8} {'rel err':>8}")
-    for d, name, tflops, err in rows:
-        print(f"{d:>4} {name:<58} {tflops:>8.0f} {err:>8.1e}")
+    print_table(args.seqlen, [row for d in CONFIGS for row in _rows(d, args.seqlen)])
 
 
 if __name__ == "__main__":
