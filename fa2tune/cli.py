@@ -138,7 +138,10 @@ def _cmd_codegen(args: argparse.Namespace) -> int:
     from . import codegen
     from .types import Variant
 
-    variant = Variant(causal=args.causal, even_m=not args.ragged, even_n=not args.ragged, dot_fp32=args.interpret)
+    variant = Variant.for_template(
+        args.template, causal=args.causal, banded=False, varlen=False, even_m=not args.ragged,
+        even_n=not args.ragged, dot_fp32=args.interpret, pingpong=args.pingpong,
+    )  # fmt: skip
     print(codegen.render(args.template, variant), end="")
     return 0
 
@@ -387,11 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true")
     show.set_defaults(func=_cmd_show)
 
-    gen = sub.add_parser("codegen", help="print the generated Triton source of one template variant")
-    gen.add_argument("--template", default="fwd", choices=["fwd", "bwd"])
+    gen = sub.add_parser("codegen", help="print the generated Triton (or Gluon) source of one template variant")
+    gen.add_argument("--template", default="fwd", choices=["fwd", "bwd", "fwd_ws"],
+                     help="fwd_ws: the warp-specialized forward (Gluon, Hopper), KernelConfig.warpspec")  # fmt: skip
     gen.add_argument("--causal", action="store_true")
     gen.add_argument("--ragged", action="store_true", help="lengths that are not multiples of the blocks")
     gen.add_argument("--interpret", action="store_true", help="the variant used under TRITON_INTERPRET=1")
+    gen.add_argument("--pingpong", action="store_true", help="fwd_ws: the ping-pong variant (warpspec=2)")
     gen.set_defaults(func=_cmd_codegen)
     return parser
 

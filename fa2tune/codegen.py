@@ -20,7 +20,7 @@ from types import ModuleType
 
 import jinja2
 
-TEMPLATES = ("fwd", "bwd")
+TEMPLATES = ("fwd", "bwd", "fwd_ws")
 _lock = threading.Lock()
 _modules: dict[tuple[str, object, str], ModuleType] = {}
 
@@ -38,7 +38,13 @@ def templates_dir() -> Path:
 
 
 # The template each kernel is rendered from (planner.KERNELS); tuned entries go stale with their own template only.
+# A forward config with warpspec runs fwd_ws instead (template_for).
 TEMPLATE_OF = {"fwd": "fwd", "bwd_dkdv": "bwd", "bwd_dq": "bwd"}
+
+
+def template_for(kernel: str, warpspec: int = 0) -> str:
+    """The template `kernel` runs with a config whose warpspec switch is `warpspec` (KernelConfig.warpspec)."""
+    return "fwd_ws" if warpspec and kernel == "fwd" else TEMPLATE_OF[kernel]
 
 
 @functools.cache
@@ -60,23 +66,31 @@ def template_hash(template: str | None = None) -> str:
 
 @functools.cache
 def code_hash(
-    kernel: str, *, causal: bool, window: bool = False, varlen: bool = False, pipeline_qk: bool = False
+    kernel: str,
+    *,
+    causal: bool,
+    window: bool = False,
+    varlen: bool = False,
+    pipeline_qk: bool = False,
+    warpspec: int = 0,
 ) -> str:
     """Hash of the Triton code a tuned entry for this kernel and mask runs: the rendered modules of its variants
     (each combination of even and ragged tails), provenance comments left out. A stored entry records it and goes
     stale exactly when that code changes — not when another kernel's template does, nor when a template gains a
     switch that is off for this entry — so performance work on one variant does not void every shipped config.
-    pipeline_qk: the entry's config switch of that name (KernelConfig.pipeline_qk), which selects other code.
+    pipeline_qk, warpspec: the entry's config switches of those names (KernelConfig), which select other code.
     """
     from .types import Variant
 
-    template = TEMPLATE_OF[kernel]
-    tails = [(False, False)] if varlen else [(m, n) for m in (True, False) for n in (True, False)]
+    template = template_for(kernel, warpspec)
+    one_variant = varlen or template == "fwd_ws"  # no code of their own for even tails
+    tails = [(False, False)] if one_variant else [(m, n) for m in (True, False) for n in (True, False)]
     digest = hashlib.sha256(template.encode())
     for even_m, even_n in tails:
         variant = Variant.for_template(
-            template, causal=causal, banded=window, varlen=varlen, even_m=even_m, even_n=even_n, pipeline_qk=pipeline_qk
-        )
+            template, causal=causal, banded=window, varlen=varlen, even_m=even_m, even_n=even_n,
+            pipeline_qk=pipeline_qk, pingpong=warpspec == 2,
+        )  # fmt: skip
         code = [line for line in render(template, variant).splitlines() if not line.startswith(_PROVENANCE)]
         digest.update("\n".join(code).encode())
     return digest.hexdigest()[:16]
@@ -87,7 +101,7 @@ def entry_code_hash(key, config) -> str:
     switches of its config that select other code. The one rule the store's writer, its reader and the shipped-file
     test share."""
     return code_hash(key.kernel, causal=key.causal, window=key.window, varlen=key.varlen,
-                     pipeline_qk=bool(config.pipeline_qk))  # fmt: skip
+                     pipeline_qk=bool(config.pipeline_qk), warpspec=config.warpspec)  # fmt: skip
 
 
 _PROVENANCE = ("# template_hash:", "# variant:")  # header lines that name, not make, the code
@@ -119,7 +133,7 @@ def _environment() -> jinja2.Environment:
 
 
 def render(template: str, variant: object) -> str:
-    """Returns the Triton source of templates/<template>.py.jinja ("fwd" or "bwd") for a Variant."""
+    """Returns the Triton (or, for fwd_ws, Gluon) source of templates/<template>.py.jinja for a Variant."""
     if template not in TEMPLATES:
         raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
     if not dataclasses.is_dataclass(variant):

@@ -55,11 +55,29 @@ _enabled = _enabled_by_default()
 direct_launches = 0  # how many launches took the direct path (tests check that it was taken)
 
 
+def enabled() -> bool:
+    """Whether launches take the direct path (the installed Triton is one it was checked against, or forced on)."""
+    return _enabled
+
+
+def _tensor_key(t: Any) -> tuple | None:
+    if t is None:
+        return None
+    if hasattr(t, "block_shape"):  # a TMA descriptor: the JIT specializes on its dtype, block shape and layout
+        return (t.base.dtype, tuple(t.block_shape), t.layout)
+    return (t.dtype, t.data_ptr() & 15)
+
+
 def _key(tensors: tuple, scalars: tuple) -> tuple:
     """What a kept binary is looked up by: each tensor's dtype and address modulo 16 (Triton specializes on 16-byte
-    alignment), and the scalars' values themselves — finer than Triton's classes (== 1, % 16, int32 range), so a
-    binary is reused only where the JIT would pick the same one, and cheap: one C-level tuple for ~30 ints."""
-    return tuple([None if t is None else (t.dtype, t.data_ptr() & 15) for t in tensors]), scalars
+    alignment) — a TMA descriptor's dtype, block shape and shared-memory layout —, and the scalars' values
+    themselves — finer than Triton's classes (== 1, % 16, int32 range), so a binary is reused only where the JIT
+    would pick the same one, and cheap: one C-level tuple for ~30 ints."""
+    return tuple([_tensor_key(t) for t in tensors]), scalars
+
+
+def _on_cuda(t: Any) -> bool:
+    return (t.base if hasattr(t, "block_shape") else t).is_cuda
 
 
 def _hooks_installed() -> bool:
@@ -75,11 +93,12 @@ def launch(kernel: Any, grid: tuple[int, ...], tensors: tuple, scalars: tuple, *
     """Launches `kernel[grid](*tensors, *scalars, **kwargs)` on the current CUDA device and stream, directly when
     it can.
 
-    tensors: the kernel's leading tensor (or None) parameters; scalars: the int/float parameters after them;
-    kwargs: its constexpr parameters plus Triton's launch options (num_warps, num_stages).
+    tensors: the kernel's leading tensor (or None) parameters, or TMA descriptors of tensors (a Gluon kernel's);
+    scalars: the int/float parameters after them; kwargs: its constexpr parameters plus Triton's launch options
+    (num_warps, num_stages, maxnreg).
     """
     global _enabled, direct_launches
-    if not _enabled or not tensors[0].is_cuda:  # off, or the interpreter
+    if not _enabled or not _on_cuda(tensors[0]):  # off, or the interpreter
         kernel[grid](*tensors, *scalars, **kwargs)
         return
     device = torch.cuda.current_device()

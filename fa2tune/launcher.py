@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import codegen, fastlaunch, planner, selection
+from . import codegen, fastlaunch, planner, selection, warpspec
 from .inputs import (
     check_flag,
     check_offsets,
@@ -146,12 +146,27 @@ def forward(
     """
     mask = _as_mask(causal)
     (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), strides = _layout(q, k, packing)
+    explicit = config is not None
+    if explicit and config.combination_error() is not None:
+        raise ValueError(f"config {config}: {config.combination_error()}")
     config = _config(config, "fwd", q, k, mask, packing)
     o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     lse_shape = (batch, heads_q, seqlen_q) if packing is None else (heads_q, q.shape[0])
     lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
     if o.numel() == 0 or batch == 0 or seqlen_q == 0:
         return o, lse.fill_(float("-inf"))
+    if config.warpspec:
+        reason = warpspec.unsupported(q, k, v, o, mask, packing is not None)
+        if reason is None:
+            with _on_device(q):
+                warpspec.forward(q, k, v, o, lse, causal=mask.causal, scale=scale, config=config)
+            return o, lse
+        if explicit:
+            raise ValueError(f"config {config} cannot run this call: {reason}")
+        # A tuned warpspec entry serves the calls it can; the others (unaligned strides, masks, packed sequences)
+        # run the Triton template at its default, as they would have before tuning.
+        config = planner.default_config(head_dim, q.dtype, causal=mask.causal, kernel="fwd",
+                                        device=selection.device_info(q.device), warpspec=False)  # fmt: skip
     kernel = _kernel("fwd", "_attn_fwd", mask, seqlen_q, seqlen_k, config, packing is not None)
     cu_q, cu_k, (left, right, prefix) = _mask_args(mask, seqlen_q, seqlen_k, packing)
     grid = fwd_grid(_cdiv(seqlen_q, config.block_m), batch * heads_q)
@@ -200,6 +215,9 @@ def backward(
     if do.stride(-1) != 1:
         do = do.contiguous()  # e.g. the stride-0 gradient of out.sum()
     mask = _as_mask(causal)
+    for name, given in (("dkdv_config", dkdv_config), ("dq_config", dq_config)):
+        if given is not None and (given.warpspec or given.combination_error()):
+            raise ValueError(f"{name} {given}: {given.combination_error() or 'warpspec is a forward switch'}")
     dkdv_config = _config(dkdv_config, "bwd_dkdv", q, k, mask, packing)
     dq_config = _config(dq_config, "bwd_dq", q, k, mask, packing)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -251,7 +269,7 @@ def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config
 
 
 def _to_ints(config: KernelConfig) -> list[int]:
-    return [config.block_m, config.block_n, config.num_warps, config.num_stages, config.pipeline_qk]
+    return [config.block_m, config.block_n, config.num_warps, config.num_stages, config.pipeline_qk, config.warpspec]
 
 
 def _from_ints(config: list[int]) -> KernelConfig | None:

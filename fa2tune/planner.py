@@ -13,9 +13,13 @@ So, in bytes (e = bytes per element, d = head dim padded to a power of two ≥ 1
     bwd_dkdv  e·d·(2·B_c + 2·S·B_r) + 8·S·B_r + scores   K_j, V_j owned; Q_i, dO_i, lse, δ streamed; scores ×2
     bwd_dq    e·d·(2·B_r + 2·S·B_c) + scores             Q_i, dO_i owned; K_j, V_j streamed
 and a config fits when that is ≤ the device's opt-in shared memory per block (Triton's OutOfResources test).
+A warpspec forward (KernelConfig.warpspec, the Gluon template fwd_ws) allocates its buffers itself: its Q tiles,
+S buffers of K_j and of V_j, and mbarriers (checked against compiles: ~300–400 B beyond the tiles):
+    fwd_ws    e·d·(B_r + 2·S·B_c) + 512
 
 On the wgmma path the seed's B_r·B_c term lives in the register file, with the other fp32 accumulators:
     fwd       B_r·(d + B_c)          Õ_i and S_ij (and S_i,j+1 with pipeline_qk)
+    fwd_ws    64·(d + B_c)           per consumer warpgroup (128 threads), which owns 64 rows
     bwd_dkdv  B_c·(2·d + 2·B_r)      dK_j, dV_j, P_ijᵀ and dP_ijᵀ
     bwd_dq    B_r·(d + 2·B_c)        dQ_i, P_ij and dP_ij
 spread over 32·num_warps threads. A thread has at most 255 registers; at 256 accumulator values per thread or
@@ -31,12 +35,39 @@ from dataclasses import dataclass
 import torch
 
 from .device import INTERPRETER, inspect_cached, known_gpu
-from .types import MAX_HEAD_DIM, DeviceInfo, KernelConfig
+from .types import MAX_HEAD_DIM, WS_BLOCK_M, DeviceInfo, KernelConfig
 
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (1, 2, 3, 4, 5)
+# The warp-specialized forward (fwd_ws.py.jinja): Hopper's wgmma and TMA, 16-bit inputs, head dims whose rows are
+# whole 16-byte TMA units and wgmma widths.
+WS_HEAD_DIMS = (32, 64, 128, 256)
+WS_DTYPES = (torch.float16, torch.bfloat16)
+WS_BLOCK_N = (64, 128)
+WS_STAGES = (2, 3, 4)
+_WS_SMEM_OVERHEAD = 512  # mbarriers and alignment; compiles measured 284–392 B
+# (maxnreg of the kernel, registers of each worker consumer, of the producer warp) by consumer count. A program is
+# 4·(consumers + 1) warps (the producer's warp rounds up to a warpgroup) on one SM of 64k registers; setmaxnreg
+# gives the producer the minimum (24) and the consumers the rest (one consumer: the compiler's 255).
+WS_REGISTERS = {1: (None, 255, 24), 2: (None, 240, 24), 3: (128, 160, 24)}
+# A consumer spills once its fp32 accumulators (64·(d + B_c) / 128) pass its registers less this: compiled for
+# sm_90, (d, B_r, B_c) = (256, 64, 128) with 192 of 255, (256, 128, 128) 192 of 240 and (128, 192, 128) 128 of
+# 160 spill (cuobjdump STACK 40, 96, 248 B); 160 of 255, 160 of 240 and 96 of 160 do not (tests/test_warpspec.py).
+_WS_REGISTERS_BESIDE_ACCUMULATORS = 64
+
+
+def warpspec_unsupported(head_dim: int, dtype: torch.dtype, capability: tuple[int, int]) -> str | None:
+    """Why the warp-specialized forward cannot run this head dim / dtype / GPU, or None."""
+    if capability[0] != 9:
+        major, minor = capability
+        return f"warpspec needs a Hopper GPU (compute capability 9.x: wgmma), this one is {major}.{minor}"
+    if dtype not in WS_DTYPES:
+        return f"warpspec takes float16/bfloat16 inputs, got {dtype}"
+    if head_dim not in WS_HEAD_DIMS:
+        return f"warpspec takes head_dim in {WS_HEAD_DIMS}, got {head_dim}"
+    return None
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -66,6 +97,8 @@ def sram_bytes(
     """Predicted shared memory of one program of `kernel` with `cfg`, in bytes (see the module docstring)."""
     _check_kernel(kernel)
     e, d, m, n = dtype.itemsize, head_dim_padded(head_dim), cfg.block_m, cfg.block_n
+    if cfg.warpspec:
+        return e * d * (m + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD
     wgmma = _uses_wgmma(n if kernel == "bwd_dkdv" else m, capability)
     # wgmma pipelines keep num_stages buffers of each streamed tile in flight, mma.sync pipelines one fewer.
     s = max(1, cfg.num_stages if wgmma else cfg.num_stages - 1)
@@ -89,6 +122,8 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
     """fp32 accumulator values each thread holds (see the module docstring)."""
     _check_kernel(kernel)
     d, m, n = head_dim_padded(head_dim), cfg.block_m, cfg.block_n
+    if cfg.warpspec:
+        return 64 * (d + n) / 128  # each consumer warpgroup: its 64 rows of Õ and S
     values = {"fwd": m * (d + n * (1 + cfg.pipeline_qk)), "bwd_dkdv": n * (2 * d + 2 * m), "bwd_dq": m * (d + 2 * n)}[
         kernel
     ]
@@ -100,8 +135,24 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
     _check_kernel(kernel)
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         return f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}"
+    combination = cfg.combination_error()
+    if combination is not None:
+        return combination
     if cfg.pipeline_qk and kernel != "fwd":
         return f"pipeline_qk is a forward switch; {kernel} has no QKᵀ loop to pipeline that way"
+    if cfg.warpspec:
+        if kernel != "fwd":
+            return f"warpspec is a forward switch; {kernel} runs the Triton template"
+        reason = warpspec_unsupported(head_dim, dtype, device.capability)
+        if reason is not None:
+            return reason
+        budget = WS_REGISTERS[cfg.consumers][1] - _WS_REGISTERS_BESIDE_ACCUMULATORS
+        regs = accumulators_per_thread(cfg, head_dim, kernel)
+        if regs > budget:
+            return (
+                f"registers: {regs:.0f} fp32 accumulator values per consumer thread, more than the {budget} its "
+                f"{WS_REGISTERS[cfg.consumers][1]} registers leave beside them: would spill"
+            )
     need = sram_bytes(cfg, head_dim, dtype, kernel, device.capability)
     if need > device.smem_per_block:
         return (
@@ -129,11 +180,16 @@ def _model_terms(cfg: KernelConfig, kernel: str) -> str:
 
 def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     """The search space of `kernel`: block_m, block_n in {16..256}, num_warps in {4, 8}, num_stages in {1..5};
-    the forward also pipeline_qk in {0, 1}."""
+    the forward also pipeline_qk in {0, 1}, and the warp-specialized template: block_m in {64, 128, 192}, block_n
+    in {64, 128}, num_stages in {2, 3, 4}, with ping-pong too at block_m = 128 (check() drops them off Hopper)."""
     _check_kernel(kernel)
     switches = (0, 1) if kernel == "fwd" else (0,)
     grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES, switches)
-    return [KernelConfig(m, n, w, s, p) for m, n, w, s, p in grid]
+    configs = [KernelConfig(m, n, w, s, p) for m, n, w, s, p in grid]
+    if kernel == "fwd":
+        for m, n, s in itertools.product(WS_BLOCK_M, WS_BLOCK_N, WS_STAGES):
+            configs += [KernelConfig(m, n, 4, s, warpspec=ws) for ws in ((1, 2) if m == 128 else (1,))]
+    return configs
 
 
 @dataclass(frozen=True)
@@ -163,11 +219,12 @@ def plan(device: DeviceInfo, head_dim: int, dtype: torch.dtype, kernel: str = "f
 
 # Fastest configs measured on the H200 (bf16, N=8k; docs/PERF.md, docs/bench/nvidia-h200-sweep-*.csv), tried
 # first on any GPU; a GPU with less shared memory falls through to the largest tile that fits.
+# Warp-specialized forwards first: on GPUs without wgmma check() rejects them and the Triton ones follow.
 _PREFERRED: dict[tuple[str, int, bool], list[KernelConfig]] = {
-    ("fwd", 64, False): [KernelConfig(128, 64, 8, 3)],
-    ("fwd", 64, True): [KernelConfig(128, 64, 8, 3)],
-    ("fwd", 128, False): [KernelConfig(256, 64, 8, 4)],
-    ("fwd", 128, True): [KernelConfig(128, 128, 8, 3)],
+    ("fwd", 64, False): [KernelConfig(192, 128, 4, 2, warpspec=1), KernelConfig(128, 64, 8, 3)],
+    ("fwd", 64, True): [KernelConfig(192, 128, 4, 2, warpspec=1), KernelConfig(128, 64, 8, 3)],
+    ("fwd", 128, False): [KernelConfig(128, 128, 4, 2, warpspec=1), KernelConfig(256, 64, 8, 4)],
+    ("fwd", 128, True): [KernelConfig(128, 128, 4, 2, warpspec=2), KernelConfig(128, 128, 8, 3)],
     ("bwd_dkdv", 64, False): [KernelConfig(32, 128, 4, 3)],
     ("bwd_dkdv", 128, False): [KernelConfig(32, 64, 4, 3)],
     ("bwd_dq", 64, False): [KernelConfig(128, 64, 4, 3)],
@@ -208,6 +265,7 @@ def default_config(
     causal: bool = False,
     kernel: str = "fwd",
     device: DeviceInfo | None = None,
+    warpspec: bool = True,
 ) -> KernelConfig:
     """The config used before any tuning: the H200's measured best where it fits the device, else the largest
     moderate tile that does.
@@ -221,6 +279,7 @@ def default_config(
         device: the GPU to fit; default: the current CUDA device, else the H200 table entry. For
             device.INTERPRETER, small tiles that keep the CPU interpreter quick and let tests cross many tile
             boundaries at small sequence lengths.
+        warpspec: False: a Triton-template config only (for inputs the warp-specialized forward does not take).
     """
     _check_kernel(kernel)
     if device is INTERPRETER:
@@ -231,6 +290,8 @@ def default_config(
     key = (kernel, d, causal if kernel == "fwd" else False)
     preferred = _PREFERRED.get(key, []) if dtype != torch.float32 else []
     for cfg in preferred + _FALLBACK[kernel]:
+        if cfg.warpspec and not warpspec:
+            continue
         if check(cfg, device, head_dim, dtype, kernel) is None:
             return cfg
     raise ValueError(

@@ -37,6 +37,7 @@ class CompileReport:
 
     shared_bytes: int | None
     error: str | None = None
+    cubin: bytes | None = None  # the binary, for `cuobjdump -res-usage` (registers, spills)
 
 
 def _example_ints(head_dim_pad: int, heads: int, group: int) -> dict[str, int]:
@@ -67,12 +68,14 @@ def compile_config(
     """Compiles `kernel` ("fwd", "bwd_dkdv", "bwd_dq") with `config` for a CUDA target of this capability.
 
     banded / varlen: the window/prefix and packed-sequence variants (ragged tails, as they always are)."""
-    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_config needs Triton's compiler: unset TRITON_INTERPRET in this process")
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    if config.warpspec:
+        return _compile_warpspec(config, head_dim, dtype, causal, target)
     template, name = _KERNEL_NAMES[kernel]
     variant = Variant.for_template(
         template, causal=causal, banded=banded, varlen=varlen, even_m=True, even_n=True, pipeline_qk=config.pipeline_qk
@@ -119,11 +122,44 @@ def compile_config(
                 if value % 16 == 0:
                     attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    return _compile(source, target, {"num_warps": config.num_warps, "num_stages": config.num_stages})
+
+
+def _compile(source, target, options: dict) -> CompileReport:
+    import triton
+
     try:
-        compiled = triton.compile(
-            source, target=target, options={"num_warps": config.num_warps, "num_stages": config.num_stages}
-        )
+        compiled = triton.compile(source, target=target, options=options)
     except Exception as exc:  # failures are data: keep the reason
         return CompileReport(None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}")
-    return CompileReport(int(compiled.metadata.shared))
+    return CompileReport(int(compiled.metadata.shared), cubin=compiled.asm.get("cubin"))
+
+
+def _compile_warpspec(config: KernelConfig, head_dim: int, dtype: torch.dtype, causal: bool, target) -> CompileReport:
+    """The Gluon forward (fwd_ws) for `config`: its TMA descriptors' types come from CPU tensors of a (2, 16, 8192,
+    head_dim) layout, which carry the shapes, strides and block layouts a real launch specializes on."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from . import warpspec
+
+    variant = Variant.for_template(
+        "fwd_ws", causal=causal, banded=False, varlen=False, even_m=False, even_n=False, pingpong=config.warpspec == 2
+    )
+    fn = codegen.load("fwd_ws", variant)._attn_fwd_ws
+    x = torch.empty(2, 16, 8192, head_dim, dtype=dtype)
+    q_desc = warpspec._descriptor(x, (1, 1, warpspec.ROWS_PER_CONSUMER, head_dim))
+    kv_desc = warpspec._descriptor(x, (1, 1, config.block_n, head_dim))
+    maxnreg, consumer_regs, producer_regs = planner.WS_REGISTERS[config.consumers]
+    values = {"q_desc": q_desc, "k_desc": kv_desc, "v_desc": kv_desc, "o_desc": q_desc, "CONSUMERS": config.consumers,
+              "STAGES": config.num_stages, "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs}  # fmt: skip
+    scalars = {"LSE": "*fp32", "qk_scale": "fp32", "GROUP": "i32"}
+    signature, constexprs = {}, {}
+    for index, (arg, param) in enumerate(zip(fn.arg_names, fn.params, strict=True)):
+        if param.is_constexpr:
+            signature[arg] = "constexpr"
+            constexprs[(index,)] = values[arg]
+        else:
+            signature[arg] = mangle_type(values[arg]) if arg in values else scalars.get(arg, "i32")
+    options = {"num_warps": 4} if maxnreg is None else {"num_warps": 4, "maxnreg": maxnreg}
+    return _compile(GluonASTSource(fn, signature, constexprs), target, options)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
+WS_BLOCK_M = (64, 128, 192)  # warpspec programs: 1, 2 or 3 consumer warpgroups of 64 query rows
 MAX_HEAD_DIM = 256  # the largest head dimension the templates take
 # The short names of the dtypes the kernels take, as YAML and the CLI spell them (torch-free, for the CLI's parser;
 # inputs.DTYPES_BY_NAME maps them to torch dtypes).
@@ -22,6 +23,10 @@ class KernelConfig:
         num_stages: pipelining depth of the K/V loop (shared-memory buffers in flight).
         pipeline_qk: forward only, 0 or 1: issue the next tile's QKᵀ before this tile's softmax (templates'
             `pipeline_qk` switch), so the tensor cores and the softmax overlap within one warpgroup.
+        warpspec: forward only: 0 runs the Triton template (fwd.py.jinja); 1 the warp-specialized Gluon template
+            (fwd_ws.py.jinja, Hopper only): a TMA producer warp and block_m / 64 consumer warpgroups (block_m 64,
+            128 or 192; num_warps is then the first consumer's 4); 2 the same with the two consumers of a
+            block_m = 128 tile taking turns at the tensor cores (ping-pong).
     """
 
     block_m: int
@@ -29,31 +34,61 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     pipeline_qk: int = 0
+    warpspec: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
+        for name, allowed in (("block_m", _BLOCK_SIZES + WS_BLOCK_M[2:]), ("block_n", _BLOCK_SIZES)):
             value = getattr(self, name)
-            if value not in _BLOCK_SIZES:
-                raise ValueError(f"{name} must be one of {_BLOCK_SIZES}, got {value!r}")
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be one of (1, 2, 4, 8, 16), got {self.num_warps!r}")
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"num_stages must be in 1..8, got {self.num_stages!r}")
         if self.pipeline_qk not in (0, 1):
             raise ValueError(f"pipeline_qk must be 0 or 1, got {self.pipeline_qk!r}")
+        if self.warpspec not in (0, 1, 2):
+            raise ValueError(f"warpspec must be 0, 1 or 2, got {self.warpspec!r}")
+
+    def combination_error(self) -> str | None:
+        """Why these fields do not make one kernel's config together, or None. Separate from __post_init__ so that
+        a tuner sampling each field on its own can build any combination and have planner.check reject it."""
+        if not self.warpspec:
+            if self.block_m not in _BLOCK_SIZES:
+                return (
+                    f"block_m={self.block_m} needs warpspec (three consumer warpgroups); the Triton template "
+                    f"takes {_BLOCK_SIZES}"
+                )
+            return None
+        if self.block_m not in WS_BLOCK_M:
+            return f"warpspec takes block_m in {WS_BLOCK_M} (64 query rows per consumer warpgroup), got {self.block_m}"
+        if self.num_warps != 4 or self.pipeline_qk:
+            return (
+                "warpspec configs have num_warps=4 (one warpgroup per consumer) and pipeline_qk=0, "
+                f"got num_warps={self.num_warps}, pipeline_qk={self.pipeline_qk}"
+            )
+        if self.warpspec == 2 and self.block_m != 128:
+            return f"warpspec=2 (ping-pong of two consumers) needs block_m=128, got {self.block_m}"
+        return None
+
+    @property
+    def consumers(self) -> int:
+        """Consumer warpgroups of a warpspec program (64 query rows each); 0 for the Triton template."""
+        return self.block_m // 64 if self.warpspec else 0
 
     def to_dict(self) -> dict[str, int]:
         """The fields as a mapping; switches at their default (off) are left out, so entries written before a switch
         existed and entries that do not use it read the same."""
         data = asdict(self)
-        if not data["pipeline_qk"]:
-            del data["pipeline_qk"]
+        for switch in ("pipeline_qk", "warpspec"):
+            if not data[switch]:
+                del data[switch]
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> KernelConfig:
         """Builds a config from a mapping (a YAML entry); unknown keys are an error, not silently dropped."""
-        unknown = set(data) - {"block_m", "block_n", "num_warps", "num_stages", "pipeline_qk"}
+        unknown = set(data) - {"block_m", "block_n", "num_warps", "num_stages", "pipeline_qk", "warpspec"}
         if unknown:
             raise ValueError(f"unknown KernelConfig keys {sorted(unknown)}")
         return cls(**{k: int(v) for k, v in data.items()})
@@ -73,6 +108,7 @@ class Variant:
         varlen: packed sequences (total_tokens, heads, head_dim) split by cumulative lengths; even_m/even_n are
             then False, as every sequence has its own length.
         pipeline_qk: the forward's unmasked loop issues the next QKᵀ before this softmax (KernelConfig.pipeline_qk).
+        pingpong: fwd_ws only: the two consumer warpgroups take turns at the tensor cores (KernelConfig.warpspec 2).
     """
 
     causal: bool
@@ -82,6 +118,7 @@ class Variant:
     banded: bool = False
     varlen: bool = False
     pipeline_qk: bool = False
+    pingpong: bool = False
 
     @classmethod
     def for_template(
@@ -95,10 +132,15 @@ class Variant:
         even_n: bool,
         pipeline_qk: int | bool = False,
         dot_fp32: bool = False,
+        pingpong: bool = False,
     ) -> Variant:
-        """The variant `template` ("fwd", "bwd") renders for a call: the rules the launcher, codegen.code_hash and
-        the probe must agree on, or a stored entry's hash would not name the code it runs. A band mask carries
-        causality itself; packed sequences have no even tails; pipeline_qk exists in the forward template only."""
+        """The variant `template` ("fwd", "bwd", "fwd_ws") renders for a call: the rules the launcher,
+        codegen.code_hash and the probe must agree on, or a stored entry's hash would not name the code it runs. A
+        band mask carries causality itself; packed sequences have no even tails; pipeline_qk exists in the forward
+        template only. fwd_ws has two switches only (causal, pingpong): TMA bounds every tile, so tails need no
+        code of their own, and it takes neither band masks nor packed sequences (the launcher routes those to fwd)."""
+        if template == "fwd_ws":
+            return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong)
         return cls(
             causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,
             dot_fp32=dot_fp32, banded=banded, varlen=varlen, pipeline_qk=bool(pipeline_qk) and template == "fwd",

@@ -27,7 +27,7 @@ import torch
 
 import fa2tune
 from fa2tune import launcher
-from fa2tune.types import Mask
+from fa2tune.types import KernelConfig, Mask
 
 
 class _NoLaunch:
@@ -70,18 +70,24 @@ def _gpu(rounds: int) -> int:
     q, k, v = (torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
     ours = _cases(lambda *t: fa2tune.attention(*t, causal=True), q, k, v, do)
+    # The tuned forward at d=128 on Hopper is the warp-specialized (Gluon) one; the Triton template's beside it
+    triton_fwd = _cases(lambda *t: fa2tune.attention(*t, causal=True, config=KernelConfig(64, 64, 4, 2)), q, k, v, do)
     sdpa = _cases(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), q, k, v, do)
     readings: dict[str, dict[str, list[float]]] = {}
     for _ in range(rounds):
-        for label, direct in (("Triton's launch path", False), ("direct launches", True)):
+        for label, direct, cases in (("Triton's launch path", False, ours), ("direct launches", True, ours),
+                                     ("direct, Triton forward", True, triton_fwd)):  # fmt: skip
             fastlaunch._enabled = direct
-            for name, fn in ours.items():
+            for name, fn in cases.items():
                 readings.setdefault(label, {}).setdefault(name, []).append(_time_us(fn))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             for name, fn in sdpa.items():
                 readings.setdefault("SDPA flash", {}).setdefault(name, []).append(_time_us(fn))
+    from fa2tune import selection
+
+    resolved = selection.resolve("fwd", 128, torch.bfloat16, True, "cuda", seqlen=64)[0]
     print(f"# host µs per call, {torch.cuda.get_device_name()}, 1x2x64x128 bf16 causal, median of {rounds} rounds "
-          f"(direct launches taken: {fastlaunch.direct_launches})")  # fmt: skip
+          f"(direct launches taken: {fastlaunch.direct_launches}); forward config {resolved}")  # fmt: skip
     print(f"{'':>22}" + "".join(f"{name:>20}" for name in ours))
     for label, rows in readings.items():
         print(f"{label:>22}" + "".join(f"{sorted(xs)[len(xs) // 2]:20.0f}" for xs in rows.values()))

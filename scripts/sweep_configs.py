@@ -39,7 +39,8 @@ def _outputs(kernel: str, cfg, x: bench.KernelInputs, causal: bool) -> tuple[tor
 
 def _label(row: dict) -> str:
     pipelined = " pipelined" if row["pipeline_qk"] else ""
-    return f"{row['block_m']:>4} {row['block_n']:>4} w{row['num_warps']} s{row['num_stages']}{pipelined}"
+    warpspec = {0: "", 1: " warpspec", 2: " warpspec ping-pong"}[row.get("warpspec", 0)]
+    return f"{row['block_m']:>4} {row['block_n']:>4} w{row['num_warps']} s{row['num_stages']}{pipelined}{warpspec}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="2,3,4")
     parser.add_argument("--pipeline-qk", default="0", help="forward only: 0, 1 or 0,1 (KernelConfig.pipeline_qk)")
+    parser.add_argument(
+        "--warpspec",
+        default="0",
+        help="forward only: 0, 1, 2 or a list (KernelConfig.warpspec); grid points that break its rules "
+        "(num_warps 4, block_m a multiple of 64) are left out",
+    )
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=16384, help="batch·N (heads·d stays 2048)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 (a smoke test)")
@@ -59,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")]
     grid = itertools.product(
-        ints(args.block_m), ints(args.block_n), ints(args.warps), ints(args.stages), ints(args.pipeline_qk)
-    )
-    configs = [KernelConfig(*values) for values in grid]
+        ints(args.block_m), ints(args.block_n), ints(args.warps), ints(args.stages), ints(args.pipeline_qk),
+        ints(args.warpspec),
+    )  # fmt: skip
+    configs = [cfg for cfg in (KernelConfig(*values) for values in grid) if cfg.combination_error() is None]
     cases = itertools.product(ints(args.head_dims), (False, True), configs)
     jobs = [(args.kernel, d, causal, cfg, args.seqlen) for d, causal, cfg in cases]
     failures = {}
@@ -109,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {_label(r)}  {r['tflops']}")
             if ok:
                 print(f"  median {ok[len(ok) // 2]['tflops']}  worst {ok[-1]['tflops']}")
-            for switch in sorted({r["pipeline_qk"] for r in ok}) if len({r["pipeline_qk"] for r in ok}) > 1 else []:
-                best = next(r for r in ok if r["pipeline_qk"] == switch)
-                print(f"  best with pipeline_qk={switch}: {_label(best)}  {best['tflops']}")
+            for name in ("pipeline_qk", "warpspec"):
+                for switch in sorted({r[name] for r in ok}) if len({r[name] for r in ok}) > 1 else []:
+                    best = next(r for r in ok if r[name] == switch)
+                    print(f"  best with {name}={switch}: {_label(best)}  {best['tflops']}")
             for r in bad[:2]:
                 print(f"  failed {_label(r)}: {r['error']}")
     return 0

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import fa2tune
+from fa2tune import launcher
 from fa2tune.reference import naive_attention
+from fa2tune.types import KernelConfig
 
 from .conftest import assert_close
 
@@ -71,7 +73,8 @@ def test_direct_launches_give_what_triton_s_launch_path_gives(causal, monkeypatc
         outs = []
         for q, k, v in cases * 2:  # every class twice: the second call of each is a direct launch
             q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-            o = fa2tune.attention(q, k, v, causal=causal)
+            # the Triton forward (fastlaunch's kernels), not a warp-specialized one the shipped file may name
+            o = fa2tune.attention(q, k, v, causal=causal, config=KernelConfig(64, 64, 4, 2))
             outs.append((o, *torch.autograd.grad(o, (q, k, v), torch.ones_like(o))))
         return outs
 
@@ -88,3 +91,92 @@ def test_direct_launches_give_what_triton_s_launch_path_gives(causal, monkeypatc
     for (q, k, v), (o, *_) in zip(cases, direct, strict=False):
         ref, _ = naive_attention(q.double(), k.double(), v.double(), causal=causal)
         assert_close(o, ref, torch.bfloat16)
+
+
+# The warp-specialized forward (templates/fwd_ws.py.jinja) at each consumer count, ping-pong, and stage count; the
+# lengths cross tile edges, and (causal, N_Q > N_K) leaves rows that see no key.
+_WS_CONFIGS = [KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(128, 128, 4, 2, warpspec=1),
+               KernelConfig(128, 128, 4, 2, warpspec=2), KernelConfig(192, 128, 4, 2, warpspec=1),
+               KernelConfig(128, 64, 4, 3, warpspec=1)]  # fmt: skip
+_WS_LENGTHS = [(1000, 1537), (1, 5), (257, 257), (300, 1000), (1000, 300)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="needs Hopper")
+@pytest.mark.parametrize("config", _WS_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}s{c.num_stages}ws{c.warpspec}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim, dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float16)])
+def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype):
+    torch.manual_seed(head_dim + config.block_m)
+    for seqlen_q, seqlen_k in _WS_LENGTHS:
+        q = torch.randn(2, 4, seqlen_q, head_dim, dtype=dtype, device="cuda")
+        k, v = (torch.randn(2, 2, seqlen_k, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+        out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+        o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5, config=config, out=out)
+        ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+        assert o is out
+        assert_close(o, ref_o.nan_to_num(0.0), dtype)
+        seen = torch.isfinite(ref_lse)
+        assert_close(lse[seen], ref_lse[seen], torch.float32, what="lse")
+        assert (lse[~seen] == float("-inf")).all()  # a row that sees no key: O = 0, lse = -inf
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="needs Hopper")
+@pytest.mark.parametrize("head_dim", [32, 256])
+def test_warpspec_other_head_dims_and_gradients(head_dim):
+    torch.manual_seed(head_dim)
+    config = KernelConfig(128, 64, 4, 2, warpspec=2)
+    q, k, v = (torch.randn(1, 3, 700, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    o = fa2tune.attention(q, k, v, causal=True, config=config)
+    grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = naive_attention(qd, kd, vd, causal=True)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), torch.ones_like(ref))
+    assert_close(o, ref, torch.bfloat16)
+    for got, want, name in zip(grads, ref_grads, "qkv", strict=True):
+        assert_close(got, want, torch.bfloat16, what=f"d{name}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="needs Hopper")
+def test_warpspec_takes_what_tma_takes_and_the_rest_runs_triton(monkeypatch):
+    from fa2tune import selection
+
+    config = KernelConfig(128, 128, 4, 2, warpspec=1)
+    wide = torch.randn(1, 2, 300, 68, dtype=torch.bfloat16, device="cuda")[..., :64]  # row stride 136 B: not % 16
+    q = torch.randn(1, 2, 300, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="warpspec needs q's address and strides in multiples of 16 bytes"):
+        fa2tune.attention(wide, q, q, config=config)
+    with pytest.raises(ValueError, match="warpspec takes float16/bfloat16"):
+        fa2tune.attention(q.float(), q.float(), q.float(), config=config)
+    # a tuned (resolved) warpspec config serves what it can and leaves the rest to the Triton template
+    monkeypatch.setattr(selection, "resolve", lambda *args, **kwargs: (config, "test"))
+    for args in ((wide, q, q), (q.float(), q.float(), q.float())):
+        o = fa2tune.attention(*args)
+        ref, _ = naive_attention(*(t.double() for t in args))
+        assert_close(o, ref, args[0].dtype)
+    o = fa2tune.attention(q, q, q, window=(16, 0))  # a band mask: Triton's template
+    ref, _ = naive_attention(q.double(), q.double(), q.double(), window=(16, 0))
+    assert_close(o, ref, torch.bfloat16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="needs Hopper")
+def test_warpspec_direct_launches_give_what_the_jit_gives(monkeypatch):
+    # The warp-specialized forward launches through fastlaunch too, its TMA descriptors keyed by dtype, block and
+    # layout: lengths and head counts that change the scalars, and a second call of each, equal the JIT's bit for bit.
+    from fa2tune import fastlaunch
+
+    torch.manual_seed(5)
+    config = KernelConfig(128, 128, 4, 2, warpspec=2)
+    cases = [torch.randn(2, 4, n, 128, dtype=torch.bfloat16, device="cuda") for n in (300, 512, 77)]
+
+    def run_all():
+        return [launcher.forward(x, x.flip(2), x, causal=True, scale=0.1, config=config) for x in cases * 2]
+
+    fastlaunch.clear()
+    monkeypatch.setattr(fastlaunch, "_enabled", True)
+    start = fastlaunch.direct_launches
+    direct = run_all()
+    assert fastlaunch.direct_launches - start == len(cases), "the direct path was not taken"
+    monkeypatch.setattr(fastlaunch, "_enabled", False)
+    for got, want in zip(direct, run_all(), strict=True):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -129,7 +129,7 @@ def test_config_type(device):
 
 
 def test_kernel_config_fields():
-    with pytest.raises(ValueError, match=r"block_m must be one of \(16, 32, 64, 128, 256\), got 48"):
+    with pytest.raises(ValueError, match=r"block_m must be one of \(16, 32, 64, 128, 256, 192\), got 48"):
         KernelConfig(48, 64)
     with pytest.raises(ValueError, match=r"num_stages must be in 1..8, got 0"):
         KernelConfig(64, 64, 4, 0)

@@ -65,12 +65,14 @@ def test_seed_rule_alone_would_accept_configs_that_fail():
 def test_every_rejection_has_a_reason_and_plan_partitions_candidates():
     for kernel in planner.KERNELS:
         plan = planner.plan(known_gpu("l4"), 96, torch.float16, kernel)
-        # 250 block/warp/stage configs; the forward's doubled by its pipeline_qk switch
-        assert (
-            len(plan.accepted) + len(plan.rejected) == len(planner.candidates(kernel)) == 250 * (kernel == "fwd") + 250
-        )
+        # 250 block/warp/stage configs; the forward's doubled by its pipeline_qk switch, plus 24 warpspec ones
+        expected = 250 * (kernel == "fwd") + 250 + 24 * (kernel == "fwd")
+        assert len(plan.accepted) + len(plan.rejected) == len(planner.candidates(kernel)) == expected
         assert plan.accepted and plan.rejected
-        for _cfg, need, reason in plan.rejected:
+        for cfg, need, reason in plan.rejected:
+            if cfg.warpspec:  # an L4 (sm_89) has no wgmma: every warpspec config is out, for that reason
+                assert reason.startswith("warpspec needs a Hopper GPU"), reason
+                continue
             assert reason.startswith(("shared memory", "registers")), reason
             assert (need > plan.device.smem_per_block) == reason.startswith("shared memory")
         assert all(need <= plan.device.smem_per_block for _, need in plan.accepted)
@@ -96,8 +98,17 @@ def test_default_config_fits_every_known_gpu(gpu, kernel):
 
 def test_default_config_prefers_the_h200_measurements():
     h200 = known_gpu("h200")
-    assert planner.default_config(128, torch.bfloat16, device=h200) == KernelConfig(256, 64, 8, 4)
-    assert planner.default_config(128, torch.bfloat16, causal=True, device=h200) == KernelConfig(128, 128, 8, 3)
+    # The warp-specialized forward first (docs/PERF.md v10), ping-pong for causal
+    assert planner.default_config(128, torch.bfloat16, device=h200) == KernelConfig(128, 128, 4, 2, warpspec=1)
+    assert planner.default_config(128, torch.bfloat16, causal=True, device=h200).warpspec == 2
+    assert planner.default_config(64, torch.bfloat16, device=h200) == KernelConfig(192, 128, 4, 2, warpspec=1)
+    # then the Triton template's measured best: asked for, for fp32, off Hopper
+    assert planner.default_config(128, torch.bfloat16, device=h200, warpspec=False) == KernelConfig(256, 64, 8, 4)
+    assert planner.default_config(128, torch.bfloat16, causal=True, device=h200, warpspec=False) == KernelConfig(
+        128, 128, 8, 3
+    )
+    assert not planner.default_config(128, torch.float32, device=h200).warpspec
+    assert not planner.default_config(128, torch.bfloat16, device=known_gpu("a100-80gb")).warpspec
     # The L4 has 99 KiB per block: the H200's 192 KiB pick does not fit, a smaller one is chosen.
     l4 = known_gpu("l4")
     cfg = planner.default_config(128, torch.bfloat16, device=l4)

@@ -1,0 +1,107 @@
+"""The warp-specialized forward (templates/fwd_ws.py.jinja, KernelConfig.warpspec): which calls it takes, and its
+launch.
+
+It is a Gluon kernel: TMA descriptors of Q, K, V and O replace pointer arithmetic, so it takes what TMA takes —
+16-byte-aligned base addresses and strides, a unit last stride — on a Hopper GPU (wgmma), in 16-bit floats, with
+the plain or causal mask. Every other call runs the Triton template: launcher.forward asks `unsupported` first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import codegen, fastlaunch, planner
+from .inputs import interpreting
+from .types import KernelConfig, Mask, Variant
+
+LOG2E = 1.4426950408889634
+ROWS_PER_CONSUMER = 64  # the template's ROWS_PER_CONSUMER: one warpgroup's wgmma rows
+GRID_AXIS_MAX = 65535  # CUDA's cap on grid axis 1, which numbers batch·heads here
+TMA_ALIGN = 16  # bytes: TMA's alignment of a tensor's base address and of every stride but the last
+
+
+def unsupported(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, mask: Mask, packed: bool
+) -> str | None:
+    """Why the warp-specialized forward cannot run this call (then the Triton template does), or None."""
+    if interpreting() or not q.is_cuda:
+        return "warpspec runs on a CUDA GPU only, not Triton's interpreter"
+    reason = planner.warpspec_unsupported(q.shape[-1], q.dtype, torch.cuda.get_device_capability(q.device))
+    if reason is not None:
+        return reason
+    if mask.banded or packed:
+        return "warpspec takes the plain and causal masks of dense (batch, heads, seqlen, head_dim) tensors"
+    if k.shape[-2] == 0:
+        return "warpspec needs at least one key"
+    if q.shape[0] * q.shape[1] > GRID_AXIS_MAX:
+        return f"warpspec numbers batch·heads on one grid axis (at most {GRID_AXIS_MAX}), got {q.shape[0] * q.shape[1]}"
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", o)):
+        if t.data_ptr() % TMA_ALIGN or any(s * t.element_size() % TMA_ALIGN for s in t.stride()[:-1]):
+            return f"warpspec needs {name}'s address and strides in multiples of {TMA_ALIGN} bytes (TMA)"
+    return None
+
+
+@functools.cache
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, ...], checked: bool = True):
+    """Gluon's TMA descriptor of `t` in blocks of `block`. checked=False skips the dataclass's own validation
+    (~7 µs of the host time a short call waits for; docs/PERF.md v10), for inputs `unsupported` already passed and
+    with the Triton version fastlaunch checked these fields against."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = _shared_layout(block, t.dtype)
+    if checked:
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding = (
+        t,
+        list(t.shape),
+        list(t.stride()),
+        list(block),
+        layout,
+        "zero",
+    )
+    return desc
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    config: KernelConfig,
+) -> None:
+    """Writes O and the logsumexp (batch, heads_q, seqlen_q) of attention(q, k, v) with a warpspec config; the
+    call must have passed `unsupported`."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    variant = Variant.for_template(
+        "fwd_ws", causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
+        pingpong=config.warpspec == 2,
+    )  # fmt: skip
+    kernel = codegen.load("fwd_ws", variant)._attn_fwd_ws
+    q_block = (1, 1, ROWS_PER_CONSUMER, head_dim)
+    kv_block = (1, 1, config.block_n, head_dim)
+    maxnreg, consumer_regs, producer_regs = planner.WS_REGISTERS[config.consumers]
+    options = {"num_warps": 4} if maxnreg is None else {"num_warps": 4, "maxnreg": maxnreg}
+    grid = (-(-seqlen_q // config.block_m), batch * heads_q)
+    checked = not fastlaunch.enabled()
+    descriptors = (_descriptor(q, q_block, checked), _descriptor(k, kv_block, checked),
+                   _descriptor(v, kv_block, checked), _descriptor(o, q_block, checked))  # fmt: skip
+    fastlaunch.launch(
+        kernel, grid, (*descriptors, lse),
+        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E),
+        CONSUMERS=config.consumers, STAGES=config.num_stages, PRODUCER_REGS=producer_regs,
+        CONSUMER_REGS=consumer_regs, **options,
+    )  # fmt: skip

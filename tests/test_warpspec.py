@@ -1,0 +1,140 @@
+"""The warp-specialized forward (KernelConfig.warpspec, templates/fwd_ws.py.jinja) without a GPU: its configs'
+rules, the planner's model against the compiler, code hashes, and the launcher's routing of calls it cannot take.
+Its results on a GPU are checked in tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fa2tune
+from fa2tune import codegen, launcher, planner, selection
+from fa2tune.device import known_gpu
+from fa2tune.reference import naive_attention
+from fa2tune.store import EntryKey
+from fa2tune.types import KernelConfig, Variant
+
+from .conftest import assert_close
+
+WS = KernelConfig(128, 128, 4, 2, warpspec=1)
+
+
+def test_configs_combine_fields_by_warpspec_rules():
+    assert WS.consumers == 2 and KernelConfig(192, 64, 4, 3, warpspec=1).consumers == 3
+    assert KernelConfig(128, 64, 8, 3).consumers == 0
+    assert KernelConfig.from_dict(WS.to_dict()) == WS and WS.to_dict()["warpspec"] == 1
+    assert "warpspec" not in KernelConfig(128, 64).to_dict()  # entries written before the switch read the same
+    bad = {
+        KernelConfig(192, 64): "block_m=192 needs warpspec",
+        KernelConfig(32, 64, 4, 2, warpspec=1): "warpspec takes block_m in (64, 128, 192)",
+        KernelConfig(128, 64, 8, 2, warpspec=1): "warpspec configs have num_warps=4",
+        KernelConfig(64, 64, 4, 2, warpspec=2): "warpspec=2 (ping-pong of two consumers) needs block_m=128",
+    }
+    for cfg, message in bad.items():
+        assert cfg.combination_error().startswith(message)
+        assert planner.check(cfg, known_gpu("h200"), 128, torch.bfloat16).startswith(message)
+    with pytest.raises(ValueError, match="warpspec must be 0, 1 or 2, got 3"):
+        KernelConfig(128, 64, 4, 2, warpspec=3)
+    with pytest.raises(ValueError, match=r"block_m must be one of \(16, 32, 64, 128, 256, 192\), got 96"):
+        KernelConfig(96, 64, 4, 2, warpspec=1)
+
+
+def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
+    h200 = known_gpu("h200")
+    assert planner.check(WS, h200, 128, torch.bfloat16) is None
+    assert planner.check(WS, h200, 128, torch.float16) is None
+    assert planner.check(WS, known_gpu("a100-80gb"), 128, torch.bfloat16).startswith(
+        "warpspec needs a Hopper GPU (compute capability 9.x: wgmma), this one is 8.0"
+    )
+    assert planner.check(WS, h200, 128, torch.float32).startswith("warpspec takes float16/bfloat16")
+    assert planner.check(WS, h200, 96, torch.bfloat16).startswith("warpspec takes head_dim in (32, 64, 128, 256)")
+    assert planner.check(WS, h200, 128, torch.bfloat16, "bwd_dq").startswith("warpspec is a forward switch")
+    # 4 stages of 128-row K and V tiles at d=128: 2·128·(128 + 8·128) + 512 B > the H200's 227 KiB; 3 fit
+    assert planner.check(KernelConfig(128, 128, 4, 4, warpspec=1), h200, 128, torch.bfloat16).startswith("shared")
+    assert planner.check(KernelConfig(128, 128, 4, 3, warpspec=1), h200, 128, torch.bfloat16) is None
+    ws = [c for c in planner.candidates("fwd") if c.warpspec]
+    assert len(ws) == 24 and all(c.combination_error() is None for c in ws)
+    # 192-row programs at d=128 with 128-row K/V tiles: three consumers of 160 registers would spill
+    assert planner.check(KernelConfig(192, 128, 4, 2, warpspec=1), h200, 128, torch.bfloat16).startswith("registers")
+    assert not [c for c in planner.candidates("bwd_dq") if c.warpspec]
+
+
+def test_code_hash_names_the_template_and_its_switches():
+    key = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="fwd")
+    hashes = {ws: codegen.entry_code_hash(key, KernelConfig(128, 128, 4, 2, warpspec=ws)) for ws in (0, 1, 2)}
+    assert len(set(hashes.values())) == 3
+    assert hashes[1] == codegen.code_hash("fwd", causal=True, warpspec=1)
+    assert codegen.code_hash("fwd", causal=False, warpspec=1) != hashes[1]
+    assert codegen.template_for("fwd", 1) == "fwd_ws" and codegen.template_for("bwd_dq", 1) == "bwd"
+    variant = Variant.for_template(
+        "fwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True, pingpong=True
+    )
+    source = codegen.render("fwd_ws", variant)
+    assert "CAUSAL = gl.constexpr(True)" in source and "PINGPONG = gl.constexpr(True)" in source
+    assert "warp_specialize" in source and f"template_hash: {codegen.template_hash('fwd_ws')}" in source
+
+
+_PROBE = """
+import json, subprocess, sys, tempfile, torch
+from fa2tune import probe
+from fa2tune.types import KernelConfig
+from triton import knobs
+rows = []
+for head_dim, fields, causal in json.loads(sys.argv[1]):
+    report = probe.compile_config("fwd", KernelConfig(**fields), head_dim, torch.bfloat16, causal=causal)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(report.cubin)
+        f.flush()
+        usage = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True, text=True)
+    stack = [int(w.split(":")[1]) for w in usage.stdout.split() if w.startswith("STACK:")]
+    rows.append([report.shared_bytes, report.error, stack])
+print(json.dumps(rows))
+"""
+
+
+def test_planner_model_and_registers_match_the_compiler():
+    # Compiled for sm_90 without a card (Triton ships ptxas and cuobjdump): the shared memory the model predicts is
+    # what the compiler allocates, to within the mbarrier allowance, and a consumer spills (STACK > 0) exactly when
+    # the planner's register rule says it would, with the split of planner.WS_REGISTERS: one, two (ping-pong,
+    # causal) and three consumers that fit, and three at d=128 B_c=128 that do not.
+    rows = [(128, WS.to_dict(), False), (128, KernelConfig(128, 128, 4, 2, warpspec=2).to_dict(), True),
+            (64, KernelConfig(192, 128, 4, 2, warpspec=1).to_dict(), True),
+            (128, KernelConfig(64, 64, 4, 4, warpspec=1).to_dict(), False),
+            (128, KernelConfig(192, 128, 4, 2, warpspec=1).to_dict(), False)]  # fmt: skip
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(rows)], env=env, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    for (head_dim, fields, _), (shared, error, stack) in zip(
+        rows, json.loads(out.stdout.splitlines()[-1]), strict=True
+    ):
+        cfg = KernelConfig(**fields)
+        assert error is None
+        predicted = planner.sram_bytes(cfg, head_dim, torch.bfloat16)
+        assert predicted - 512 <= shared <= predicted, (fields, shared, predicted)
+        reason = planner.check(cfg, known_gpu("h200"), head_dim, torch.bfloat16) or ""
+        assert stack and (max(stack) > 0) == reason.startswith("registers"), (fields, stack, reason)
+    assert reason.startswith("registers: 128 fp32 accumulator values per consumer thread")  # the last row spills
+
+
+def test_a_tuned_warpspec_config_falls_back_to_triton_where_it_cannot_run(monkeypatch, device):
+    # Under the interpreter (or for inputs TMA cannot take) a resolved warpspec config gives way to the Triton
+    # template's default; an explicit one is an error that says why.
+    monkeypatch.setattr(selection, "resolve", lambda *args, **kwargs: (WS, "test"))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 70, 64, device=device) for _ in range(3))
+    o = fa2tune.attention(q, k, v, causal=True)
+    ref, _ = naive_attention(q.double(), k.double(), v.double(), causal=True)
+    assert_close(o, ref, torch.float32)
+    if device == "cpu":
+        with pytest.raises(ValueError, match="cannot run this call: warpspec runs on a CUDA GPU only"):
+            fa2tune.attention(q, k, v, config=WS)
+    with pytest.raises(ValueError, match=r"dq_config .*warpspec is a forward switch"):
+        launcher.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dq_config=WS)
+    with pytest.raises(ValueError, match="block_m=192 needs warpspec"):
+        fa2tune.attention(q, k, v, config=KernelConfig(192, 64))
