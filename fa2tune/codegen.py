@@ -20,7 +20,7 @@ from types import ModuleType
 
 import jinja2
 
-TEMPLATES = ("fwd", "bwd", "fwd_ws")
+TEMPLATES = ("fwd", "bwd", "fwd_ws", "bwd_ws")
 _lock = threading.Lock()
 _modules: dict[tuple[str, object, str], ModuleType] = {}
 
@@ -38,13 +38,15 @@ def templates_dir() -> Path:
 
 
 # The template each kernel is rendered from (planner.KERNELS); tuned entries go stale with their own template only.
-# A forward config with warpspec runs fwd_ws instead (template_for).
+# A forward or dK/dV config with warpspec runs fwd_ws / bwd_ws instead (template_for).
 TEMPLATE_OF = {"fwd": "fwd", "bwd_dkdv": "bwd", "bwd_dq": "bwd"}
 
 
 def template_for(kernel: str, warpspec: int = 0) -> str:
     """The template `kernel` runs with a config whose warpspec switch is `warpspec` (KernelConfig.warpspec)."""
-    return "fwd_ws" if warpspec and kernel == "fwd" else TEMPLATE_OF[kernel]
+    if warpspec and kernel in ("fwd", "bwd_dkdv"):
+        return "fwd_ws" if kernel == "fwd" else "bwd_ws"
+    return TEMPLATE_OF[kernel]
 
 
 @functools.cache
@@ -83,7 +85,7 @@ def code_hash(
     from .types import Variant
 
     template = template_for(kernel, warpspec)
-    one_variant = varlen or template == "fwd_ws"  # no code of their own for even tails
+    one_variant = varlen or template in ("fwd_ws", "bwd_ws")  # no code of their own for even tails
     tails = [(False, False)] if one_variant else [(m, n) for m in (True, False) for n in (True, False)]
     digest = hashlib.sha256(template.encode())
     for even_m, even_n in tails:

@@ -147,8 +147,8 @@ def forward(
     mask = _as_mask(causal)
     (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), strides = _layout(q, k, packing)
     explicit = config is not None
-    if explicit and config.combination_error() is not None:
-        raise ValueError(f"config {config}: {config.combination_error()}")
+    if explicit and config.combination_error("fwd") is not None:
+        raise ValueError(f"config {config}: {config.combination_error('fwd')}")
     config = _config(config, "fwd", q, k, mask, packing)
     o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     lse_shape = (batch, heads_q, seqlen_q) if packing is None else (heads_q, q.shape[0])
@@ -156,7 +156,7 @@ def forward(
     if o.numel() == 0 or batch == 0 or seqlen_q == 0:
         return o, lse.fill_(float("-inf"))
     if config.warpspec:
-        reason = warpspec.unsupported(q, k, v, o, mask, packing is not None)
+        reason = warpspec.unsupported(mask, packing is not None, q=q, k=k, v=v, out=o)
         if reason is None:
             with _on_device(q):
                 warpspec.forward(q, k, v, o, lse, causal=mask.causal, scale=scale, config=config)
@@ -215,15 +215,24 @@ def backward(
     if do.stride(-1) != 1:
         do = do.contiguous()  # e.g. the stride-0 gradient of out.sum()
     mask = _as_mask(causal)
-    for name, given in (("dkdv_config", dkdv_config), ("dq_config", dq_config)):
-        if given is not None and (given.warpspec or given.combination_error()):
-            raise ValueError(f"{name} {given}: {given.combination_error() or 'warpspec is a forward switch'}")
+    for name, kernel, given in (("dkdv_config", "bwd_dkdv", dkdv_config), ("dq_config", "bwd_dq", dq_config)):
+        if given is not None and given.combination_error(kernel) is not None:
+            raise ValueError(f"{name} {given}: {given.combination_error(kernel)}")
+    explicit_dkdv = dkdv_config is not None
     dkdv_config = _config(dkdv_config, "bwd_dkdv", q, k, mask, packing)
     dq_config = _config(dq_config, "bwd_dq", q, k, mask, packing)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = torch.empty_like(lse)
+    if dkdv_config.warpspec:
+        tensors = dict(q=q, k=k, v=v, grad_out=do, dk=dk, dv=dv)
+        reason = warpspec.unsupported(mask, packing is not None, **tensors)
+        if reason is not None and explicit_dkdv:
+            raise ValueError(f"dkdv_config {dkdv_config} cannot run this call: {reason}")
+        if reason is not None:  # as in forward(): the Triton template at its default serves what warpspec cannot
+            dkdv_config = planner.default_config(q.shape[-1], q.dtype, kernel="bwd_dkdv",
+                                                 device=selection.device_info(q.device), warpspec=False)  # fmt: skip
 
     with _on_device(q):
         _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config, dq_config, packing, dlse)
@@ -248,13 +257,16 @@ def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config
     inputs = (*strides(q), *strides(k), *strides(v), *strides(do), *_lse_strides(lse, packing))
     sizes = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds)
 
-    dkdv = _kernel("bwd", "_attn_bwd_dkdv", mask, seqlen_q, seqlen_k, dkdv_config, varlen)
-    fastlaunch.launch(
-        dkdv, (_cdiv(seqlen_k, dkdv_config.block_n) * batch * heads_kv,),
-        (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k), (*inputs, *strides(dk), *strides(dv), *sizes),
-        **common, BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, INPUT_PRECISION=precision,
-        num_warps=dkdv_config.num_warps, num_stages=dkdv_config.num_stages,
-    )  # fmt: skip
+    if dkdv_config.warpspec:  # backward() checked that this call can take it
+        warpspec.backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal=mask.causal, scale=scale, config=dkdv_config)
+    else:
+        dkdv = _kernel("bwd", "_attn_bwd_dkdv", mask, seqlen_q, seqlen_k, dkdv_config, varlen)
+        fastlaunch.launch(
+            dkdv, (_cdiv(seqlen_k, dkdv_config.block_n) * batch * heads_kv,),
+            (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k), (*inputs, *strides(dk), *strides(dv), *sizes),
+            **common, BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, INPUT_PRECISION=precision,
+            num_warps=dkdv_config.num_warps, num_stages=dkdv_config.num_stages,
+        )  # fmt: skip
     dq_kernel = _kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, dq_config, varlen)
     fastlaunch.launch(
         dq_kernel, (_cdiv(seqlen_q, dq_config.block_m) * batch * heads_q,),

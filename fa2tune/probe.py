@@ -75,7 +75,7 @@ def compile_config(
         raise RuntimeError("compile_config needs Triton's compiler: unset TRITON_INTERPRET in this process")
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     if config.warpspec:
-        return _compile_warpspec(config, head_dim, dtype, causal, target)
+        return _compile_warpspec(kernel, config, head_dim, dtype, causal, target)
     template, name = _KERNEL_NAMES[kernel]
     variant = Variant.for_template(
         template, causal=causal, banded=banded, varlen=varlen, even_m=True, even_n=True, pipeline_qk=config.pipeline_qk
@@ -135,25 +135,32 @@ def _compile(source, target, options: dict) -> CompileReport:
     return CompileReport(int(compiled.metadata.shared), cubin=compiled.asm.get("cubin"))
 
 
-def _compile_warpspec(config: KernelConfig, head_dim: int, dtype: torch.dtype, causal: bool, target) -> CompileReport:
-    """The Gluon forward (fwd_ws) for `config`: its TMA descriptors' types come from CPU tensors of a (2, 16, 8192,
-    head_dim) layout, which carry the shapes, strides and block layouts a real launch specializes on."""
+def _compile_warpspec(
+    kernel: str, config: KernelConfig, head_dim: int, dtype: torch.dtype, causal: bool, target
+) -> CompileReport:
+    """A Gluon kernel (fwd_ws, or bwd_ws for bwd_dkdv) for `config`: its TMA descriptors' types come from CPU
+    tensors of a (2, 16, 8192, head_dim) layout, which carry the shapes, strides and block layouts a real launch
+    specializes on."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     from . import warpspec
 
-    variant = Variant.for_template(
-        "fwd_ws", causal=causal, banded=False, varlen=False, even_m=False, even_n=False, pingpong=config.warpspec == 2
-    )
-    fn = codegen.load("fwd_ws", variant)._attn_fwd_ws
+    template = codegen.template_for(kernel, config.warpspec)
+    variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
+                                   pingpong=config.warpspec == 2)  # fmt: skip
+    module = codegen.load(template, variant)
+    fn = module._attn_fwd_ws if kernel == "fwd" else module._attn_bwd_dkdv_ws
     x = torch.empty(2, 16, 8192, head_dim, dtype=dtype)
-    q_desc = warpspec._descriptor(x, (1, 1, warpspec.ROWS_PER_CONSUMER, head_dim))
-    kv_desc = warpspec._descriptor(x, (1, 1, config.block_n, head_dim))
-    maxnreg, consumer_regs, producer_regs = planner.WS_REGISTERS[config.consumers]
-    values = {"q_desc": q_desc, "k_desc": kv_desc, "v_desc": kv_desc, "o_desc": q_desc, "CONSUMERS": config.consumers,
-              "STAGES": config.num_stages, "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs}  # fmt: skip
-    scalars = {"LSE": "*fp32", "qk_scale": "fp32", "GROUP": "i32"}
+    rows = warpspec.ROWS_PER_CONSUMER
+    q_desc = warpspec._descriptor(x, (1, 1, rows if kernel == "fwd" else config.block_m, head_dim))
+    kv_desc = warpspec._descriptor(x, (1, 1, config.block_n if kernel == "fwd" else rows, head_dim))
+    consumers = config.consumers(kernel)
+    maxnreg, consumer_regs, producer_regs = planner.WS_REGISTERS[consumers]
+    values = {"q_desc": q_desc, "k_desc": kv_desc, "v_desc": kv_desc, "o_desc": q_desc, "do_desc": q_desc,
+              "dk_desc": kv_desc, "dv_desc": kv_desc, "CONSUMERS": consumers, "STAGES": config.num_stages,
+              "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs}  # fmt: skip
+    scalars = {"LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "scale": "fp32", "GROUP": "i32"}
     signature, constexprs = {}, {}
     for index, (arg, param) in enumerate(zip(fn.arg_names, fn.params, strict=True)):
         if param.is_constexpr:

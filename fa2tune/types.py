@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
-WS_BLOCK_M = (64, 128, 192)  # warpspec programs: 1, 2 or 3 consumer warpgroups of 64 query rows
+WS_BLOCK_M = (64, 128, 192)  # warpspec forward programs: 1, 2 or 3 consumer warpgroups of 64 query rows
+WS_DKDV_BLOCK_N = (64, 128)  # warpspec dK/dV programs: 1 or 2 consumer warpgroups of 64 K/V rows
+WS_DKDV_BLOCK_M = (64,)  # the Q rows a dK/dV step streams (128 spills: 264 B of stack at d=64, 720 at d=128)
 MAX_HEAD_DIM = 256  # the largest head dimension the templates take
 # The short names of the dtypes the kernels take, as YAML and the CLI spell them (torch-free, for the CLI's parser;
 # inputs.DTYPES_BY_NAME maps them to torch dtypes).
@@ -23,10 +25,11 @@ class KernelConfig:
         num_stages: pipelining depth of the K/V loop (shared-memory buffers in flight).
         pipeline_qk: forward only, 0 or 1: issue the next tile's QKᵀ before this tile's softmax (templates'
             `pipeline_qk` switch), so the tensor cores and the softmax overlap within one warpgroup.
-        warpspec: forward only: 0 runs the Triton template (fwd.py.jinja); 1 the warp-specialized Gluon template
-            (fwd_ws.py.jinja, Hopper only): a TMA producer warp and block_m / 64 consumer warpgroups (block_m 64,
-            128 or 192; num_warps is then the first consumer's 4); 2 the same with the two consumers of a
-            block_m = 128 tile taking turns at the tensor cores (ping-pong).
+        warpspec: 0 runs the Triton template (fwd.py.jinja, bwd.py.jinja); 1 a warp-specialized Gluon template
+            (Hopper only): in the forward (fwd_ws.py.jinja) a TMA producer warp and block_m / 64 consumer
+            warpgroups (block_m 64, 128 or 192; num_warps is then the first consumer's 4); 2 the same with the two
+            consumers of a block_m = 128 tile taking turns at the tensor cores (ping-pong). In bwd_dkdv
+            (bwd_ws.py.jinja) 1 only: block_n / 64 consumer warpgroups own the K/V rows, block_m = 64 Q rows a step.
     """
 
     block_m: int
@@ -50,9 +53,10 @@ class KernelConfig:
         if self.warpspec not in (0, 1, 2):
             raise ValueError(f"warpspec must be 0, 1 or 2, got {self.warpspec!r}")
 
-    def combination_error(self) -> str | None:
-        """Why these fields do not make one kernel's config together, or None. Separate from __post_init__ so that
-        a tuner sampling each field on its own can build any combination and have planner.check reject it."""
+    def combination_error(self, kernel: str = "fwd") -> str | None:
+        """Why these fields do not make one config of `kernel` ("fwd", "bwd_dkdv", "bwd_dq") together, or None.
+        Separate from __post_init__ so that a tuner sampling each field on its own can build any combination and
+        have planner.check reject it."""
         if not self.warpspec:
             if self.block_m not in _BLOCK_SIZES:
                 return (
@@ -60,21 +64,32 @@ class KernelConfig:
                     f"takes {_BLOCK_SIZES}"
                 )
             return None
-        if self.block_m not in WS_BLOCK_M:
-            return f"warpspec takes block_m in {WS_BLOCK_M} (64 query rows per consumer warpgroup), got {self.block_m}"
+        if kernel == "bwd_dq":
+            return "warpspec is a forward and dK/dV switch; bwd_dq runs the Triton template"
         if self.num_warps != 4 or self.pipeline_qk:
             return (
                 "warpspec configs have num_warps=4 (one warpgroup per consumer) and pipeline_qk=0, "
                 f"got num_warps={self.num_warps}, pipeline_qk={self.pipeline_qk}"
             )
+        if kernel == "bwd_dkdv":
+            if self.warpspec != 1 or self.block_n not in WS_DKDV_BLOCK_N or self.block_m not in WS_DKDV_BLOCK_M:
+                return (
+                    f"bwd_dkdv's warpspec takes warpspec=1, block_n in {WS_DKDV_BLOCK_N} (64 K/V rows per consumer "
+                    f"warpgroup) and block_m in {WS_DKDV_BLOCK_M}, got {self.warpspec}, {self.block_n}, {self.block_m}"
+                )
+            return None
+        if self.block_m not in WS_BLOCK_M:
+            return f"warpspec takes block_m in {WS_BLOCK_M} (64 query rows per consumer warpgroup), got {self.block_m}"
         if self.warpspec == 2 and self.block_m != 128:
             return f"warpspec=2 (ping-pong of two consumers) needs block_m=128, got {self.block_m}"
         return None
 
-    @property
-    def consumers(self) -> int:
-        """Consumer warpgroups of a warpspec program (64 query rows each); 0 for the Triton template."""
-        return self.block_m // 64 if self.warpspec else 0
+    def consumers(self, kernel: str = "fwd") -> int:
+        """Consumer warpgroups of a warpspec program of `kernel`, 64 rows each (of Q in the forward, of K/V in
+        bwd_dkdv); 0 for the Triton template."""
+        if not self.warpspec:
+            return 0
+        return (self.block_n if kernel == "bwd_dkdv" else self.block_m) // 64
 
     def to_dict(self) -> dict[str, int]:
         """The fields as a mapping; switches at their default (off) are left out, so entries written before a switch
@@ -134,13 +149,14 @@ class Variant:
         dot_fp32: bool = False,
         pingpong: bool = False,
     ) -> Variant:
-        """The variant `template` ("fwd", "bwd", "fwd_ws") renders for a call: the rules the launcher,
+        """The variant `template` ("fwd", "bwd", "fwd_ws", "bwd_ws") renders for a call: the rules the launcher,
         codegen.code_hash and the probe must agree on, or a stored entry's hash would not name the code it runs. A
         band mask carries causality itself; packed sequences have no even tails; pipeline_qk exists in the forward
-        template only. fwd_ws has two switches only (causal, pingpong): TMA bounds every tile, so tails need no
-        code of their own, and it takes neither band masks nor packed sequences (the launcher routes those to fwd)."""
-        if template == "fwd_ws":
-            return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong)
+        template only. fwd_ws has two switches only (causal, pingpong), bwd_ws one (causal): TMA bounds every tile,
+        so tails need no code of their own, and they take neither band masks nor packed sequences (the launcher
+        routes those to the Triton templates)."""
+        if template in ("fwd_ws", "bwd_ws"):
+            return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and template == "fwd_ws")
         return cls(
             causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,
             dot_fp32=dot_fp32, banded=banded, varlen=varlen, pipeline_qk=bool(pipeline_qk) and template == "fwd",

@@ -1,9 +1,9 @@
-"""The warp-specialized forward (templates/fwd_ws.py.jinja, KernelConfig.warpspec): which calls it takes, and its
-launch.
+"""The warp-specialized kernels (KernelConfig.warpspec): the forward (templates/fwd_ws.py.jinja) and the backward's
+dK/dV kernel (templates/bwd_ws.py.jinja) — which calls they take, and their launches.
 
-It is a Gluon kernel: TMA descriptors of Q, K, V and O replace pointer arithmetic, so it takes what TMA takes —
+They are Gluon kernels: TMA descriptors of the tensors replace pointer arithmetic, so they take what TMA takes —
 16-byte-aligned base addresses and strides, a unit last stride — on a Hopper GPU (wgmma), in 16-bit floats, with
-the plain or causal mask. Every other call runs the Triton template: launcher.forward asks `unsupported` first.
+the plain or causal mask. Every other call runs the Triton templates: the launcher asks `unsupported` first.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ GRID_AXIS_MAX = 65535  # CUDA's cap on grid axis 1, which numbers batch·heads h
 TMA_ALIGN = 16  # bytes: TMA's alignment of a tensor's base address and of every stride but the last
 
 
-def unsupported(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, mask: Mask, packed: bool
-) -> str | None:
-    """Why the warp-specialized forward cannot run this call (then the Triton template does), or None."""
+def unsupported(mask: Mask, packed: bool, **tensors: torch.Tensor) -> str | None:
+    """Why a warp-specialized kernel cannot run this call (then the Triton template does), or None. tensors: every
+    tensor it reads or writes through TMA, by the name an error should give; q and k among them."""
+    q, k = tensors["q"], tensors["k"]
     if interpreting() or not q.is_cuda:
         return "warpspec runs on a CUDA GPU only, not Triton's interpreter"
-    reason = planner.warpspec_unsupported(q.shape[-1], q.dtype, torch.cuda.get_device_capability(q.device))
+    reason = planner.warpspec_unsupported(q.shape[-1], q.dtype, _capability(q.device.index))
     if reason is not None:
         return reason
     if mask.banded or packed:
@@ -37,10 +37,15 @@ def unsupported(
         return "warpspec needs at least one key"
     if q.shape[0] * q.shape[1] > GRID_AXIS_MAX:
         return f"warpspec numbers batch·heads on one grid axis (at most {GRID_AXIS_MAX}), got {q.shape[0] * q.shape[1]}"
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", o)):
+    for name, t in tensors.items():
         if t.data_ptr() % TMA_ALIGN or any(s * t.element_size() % TMA_ALIGN for s in t.stride()[:-1]):
             return f"warpspec needs {name}'s address and strides in multiples of {TMA_ALIGN} bytes (TMA)"
     return None
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)  # a driver query: once per device, not per call
 
 
 @functools.cache
@@ -93,7 +98,7 @@ def forward(
     kernel = codegen.load("fwd_ws", variant)._attn_fwd_ws
     q_block = (1, 1, ROWS_PER_CONSUMER, head_dim)
     kv_block = (1, 1, config.block_n, head_dim)
-    maxnreg, consumer_regs, producer_regs = planner.WS_REGISTERS[config.consumers]
+    maxnreg, consumer_regs, producer_regs = planner.WS_REGISTERS[config.consumers()]
     options = {"num_warps": 4} if maxnreg is None else {"num_warps": 4, "maxnreg": maxnreg}
     grid = (-(-seqlen_q // config.block_m), batch * heads_q)
     checked = not fastlaunch.enabled()
@@ -102,6 +107,44 @@ def forward(
     fastlaunch.launch(
         kernel, grid, (*descriptors, lse),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E),
-        CONSUMERS=config.consumers, STAGES=config.num_stages, PRODUCER_REGS=producer_regs,
+        CONSUMERS=config.consumers(), STAGES=config.num_stages, PRODUCER_REGS=producer_regs,
         CONSUMER_REGS=consumer_regs, **options,
+    )  # fmt: skip
+
+
+def backward_dkdv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    config: KernelConfig,
+) -> None:
+    """Writes dK and dV (batch, heads_kv, seqlen_k, head_dim) — summed over each K/V head's query heads — with a
+    warpspec bwd_dkdv config; δ (delta) as the Triton template's preprocess kernel leaves it (less dlse). The call
+    must have passed `unsupported`."""
+    batch, heads_q, _, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    variant = Variant.for_template("bwd_ws", causal=causal, banded=False, varlen=False, even_m=False, even_n=False)
+    kernel = codegen.load("bwd_ws", variant)._attn_bwd_dkdv_ws
+    consumers = config.consumers("bwd_dkdv")
+    q_block = (1, 1, config.block_m, head_dim)
+    kv_block = (1, 1, ROWS_PER_CONSUMER, head_dim)
+    maxnreg, consumer_regs, producer_regs = planner.WS_REGISTERS[consumers]
+    options = {"num_warps": 4} if maxnreg is None else {"num_warps": 4, "maxnreg": maxnreg}
+    checked = not fastlaunch.enabled()
+    descriptors = (_descriptor(q, q_block, checked), _descriptor(k, kv_block, checked),
+                   _descriptor(v, kv_block, checked), _descriptor(do, q_block, checked),
+                   _descriptor(dk, kv_block, checked), _descriptor(dv, kv_block, checked))  # fmt: skip
+    fastlaunch.launch(
+        kernel, (-(-seqlen_k // config.block_n), batch * heads_kv), (*descriptors, lse, delta),
+        (lse.stride(0), lse.stride(1), q.shape[2], seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale),
+        CONSUMERS=consumers, STAGES=config.num_stages, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs,
+        **options,
     )  # fmt: skip

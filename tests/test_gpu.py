@@ -99,17 +99,27 @@ _WS_CONFIGS = [KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(128, 128, 4
                KernelConfig(128, 128, 4, 2, warpspec=2), KernelConfig(192, 128, 4, 2, warpspec=1),
                KernelConfig(128, 64, 4, 3, warpspec=1)]  # fmt: skip
 _WS_LENGTHS = [(1000, 1537), (1, 5), (257, 257), (300, 1000), (1000, 300)]
+_HOPPER = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
+                             reason="needs Hopper")  # fmt: skip
+_WS_DIMS = pytest.mark.parametrize(
+    "head_dim, dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float16)]
+)
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="needs Hopper")
-@pytest.mark.parametrize("config", _WS_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}s{c.num_stages}ws{c.warpspec}")
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim, dtype", [(64, torch.bfloat16), (128, torch.bfloat16), (128, torch.float16)])
-def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype):
-    torch.manual_seed(head_dim + config.block_m)
+def _ws_inputs(head_dim: int, dtype: torch.dtype):
+    """(q, k, v) at each of _WS_LENGTHS: 2 batches, 4 query heads over 2 K/V heads (GQA)."""
     for seqlen_q, seqlen_k in _WS_LENGTHS:
         q = torch.randn(2, 4, seqlen_q, head_dim, dtype=dtype, device="cuda")
-        k, v = (torch.randn(2, 2, seqlen_k, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+        yield q, *(torch.randn(2, 2, seqlen_k, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+
+
+@_HOPPER
+@pytest.mark.parametrize("config", _WS_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}s{c.num_stages}ws{c.warpspec}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@_WS_DIMS
+def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype):
+    torch.manual_seed(head_dim + config.block_m)
+    for q, k, v in _ws_inputs(head_dim, dtype):
         out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
         o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5, config=config, out=out)
         ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=causal)
@@ -120,7 +130,7 @@ def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype):
         assert (lse[~seen] == float("-inf")).all()  # a row that sees no key: O = 0, lse = -inf
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="needs Hopper")
+@_HOPPER
 @pytest.mark.parametrize("head_dim", [32, 256])
 def test_warpspec_other_head_dims_and_gradients(head_dim):
     torch.manual_seed(head_dim)
@@ -137,7 +147,7 @@ def test_warpspec_other_head_dims_and_gradients(head_dim):
         assert_close(got, want, torch.bfloat16, what=f"d{name}")
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="needs Hopper")
+@_HOPPER
 def test_warpspec_takes_what_tma_takes_and_the_rest_runs_triton(monkeypatch):
     from fa2tune import selection
 
@@ -159,7 +169,7 @@ def test_warpspec_takes_what_tma_takes_and_the_rest_runs_triton(monkeypatch):
     assert_close(o, ref, torch.bfloat16)
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="needs Hopper")
+@_HOPPER
 def test_warpspec_direct_launches_give_what_the_jit_gives(monkeypatch):
     # The warp-specialized forward launches through fastlaunch too, its TMA descriptors keyed by dtype, block and
     # layout: lengths and head counts that change the scalars, and a second call of each, equal the JIT's bit for bit.
@@ -180,3 +190,24 @@ def test_warpspec_direct_launches_give_what_the_jit_gives(monkeypatch):
     monkeypatch.setattr(fastlaunch, "_enabled", False)
     for got, want in zip(direct, run_all(), strict=True):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@_HOPPER
+@pytest.mark.parametrize("config", [KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(64, 64, 4, 3, warpspec=1)],
+                         ids=["2consumers", "1consumer3stages"])  # fmt: skip
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@_WS_DIMS
+def test_warpspec_dkdv_matches_reference(config, causal, head_dim, dtype):
+    # The warp-specialized dK/dV kernel (templates/bwd_ws.py.jinja) beside the Triton dQ kernel: all three gradients
+    # against float64 autograd, GQA (dK/dV summed over two query heads each), lengths across tiles, N_Q ≠ N_K.
+    torch.manual_seed(head_dim + config.block_n)
+    for q, k, v in _ws_inputs(head_dim, dtype):
+        seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+        do = torch.randn_like(q)
+        o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5)
+        grads = launcher.backward(do, q, k, v, o, lse, causal=causal, scale=head_dim**-0.5, dkdv_config=config)
+        qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+        ref, _ = naive_attention(qd, kd, vd, causal=causal)
+        ref_grads = torch.autograd.grad(ref.nan_to_num(0.0), (qd, kd, vd), do.double())
+        for got, want, name in zip(grads, ref_grads, "qkv", strict=True):
+            assert_close(got, want, dtype, what=f"d{name} at N_Q={seqlen_q} N_K={seqlen_k}")

@@ -25,8 +25,9 @@ WS = KernelConfig(128, 128, 4, 2, warpspec=1)
 
 
 def test_configs_combine_fields_by_warpspec_rules():
-    assert WS.consumers == 2 and KernelConfig(192, 64, 4, 3, warpspec=1).consumers == 3
-    assert KernelConfig(128, 64, 8, 3).consumers == 0
+    assert WS.consumers() == 2 and KernelConfig(192, 64, 4, 3, warpspec=1).consumers() == 3
+    assert KernelConfig(128, 64, 8, 3).consumers() == 0
+    assert KernelConfig(64, 128, 4, 2, warpspec=1).consumers("bwd_dkdv") == 2  # dK/dV: 64 K/V rows per consumer
     assert KernelConfig.from_dict(WS.to_dict()) == WS and WS.to_dict()["warpspec"] == 1
     assert "warpspec" not in KernelConfig(128, 64).to_dict()  # entries written before the switch read the same
     bad = {
@@ -38,6 +39,16 @@ def test_configs_combine_fields_by_warpspec_rules():
     for cfg, message in bad.items():
         assert cfg.combination_error().startswith(message)
         assert planner.check(cfg, known_gpu("h200"), 128, torch.bfloat16).startswith(message)
+    assert KernelConfig(64, 128, 4, 2, warpspec=1).combination_error("bwd_dkdv") is None
+    assert (
+        KernelConfig(128, 128, 4, 2, warpspec=1)
+        .combination_error("bwd_dkdv")
+        .startswith(
+            "bwd_dkdv's warpspec takes warpspec=1, block_n in (64, 128) (64 K/V rows per consumer warpgroup) and "
+            "block_m in (64,)"
+        )
+    )
+    assert WS.combination_error("bwd_dq").startswith("warpspec is a forward and dK/dV switch")
     with pytest.raises(ValueError, match="warpspec must be 0, 1 or 2, got 3"):
         KernelConfig(128, 64, 4, 2, warpspec=3)
     with pytest.raises(ValueError, match=r"block_m must be one of \(16, 32, 64, 128, 256, 192\), got 96"):
@@ -53,7 +64,9 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     )
     assert planner.check(WS, h200, 128, torch.float32).startswith("warpspec takes float16/bfloat16")
     assert planner.check(WS, h200, 96, torch.bfloat16).startswith("warpspec takes head_dim in (32, 64, 128, 256)")
-    assert planner.check(WS, h200, 128, torch.bfloat16, "bwd_dq").startswith("warpspec is a forward switch")
+    assert planner.check(WS, h200, 128, torch.bfloat16, "bwd_dq").startswith("warpspec is a forward and dK/dV")
+    dkdv = [c for c in planner.candidates("bwd_dkdv") if c.warpspec]
+    assert len(dkdv) == 6 and all(planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") is None for c in dkdv[:4])
     # 4 stages of 128-row K and V tiles at d=128: 2·128·(128 + 8·128) + 512 B > the H200's 227 KiB; 3 fit
     assert planner.check(KernelConfig(128, 128, 4, 4, warpspec=1), h200, 128, torch.bfloat16).startswith("shared")
     assert planner.check(KernelConfig(128, 128, 4, 3, warpspec=1), h200, 128, torch.bfloat16) is None
@@ -62,15 +75,24 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     # 192-row programs at d=128 with 128-row K/V tiles: three consumers of 160 registers would spill
     assert planner.check(KernelConfig(192, 128, 4, 2, warpspec=1), h200, 128, torch.bfloat16).startswith("registers")
     assert not [c for c in planner.candidates("bwd_dq") if c.warpspec]
+    # dK/dV at d=256: 64·(2·256 + 3·64)/128 = 352 accumulators a consumer thread
+    assert planner.check(dkdv[0], h200, 256, torch.bfloat16, "bwd_dkdv").startswith("registers")
 
 
 def test_code_hash_names_the_template_and_its_switches():
     key = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="fwd")
     hashes = {ws: codegen.entry_code_hash(key, KernelConfig(128, 128, 4, 2, warpspec=ws)) for ws in (0, 1, 2)}
     assert len(set(hashes.values())) == 3
+    dkdv = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="bwd_dkdv")
+    assert codegen.entry_code_hash(dkdv, KernelConfig(64, 128, 4, 2, warpspec=1)) != codegen.entry_code_hash(
+        dkdv, KernelConfig(64, 128, 4, 2)
+    )
+    assert codegen.template_for("bwd_dkdv", 1) == "bwd_ws"
     assert hashes[1] == codegen.code_hash("fwd", causal=True, warpspec=1)
     assert codegen.code_hash("fwd", causal=False, warpspec=1) != hashes[1]
     assert codegen.template_for("fwd", 1) == "fwd_ws" and codegen.template_for("bwd_dq", 1) == "bwd"
+    assert "def _attn_bwd_dkdv_ws(" in codegen.render("bwd_ws", Variant.for_template(
+        "bwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True))  # fmt: skip
     variant = Variant.for_template(
         "fwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True, pingpong=True
     )
@@ -85,8 +107,8 @@ from fa2tune import probe
 from fa2tune.types import KernelConfig
 from triton import knobs
 rows = []
-for head_dim, fields, causal in json.loads(sys.argv[1]):
-    report = probe.compile_config("fwd", KernelConfig(**fields), head_dim, torch.bfloat16, causal=causal)
+for kernel, head_dim, fields, causal in json.loads(sys.argv[1]):
+    report = probe.compile_config(kernel, KernelConfig(**fields), head_dim, torch.bfloat16, causal=causal)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(report.cubin)
         f.flush()
@@ -101,23 +123,23 @@ def test_planner_model_and_registers_match_the_compiler():
     # Compiled for sm_90 without a card (Triton ships ptxas and cuobjdump): the shared memory the model predicts is
     # what the compiler allocates, to within the mbarrier allowance, and a consumer spills (STACK > 0) exactly when
     # the planner's register rule says it would, with the split of planner.WS_REGISTERS: one, two (ping-pong,
-    # causal) and three consumers that fit, and three at d=128 B_c=128 that do not.
-    rows = [(128, WS.to_dict(), False), (128, KernelConfig(128, 128, 4, 2, warpspec=2).to_dict(), True),
-            (64, KernelConfig(192, 128, 4, 2, warpspec=1).to_dict(), True),
-            (128, KernelConfig(64, 64, 4, 4, warpspec=1).to_dict(), False),
-            (128, KernelConfig(192, 128, 4, 2, warpspec=1).to_dict(), False)]  # fmt: skip
+    # causal) and three consumers that fit, a dK/dV kernel, and three at d=128 B_c=128 that do not.
+    rows = [("fwd", 128, WS.to_dict(), False), ("fwd", 128, KernelConfig(128, 128, 4, 2, warpspec=2).to_dict(), True),
+            ("fwd", 64, KernelConfig(192, 128, 4, 2, warpspec=1).to_dict(), True),
+            ("fwd", 128, KernelConfig(64, 64, 4, 4, warpspec=1).to_dict(), False),
+            ("bwd_dkdv", 64, KernelConfig(64, 128, 4, 3, warpspec=1).to_dict(), True),
+            ("fwd", 128, KernelConfig(192, 128, 4, 2, warpspec=1).to_dict(), False)]  # fmt: skip
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(rows)], env=env, capture_output=True, text=True,
                          timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    for (head_dim, fields, _), (shared, error, stack) in zip(
-        rows, json.loads(out.stdout.splitlines()[-1]), strict=True
-    ):
+    reports = json.loads(out.stdout.splitlines()[-1])
+    for (kernel, head_dim, fields, _), (shared, error, stack) in zip(rows, reports, strict=True):
         cfg = KernelConfig(**fields)
         assert error is None
-        predicted = planner.sram_bytes(cfg, head_dim, torch.bfloat16)
+        predicted = planner.sram_bytes(cfg, head_dim, torch.bfloat16, kernel)
         assert predicted - 512 <= shared <= predicted, (fields, shared, predicted)
-        reason = planner.check(cfg, known_gpu("h200"), head_dim, torch.bfloat16) or ""
+        reason = planner.check(cfg, known_gpu("h200"), head_dim, torch.bfloat16, kernel) or ""
         assert stack and (max(stack) > 0) == reason.startswith("registers"), (fields, stack, reason)
     assert reason.startswith("registers: 128 fp32 accumulator values per consumer thread")  # the last row spills
 
@@ -134,7 +156,11 @@ def test_a_tuned_warpspec_config_falls_back_to_triton_where_it_cannot_run(monkey
     if device == "cpu":
         with pytest.raises(ValueError, match="cannot run this call: warpspec runs on a CUDA GPU only"):
             fa2tune.attention(q, k, v, config=WS)
-    with pytest.raises(ValueError, match=r"dq_config .*warpspec is a forward switch"):
+    with pytest.raises(ValueError, match=r"dq_config .*warpspec is a forward and dK/dV switch"):
         launcher.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dq_config=WS)
     with pytest.raises(ValueError, match="block_m=192 needs warpspec"):
         fa2tune.attention(q, k, v, config=KernelConfig(192, 64))
+    if device == "cpu":
+        dkdv = KernelConfig(64, 128, 4, 2, warpspec=1)
+        with pytest.raises(ValueError, match=r"dkdv_config .* cannot run this call: warpspec runs on a CUDA GPU only"):
+            launcher.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dkdv_config=dkdv)
