@@ -10,6 +10,7 @@ torch.compile sees two opaque ops with known output shapes instead of tracing in
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -122,6 +123,27 @@ def _config(
                              varlen=packing is not None, seqlen=longest)[0]  # fmt: skip
 
 
+def _runnable(config: KernelConfig, kernel: str, explicit: bool, mask: Mask, packing, **tensors) -> KernelConfig:
+    """`config`, or — for a warpspec config this call cannot take (unaligned strides, band masks, packed sequences,
+    fp32) — the Triton template's default: a tuned warpspec entry serves the calls it can and the others run as
+    they would have before tuning. A warpspec config the caller gave explicitly is an error that says why."""
+    if not config.warpspec:
+        return config
+    reason = warpspec.unsupported(mask, packing is not None, **tensors)
+    if reason is None:
+        return config
+    if explicit:
+        name = "config" if kernel == "fwd" else "dkdv_config"
+        raise ValueError(f"{name} {config} cannot run this call: {reason}")
+    q = tensors["q"]
+    return _triton_default(q.shape[-1], q.dtype, mask.causal, kernel, selection.device_info(q.device))
+
+
+@functools.lru_cache(maxsize=256)
+def _triton_default(head_dim: int, dtype: torch.dtype, causal: bool, kernel: str, device) -> KernelConfig:
+    return planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device, warpspec=False)
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -155,18 +177,11 @@ def forward(
     lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
     if o.numel() == 0 or batch == 0 or seqlen_q == 0:
         return o, lse.fill_(float("-inf"))
+    config = _runnable(config, "fwd", explicit, mask, packing, q=q, k=k, v=v, out=o)
     if config.warpspec:
-        reason = warpspec.unsupported(mask, packing is not None, q=q, k=k, v=v, out=o)
-        if reason is None:
-            with _on_device(q):
-                warpspec.forward(q, k, v, o, lse, causal=mask.causal, scale=scale, config=config)
-            return o, lse
-        if explicit:
-            raise ValueError(f"config {config} cannot run this call: {reason}")
-        # A tuned warpspec entry serves the calls it can; the others (unaligned strides, masks, packed sequences)
-        # run the Triton template at its default, as they would have before tuning.
-        config = planner.default_config(head_dim, q.dtype, causal=mask.causal, kernel="fwd",
-                                        device=selection.device_info(q.device), warpspec=False)  # fmt: skip
+        with _on_device(q):
+            warpspec.forward(q, k, v, o, lse, causal=mask.causal, scale=scale, config=config)
+        return o, lse
     kernel = _kernel("fwd", "_attn_fwd", mask, seqlen_q, seqlen_k, config, packing is not None)
     cu_q, cu_k, (left, right, prefix) = _mask_args(mask, seqlen_q, seqlen_k, packing)
     grid = fwd_grid(_cdiv(seqlen_q, config.block_m), batch * heads_q)
@@ -225,14 +240,8 @@ def backward(
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     delta = torch.empty_like(lse)
-    if dkdv_config.warpspec:
-        tensors = dict(q=q, k=k, v=v, grad_out=do, dk=dk, dv=dv)
-        reason = warpspec.unsupported(mask, packing is not None, **tensors)
-        if reason is not None and explicit_dkdv:
-            raise ValueError(f"dkdv_config {dkdv_config} cannot run this call: {reason}")
-        if reason is not None:  # as in forward(): the Triton template at its default serves what warpspec cannot
-            dkdv_config = planner.default_config(q.shape[-1], q.dtype, kernel="bwd_dkdv",
-                                                 device=selection.device_info(q.device), warpspec=False)  # fmt: skip
+    dkdv_config = _runnable(dkdv_config, "bwd_dkdv", explicit_dkdv, mask, packing, q=q, k=k, v=v, grad_out=do, dk=dk,
+                            dv=dv)  # fmt: skip
 
     with _on_device(q):
         _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config, dq_config, packing, dlse)
