@@ -125,13 +125,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             f"{p.kernel} on {info.name} ({info.smem_per_block:,} B shared memory per block), "
             f"head_dim {p.head_dim}, {args.dtype}: {len(p.accepted)} accepted, {len(p.rejected)} rejected"
         )
-        print(f"  {'block_m':>7} {'block_n':>7} {'warps':>5} {'stages':>6} {'SRAM (B)':>10}")
+        print(f"  {'block_m':>7} {'block_n':>7} {'warps':>5} {'stages':>6} {'SRAM (B)':>10}  switches")
         for cfg, need in sorted(p.accepted, key=lambda a: -a[1]):
-            print(f"  {cfg.block_m:>7} {cfg.block_n:>7} {cfg.num_warps:>5} {cfg.num_stages:>6} {need:>10,}")
+            print(f"  {cfg.block_m:>7} {cfg.block_n:>7} {cfg.num_warps:>5} {cfg.num_stages:>6} {need:>10,}  "
+                  f"{_switches(cfg)}")  # fmt: skip
         print("  rejected:")
         for cfg, _need, why in p.rejected:
-            print(f"  {cfg.block_m:>7} {cfg.block_n:>7} {cfg.num_warps:>5} {cfg.num_stages:>6}  {why}")
+            print(f"  {cfg.block_m:>7} {cfg.block_n:>7} {cfg.num_warps:>5} {cfg.num_stages:>6}  {_switches(cfg)} {why}")
     return 0
+
+
+def _switches(cfg) -> str:
+    """The config's template switches in words ("" for the plain Triton template)."""
+    names = {"pipeline_qk": {1: "pipeline_qk"}, "warpspec": {1: "warpspec", 2: "warpspec ping-pong"}}
+    return " ".join(names[field][value] for field, value in asdict(cfg).items() if field in names and value)
 
 
 def _cmd_codegen(args: argparse.Namespace) -> int:

@@ -64,6 +64,10 @@ def test_plan_table_and_bwd_lists_both_kernels(capsys):
     assert cli.main(["plan", "--gpu", "l4", "--head-dim", "64", "--kernel", "bwd"]) == 0
     out = capsys.readouterr().out
     assert "bwd_dkdv on NVIDIA L4 (101,376 B" in out and "bwd_dq on NVIDIA L4" in out and "rejected:" in out
+    assert "warpspec needs a Hopper GPU" in out  # the L4 has no wgmma
+    assert cli.main(["plan", "--gpu", "h200", "--head-dim", "128"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:4] == ["128", "128", "4", "2"] and line.endswith("warpspec ping-pong") for line in lines)
 
 
 def test_plan_errors_name_the_choices(capsys):
