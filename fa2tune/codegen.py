@@ -135,7 +135,8 @@ def _environment() -> jinja2.Environment:
 
 
 def render(template: str, variant: object) -> str:
-    """Returns the Triton (or, for fwd_ws, Gluon) source of templates/<template>.py.jinja for a Variant."""
+    """Returns the Triton (or, for fwd_ws and bwd_ws, Gluon) source of templates/<template>.py.jinja for a
+    Variant."""
     if template not in TEMPLATES:
         raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
     if not dataclasses.is_dataclass(variant):

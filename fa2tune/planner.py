@@ -43,8 +43,8 @@ KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (1, 2, 3, 4, 5)
-# The warp-specialized forward (fwd_ws.py.jinja): Hopper's wgmma and TMA, 16-bit inputs, head dims whose rows are
-# whole 16-byte TMA units and wgmma widths.
+# The warp-specialized kernels (fwd_ws.py.jinja, bwd_ws.py.jinja): Hopper's wgmma and TMA, 16-bit inputs, head dims
+# whose rows are whole 16-byte TMA units and wgmma widths.
 WS_HEAD_DIMS = (32, 64, 128, 256)
 WS_DTYPES = (torch.float16, torch.bfloat16)
 WS_BLOCK_N = (64, 128)
@@ -63,7 +63,7 @@ _WS_REGISTERS_BESIDE_ACCUMULATORS = {"fwd": 64, "bwd_dkdv": 16}
 
 
 def warpspec_unsupported(head_dim: int, dtype: torch.dtype, capability: tuple[int, int]) -> str | None:
-    """Why the warp-specialized forward cannot run this head dim / dtype / GPU, or None."""
+    """Why the warp-specialized kernels (forward, dK/dV) cannot run this head dim / dtype / GPU, or None."""
     if capability[0] != 9:
         major, minor = capability
         return f"warpspec needs a Hopper GPU (compute capability 9.x: wgmma), this one is {major}.{minor}"

@@ -138,35 +138,26 @@ def _compile(source, target, options: dict) -> CompileReport:
 def _compile_warpspec(
     kernel: str, config: KernelConfig, head_dim: int, dtype: torch.dtype, causal: bool, target
 ) -> CompileReport:
-    """A Gluon kernel (fwd_ws, or bwd_ws for bwd_dkdv) for `config`: its TMA descriptors' types come from CPU
-    tensors of a (2, 16, 8192, head_dim) layout, which carry the shapes, strides and block layouts a real launch
-    specializes on."""
+    """A Gluon kernel (fwd_ws, or bwd_ws for bwd_dkdv) as warpspec.compiled_form launches it: its TMA descriptors'
+    types come from CPU tensors of a (2, 16, 8192, head_dim) layout, which carry the shapes, strides and block
+    layouts a real launch specializes on."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     from . import warpspec
 
-    template = codegen.template_for(kernel, config.warpspec)
-    variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
-                                   pingpong=config.warpspec == 2)  # fmt: skip
-    module = codegen.load(template, variant)
-    fn = module._attn_fwd_ws if kernel == "fwd" else module._attn_bwd_dkdv_ws
+    fn, q_block, kv_block, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal)
     x = torch.empty(2, 16, 8192, head_dim, dtype=dtype)
-    rows = warpspec.ROWS_PER_CONSUMER
-    q_desc = warpspec._descriptor(x, (1, 1, rows if kernel == "fwd" else config.block_m, head_dim))
-    kv_desc = warpspec._descriptor(x, (1, 1, config.block_n if kernel == "fwd" else rows, head_dim))
-    consumers = config.consumers(kernel)
-    maxnreg, consumer_regs, producer_regs = planner.WS_REGISTERS[consumers]
-    values = {"q_desc": q_desc, "k_desc": kv_desc, "v_desc": kv_desc, "o_desc": q_desc, "do_desc": q_desc,
-              "dk_desc": kv_desc, "dv_desc": kv_desc, "CONSUMERS": consumers, "STAGES": config.num_stages,
-              "PRODUCER_REGS": producer_regs, "CONSUMER_REGS": consumer_regs}  # fmt: skip
+    q_desc, kv_desc = warpspec._descriptor(x, q_block), warpspec._descriptor(x, kv_block)
+    descriptors = {"q_desc": q_desc, "o_desc": q_desc, "do_desc": q_desc, "k_desc": kv_desc, "v_desc": kv_desc,
+                   "dk_desc": kv_desc, "dv_desc": kv_desc}  # fmt: skip
     scalars = {"LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "scale": "fp32", "GROUP": "i32"}
     signature, constexprs = {}, {}
     for index, (arg, param) in enumerate(zip(fn.arg_names, fn.params, strict=True)):
         if param.is_constexpr:
             signature[arg] = "constexpr"
-            constexprs[(index,)] = values[arg]
+            constexprs[(index,)] = kwargs[arg]
         else:
-            signature[arg] = mangle_type(values[arg]) if arg in values else scalars.get(arg, "i32")
-    options = {"num_warps": 4} if maxnreg is None else {"num_warps": 4, "maxnreg": maxnreg}
+            signature[arg] = mangle_type(descriptors[arg]) if arg in descriptors else scalars.get(arg, "i32")
+    options = {name: kwargs[name] for name in ("num_warps", "maxnreg") if name in kwargs}
     return _compile(GluonASTSource(fn, signature, constexprs), target, options)

@@ -76,6 +76,27 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...], checked: bool = True):
     return desc
 
 
+def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool):
+    """(Gluon kernel, TMA block of the query-side tensors, of the key-side ones, keyword arguments) that a warpspec
+    config of `kernel` ("fwd", "bwd_dkdv") runs: query side Q, O, dO; key side K, V, dK, dV; the keywords are its
+    constexprs and launch options. One definition for the launches below and for probe.compile_config."""
+    template = codegen.template_for(kernel, config.warpspec)
+    variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
+                                   pingpong=config.warpspec == 2)  # fmt: skip
+    module = codegen.load(template, variant)
+    if kernel == "fwd":  # consumers own query rows; K/V stream in block_n rows
+        fn, q_rows, kv_rows = module._attn_fwd_ws, ROWS_PER_CONSUMER, config.block_n
+    else:  # consumers own K/V rows; Q and dO stream in block_m rows
+        fn, q_rows, kv_rows = module._attn_bwd_dkdv_ws, config.block_m, ROWS_PER_CONSUMER
+    consumers = config.consumers(kernel)
+    maxnreg, consumer_regs, producer_regs = planner.WS_REGISTERS[consumers]
+    kwargs = dict(CONSUMERS=consumers, STAGES=config.num_stages, PRODUCER_REGS=producer_regs,
+                  CONSUMER_REGS=consumer_regs, num_warps=4)  # fmt: skip
+    if maxnreg is not None:
+        kwargs["maxnreg"] = maxnreg
+    return fn, (1, 1, q_rows, head_dim), (1, 1, kv_rows, head_dim), kwargs
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -91,24 +112,13 @@ def forward(
     call must have passed `unsupported`."""
     batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    variant = Variant.for_template(
-        "fwd_ws", causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
-        pingpong=config.warpspec == 2,
-    )  # fmt: skip
-    kernel = codegen.load("fwd_ws", variant)._attn_fwd_ws
-    q_block = (1, 1, ROWS_PER_CONSUMER, head_dim)
-    kv_block = (1, 1, config.block_n, head_dim)
-    maxnreg, consumer_regs, producer_regs = planner.WS_REGISTERS[config.consumers()]
-    options = {"num_warps": 4} if maxnreg is None else {"num_warps": 4, "maxnreg": maxnreg}
-    grid = (-(-seqlen_q // config.block_m), batch * heads_q)
+    kernel, q_block, kv_block, kwargs = compiled_form("fwd", config, head_dim, causal)
     checked = not fastlaunch.enabled()
     descriptors = (_descriptor(q, q_block, checked), _descriptor(k, kv_block, checked),
                    _descriptor(v, kv_block, checked), _descriptor(o, q_block, checked))  # fmt: skip
     fastlaunch.launch(
-        kernel, grid, (*descriptors, lse),
-        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E),
-        CONSUMERS=config.consumers(), STAGES=config.num_stages, PRODUCER_REGS=producer_regs,
-        CONSUMER_REGS=consumer_regs, **options,
+        kernel, (-(-seqlen_q // config.block_m), batch * heads_q), (*descriptors, lse),
+        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E), **kwargs,
     )  # fmt: skip
 
 
@@ -129,22 +139,15 @@ def backward_dkdv(
     """Writes dK and dV (batch, heads_kv, seqlen_k, head_dim) — summed over each K/V head's query heads — with a
     warpspec bwd_dkdv config; δ (delta) as the Triton template's preprocess kernel leaves it (less dlse). The call
     must have passed `unsupported`."""
-    batch, heads_q, _, head_dim = q.shape
+    batch, heads_q, seqlen_q, head_dim = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    variant = Variant.for_template("bwd_ws", causal=causal, banded=False, varlen=False, even_m=False, even_n=False)
-    kernel = codegen.load("bwd_ws", variant)._attn_bwd_dkdv_ws
-    consumers = config.consumers("bwd_dkdv")
-    q_block = (1, 1, config.block_m, head_dim)
-    kv_block = (1, 1, ROWS_PER_CONSUMER, head_dim)
-    maxnreg, consumer_regs, producer_regs = planner.WS_REGISTERS[consumers]
-    options = {"num_warps": 4} if maxnreg is None else {"num_warps": 4, "maxnreg": maxnreg}
+    kernel, q_block, kv_block, kwargs = compiled_form("bwd_dkdv", config, head_dim, causal)
     checked = not fastlaunch.enabled()
     descriptors = (_descriptor(q, q_block, checked), _descriptor(k, kv_block, checked),
                    _descriptor(v, kv_block, checked), _descriptor(do, q_block, checked),
                    _descriptor(dk, kv_block, checked), _descriptor(dv, kv_block, checked))  # fmt: skip
     fastlaunch.launch(
         kernel, (-(-seqlen_k // config.block_n), batch * heads_kv), (*descriptors, lse, delta),
-        (lse.stride(0), lse.stride(1), q.shape[2], seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale),
-        CONSUMERS=consumers, STAGES=config.num_stages, PRODUCER_REGS=producer_regs, CONSUMER_REGS=consumer_regs,
-        **options,
+        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale),
+        **kwargs,
     )  # fmt: skip

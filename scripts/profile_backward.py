@@ -8,6 +8,7 @@ does 7/5 of the counted work; the "own" rate below counts each kernel's own matm
 
     python scripts/profile_backward.py                                   # tuned configs, d=64/128, N=8k
     python scripts/profile_backward.py --head-dims 128 --dkdv 64,64,4,2 --dkdv 64,128,8,3 --causal
+    python scripts/profile_backward.py --head-dims 128 --dkdv 64,128,4,2,0,1   # the warp-specialized dK/dV (Hopper)
 """
 
 from __future__ import annotations
@@ -51,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--dkdv", action="append", default=[], help="BLOCK_M,BLOCK_N,warps,stages; repeatable")
+    parser.add_argument(
+        "--dkdv",
+        action="append",
+        default=[],
+        help="BLOCK_M,BLOCK_N,warps,stages[,pipeline_qk,warpspec] (KernelConfig's fields in order); repeatable",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_backward.py needs a CUDA GPU; none is visible", file=sys.stderr)
