@@ -398,9 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=_cmd_show)
 
     gen = sub.add_parser("codegen", help="print the generated Triton (or Gluon) source of one template variant")
-    gen.add_argument("--template", default="fwd", choices=["fwd", "bwd", "fwd_ws", "bwd_ws"],
-                     help="fwd_ws / bwd_ws: the warp-specialized forward / dK/dV kernel (Gluon, Hopper), "
-                     "KernelConfig.warpspec")  # fmt: skip
+    gen.add_argument("--template", default="fwd", choices=["fwd", "bwd", "fwd_ws", "bwd_ws", "bwd_dq_ws"],
+                     help="fwd_ws / bwd_ws / bwd_dq_ws: the warp-specialized forward / dK/dV / dQ kernel (Gluon, "
+                     "Hopper), KernelConfig.warpspec")  # fmt: skip
     gen.add_argument("--causal", action="store_true")
     gen.add_argument("--ragged", action="store_true", help="lengths that are not multiples of the blocks")
     gen.add_argument("--interpret", action="store_true", help="the variant used under TRITON_INTERPRET=1")

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import jinja2
 
-TEMPLATES = ("fwd", "bwd", "fwd_ws", "bwd_ws")
+TEMPLATES = ("fwd", "bwd", "fwd_ws", "bwd_ws", "bwd_dq_ws")
 _lock = threading.Lock()
 _modules: dict[tuple[str, object, str], ModuleType] = {}
 
@@ -38,15 +38,14 @@ def templates_dir() -> Path:
 
 
 # The template each kernel is rendered from (planner.KERNELS); tuned entries go stale with their own template only.
-# A forward or dK/dV config with warpspec runs fwd_ws / bwd_ws instead (template_for).
+# A config with warpspec runs the kernel's warp-specialized template instead (template_for).
 TEMPLATE_OF = {"fwd": "fwd", "bwd_dkdv": "bwd", "bwd_dq": "bwd"}
+WARPSPEC_TEMPLATE_OF = {"fwd": "fwd_ws", "bwd_dkdv": "bwd_ws", "bwd_dq": "bwd_dq_ws"}
 
 
 def template_for(kernel: str, warpspec: int = 0) -> str:
     """The template `kernel` runs with a config whose warpspec switch is `warpspec` (KernelConfig.warpspec)."""
-    if warpspec and kernel in ("fwd", "bwd_dkdv"):
-        return "fwd_ws" if kernel == "fwd" else "bwd_ws"
-    return TEMPLATE_OF[kernel]
+    return WARPSPEC_TEMPLATE_OF[kernel] if warpspec else TEMPLATE_OF[kernel]
 
 
 @functools.cache
@@ -85,7 +84,7 @@ def code_hash(
     from .types import Variant
 
     template = template_for(kernel, warpspec)
-    one_variant = varlen or template in ("fwd_ws", "bwd_ws")  # no code of their own for even tails
+    one_variant = varlen or template in WARPSPEC_TEMPLATE_OF.values()  # no code of their own for even tails
     tails = [(False, False)] if one_variant else [(m, n) for m in (True, False) for n in (True, False)]
     digest = hashlib.sha256(template.encode())
     for even_m, even_n in tails:
@@ -135,8 +134,8 @@ def _environment() -> jinja2.Environment:
 
 
 def render(template: str, variant: object) -> str:
-    """Returns the Triton (or, for fwd_ws and bwd_ws, Gluon) source of templates/<template>.py.jinja for a
-    Variant."""
+    """Returns the Triton (or, for the warp-specialized *_ws templates, Gluon) source of
+    templates/<template>.py.jinja for a Variant."""
     if template not in TEMPLATES:
         raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
     if not dataclasses.is_dataclass(variant):

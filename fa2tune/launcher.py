@@ -133,7 +133,7 @@ def _runnable(config: KernelConfig, kernel: str, explicit: bool, mask: Mask, pac
     if reason is None:
         return config
     if explicit:
-        name = "config" if kernel == "fwd" else "dkdv_config"
+        name = {"fwd": "config", "bwd_dkdv": "dkdv_config", "bwd_dq": "dq_config"}[kernel]
         raise ValueError(f"{name} {config} cannot run this call: {reason}")
     q = tensors["q"]
     return _triton_default(q.shape[-1], q.dtype, mask.causal, kernel, selection.device_info(q.device))
@@ -233,7 +233,7 @@ def backward(
     for name, kernel, given in (("dkdv_config", "bwd_dkdv", dkdv_config), ("dq_config", "bwd_dq", dq_config)):
         if given is not None and given.combination_error(kernel) is not None:
             raise ValueError(f"{name} {given}: {given.combination_error(kernel)}")
-    explicit_dkdv = dkdv_config is not None
+    explicit_dkdv, explicit_dq = dkdv_config is not None, dq_config is not None
     dkdv_config = _config(dkdv_config, "bwd_dkdv", q, k, mask, packing)
     dq_config = _config(dq_config, "bwd_dq", q, k, mask, packing)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -242,6 +242,7 @@ def backward(
     delta = torch.empty_like(lse)
     dkdv_config = _runnable(dkdv_config, "bwd_dkdv", explicit_dkdv, mask, packing, q=q, k=k, v=v, grad_out=do, dk=dk,
                             dv=dv)  # fmt: skip
+    dq_config = _runnable(dq_config, "bwd_dq", explicit_dq, mask, packing, q=q, k=k, v=v, grad_out=do, dq=dq)
 
     with _on_device(q):
         _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config, dq_config, packing, dlse)
@@ -276,6 +277,9 @@ def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config
             **common, BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, INPUT_PRECISION=precision,
             num_warps=dkdv_config.num_warps, num_stages=dkdv_config.num_stages,
         )  # fmt: skip
+    if dq_config.warpspec:  # backward() checked that this call can take it
+        warpspec.backward_dq(q, k, v, do, lse, delta, dq, causal=mask.causal, scale=scale, config=dq_config)
+        return
     dq_kernel = _kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, dq_config, varlen)
     fastlaunch.launch(
         dq_kernel, (_cdiv(seqlen_q, dq_config.block_m) * batch * heads_q,),

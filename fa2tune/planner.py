@@ -17,11 +17,13 @@ A warpspec forward (KernelConfig.warpspec, the Gluon template fwd_ws) allocates 
 S buffers of K_j and of V_j, and mbarriers (checked against compiles: ~300–400 B beyond the tiles):
     fwd_ws    e·d·(B_r + 2·S·B_c) + 512
     dkdv_ws   e·d·(2·B_c + 2·S·B_r) + 512         K, V owned (B_c = 64 per consumer); Q_i, dO_i streamed
+    dq_ws     e·d·(2·B_r + 2·S·B_c) + 512         Q, dO owned (B_r = 64 per consumer); K_j, V_j streamed
 
 On the wgmma path the seed's B_r·B_c term lives in the register file, with the other fp32 accumulators:
     fwd       B_r·(d + B_c)          Õ_i and S_ij (and S_i,j+1 with pipeline_qk)
     fwd_ws    64·(d + B_c)           per consumer warpgroup (128 threads), which owns 64 rows
     dkdv_ws   64·(2·d + 3·B_r)       per consumer: dK, dV, Sᵀ, dPᵀ, and Pᵀ, dSᵀ (16-bit, half a register each)
+    dq_ws     64·(d + 2.5·B_c)       per consumer: dQ, S (then P), dP, and the in-flight wgmma's dS_j-1 (16-bit)
     bwd_dkdv  B_c·(2·d + 2·B_r)      dK_j, dV_j, P_ijᵀ and dP_ijᵀ
     bwd_dq    B_r·(d + 2·B_c)        dQ_i, P_ij and dP_ij
 spread over 32·num_warps threads. A thread has at most 255 registers; at 256 accumulator values per thread or
@@ -37,13 +39,22 @@ from dataclasses import dataclass
 import torch
 
 from .device import INTERPRETER, inspect_cached, known_gpu
-from .types import MAX_HEAD_DIM, WS_BLOCK_M, WS_DKDV_BLOCK_M, WS_DKDV_BLOCK_N, DeviceInfo, KernelConfig
+from .types import (
+    MAX_HEAD_DIM,
+    WS_BLOCK_M,
+    WS_DKDV_BLOCK_M,
+    WS_DKDV_BLOCK_N,
+    WS_DQ_BLOCK_M,
+    WS_DQ_BLOCK_N,
+    DeviceInfo,
+    KernelConfig,
+)
 
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (1, 2, 3, 4, 5)
-# The warp-specialized kernels (fwd_ws.py.jinja, bwd_ws.py.jinja): Hopper's wgmma and TMA, 16-bit inputs, head dims
+# The warp-specialized kernels (fwd_ws, bwd_ws, bwd_dq_ws .py.jinja): Hopper's wgmma and TMA, 16-bit inputs, head dims
 # whose rows are whole 16-byte TMA units and wgmma widths.
 WS_HEAD_DIMS = (32, 64, 128, 256)
 WS_DTYPES = (torch.float16, torch.bfloat16)
@@ -57,9 +68,10 @@ WS_REGISTERS = {1: (None, 255, 24), 2: (None, 240, 24), 3: (128, 160, 24)}
 # A consumer spills once its fp32 accumulators (64·(d + B_c) / 128) pass its registers less this: compiled for
 # sm_90, (d, B_r, B_c) = (256, 64, 128) with 192 of 255, (256, 128, 128) 192 of 240 and (128, 192, 128) 128 of
 # 160 spill (cuobjdump STACK 40, 96, 248 B); 160 of 255, 160 of 240 and 96 of 160 do not (tests/test_warpspec.py).
-_WS_REGISTERS_BESIDE_ACCUMULATORS = {"fwd": 64, "bwd_dkdv": 16}
+_WS_REGISTERS_BESIDE_ACCUMULATORS = {"fwd": 64, "bwd_dkdv": 16, "bwd_dq": 24}
 # dK/dV: (d, B_r, B_c) = (128, 64, 128) holds 224 of 240 and keeps a 32 B stack, measured 17 % faster than the Triton
-# template's dK/dV all the same (docs/PERF.md v10); (64, 128, 128) holds 256 and spills 264 B.
+# template's dK/dV all the same (docs/PERF.md v10); (64, 128, 128) holds 256 and spills 264 B. dQ: (d, B_r, B_c) =
+# (128, 64, 128) holds 224 of 255 and does not spill; (128, 128, 128), 224 of 240, spills 48 B (causal 72).
 
 
 def warpspec_unsupported(head_dim: int, dtype: torch.dtype, capability: tuple[int, int]) -> str | None:
@@ -103,6 +115,8 @@ def sram_bytes(
     e, d, m, n = dtype.itemsize, head_dim_padded(head_dim), cfg.block_m, cfg.block_n
     if cfg.warpspec and kernel == "bwd_dkdv":
         return e * d * (2 * n + 2 * cfg.num_stages * m) + _WS_SMEM_OVERHEAD  # K, V owned; S buffers of Q_i, dO_i
+    if cfg.warpspec and kernel == "bwd_dq":
+        return e * d * (2 * m + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD  # Q, dO owned; S buffers of K_j, V_j
     if cfg.warpspec:
         return e * d * (m + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD
     wgmma = _uses_wgmma(n if kernel == "bwd_dkdv" else m, capability)
@@ -131,6 +145,9 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
     if cfg.warpspec and kernel == "bwd_dkdv":
         # each consumer warpgroup: its 64 rows of dK and dV, Sᵀ and dPᵀ (64 × B_r), and Pᵀ, dSᵀ as 16-bit operands
         return 64 * (2 * d + 2 * m + m) / 128
+    if cfg.warpspec and kernel == "bwd_dq":
+        # each consumer warpgroup: its 64 rows of dQ, S (then P) and dP (64 × B_c), the in-flight dS_j-1 (16-bit)
+        return 64 * (d + 2.5 * n) / 128
     if cfg.warpspec:
         return 64 * (d + n) / 128  # each consumer warpgroup: its 64 rows of Õ and S
     values = {"fwd": m * (d + n * (1 + cfg.pipeline_qk)), "bwd_dkdv": n * (2 * d + 2 * m), "bwd_dq": m * (d + 2 * n)}[
@@ -189,8 +206,9 @@ def _model_terms(cfg: KernelConfig, kernel: str) -> str:
 def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     """The search space of `kernel`: block_m, block_n in {16..256}, num_warps in {4, 8}, num_stages in {1..5};
     the forward also pipeline_qk in {0, 1}, and the warp-specialized template: block_m in {64, 128, 192}, block_n
-    in {64, 128}, num_stages in {2, 3, 4}, with ping-pong too at block_m = 128; bwd_dkdv its warp-specialized
-    template at block_m 64, block_n in {64, 128}, num_stages in {2, 3, 4} (check() drops them off Hopper)."""
+    in {64, 128}, num_stages in {2, 3, 4}, with ping-pong too at block_m = 128; bwd_dkdv and bwd_dq their
+    warp-specialized templates: bwd_dkdv at block_m 64, block_n in {64, 128}, bwd_dq at block_m and block_n in
+    {64, 128}, num_stages in {2, 3, 4} (check() drops them off Hopper)."""
     _check_kernel(kernel)
     switches = (0, 1) if kernel == "fwd" else (0,)
     grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES, switches)
@@ -198,9 +216,9 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     if kernel == "fwd":
         for m, n, s in itertools.product(WS_BLOCK_M, WS_BLOCK_N, WS_STAGES):
             configs += [KernelConfig(m, n, 4, s, warpspec=ws) for ws in ((1, 2) if m == 128 else (1,))]
-    if kernel == "bwd_dkdv":
-        grid = itertools.product(WS_DKDV_BLOCK_M, WS_DKDV_BLOCK_N, WS_STAGES)
-        configs += [KernelConfig(m, n, 4, s, warpspec=1) for m, n, s in grid]
+    if kernel in ("bwd_dkdv", "bwd_dq"):
+        blocks = (WS_DKDV_BLOCK_M, WS_DKDV_BLOCK_N) if kernel == "bwd_dkdv" else (WS_DQ_BLOCK_M, WS_DQ_BLOCK_N)
+        configs += [KernelConfig(m, n, 4, s, warpspec=1) for m, n, s in itertools.product(*blocks, WS_STAGES)]
     return configs
 
 
@@ -240,7 +258,7 @@ _PREFERRED: dict[tuple[str, int, bool], list[KernelConfig]] = {
     ("bwd_dkdv", 64, False): [KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(32, 128, 4, 3)],
     ("bwd_dkdv", 128, False): [KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(32, 64, 4, 3)],
     ("bwd_dq", 64, False): [KernelConfig(128, 64, 4, 3)],
-    ("bwd_dq", 128, False): [KernelConfig(128, 64, 8, 3)],
+    ("bwd_dq", 128, False): [KernelConfig(128, 64, 4, 3, warpspec=1), KernelConfig(128, 64, 8, 3)],
 }
 # Without a measurement: moderate tiles first (they ran within 10 % of the best in every H200 sweep), then smaller.
 _FALLBACK = {

@@ -138,9 +138,9 @@ def _compile(source, target, options: dict) -> CompileReport:
 def _compile_warpspec(
     kernel: str, config: KernelConfig, head_dim: int, dtype: torch.dtype, causal: bool, target
 ) -> CompileReport:
-    """A Gluon kernel (fwd_ws, or bwd_ws for bwd_dkdv) as warpspec.compiled_form launches it: its TMA descriptors'
-    types come from CPU tensors of a (2, 16, 8192, head_dim) layout, which carry the shapes, strides and block
-    layouts a real launch specializes on."""
+    """A Gluon kernel (fwd_ws, bwd_ws for bwd_dkdv, bwd_dq_ws for bwd_dq) as warpspec.compiled_form launches it: its
+    TMA descriptors' types come from CPU tensors of a (2, 16, 8192, head_dim) layout, which carry the shapes,
+    strides and block layouts a real launch specializes on."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
@@ -150,7 +150,7 @@ def _compile_warpspec(
     x = torch.empty(2, 16, 8192, head_dim, dtype=dtype)
     q_desc, kv_desc = warpspec._descriptor(x, q_block), warpspec._descriptor(x, kv_block)
     descriptors = {"q_desc": q_desc, "o_desc": q_desc, "do_desc": q_desc, "k_desc": kv_desc, "v_desc": kv_desc,
-                   "dk_desc": kv_desc, "dv_desc": kv_desc}  # fmt: skip
+                   "dk_desc": kv_desc, "dv_desc": kv_desc, "dq_desc": q_desc}  # fmt: skip
     scalars = {"LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "scale": "fp32", "GROUP": "i32"}
     signature, constexprs = {}, {}
     for index, (arg, param) in enumerate(zip(fn.arg_names, fn.params, strict=True)):

@@ -8,6 +8,8 @@ _BLOCK_SIZES = (16, 32, 64, 128, 256)
 WS_BLOCK_M = (64, 128, 192)  # warpspec forward programs: 1, 2 or 3 consumer warpgroups of 64 query rows
 WS_DKDV_BLOCK_N = (64, 128)  # warpspec dK/dV programs: 1 or 2 consumer warpgroups of 64 K/V rows
 WS_DKDV_BLOCK_M = (64,)  # the Q rows a dK/dV step streams (128 spills: 264 B of stack at d=64, 720 at d=128)
+WS_DQ_BLOCK_M = (64, 128)  # warpspec dQ programs: 1 or 2 consumer warpgroups of 64 query rows
+WS_DQ_BLOCK_N = (64, 128)  # the K/V rows a dQ step streams
 MAX_HEAD_DIM = 256  # the largest head dimension the templates take
 # The short names of the dtypes the kernels take, as YAML and the CLI spell them (torch-free, for the CLI's parser;
 # inputs.DTYPES_BY_NAME maps them to torch dtypes).
@@ -29,7 +31,9 @@ class KernelConfig:
             (Hopper only): in the forward (fwd_ws.py.jinja) a TMA producer warp and block_m / 64 consumer
             warpgroups (block_m 64, 128 or 192; num_warps is then the first consumer's 4); 2 the same with the two
             consumers of a block_m = 128 tile taking turns at the tensor cores (ping-pong). In bwd_dkdv
-            (bwd_ws.py.jinja) 1 only: block_n / 64 consumer warpgroups own the K/V rows, block_m = 64 Q rows a step.
+            (bwd_ws.py.jinja) 1 only: block_n / 64 consumer warpgroups own the K/V rows, block_m = 64 Q rows a step;
+            in bwd_dq (bwd_dq_ws.py.jinja) 1 only: block_m / 64 consumer warpgroups own the query rows, block_n K/V
+            rows a step.
     """
 
     block_m: int
@@ -64,8 +68,6 @@ class KernelConfig:
                     f"takes {_BLOCK_SIZES}"
                 )
             return None
-        if kernel == "bwd_dq":
-            return "warpspec is a forward and dK/dV switch; bwd_dq runs the Triton template"
         if self.num_warps != 4 or self.pipeline_qk:
             return (
                 "warpspec configs have num_warps=4 (one warpgroup per consumer) and pipeline_qk=0, "
@@ -78,6 +80,13 @@ class KernelConfig:
                     f"warpgroup) and block_m in {WS_DKDV_BLOCK_M}, got {self.warpspec}, {self.block_n}, {self.block_m}"
                 )
             return None
+        if kernel == "bwd_dq":
+            if self.warpspec != 1 or self.block_m not in WS_DQ_BLOCK_M or self.block_n not in WS_DQ_BLOCK_N:
+                return (
+                    f"bwd_dq's warpspec takes warpspec=1, block_m in {WS_DQ_BLOCK_M} (64 query rows per consumer "
+                    f"warpgroup) and block_n in {WS_DQ_BLOCK_N}, got {self.warpspec}, {self.block_m}, {self.block_n}"
+                )
+            return None
         if self.block_m not in WS_BLOCK_M:
             return f"warpspec takes block_m in {WS_BLOCK_M} (64 query rows per consumer warpgroup), got {self.block_m}"
         if self.warpspec == 2 and self.block_m != 128:
@@ -85,8 +94,8 @@ class KernelConfig:
         return None
 
     def consumers(self, kernel: str = "fwd") -> int:
-        """Consumer warpgroups of a warpspec program of `kernel`, 64 rows each (of Q in the forward, of K/V in
-        bwd_dkdv); 0 for the Triton template."""
+        """Consumer warpgroups of a warpspec program of `kernel`, 64 rows each (of Q in the forward and bwd_dq, of
+        K/V in bwd_dkdv); 0 for the Triton template."""
         if not self.warpspec:
             return 0
         return (self.block_n if kernel == "bwd_dkdv" else self.block_m) // 64
@@ -149,13 +158,13 @@ class Variant:
         dot_fp32: bool = False,
         pingpong: bool = False,
     ) -> Variant:
-        """The variant `template` ("fwd", "bwd", "fwd_ws", "bwd_ws") renders for a call: the rules the launcher,
-        codegen.code_hash and the probe must agree on, or a stored entry's hash would not name the code it runs. A
-        band mask carries causality itself; packed sequences have no even tails; pipeline_qk exists in the forward
-        template only. fwd_ws has two switches only (causal, pingpong), bwd_ws one (causal): TMA bounds every tile,
+        """The variant `template` (codegen.TEMPLATES) renders for a call: the rules the launcher, codegen.code_hash
+        and the probe must agree on, or a stored entry's hash would not name the code it runs. A band mask carries
+        causality itself; packed sequences have no even tails; pipeline_qk exists in the forward template only.
+        fwd_ws has two switches only (causal, pingpong), bwd_ws and bwd_dq_ws one (causal): TMA bounds every tile,
         so tails need no code of their own, and they take neither band masks nor packed sequences (the launcher
         routes those to the Triton templates)."""
-        if template in ("fwd_ws", "bwd_ws"):
+        if template.endswith("_ws"):
             return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and template == "fwd_ws")
         return cls(
             causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,

@@ -1,5 +1,5 @@
 """The warp-specialized kernels (KernelConfig.warpspec): the forward (templates/fwd_ws.py.jinja) and the backward's
-dK/dV kernel (templates/bwd_ws.py.jinja) — which calls they take, and their launches.
+dK/dV and dQ kernels (templates/bwd_ws.py.jinja, bwd_dq_ws.py.jinja) — which calls they take, and their launches.
 
 They are Gluon kernels: TMA descriptors of the tensors replace pointer arithmetic, so they take what TMA takes —
 16-byte-aligned base addresses and strides, a unit last stride — on a Hopper GPU (wgmma), in 16-bit floats, with
@@ -55,37 +55,41 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
 
 
-def _descriptor(t: torch.Tensor, block: tuple[int, ...], checked: bool = True):
-    """Gluon's TMA descriptor of `t` in blocks of `block`. checked=False skips the dataclass's own validation
-    (~7 µs of the host time a short call waits for; docs/PERF.md v10), for inputs `unsupported` already passed and
-    with the Triton version fastlaunch checked these fields against."""
+@functools.cache
+def _descriptor_type():
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    return TensorDescriptor
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, ...], checked: bool = True):
+    """Gluon's TMA descriptor of `t` in blocks of `block`. checked=False skips the dataclass's own validation and
+    __init__ (1.7 µs a descriptor instead of 10 µs checked, measured on the CPU machine; a warpspec backward builds
+    eleven, in the host time a short call waits for: docs/PERF.md v11), for inputs `unsupported` already passed and
+    with the Triton version fastlaunch checked these fields against."""
     layout = _shared_layout(block, t.dtype)
     if checked:
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), layout)
-    desc = object.__new__(TensorDescriptor)
-    desc.base, desc.shape, desc.strides, desc.block_shape, desc.layout, desc.padding = (
-        t,
-        list(t.shape),
-        list(t.stride()),
-        list(block),
-        layout,
-        "zero",
-    )
+        return _descriptor_type()(t, list(t.shape), list(t.stride()), list(block), layout)
+    desc = object.__new__(_descriptor_type())
+    desc.__dict__ = {"base": t, "shape": list(t.shape), "strides": list(t.stride()), "block_shape": list(block),
+                     "layout": layout, "padding": "zero"}  # fmt: skip
     return desc
 
 
+@functools.lru_cache(maxsize=256)
 def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool):
     """(Gluon kernel, TMA block of the query-side tensors, of the key-side ones, keyword arguments) that a warpspec
-    config of `kernel` ("fwd", "bwd_dkdv") runs: query side Q, O, dO; key side K, V, dK, dV; the keywords are its
-    constexprs and launch options. One definition for the launches below and for probe.compile_config."""
+    config of `kernel` ("fwd", "bwd_dkdv", "bwd_dq") runs: query side Q, O, dO, dQ; key side K, V, dK, dV; the
+    keywords are its constexprs and launch options (a shared dict: read it, do not change it). One definition for
+    the launches below and for probe.compile_config; cached, as every launch asks (7 µs uncached)."""
     template = codegen.template_for(kernel, config.warpspec)
     variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
                                    pingpong=config.warpspec == 2)  # fmt: skip
     module = codegen.load(template, variant)
     if kernel == "fwd":  # consumers own query rows; K/V stream in block_n rows
         fn, q_rows, kv_rows = module._attn_fwd_ws, ROWS_PER_CONSUMER, config.block_n
+    elif kernel == "bwd_dq":  # likewise
+        fn, q_rows, kv_rows = module._attn_bwd_dq_ws, ROWS_PER_CONSUMER, config.block_n
     else:  # consumers own K/V rows; Q and dO stream in block_m rows
         fn, q_rows, kv_rows = module._attn_bwd_dkdv_ws, config.block_m, ROWS_PER_CONSUMER
     consumers = config.consumers(kernel)
@@ -149,5 +153,34 @@ def backward_dkdv(
     fastlaunch.launch(
         kernel, (-(-seqlen_k // config.block_n), batch * heads_kv), (*descriptors, lse, delta),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale),
+        **kwargs,
+    )  # fmt: skip
+
+
+def backward_dq(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    config: KernelConfig,
+) -> None:
+    """Writes dQ (batch, heads_q, seqlen_q, head_dim) with a warpspec bwd_dq config; δ (delta) as for
+    backward_dkdv. The call must have passed `unsupported`."""
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    kernel, q_block, kv_block, kwargs = compiled_form("bwd_dq", config, head_dim, causal)
+    checked = not fastlaunch.enabled()
+    descriptors = (_descriptor(q, q_block, checked), _descriptor(k, kv_block, checked),
+                   _descriptor(v, kv_block, checked), _descriptor(do, q_block, checked),
+                   _descriptor(dq, q_block, checked))  # fmt: skip
+    fastlaunch.launch(
+        kernel, (-(-seqlen_q // config.block_m), batch * heads_q), (*descriptors, lse, delta),
+        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, scale),
         **kwargs,
     )  # fmt: skip

@@ -52,7 +52,8 @@ def test_every_backward_variant_renders_valid_python(variant):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match=r"template must be one of \('fwd', 'bwd', 'fwd_ws', 'bwd_ws'\), got 'bwdx'"):
+    expected = r"template must be one of \('fwd', 'bwd', 'fwd_ws', 'bwd_ws', 'bwd_dq_ws'\), got 'bwdx'"
+    with pytest.raises(ValueError, match=expected):
         codegen.render("bwdx", Variant(False, True, True))
     with pytest.raises(TypeError, match=r"variant must be a dataclass instance, got dict"):
         codegen.render("fwd", {"causal": True})

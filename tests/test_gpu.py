@@ -193,19 +193,27 @@ def test_warpspec_direct_launches_give_what_the_jit_gives(monkeypatch):
 
 
 @_HOPPER
-@pytest.mark.parametrize("config", [KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(64, 64, 4, 3, warpspec=1)],
-                         ids=["2consumers", "1consumer3stages"])  # fmt: skip
+@pytest.mark.parametrize(
+    "configs",
+    [(KernelConfig(64, 128, 4, 2, warpspec=1), None), (KernelConfig(64, 64, 4, 3, warpspec=1), None),
+     (KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(128, 64, 4, 2, warpspec=1)),
+     (None, KernelConfig(64, 128, 4, 3, warpspec=1))],
+    ids=["dkdv_2consumers", "dkdv_1consumer3stages", "both_2consumers", "dq_1consumer3stages"],
+)  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @_WS_DIMS
-def test_warpspec_dkdv_matches_reference(config, causal, head_dim, dtype):
-    # The warp-specialized dK/dV kernel (templates/bwd_ws.py.jinja) beside the Triton dQ kernel: all three gradients
-    # against float64 autograd, GQA (dK/dV summed over two query heads each), lengths across tiles, N_Q ≠ N_K.
-    torch.manual_seed(head_dim + config.block_n)
+def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype):
+    # The warp-specialized dK/dV and dQ kernels (templates/bwd_ws.py.jinja, bwd_dq_ws.py.jinja), each beside the
+    # other or the Triton one: all three gradients against float64 autograd, GQA (dK/dV summed over two query heads
+    # each), lengths across tiles, N_Q ≠ N_K, rows that see no key (causal, N_Q > N_K).
+    dkdv_config, dq_config = configs
+    torch.manual_seed(head_dim + sum(c.block_n for c in configs if c is not None))
     for q, k, v in _ws_inputs(head_dim, dtype):
         seqlen_q, seqlen_k = q.shape[2], k.shape[2]
         do = torch.randn_like(q)
         o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5)
-        grads = launcher.backward(do, q, k, v, o, lse, causal=causal, scale=head_dim**-0.5, dkdv_config=config)
+        grads = launcher.backward(do, q, k, v, o, lse, causal=causal, scale=head_dim**-0.5, dkdv_config=dkdv_config,
+                                  dq_config=dq_config)  # fmt: skip
         qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
         ref, _ = naive_attention(qd, kd, vd, causal=causal)
         ref_grads = torch.autograd.grad(ref.nan_to_num(0.0), (qd, kd, vd), do.double())

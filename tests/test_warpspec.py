@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune import codegen, launcher, planner, selection
+from fa2tune import codegen, launcher, planner, selection, warpspec
 from fa2tune.device import known_gpu
 from fa2tune.reference import naive_attention
 from fa2tune.store import EntryKey
@@ -28,6 +28,7 @@ def test_configs_combine_fields_by_warpspec_rules():
     assert WS.consumers() == 2 and KernelConfig(192, 64, 4, 3, warpspec=1).consumers() == 3
     assert KernelConfig(128, 64, 8, 3).consumers() == 0
     assert KernelConfig(64, 128, 4, 2, warpspec=1).consumers("bwd_dkdv") == 2  # dK/dV: 64 K/V rows per consumer
+    assert KernelConfig(128, 64, 4, 2, warpspec=1).consumers("bwd_dq") == 2  # dQ: 64 query rows per consumer
     assert KernelConfig.from_dict(WS.to_dict()) == WS and WS.to_dict()["warpspec"] == 1
     assert "warpspec" not in KernelConfig(128, 64).to_dict()  # entries written before the switch read the same
     bad = {
@@ -48,7 +49,9 @@ def test_configs_combine_fields_by_warpspec_rules():
             "block_m in (64,)"
         )
     )
-    assert WS.combination_error("bwd_dq").startswith("warpspec is a forward and dK/dV switch")
+    assert WS.combination_error("bwd_dq") is None
+    for cfg in (KernelConfig(192, 64, 4, 2, warpspec=1), KernelConfig(128, 64, 4, 2, warpspec=2)):
+        assert cfg.combination_error("bwd_dq").startswith("bwd_dq's warpspec takes warpspec=1, block_m in (64, 128)")
     with pytest.raises(ValueError, match="warpspec must be 0, 1 or 2, got 3"):
         KernelConfig(128, 64, 4, 2, warpspec=3)
     with pytest.raises(ValueError, match=r"block_m must be one of \(16, 32, 64, 128, 256, 192\), got 96"):
@@ -64,7 +67,8 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     )
     assert planner.check(WS, h200, 128, torch.float32).startswith("warpspec takes float16/bfloat16")
     assert planner.check(WS, h200, 96, torch.bfloat16).startswith("warpspec takes head_dim in (32, 64, 128, 256)")
-    assert planner.check(WS, h200, 128, torch.bfloat16, "bwd_dq").startswith("warpspec is a forward and dK/dV")
+    # dQ at d=128 with 128-row K/V tiles and two consumers: 64·(128 + 2.5·128)/128 = 224 > 240 − 24
+    assert planner.check(WS, h200, 128, torch.bfloat16, "bwd_dq").startswith("registers: 224 fp32 accumulator")
     dkdv = [c for c in planner.candidates("bwd_dkdv") if c.warpspec]
     assert len(dkdv) == 6 and all(planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") is None for c in dkdv[:4])
     # 4 stages of 128-row K and V tiles at d=128: 2·128·(128 + 8·128) + 512 B > the H200's 227 KiB; 3 fit
@@ -74,9 +78,22 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     assert len(ws) == 24 and all(c.combination_error() is None for c in ws)
     # 192-row programs at d=128 with 128-row K/V tiles: three consumers of 160 registers would spill
     assert planner.check(KernelConfig(192, 128, 4, 2, warpspec=1), h200, 128, torch.bfloat16).startswith("registers")
-    assert not [c for c in planner.candidates("bwd_dq") if c.warpspec]
+    dq = [c for c in planner.candidates("bwd_dq") if c.warpspec]
+    assert len(dq) == 12 and all(c.combination_error("bwd_dq") is None for c in dq)
+    assert planner.check(KernelConfig(128, 64, 4, 3, warpspec=1), h200, 128, torch.bfloat16, "bwd_dq") is None
     # dK/dV at d=256: 64·(2·256 + 3·64)/128 = 352 accumulators a consumer thread
     assert planner.check(dkdv[0], h200, 256, torch.bfloat16, "bwd_dkdv").startswith("registers")
+
+
+def test_the_unchecked_descriptor_is_the_checked_one():
+    # warpspec._descriptor's fast path (fastlaunch on) builds the dataclass without its __init__: same fields, and
+    # compiled_form is cached, so a launch's host time holds neither (docs/PERF.md v11)
+    t = torch.empty(2, 3, 80, 64, dtype=torch.bfloat16)[:, :, 8:]
+    for block in [(1, 1, 64, 64), (1, 1, 128, 64)]:
+        fast, checked = warpspec._descriptor(t, block, checked=False), warpspec._descriptor(t, block)
+        assert fast == checked and type(fast) is type(checked) and fast.strides == [15360, 5120, 64, 1]
+    config = KernelConfig(128, 64, 4, 3, warpspec=1)
+    assert warpspec.compiled_form("bwd_dq", config, 128, True) is warpspec.compiled_form("bwd_dq", config, 128, True)
 
 
 def test_code_hash_names_the_template_and_its_switches():
@@ -90,7 +107,16 @@ def test_code_hash_names_the_template_and_its_switches():
     assert codegen.template_for("bwd_dkdv", 1) == "bwd_ws"
     assert hashes[1] == codegen.code_hash("fwd", causal=True, warpspec=1)
     assert codegen.code_hash("fwd", causal=False, warpspec=1) != hashes[1]
-    assert codegen.template_for("fwd", 1) == "fwd_ws" and codegen.template_for("bwd_dq", 1) == "bwd"
+    assert codegen.template_for("fwd", 1) == "fwd_ws" and codegen.template_for("bwd_dq", 0) == "bwd"
+    assert codegen.template_for("bwd_dq", 1) == "bwd_dq_ws"
+    dq = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="bwd_dq")
+    assert (
+        codegen.entry_code_hash(dq, KernelConfig(128, 64, 4, 3, warpspec=1))
+        == codegen.code_hash("bwd_dq", causal=True, warpspec=1)
+        != codegen.entry_code_hash(dq, KernelConfig(128, 64, 4, 3))
+    )
+    assert "def _attn_bwd_dq_ws(" in codegen.render("bwd_dq_ws", Variant.for_template(
+        "bwd_dq_ws", causal=False, banded=False, varlen=False, even_m=True, even_n=True))  # fmt: skip
     assert "def _attn_bwd_dkdv_ws(" in codegen.render("bwd_ws", Variant.for_template(
         "bwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True))  # fmt: skip
     variant = Variant.for_template(
@@ -123,11 +149,15 @@ def test_planner_model_and_registers_match_the_compiler():
     # Compiled for sm_90 without a card (Triton ships ptxas and cuobjdump): the shared memory the model predicts is
     # what the compiler allocates, to within the mbarrier allowance, and a consumer spills (STACK > 0) exactly when
     # the planner's register rule says it would, with the split of planner.WS_REGISTERS: one, two (ping-pong,
-    # causal) and three consumers that fit, a dK/dV kernel, and three at d=128 B_c=128 that do not.
+    # causal) and three consumers that fit, a dK/dV kernel, dQ kernels of one and two consumers that fit and one
+    # that does not, and three forward consumers at d=128 B_c=128 that do not.
     rows = [("fwd", 128, WS.to_dict(), False), ("fwd", 128, KernelConfig(128, 128, 4, 2, warpspec=2).to_dict(), True),
             ("fwd", 64, KernelConfig(192, 128, 4, 2, warpspec=1).to_dict(), True),
             ("fwd", 128, KernelConfig(64, 64, 4, 4, warpspec=1).to_dict(), False),
             ("bwd_dkdv", 64, KernelConfig(64, 128, 4, 3, warpspec=1).to_dict(), True),
+            ("bwd_dq", 128, KernelConfig(128, 64, 4, 3, warpspec=1).to_dict(), True),
+            ("bwd_dq", 128, KernelConfig(64, 128, 4, 2, warpspec=1).to_dict(), False),
+            ("bwd_dq", 128, KernelConfig(128, 128, 4, 2, warpspec=1).to_dict(), True),
             ("fwd", 128, KernelConfig(192, 128, 4, 2, warpspec=1).to_dict(), False)]  # fmt: skip
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(rows)], env=env, capture_output=True, text=True,
@@ -156,11 +186,15 @@ def test_a_tuned_warpspec_config_falls_back_to_triton_where_it_cannot_run(monkey
     if device == "cpu":
         with pytest.raises(ValueError, match="cannot run this call: warpspec runs on a CUDA GPU only"):
             fa2tune.attention(q, k, v, config=WS)
-    with pytest.raises(ValueError, match=r"dq_config .*warpspec is a forward and dK/dV switch"):
-        launcher.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dq_config=WS)
+    bad_dq = KernelConfig(192, 64, 4, 2, warpspec=1)
+    with pytest.raises(ValueError, match=r"dq_config .*bwd_dq's warpspec takes warpspec=1, block_m in \(64, 128\)"):
+        launcher.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dq_config=bad_dq)
     with pytest.raises(ValueError, match="block_m=192 needs warpspec"):
         fa2tune.attention(q, k, v, config=KernelConfig(192, 64))
     if device == "cpu":
         dkdv = KernelConfig(64, 128, 4, 2, warpspec=1)
         with pytest.raises(ValueError, match=r"dkdv_config .* cannot run this call: warpspec runs on a CUDA GPU only"):
             launcher.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dkdv_config=dkdv)
+        dq = KernelConfig(128, 64, 4, 3, warpspec=1)
+        with pytest.raises(ValueError, match=r"dq_config .* cannot run this call: warpspec runs on a CUDA GPU only"):
+            launcher.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dq_config=dq)
