@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--warpspec",
         default="0",
-        help="forward only: 0, 1, 2 or a list (KernelConfig.warpspec); grid points that break its rules "
-        "(num_warps 4, block_m a multiple of 64) are left out",
+        help="0, 1, 2 or a list (KernelConfig.warpspec: 1 and 2 in the forward, 1 in bwd_dkdv and bwd_dq); grid "
+        "points that break the kernel's rules (num_warps 4, block sizes of 64 rows per consumer) are left out",
     )
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=16384, help="batch·N (heads·d stays 2048)")
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         ints(args.block_m), ints(args.block_n), ints(args.warps), ints(args.stages), ints(args.pipeline_qk),
         ints(args.warpspec),
     )  # fmt: skip
-    configs = [cfg for cfg in (KernelConfig(*values) for values in grid) if cfg.combination_error() is None]
+    configs = [cfg for cfg in (KernelConfig(*values) for values in grid) if cfg.combination_error(args.kernel) is None]
     cases = itertools.product(ints(args.head_dims), (False, True), configs)
     jobs = [(args.kernel, d, causal, cfg, args.seqlen) for d, causal, cfg in cases]
     failures = {}
