@@ -101,6 +101,17 @@ def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool
     return fn, (1, 1, q_rows, head_dim), (1, 1, kv_rows, head_dim), kwargs
 
 
+def _launch(
+    kernel: str, config: KernelConfig, causal: bool, grid: tuple[int, int], tma: list, rest: tuple, scalars: tuple
+) -> None:
+    """Launches a warpspec config of `kernel` on `grid`: tma lists (tensor, "q" or "kv") in the kernel's order of
+    descriptor parameters — "q" tensors in the query-side block, "kv" in the key-side one (compiled_form) —, rest the
+    pointer parameters after them, scalars the rest."""
+    fn, q_block, kv_block, kwargs = compiled_form(kernel, config, tma[0][0].shape[-1], causal)
+    blocks, checked = {"q": q_block, "kv": kv_block}, not fastlaunch.enabled()
+    fastlaunch.launch(fn, grid, (*[_descriptor(t, blocks[side], checked) for t, side in tma], *rest), scalars, **kwargs)
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -114,15 +125,12 @@ def forward(
 ) -> None:
     """Writes O and the logsumexp (batch, heads_q, seqlen_q) of attention(q, k, v) with a warpspec config; the
     call must have passed `unsupported`."""
-    batch, heads_q, seqlen_q, head_dim = q.shape
+    batch, heads_q, seqlen_q, _ = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    kernel, q_block, kv_block, kwargs = compiled_form("fwd", config, head_dim, causal)
-    checked = not fastlaunch.enabled()
-    descriptors = (_descriptor(q, q_block, checked), _descriptor(k, kv_block, checked),
-                   _descriptor(v, kv_block, checked), _descriptor(o, q_block, checked))  # fmt: skip
-    fastlaunch.launch(
-        kernel, (-(-seqlen_q // config.block_m), batch * heads_q), (*descriptors, lse),
-        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E), **kwargs,
+    _launch(
+        "fwd", config, causal, (-(-seqlen_q // config.block_m), batch * heads_q),
+        [(q, "q"), (k, "kv"), (v, "kv"), (o, "q")], (lse,),
+        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E),
     )  # fmt: skip
 
 
@@ -143,17 +151,12 @@ def backward_dkdv(
     """Writes dK and dV (batch, heads_kv, seqlen_k, head_dim) — summed over each K/V head's query heads — with a
     warpspec bwd_dkdv config; δ (delta) as the Triton template's preprocess kernel leaves it (less dlse). The call
     must have passed `unsupported`."""
-    batch, heads_q, seqlen_q, head_dim = q.shape
+    batch, heads_q, seqlen_q, _ = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    kernel, q_block, kv_block, kwargs = compiled_form("bwd_dkdv", config, head_dim, causal)
-    checked = not fastlaunch.enabled()
-    descriptors = (_descriptor(q, q_block, checked), _descriptor(k, kv_block, checked),
-                   _descriptor(v, kv_block, checked), _descriptor(do, q_block, checked),
-                   _descriptor(dk, kv_block, checked), _descriptor(dv, kv_block, checked))  # fmt: skip
-    fastlaunch.launch(
-        kernel, (-(-seqlen_k // config.block_n), batch * heads_kv), (*descriptors, lse, delta),
+    _launch(
+        "bwd_dkdv", config, causal, (-(-seqlen_k // config.block_n), batch * heads_kv),
+        [(q, "q"), (k, "kv"), (v, "kv"), (do, "q"), (dk, "kv"), (dv, "kv")], (lse, delta),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale),
-        **kwargs,
     )  # fmt: skip
 
 
@@ -172,15 +175,10 @@ def backward_dq(
 ) -> None:
     """Writes dQ (batch, heads_q, seqlen_q, head_dim) with a warpspec bwd_dq config; δ (delta) as for
     backward_dkdv. The call must have passed `unsupported`."""
-    batch, heads_q, seqlen_q, head_dim = q.shape
+    batch, heads_q, seqlen_q, _ = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    kernel, q_block, kv_block, kwargs = compiled_form("bwd_dq", config, head_dim, causal)
-    checked = not fastlaunch.enabled()
-    descriptors = (_descriptor(q, q_block, checked), _descriptor(k, kv_block, checked),
-                   _descriptor(v, kv_block, checked), _descriptor(do, q_block, checked),
-                   _descriptor(dq, q_block, checked))  # fmt: skip
-    fastlaunch.launch(
-        kernel, (-(-seqlen_q // config.block_m), batch * heads_q), (*descriptors, lse, delta),
+    _launch(
+        "bwd_dq", config, causal, (-(-seqlen_q // config.block_m), batch * heads_q),
+        [(q, "q"), (k, "kv"), (v, "kv"), (do, "q"), (dq, "q")], (lse, delta),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, scale),
-        **kwargs,
     )  # fmt: skip
