@@ -65,11 +65,23 @@ def fwd_grid(q_tiles: int, batch_heads: int) -> tuple[int, int, int]:
 
 
 def _kernel(template: str, name: str, mask: Mask, seqlen_q: int, seqlen_k: int, config: KernelConfig, varlen: bool):
-    variant = Variant.for_template(
-        template, causal=mask.causal, banded=mask.banded, varlen=varlen, even_m=seqlen_q % config.block_m == 0,
-        even_n=seqlen_k % config.block_n == 0, pipeline_qk=config.pipeline_qk, dot_fp32=interpreting(),
-    )  # fmt: skip
-    return getattr(codegen.load(template, variant), name)
+    """The Triton kernel `name` of the template variant this call runs. Kept per (template, kernel, causal, banded,
+    tails, pipeline_qk, varlen, interpreter) — what the variant depends on: the variant and module lookups took 8 µs
+    of the host time of each of a fwd+bwd call's four launches (docs/PERF.md v11)."""
+    even_m, even_n = seqlen_q % config.block_m == 0, seqlen_k % config.block_n == 0
+    key = (template, name, mask.causal, mask.banded, even_m, even_n, config.pipeline_qk, varlen, interpreting())
+    kernel = _kernels.get(key)
+    if kernel is None:
+        variant = Variant.for_template(
+            template, causal=mask.causal, banded=mask.banded, varlen=varlen, even_m=even_m, even_n=even_n,
+            pipeline_qk=config.pipeline_qk, dot_fp32=key[-1],
+        )  # fmt: skip
+        kernel = _kernels[key] = getattr(codegen.load(template, variant), name)
+    return kernel
+
+
+# _kernel's: a few dozen entries at most (templates × kernels × masks × tails), as many as codegen keeps modules
+_kernels: dict[tuple, object] = {}
 
 
 @dataclass(frozen=True)
