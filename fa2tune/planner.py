@@ -39,16 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from .device import INTERPRETER, inspect_cached, known_gpu
-from .types import (
-    MAX_HEAD_DIM,
-    WS_BLOCK_M,
-    WS_DKDV_BLOCK_M,
-    WS_DKDV_BLOCK_N,
-    WS_DQ_BLOCK_M,
-    WS_DQ_BLOCK_N,
-    DeviceInfo,
-    KernelConfig,
-)
+from .types import MAX_HEAD_DIM, WS_BACKWARD_TILES, WS_BLOCK_M, DeviceInfo, KernelConfig
 
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -216,9 +207,11 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     if kernel == "fwd":
         for m, n, s in itertools.product(WS_BLOCK_M, WS_BLOCK_N, WS_STAGES):
             configs += [KernelConfig(m, n, 4, s, warpspec=ws) for ws in ((1, 2) if m == 128 else (1,))]
-    if kernel in ("bwd_dkdv", "bwd_dq"):
-        blocks = (WS_DKDV_BLOCK_M, WS_DKDV_BLOCK_N) if kernel == "bwd_dkdv" else (WS_DQ_BLOCK_M, WS_DQ_BLOCK_N)
-        configs += [KernelConfig(m, n, 4, s, warpspec=1) for m, n, s in itertools.product(*blocks, WS_STAGES)]
+    if kernel in WS_BACKWARD_TILES:
+        owned, owned_sizes, _, _, streamed_sizes = WS_BACKWARD_TILES[kernel]
+        for a, b, s in itertools.product(owned_sizes, streamed_sizes, WS_STAGES):
+            m, n = (b, a) if owned == "block_n" else (a, b)
+            configs.append(KernelConfig(m, n, 4, s, warpspec=1))
     return configs
 
 

@@ -10,6 +10,12 @@ WS_DKDV_BLOCK_N = (64, 128)  # warpspec dK/dV programs: 1 or 2 consumer warpgrou
 WS_DKDV_BLOCK_M = (64,)  # the Q rows a dK/dV step streams (128 spills: 264 B of stack at d=64, 720 at d=128)
 WS_DQ_BLOCK_M = (64, 128)  # warpspec dQ programs: 1 or 2 consumer warpgroups of 64 query rows
 WS_DQ_BLOCK_N = (64, 128)  # the K/V rows a dQ step streams
+# The warpspec backward kernels' tiles: (field of the rows consumers own, its sizes, whose rows, field of the rows a
+# step streams, its sizes) — one place for their config rules (KernelConfig), consumer counts and candidates (planner)
+WS_BACKWARD_TILES = {
+    "bwd_dkdv": ("block_n", WS_DKDV_BLOCK_N, "K/V", "block_m", WS_DKDV_BLOCK_M),
+    "bwd_dq": ("block_m", WS_DQ_BLOCK_M, "query", "block_n", WS_DQ_BLOCK_N),
+}
 MAX_HEAD_DIM = 256  # the largest head dimension the templates take
 # The short names of the dtypes the kernels take, as YAML and the CLI spell them (torch-free, for the CLI's parser;
 # inputs.DTYPES_BY_NAME maps them to torch dtypes).
@@ -73,18 +79,13 @@ class KernelConfig:
                 "warpspec configs have num_warps=4 (one warpgroup per consumer) and pipeline_qk=0, "
                 f"got num_warps={self.num_warps}, pipeline_qk={self.pipeline_qk}"
             )
-        if kernel == "bwd_dkdv":
-            if self.warpspec != 1 or self.block_n not in WS_DKDV_BLOCK_N or self.block_m not in WS_DKDV_BLOCK_M:
+        if kernel in WS_BACKWARD_TILES:
+            owned, owned_sizes, rows, streamed, streamed_sizes = WS_BACKWARD_TILES[kernel]
+            got = (self.warpspec, getattr(self, owned), getattr(self, streamed))
+            if got[0] != 1 or got[1] not in owned_sizes or got[2] not in streamed_sizes:
                 return (
-                    f"bwd_dkdv's warpspec takes warpspec=1, block_n in {WS_DKDV_BLOCK_N} (64 K/V rows per consumer "
-                    f"warpgroup) and block_m in {WS_DKDV_BLOCK_M}, got {self.warpspec}, {self.block_n}, {self.block_m}"
-                )
-            return None
-        if kernel == "bwd_dq":
-            if self.warpspec != 1 or self.block_m not in WS_DQ_BLOCK_M or self.block_n not in WS_DQ_BLOCK_N:
-                return (
-                    f"bwd_dq's warpspec takes warpspec=1, block_m in {WS_DQ_BLOCK_M} (64 query rows per consumer "
-                    f"warpgroup) and block_n in {WS_DQ_BLOCK_N}, got {self.warpspec}, {self.block_m}, {self.block_n}"
+                    f"{kernel}'s warpspec takes warpspec=1, {owned} in {owned_sizes} (64 {rows} rows per consumer "
+                    f"warpgroup) and {streamed} in {streamed_sizes}, got {', '.join(map(str, got))}"
                 )
             return None
         if self.block_m not in WS_BLOCK_M:
@@ -98,7 +99,7 @@ class KernelConfig:
         K/V in bwd_dkdv); 0 for the Triton template."""
         if not self.warpspec:
             return 0
-        return (self.block_n if kernel == "bwd_dkdv" else self.block_m) // 64
+        return getattr(self, WS_BACKWARD_TILES[kernel][0] if kernel in WS_BACKWARD_TILES else "block_m") // 64
 
     def to_dict(self) -> dict[str, int]:
         """The fields as a mapping; switches at their default (off) are left out, so entries written before a switch
