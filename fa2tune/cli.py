@@ -137,7 +137,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _switches(cfg) -> str:
     """The config's template switches in words ("" for the plain Triton template)."""
-    names = {"pipeline_qk": {1: "pipeline_qk"}, "warpspec": {1: "warpspec", 2: "warpspec ping-pong"}}
+    names = {"pipeline_qk": {1: "pipeline_qk"}, "warpspec": {1: "warpspec", 2: "warpspec ping-pong"},
+             "persistent": {1: "persistent"}}  # fmt: skip
     return " ".join(names[field][value] for field, value in asdict(cfg).items() if field in names and value)
 
 
@@ -147,7 +148,7 @@ def _cmd_codegen(args: argparse.Namespace) -> int:
 
     variant = Variant.for_template(
         args.template, causal=args.causal, banded=False, varlen=False, even_m=not args.ragged,
-        even_n=not args.ragged, dot_fp32=args.interpret, pingpong=args.pingpong,
+        even_n=not args.ragged, dot_fp32=args.interpret, pingpong=args.pingpong, persistent=args.persistent,
     )  # fmt: skip
     print(codegen.render(args.template, variant), end="")
     return 0
@@ -405,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ragged", action="store_true", help="lengths that are not multiples of the blocks")
     gen.add_argument("--interpret", action="store_true", help="the variant used under TRITON_INTERPRET=1")
     gen.add_argument("--pingpong", action="store_true", help="fwd_ws: the ping-pong variant (warpspec=2)")
+    gen.add_argument("--persistent", action="store_true", help="fwd_ws: one program per SM walks the tiles")
     gen.set_defaults(func=_cmd_codegen)
     return parser
 

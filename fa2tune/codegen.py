@@ -74,12 +74,14 @@ def code_hash(
     varlen: bool = False,
     pipeline_qk: bool = False,
     warpspec: int = 0,
+    persistent: bool = False,
 ) -> str:
     """Hash of the Triton code a tuned entry for this kernel and mask runs: the rendered modules of its variants
     (each combination of even and ragged tails), provenance comments left out. A stored entry records it and goes
     stale exactly when that code changes — not when another kernel's template does, nor when a template gains a
     switch that is off for this entry — so performance work on one variant does not void every shipped config.
-    pipeline_qk, warpspec: the entry's config switches of those names (KernelConfig), which select other code.
+    pipeline_qk, warpspec, persistent: the entry's config switches of those names (KernelConfig), which select other
+    code.
     """
     from .types import Variant
 
@@ -90,7 +92,7 @@ def code_hash(
     for even_m, even_n in tails:
         variant = Variant.for_template(
             template, causal=causal, banded=window, varlen=varlen, even_m=even_m, even_n=even_n,
-            pipeline_qk=pipeline_qk, pingpong=warpspec == 2,
+            pipeline_qk=pipeline_qk, pingpong=warpspec == 2, persistent=persistent,
         )  # fmt: skip
         code = [line for line in render(template, variant).splitlines() if not line.startswith(_PROVENANCE)]
         digest.update("\n".join(code).encode())
@@ -102,7 +104,8 @@ def entry_code_hash(key, config) -> str:
     switches of its config that select other code. The one rule the store's writer, its reader and the shipped-file
     test share."""
     return code_hash(key.kernel, causal=key.causal, window=key.window, varlen=key.varlen,
-                     pipeline_qk=bool(config.pipeline_qk), warpspec=config.warpspec)  # fmt: skip
+                     pipeline_qk=bool(config.pipeline_qk), warpspec=config.warpspec,
+                     persistent=bool(config.persistent))  # fmt: skip
 
 
 _PROVENANCE = ("# template_hash:", "# variant:")  # header lines that name, not make, the code

@@ -306,7 +306,8 @@ def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config
 
 
 def _to_ints(config: KernelConfig) -> list[int]:
-    return [config.block_m, config.block_n, config.num_warps, config.num_stages, config.pipeline_qk, config.warpspec]
+    return [config.block_m, config.block_n, config.num_warps, config.num_stages, config.pipeline_qk, config.warpspec,
+            config.persistent]  # fmt: skip
 
 
 def _from_ints(config: list[int]) -> KernelConfig | None:

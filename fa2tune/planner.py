@@ -15,7 +15,7 @@ So, in bytes (e = bytes per element, d = head dim padded to a power of two ≥ 1
 and a config fits when that is ≤ the device's opt-in shared memory per block (Triton's OutOfResources test).
 A warpspec forward (KernelConfig.warpspec, the Gluon template fwd_ws) allocates its buffers itself: its Q tiles,
 S buffers of K_j and of V_j, and mbarriers (checked against compiles: ~300–400 B beyond the tiles):
-    fwd_ws    e·d·(B_r + 2·S·B_c) + 512
+    fwd_ws    e·d·(B_r + 2·S·B_c) + 512       (+ e·d·B_r persistent: O is staged apart from the next tile's Q)
     dkdv_ws   e·d·(2·B_c + 2·S·B_r) + 512         K, V owned (B_c = 64 per consumer); Q_i, dO_i streamed
     dq_ws     e·d·(2·B_r + 2·S·B_c) + 512         Q, dO owned (B_r = 64 per consumer); K_j, V_j streamed
 
@@ -109,7 +109,8 @@ def sram_bytes(
     if cfg.warpspec and kernel == "bwd_dq":
         return e * d * (2 * m + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD  # Q, dO owned; S buffers of K_j, V_j
     if cfg.warpspec:
-        return e * d * (m + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD
+        o_staging = m if cfg.persistent else 0  # else O is staged in Q's buffer
+        return e * d * (m + o_staging + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD
     wgmma = _uses_wgmma(n if kernel == "bwd_dkdv" else m, capability)
     # wgmma pipelines keep num_stages buffers of each streamed tile in flight, mma.sync pipelines one fewer.
     s = max(1, cfg.num_stages if wgmma else cfg.num_stages - 1)
@@ -188,7 +189,8 @@ def _model_terms(cfg: KernelConfig, kernel: str) -> str:
     s = cfg.num_stages
     if kernel == "fwd":
         kv = f"{2 * s}×K/V" if s >= 2 else "1×K/V"
-        return f"Q {cfg.block_m}×d + {kv} {cfg.block_n}×d"
+        o_staging = f" + O {cfg.block_m}×d" if cfg.persistent else ""
+        return f"Q {cfg.block_m}×d{o_staging} + {kv} {cfg.block_n}×d"
     if kernel == "bwd_dkdv":
         return f"K,V {cfg.block_n}×d + {s}×(Q,dO) {cfg.block_m}×d"
     return f"Q,dO {cfg.block_m}×d + {s}×(K,V) {cfg.block_n}×d"
@@ -197,16 +199,16 @@ def _model_terms(cfg: KernelConfig, kernel: str) -> str:
 def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     """The search space of `kernel`: block_m, block_n in {16..256}, num_warps in {4, 8}, num_stages in {1..5};
     the forward also pipeline_qk in {0, 1}, and the warp-specialized template: block_m in {64, 128, 192}, block_n
-    in {64, 128}, num_stages in {2, 3, 4}, with ping-pong too at block_m = 128; bwd_dkdv and bwd_dq their
-    warp-specialized templates: bwd_dkdv at block_m 64, block_n in {64, 128}, bwd_dq at block_m and block_n in
-    {64, 128}, num_stages in {2, 3, 4} (check() drops them off Hopper)."""
+    in {64, 128}, num_stages in {2, 3, 4}, persistent or not, with ping-pong too at block_m = 128; bwd_dkdv and
+    bwd_dq their warp-specialized templates: bwd_dkdv at block_m 64, block_n in {64, 128}, bwd_dq at block_m and
+    block_n in {64, 128}, num_stages in {2, 3, 4} (check() drops them off Hopper)."""
     _check_kernel(kernel)
     switches = (0, 1) if kernel == "fwd" else (0,)
     grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES, switches)
     configs = [KernelConfig(m, n, w, s, p) for m, n, w, s, p in grid]
     if kernel == "fwd":
-        for m, n, s in itertools.product(WS_BLOCK_M, WS_BLOCK_N, WS_STAGES):
-            configs += [KernelConfig(m, n, 4, s, warpspec=ws) for ws in ((1, 2) if m == 128 else (1,))]
+        for m, n, s, p in itertools.product(WS_BLOCK_M, WS_BLOCK_N, WS_STAGES, (0, 1)):
+            configs += [KernelConfig(m, n, 4, s, warpspec=ws, persistent=p) for ws in ((1, 2) if m == 128 else (1,))]
     if kernel in WS_BACKWARD_TILES:
         owned, owned_sizes, _, _, streamed_sizes = WS_BACKWARD_TILES[kernel]
         for a, b, s in itertools.product(owned_sizes, streamed_sizes, WS_STAGES):
@@ -244,9 +246,9 @@ def plan(device: DeviceInfo, head_dim: int, dtype: torch.dtype, kernel: str = "f
 # first on any GPU; a GPU with less shared memory falls through to the largest tile that fits.
 # Warp-specialized forwards first: on GPUs without wgmma check() rejects them and the Triton ones follow.
 _PREFERRED: dict[tuple[str, int, bool], list[KernelConfig]] = {
-    ("fwd", 64, False): [KernelConfig(192, 128, 4, 2, warpspec=1), KernelConfig(128, 64, 8, 3)],
-    ("fwd", 64, True): [KernelConfig(192, 128, 4, 2, warpspec=1), KernelConfig(128, 64, 8, 3)],
-    ("fwd", 128, False): [KernelConfig(128, 128, 4, 2, warpspec=1), KernelConfig(256, 64, 8, 4)],
+    ("fwd", 64, False): [KernelConfig(192, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(128, 64, 8, 3)],
+    ("fwd", 64, True): [KernelConfig(128, 64, 8, 3)],
+    ("fwd", 128, False): [KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(256, 64, 8, 4)],
     ("fwd", 128, True): [KernelConfig(128, 128, 4, 2, warpspec=2), KernelConfig(128, 128, 8, 3)],
     ("bwd_dkdv", 64, False): [KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(32, 128, 4, 3)],
     ("bwd_dkdv", 128, False): [KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(32, 64, 4, 3)],

@@ -40,6 +40,9 @@ class KernelConfig:
             (bwd_ws.py.jinja) 1 only: block_n / 64 consumer warpgroups own the K/V rows, block_m = 64 Q rows a step;
             in bwd_dq (bwd_dq_ws.py.jinja) 1 only: block_m / 64 consumer warpgroups own the query rows, block_n K/V
             rows a step.
+        persistent: forward warpspec only, 0 or 1: one program per SM walks the tiles, and the producer loads the
+            next tile's Q and K/V while the consumers finish this one (fwd_ws.py.jinja's `persistent`); 0: one
+            program per tile.
     """
 
     block_m: int
@@ -48,6 +51,7 @@ class KernelConfig:
     num_stages: int = 2
     pipeline_qk: int = 0
     warpspec: int = 0
+    persistent: int = 0
 
     def __post_init__(self) -> None:
         for name, allowed in (("block_m", _BLOCK_SIZES + WS_BLOCK_M[2:]), ("block_n", _BLOCK_SIZES)):
@@ -62,11 +66,15 @@ class KernelConfig:
             raise ValueError(f"pipeline_qk must be 0 or 1, got {self.pipeline_qk!r}")
         if self.warpspec not in (0, 1, 2):
             raise ValueError(f"warpspec must be 0, 1 or 2, got {self.warpspec!r}")
+        if self.persistent not in (0, 1):
+            raise ValueError(f"persistent must be 0 or 1, got {self.persistent!r}")
 
     def combination_error(self, kernel: str = "fwd") -> str | None:
         """Why these fields do not make one config of `kernel` ("fwd", "bwd_dkdv", "bwd_dq") together, or None.
         Separate from __post_init__ so that a tuner sampling each field on its own can build any combination and
         have planner.check reject it."""
+        if self.persistent and (not self.warpspec or kernel != "fwd"):
+            return f"persistent is a switch of the warpspec forward, got warpspec={self.warpspec} for {kernel}"
         if not self.warpspec:
             if self.block_m not in _BLOCK_SIZES:
                 return (
@@ -105,7 +113,7 @@ class KernelConfig:
         """The fields as a mapping; switches at their default (off) are left out, so entries written before a switch
         existed and entries that do not use it read the same."""
         data = asdict(self)
-        for switch in ("pipeline_qk", "warpspec"):
+        for switch in ("pipeline_qk", "warpspec", "persistent"):
             if not data[switch]:
                 del data[switch]
         return data
@@ -113,7 +121,7 @@ class KernelConfig:
     @classmethod
     def from_dict(cls, data: dict) -> KernelConfig:
         """Builds a config from a mapping (a YAML entry); unknown keys are an error, not silently dropped."""
-        unknown = set(data) - {"block_m", "block_n", "num_warps", "num_stages", "pipeline_qk", "warpspec"}
+        unknown = set(data) - {"block_m", "block_n", "num_warps", "num_stages", "pipeline_qk", "warpspec", "persistent"}
         if unknown:
             raise ValueError(f"unknown KernelConfig keys {sorted(unknown)}")
         return cls(**{k: int(v) for k, v in data.items()})
@@ -134,6 +142,7 @@ class Variant:
             then False, as every sequence has its own length.
         pipeline_qk: the forward's unmasked loop issues the next QKᵀ before this softmax (KernelConfig.pipeline_qk).
         pingpong: fwd_ws only: the two consumer warpgroups take turns at the tensor cores (KernelConfig.warpspec 2).
+        persistent: fwd_ws only: one program per SM walks the tiles (KernelConfig.persistent).
     """
 
     causal: bool
@@ -144,6 +153,7 @@ class Variant:
     varlen: bool = False
     pipeline_qk: bool = False
     pingpong: bool = False
+    persistent: bool = False
 
     @classmethod
     def for_template(
@@ -158,15 +168,18 @@ class Variant:
         pipeline_qk: int | bool = False,
         dot_fp32: bool = False,
         pingpong: bool = False,
+        persistent: int | bool = False,
     ) -> Variant:
         """The variant `template` (codegen.TEMPLATES) renders for a call: the rules the launcher, codegen.code_hash
         and the probe must agree on, or a stored entry's hash would not name the code it runs. A band mask carries
         causality itself; packed sequences have no even tails; pipeline_qk exists in the forward template only.
-        fwd_ws has two switches only (causal, pingpong), bwd_ws and bwd_dq_ws one (causal): TMA bounds every tile,
-        so tails need no code of their own, and they take neither band masks nor packed sequences (the launcher
-        routes those to the Triton templates)."""
+        fwd_ws has three switches only (causal, pingpong, persistent), bwd_ws and bwd_dq_ws one (causal): TMA bounds
+        every tile, so tails need no code of their own, and they take neither band masks nor packed sequences (the
+        launcher routes those to the Triton templates)."""
         if template.endswith("_ws"):
-            return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and template == "fwd_ws")
+            forward = template == "fwd_ws"
+            return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
+                       persistent=bool(persistent) and forward)  # fmt: skip
         return cls(
             causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,
             dot_fp32=dot_fp32, banded=banded, varlen=varlen, pipeline_qk=bool(pipeline_qk) and template == "fwd",

@@ -49,6 +49,11 @@ def _capability(index: int | None) -> tuple[int, int]:
 
 
 @functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
 def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
@@ -84,7 +89,7 @@ def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool
     the launches below and for probe.compile_config; cached, as every launch asks (7 µs uncached)."""
     template = codegen.template_for(kernel, config.warpspec)
     variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
-                                   pingpong=config.warpspec == 2)  # fmt: skip
+                                   pingpong=config.warpspec == 2, persistent=config.persistent)  # fmt: skip
     module = codegen.load(template, variant)
     if kernel == "fwd":  # consumers own query rows; K/V stream in block_n rows
         fn, q_rows, kv_rows = module._attn_fwd_ws, ROWS_PER_CONSUMER, config.block_n
@@ -127,10 +132,13 @@ def forward(
     call must have passed `unsupported`."""
     batch, heads_q, seqlen_q, _ = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    q_tiles = -(-seqlen_q // config.block_m)
+    tiles = q_tiles * batch * heads_q
+    # persistent: one program per SM (one fits: planner.sram_bytes), each walking tiles first, first + programs, ...
+    grid = (min(tiles, _sm_count(q.device.index)),) if config.persistent else (q_tiles, batch * heads_q)
     _launch(
-        "fwd", config, causal, (-(-seqlen_q // config.block_m), batch * heads_q),
-        [(q, "q"), (k, "kv"), (v, "kv"), (o, "q")], (lse,),
-        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E),
+        "fwd", config, causal, grid, [(q, "q"), (k, "kv"), (v, "kv"), (o, "q")], (lse,),
+        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, tiles),
     )  # fmt: skip
 
 

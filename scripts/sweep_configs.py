@@ -7,6 +7,8 @@ to compile is reported with its reason, never stops the sweep.
 For a backward kernel the other backward kernel keeps its default config, and the time is the whole backward.
 
     python scripts/sweep_configs.py --kernel fwd --head-dims 64,128 --seqlen 8192 --csv $OUT/sweep_fwd.csv
+    python scripts/sweep_configs.py --kernel fwd --head-dims 128 --seqlen 1024 --block-m 128 --block-n 64,128 \
+        --warps 4 --stages 2,3 --warpspec 1,2 --persistent 0,1          # one tile per program, or one program per SM
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ def _outputs(kernel: str, cfg, x: bench.KernelInputs, causal: bool) -> tuple[tor
 def _label(row: dict) -> str:
     pipelined = " pipelined" if row["pipeline_qk"] else ""
     warpspec = {0: "", 1: " warpspec", 2: " warpspec ping-pong"}[row.get("warpspec", 0)]
-    return f"{row['block_m']:>4} {row['block_n']:>4} w{row['num_warps']} s{row['num_stages']}{pipelined}{warpspec}"
+    persistent = " persistent" if row.get("persistent") else ""
+    return (
+        f"{row['block_m']:>4} {row['block_n']:>4} w{row['num_warps']} s{row['num_stages']}{pipelined}{warpspec}"
+        f"{persistent}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         help="0, 1, 2 or a list (KernelConfig.warpspec: 1 and 2 in the forward, 1 in bwd_dkdv and bwd_dq); grid "
         "points that break the kernel's rules (num_warps 4, block sizes of 64 rows per consumer) are left out",
     )
+    parser.add_argument(
+        "--persistent", default="0", help="forward warpspec only: 0, 1 or 0,1 (KernelConfig.persistent)"
+    )
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=16384, help="batch·N (heads·d stays 2048)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 (a smoke test)")
@@ -67,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ints = lambda s: [int(x) for x in s.split(",")]
     grid = itertools.product(
         ints(args.block_m), ints(args.block_n), ints(args.warps), ints(args.stages), ints(args.pipeline_qk),
-        ints(args.warpspec),
+        ints(args.warpspec), ints(args.persistent),
     )  # fmt: skip
     configs = [cfg for cfg in (KernelConfig(*values) for values in grid) if cfg.combination_error(args.kernel) is None]
     cases = itertools.product(ints(args.head_dims), (False, True), configs)
@@ -117,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {_label(r)}  {r['tflops']}")
             if ok:
                 print(f"  median {ok[len(ok) // 2]['tflops']}  worst {ok[-1]['tflops']}")
-            for name in ("pipeline_qk", "warpspec"):
+            for name in ("pipeline_qk", "warpspec", "persistent"):
                 for switch in sorted({r[name] for r in ok}) if len({r[name] for r in ok}) > 1 else []:
                     best = next(r for r in ok if r[name] == switch)
                     print(f"  best with {name}={switch}: {_label(best)}  {best['tflops']}")

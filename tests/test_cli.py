@@ -50,13 +50,14 @@ def test_plan_json_for_a_known_gpu(capsys):
     assert cli.main(["plan", "--gpu", "h200", "--head-dim", "128", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["device"]["smem_per_block"] == 232448 and out["head_dim"] == 128 and out["dtype"] == "bf16"
-    # 250 block/warp/stage configs × pipeline_qk, and 24 warp-specialized ones
-    assert len(out["accepted"]) + len(out["rejected"]) == 524
-    fields = {"block_m", "block_n", "num_warps", "num_stages", "pipeline_qk", "warpspec", "sram_bytes"}
+    # 250 block/warp/stage configs × pipeline_qk, and 48 warp-specialized ones (24, persistent or not)
+    assert len(out["accepted"]) + len(out["rejected"]) == 548
+    fields = {"block_m", "block_n", "num_warps", "num_stages", "pipeline_qk", "warpspec", "persistent", "sram_bytes"}
     assert set(out["accepted"][0]) == fields
     # 5 need more shared memory than the H200 has at d=128 (three or four stages of 128-row K and V tiles), and
-    # one more register than its consumers have (192 rows, 128-row K/V tiles)
-    assert sum(r["warpspec"] > 0 for r in out["accepted"]) == 18
+    # one more register than its consumers have (192 rows, 128-row K/V tiles); persistent, another 3 more shared
+    # memory (three stages of 128-row tiles beside the O buffer)
+    assert sum(r["warpspec"] > 0 for r in out["accepted"]) == 18 + 16
     assert all(r["sram_bytes"] <= 232448 for r in out["accepted"]) and all(r["reason"] for r in out["rejected"])
 
 
@@ -102,6 +103,10 @@ def test_codegen_prints_a_variant(capsys):
     assert cli.main(["codegen", "--template", "fwd_ws", "--causal", "--pingpong"]) == 0
     out = capsys.readouterr().out
     assert "def _attn_fwd_ws(" in out and "PINGPONG = gl.constexpr(True)" in out and "pingpong=True" in out
+    assert "PERSISTENT = gl.constexpr(False)" in out
+    assert cli.main(["codegen", "--template", "fwd_ws", "--persistent"]) == 0
+    out = capsys.readouterr().out
+    assert "PERSISTENT = gl.constexpr(True)" in out and "persistent=True" in out and "pingpong=False" in out
 
 
 def test_tune_on_cpu_writes_yaml_that_the_runtime_then_uses(tmp_path, capsys, monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune import launcher
+from fa2tune import launcher, warpspec
 from fa2tune.reference import naive_attention
 from fa2tune.types import KernelConfig
 
@@ -97,7 +97,9 @@ def test_direct_launches_give_what_triton_s_launch_path_gives(causal, monkeypatc
 # lengths cross tile edges, and (causal, N_Q > N_K) leaves rows that see no key.
 _WS_CONFIGS = [KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(128, 128, 4, 2, warpspec=1),
                KernelConfig(128, 128, 4, 2, warpspec=2), KernelConfig(192, 128, 4, 2, warpspec=1),
-               KernelConfig(128, 64, 4, 3, warpspec=1)]  # fmt: skip
+               KernelConfig(128, 64, 4, 3, warpspec=1), KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1),
+               KernelConfig(128, 128, 4, 2, warpspec=2, persistent=1), KernelConfig(192, 64, 4, 3, warpspec=1,
+               persistent=1)]  # fmt: skip
 _WS_LENGTHS = [(1000, 1537), (1, 5), (257, 257), (300, 1000), (1000, 300)]
 _HOPPER = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
                              reason="needs Hopper")  # fmt: skip
@@ -114,11 +116,17 @@ def _ws_inputs(head_dim: int, dtype: torch.dtype):
 
 
 @_HOPPER
-@pytest.mark.parametrize("config", _WS_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}s{c.num_stages}ws{c.warpspec}")
+@pytest.mark.parametrize(
+    "config", _WS_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}s{c.num_stages}ws{c.warpspec}{'p' * c.persistent}"
+)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @_WS_DIMS
-def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype):
+def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype, monkeypatch):
     torch.manual_seed(head_dim + config.block_m)
+    if config.persistent:
+        # three programs walk every tile (as on a GPU of three SMs): each meets tiles of several heads and lengths,
+        # in the causal order's reversed rounds too, with its K/V ring and Q, O buffers carried from tile to tile
+        monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
     for q, k, v in _ws_inputs(head_dim, dtype):
         out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
         o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5, config=config, out=out)

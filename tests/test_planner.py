@@ -65,9 +65,9 @@ def test_seed_rule_alone_would_accept_configs_that_fail():
 def test_every_rejection_has_a_reason_and_plan_partitions_candidates():
     for kernel in planner.KERNELS:
         plan = planner.plan(known_gpu("l4"), 96, torch.float16, kernel)
-        # 250 block/warp/stage configs; the forward's doubled by its pipeline_qk switch, plus 24 warpspec ones
-        # (6 for dK/dV, 12 for dQ)
-        expected = 250 * (kernel == "fwd") + 250 + {"fwd": 24, "bwd_dkdv": 6, "bwd_dq": 12}[kernel]
+        # 250 block/warp/stage configs; the forward's doubled by its pipeline_qk switch, plus 48 warpspec ones
+        # (24, each persistent or not; 6 for dK/dV, 12 for dQ)
+        expected = 250 * (kernel == "fwd") + 250 + {"fwd": 48, "bwd_dkdv": 6, "bwd_dq": 12}[kernel]
         assert len(plan.accepted) + len(plan.rejected) == len(planner.candidates(kernel)) == expected
         assert plan.accepted and plan.rejected
         for cfg, need, reason in plan.rejected:
@@ -99,10 +99,15 @@ def test_default_config_fits_every_known_gpu(gpu, kernel):
 
 def test_default_config_prefers_the_h200_measurements():
     h200 = known_gpu("h200")
-    # The warp-specialized forward first (docs/PERF.md v10), ping-pong for causal
-    assert planner.default_config(128, torch.bfloat16, device=h200) == KernelConfig(128, 128, 4, 2, warpspec=1)
-    assert planner.default_config(128, torch.bfloat16, causal=True, device=h200).warpspec == 2
-    assert planner.default_config(64, torch.bfloat16, device=h200) == KernelConfig(192, 128, 4, 2, warpspec=1)
+    # The warp-specialized forward first (docs/PERF.md v10), persistent without a mask (v12), ping-pong for causal;
+    # at d=64 causal the Triton template's (the tuned pick since v5)
+    persistent = KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1)
+    assert planner.default_config(128, torch.bfloat16, device=h200) == persistent
+    pingpong = KernelConfig(128, 128, 4, 2, warpspec=2)
+    assert planner.default_config(128, torch.bfloat16, causal=True, device=h200) == pingpong
+    d64 = KernelConfig(192, 128, 4, 2, warpspec=1, persistent=1)
+    assert planner.default_config(64, torch.bfloat16, device=h200) == d64
+    assert planner.default_config(64, torch.bfloat16, causal=True, device=h200) == KernelConfig(128, 64, 8, 3)
     # then the Triton template's measured best: asked for, for fp32, off Hopper
     assert planner.default_config(128, torch.bfloat16, device=h200, warpspec=False) == KernelConfig(256, 64, 8, 4)
     assert planner.default_config(128, torch.bfloat16, causal=True, device=h200, warpspec=False) == KernelConfig(

@@ -54,6 +54,14 @@ def test_configs_combine_fields_by_warpspec_rules():
         assert cfg.combination_error("bwd_dq").startswith("bwd_dq's warpspec takes warpspec=1, block_m in (64, 128)")
     with pytest.raises(ValueError, match="warpspec must be 0, 1 or 2, got 3"):
         KernelConfig(128, 64, 4, 2, warpspec=3)
+    # persistent: a switch of the warpspec forward only; written to YAML only when on
+    persistent = KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1)
+    assert persistent.combination_error() is None and KernelConfig.from_dict(persistent.to_dict()) == persistent
+    assert "persistent" not in WS.to_dict() and persistent.to_dict()["persistent"] == 1
+    for cfg, kernel in ((KernelConfig(128, 64, 8, 2, persistent=1), "fwd"), (persistent, "bwd_dq")):
+        assert cfg.combination_error(kernel).startswith("persistent is a switch of the warpspec forward")
+    with pytest.raises(ValueError, match="persistent must be 0 or 1, got 2"):
+        KernelConfig(128, 64, 4, 2, warpspec=1, persistent=2)
     with pytest.raises(ValueError, match=r"block_m must be one of \(16, 32, 64, 128, 256, 192\), got 96"):
         KernelConfig(96, 64, 4, 2, warpspec=1)
 
@@ -75,7 +83,15 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     assert planner.check(KernelConfig(128, 128, 4, 4, warpspec=1), h200, 128, torch.bfloat16).startswith("shared")
     assert planner.check(KernelConfig(128, 128, 4, 3, warpspec=1), h200, 128, torch.bfloat16) is None
     ws = [c for c in planner.candidates("fwd") if c.warpspec]
-    assert len(ws) == 24 and all(c.combination_error() is None for c in ws)
+    assert len(ws) == 48 and all(c.combination_error() is None for c in ws)
+    assert sum(c.persistent for c in ws) == 24
+    # persistent stages O apart from Q: 2·128·(128 + 128 + 4·128) + 512 B fits, with 3 stages 256.5 KiB does not
+    assert planner.sram_bytes(KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1), 128, torch.bfloat16) == (
+        planner.sram_bytes(WS, 128, torch.bfloat16) + 2 * 128 * 128
+    )
+    assert planner.check(KernelConfig(128, 128, 4, 3, warpspec=1, persistent=1), h200, 128, torch.bfloat16).startswith(
+        "shared memory"
+    )
     # 192-row programs at d=128 with 128-row K/V tiles: three consumers of 160 registers would spill
     assert planner.check(KernelConfig(192, 128, 4, 2, warpspec=1), h200, 128, torch.bfloat16).startswith("registers")
     dq = [c for c in planner.candidates("bwd_dq") if c.warpspec]
@@ -99,7 +115,9 @@ def test_the_unchecked_descriptor_is_the_checked_one():
 def test_code_hash_names_the_template_and_its_switches():
     key = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="fwd")
     hashes = {ws: codegen.entry_code_hash(key, KernelConfig(128, 128, 4, 2, warpspec=ws)) for ws in (0, 1, 2)}
-    assert len(set(hashes.values())) == 3
+    persistent = codegen.entry_code_hash(key, KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1))
+    assert len({*hashes.values(), persistent}) == 4
+    assert persistent == codegen.code_hash("fwd", causal=True, warpspec=1, persistent=True)
     dkdv = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="bwd_dkdv")
     assert codegen.entry_code_hash(dkdv, KernelConfig(64, 128, 4, 2, warpspec=1)) != codegen.entry_code_hash(
         dkdv, KernelConfig(64, 128, 4, 2)
@@ -149,11 +167,14 @@ def test_planner_model_and_registers_match_the_compiler():
     # Compiled for sm_90 without a card (Triton ships ptxas and cuobjdump): the shared memory the model predicts is
     # what the compiler allocates, to within the mbarrier allowance, and a consumer spills (STACK > 0) exactly when
     # the planner's register rule says it would, with the split of planner.WS_REGISTERS: one, two (ping-pong,
-    # causal) and three consumers that fit, a dK/dV kernel, dQ kernels of one and two consumers that fit and one
-    # that does not, and three forward consumers at d=128 B_c=128 that do not.
+    # causal; persistent, with its separate O buffer) and three consumers that fit, a dK/dV kernel, dQ kernels of one
+    # and two consumers that fit and one that does not, and three forward consumers at d=128 B_c=128 that do not.
+    # (Persistent and causal, the loop over tiles keeps 8-24 B of stack beside fitting accumulators, 128 B with
+    # three consumers at d=64: the rule does not count it, the tuner's timing does: docs/PERF.md v12.)
     rows = [("fwd", 128, WS.to_dict(), False), ("fwd", 128, KernelConfig(128, 128, 4, 2, warpspec=2).to_dict(), True),
             ("fwd", 64, KernelConfig(192, 128, 4, 2, warpspec=1).to_dict(), True),
             ("fwd", 128, KernelConfig(64, 64, 4, 4, warpspec=1).to_dict(), False),
+            ("fwd", 128, KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1).to_dict(), False),
             ("bwd_dkdv", 64, KernelConfig(64, 128, 4, 3, warpspec=1).to_dict(), True),
             ("bwd_dq", 128, KernelConfig(128, 64, 4, 3, warpspec=1).to_dict(), True),
             ("bwd_dq", 128, KernelConfig(64, 128, 4, 2, warpspec=1).to_dict(), False),
