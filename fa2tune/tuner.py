@@ -18,7 +18,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 
 import optuna
 import torch
@@ -150,16 +150,24 @@ def first_configs(
     *, device: DeviceInfo, kernel: str, head_dim: int, dtype: torch.dtype, causal: bool, trials: int,
     space: Sequence[KernelConfig], default: KernelConfig | None = None,
 ) -> list[KernelConfig]:  # fmt: skip
-    """The configs tune() with these arguments times first, known before any trial: the default, then one
-    `promising` config per block shape. tune() enqueues them; a tune of several studies compiles the next study's
-    while this one is timed, so the next starts timing at once."""
+    """The configs tune() with these arguments times first, known before any trial: the default, its twin with the
+    other program schedule (a warpspec forward's `persistent` flipped, when that fits), then one `promising` config
+    per block shape. tune() enqueues them; a tune of several studies compiles the next study's while this one is
+    timed, so the next starts timing at once.
+
+    The twin: which schedule wins depends on the length and the mask (persistent is 10-25 % faster at N <= 2k and
+    slower on long causal calls, docs/PERF.md v12), and a 10-16 trial study sampling the switch on its own missed
+    the better one for a short-length entry."""
     if trials <= 0:
         return []
     if default is None:
         default = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
     candidates = [*space, default] if default not in space else space  # as tune() extends its space
     feasible = [c for c in candidates if planner.check(c, device, head_dim, dtype, kernel) is None]
-    return [default, *promising(feasible, head_dim, kernel, k=max(3, trials // 2))]
+    twin = replace(default, persistent=1 - default.persistent) if default.warpspec else None
+    twins = [twin] if twin in feasible and kernel == "fwd" else []
+    picks = [c for c in promising(feasible, head_dim, kernel, k=max(3, trials // 2)) if c not in twins]
+    return [default, *twins, *picks]
 
 
 def tune(

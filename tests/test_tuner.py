@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,8 @@ def test_rejected_and_failed_configs_are_recorded_and_never_stop_the_study():
     assert result.measured >= 1 and result.best in table
     # pruned: configs that do not fit, and sampled field combinations that make no config (warpspec's rules) or are
     # outside the candidates
-    pruned_reasons = ("shared memory", "registers", "warpspec", "block_m=192 needs warpspec", "not in the search space")
+    pruned_reasons = ("shared memory", "registers", "warpspec", "block_m=192 needs warpspec", "not in the search space",
+                      "persistent is a switch of the warpspec forward")  # fmt: skip
     assert result.pruned == sum(1 for r in reasons if r.startswith(pruned_reasons))
     assert result.failed == sum(1 for r in reasons if r.startswith("RuntimeError: no recorded timing"))
     assert result.pruned + result.failed > 0
@@ -353,3 +355,24 @@ def test_a_dead_process_s_trial_in_timing_stops_counting_against_the_run_s_budge
     assert states[alive.number] == states[other_run.number] == optuna.trial.TrialState.RUNNING
     assert tuner.timed_in(study, "run-1") == 1
     assert tuner.fail_abandoned(storage, "run-1", 111) == 0  # once
+
+
+def test_a_warpspec_forward_default_is_timed_beside_its_other_schedule():
+    # The default's twin with `persistent` flipped comes right after it (docs/PERF.md v12: a short tune sampling
+    # the switch on its own missed the faster schedule); not for Triton defaults, the backward, or a twin that does
+    # not fit (three stages of 128-row K/V tiles beside a persistent program's O buffer at d=128)
+    h200 = known_gpu("h200")
+    space = planner.candidates("fwd")
+    first = lambda default, kernel="fwd": tuner.first_configs(device=h200, kernel=kernel, head_dim=128,
+                                                              dtype=torch.bfloat16, causal=True, trials=10,
+                                                              space=space, default=default)  # fmt: skip
+    pingpong = KernelConfig(128, 128, 4, 2, warpspec=2)
+    configs = first(pingpong)
+    assert configs[:2] == [pingpong, KernelConfig(128, 128, 4, 2, warpspec=2, persistent=1)]
+    assert len(configs) == len(set(configs)) == 2 + 5
+    assert first(KernelConfig(128, 64, 4, 3, warpspec=1, persistent=1))[1] == KernelConfig(128, 64, 4, 3, warpspec=1)
+    for default in (KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 4, 3, warpspec=1)):
+        assert replace(default, persistent=1) not in first(default)
+    assert not any(c.persistent for c in tuner.first_configs(
+        device=h200, kernel="bwd_dq", head_dim=128, dtype=torch.bfloat16, causal=True, trials=10,
+        space=planner.candidates("bwd_dq"), default=KernelConfig(128, 64, 4, 3, warpspec=1)))  # fmt: skip
