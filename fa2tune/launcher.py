@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -306,8 +306,7 @@ def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config
 
 
 def _to_ints(config: KernelConfig) -> list[int]:
-    return [config.block_m, config.block_n, config.num_warps, config.num_stages, config.pipeline_qk, config.warpspec,
-            config.persistent]  # fmt: skip
+    return list(astuple(config))  # every field, in KernelConfig's order: _from_ints reads them back positionally
 
 
 def _from_ints(config: list[int]) -> KernelConfig | None:

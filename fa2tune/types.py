@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
 WS_BLOCK_M = (64, 128, 192)  # warpspec forward programs: 1, 2 or 3 consumer warpgroups of 64 query rows
@@ -121,7 +121,7 @@ class KernelConfig:
     @classmethod
     def from_dict(cls, data: dict) -> KernelConfig:
         """Builds a config from a mapping (a YAML entry); unknown keys are an error, not silently dropped."""
-        unknown = set(data) - {"block_m", "block_n", "num_warps", "num_stages", "pipeline_qk", "warpspec", "persistent"}
+        unknown = set(data) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown KernelConfig keys {sorted(unknown)}")
         return cls(**{k: int(v) for k, v in data.items()})

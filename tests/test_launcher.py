@@ -174,3 +174,10 @@ def test_forward_with_batch_heads_split_over_two_grid_axes(causal, device, monke
     ref_o, ref_lse = _reference(q, k, v, causal)
     assert_close(o, ref_o, torch.float32)
     assert_close(lse, ref_lse, torch.float32, what="lse")
+
+
+def test_configs_cross_the_custom_op_boundary_whole():
+    # torch.compile's path passes configs to the custom ops as int lists: every field, switches included, comes back
+    for cfg in (KernelConfig(64, 32, 4, 3, pipeline_qk=1), KernelConfig(128, 128, 4, 2, warpspec=2, persistent=1)):
+        assert launcher._from_ints(launcher._to_ints(cfg)) == cfg
+    assert launcher._from_ints([]) is None  # "resolve inside the op"
