@@ -164,8 +164,8 @@ def first_configs(
         default = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
     candidates = [*space, default] if default not in space else space  # as tune() extends its space
     feasible = [c for c in candidates if planner.check(c, device, head_dim, dtype, kernel) is None]
-    twin = replace(default, persistent=1 - default.persistent) if default.warpspec else None
-    twins = [twin] if twin in feasible and kernel == "fwd" else []
+    # feasible holds a twin only where the switch exists (KernelConfig.combination_error) and the config fits
+    twins = [twin] if (twin := replace(default, persistent=1 - default.persistent)) in feasible else []
     picks = [c for c in promising(feasible, head_dim, kernel, k=max(3, trials // 2)) if c not in twins]
     return [default, *twins, *picks]
 

@@ -113,7 +113,7 @@ class KernelConfig:
         """The fields as a mapping; switches at their default (off) are left out, so entries written before a switch
         existed and entries that do not use it read the same."""
         data = asdict(self)
-        for switch in ("pipeline_qk", "warpspec", "persistent"):
+        for switch in (f.name for f in fields(self) if f.default == 0):  # the switches: every field defaulting to off
             if not data[switch]:
                 del data[switch]
         return data
