@@ -17,6 +17,7 @@ A warpspec forward (KernelConfig.warpspec, the Gluon template fwd_ws) allocates 
 S buffers of K_j and of V_j, and mbarriers (checked against compiles: ~300–400 B beyond the tiles):
     fwd_ws    e·d·(B_r + 2·S·B_c) + 512       (+ e·d·B_r persistent: O is staged apart from the next tile's Q)
     dkdv_ws   e·d·(2·B_c + 2·S·B_r) + 512         K, V owned (B_c = 64 per consumer); Q_i, dO_i streamed
+                                                  (+ 2·e·d·B_c persistent: dK, dV staged apart from K, V)
     dq_ws     e·d·(2·B_r + 2·S·B_c) + 512         Q, dO owned (B_r = 64 per consumer); K_j, V_j streamed
 
 On the wgmma path the seed's B_r·B_c term lives in the register file, with the other fp32 accumulators:
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .device import INTERPRETER, inspect_cached, known_gpu
-from .types import MAX_HEAD_DIM, WS_BACKWARD_TILES, WS_BLOCK_M, DeviceInfo, KernelConfig
+from .types import MAX_HEAD_DIM, PERSISTENT_KERNELS, WS_BACKWARD_TILES, WS_BLOCK_M, DeviceInfo, KernelConfig
 
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -105,7 +106,8 @@ def sram_bytes(
     _check_kernel(kernel)
     e, d, m, n = dtype.itemsize, head_dim_padded(head_dim), cfg.block_m, cfg.block_n
     if cfg.warpspec and kernel == "bwd_dkdv":
-        return e * d * (2 * n + 2 * cfg.num_stages * m) + _WS_SMEM_OVERHEAD  # K, V owned; S buffers of Q_i, dO_i
+        staging = 2 * n if cfg.persistent else 0  # dK, dV staged apart from the next tile's K, V; else in K's, V's
+        return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + _WS_SMEM_OVERHEAD  # S buffers of Q_i, dO_i
     if cfg.warpspec and kernel == "bwd_dq":
         return e * d * (2 * m + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD  # Q, dO owned; S buffers of K_j, V_j
     if cfg.warpspec:
@@ -192,7 +194,8 @@ def _model_terms(cfg: KernelConfig, kernel: str) -> str:
         o_staging = f" + O {cfg.block_m}×d" if cfg.persistent else ""
         return f"Q {cfg.block_m}×d{o_staging} + {kv} {cfg.block_n}×d"
     if kernel == "bwd_dkdv":
-        return f"K,V {cfg.block_n}×d + {s}×(Q,dO) {cfg.block_m}×d"
+        staging = f" + dK,dV {cfg.block_n}×d" if cfg.persistent else ""
+        return f"K,V {cfg.block_n}×d{staging} + {s}×(Q,dO) {cfg.block_m}×d"
     return f"Q,dO {cfg.block_m}×d + {s}×(K,V) {cfg.block_n}×d"
 
 
@@ -211,9 +214,10 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
             configs += [KernelConfig(m, n, 4, s, warpspec=ws, persistent=p) for ws in ((1, 2) if m == 128 else (1,))]
     if kernel in WS_BACKWARD_TILES:
         owned, owned_sizes, _, _, streamed_sizes = WS_BACKWARD_TILES[kernel]
-        for a, b, s in itertools.product(owned_sizes, streamed_sizes, WS_STAGES):
+        persistent = (0, 1) if kernel in PERSISTENT_KERNELS else (0,)
+        for a, b, s, p in itertools.product(owned_sizes, streamed_sizes, WS_STAGES, persistent):
             m, n = (b, a) if owned == "block_n" else (a, b)
-            configs.append(KernelConfig(m, n, 4, s, warpspec=1))
+            configs.append(KernelConfig(m, n, 4, s, warpspec=1, persistent=p))
     return configs
 
 

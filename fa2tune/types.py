@@ -16,6 +16,8 @@ WS_BACKWARD_TILES = {
     "bwd_dkdv": ("block_n", WS_DKDV_BLOCK_N, "K/V", "block_m", WS_DKDV_BLOCK_M),
     "bwd_dq": ("block_m", WS_DQ_BLOCK_M, "query", "block_n", WS_DQ_BLOCK_N),
 }
+PERSISTENT_TEMPLATES = ("fwd_ws", "bwd_ws")  # the warpspec templates with a `persistent` switch
+PERSISTENT_KERNELS = ("fwd", "bwd_dkdv")  # the kernels they run
 MAX_HEAD_DIM = 256  # the largest head dimension the templates take
 # The short names of the dtypes the kernels take, as YAML and the CLI spell them (torch-free, for the CLI's parser;
 # inputs.DTYPES_BY_NAME maps them to torch dtypes).
@@ -40,9 +42,9 @@ class KernelConfig:
             (bwd_ws.py.jinja) 1 only: block_n / 64 consumer warpgroups own the K/V rows, block_m = 64 Q rows a step;
             in bwd_dq (bwd_dq_ws.py.jinja) 1 only: block_m / 64 consumer warpgroups own the query rows, block_n K/V
             rows a step.
-        persistent: forward warpspec only, 0 or 1: one program per SM walks the tiles, and the producer loads the
-            next tile's Q and K/V while the consumers finish this one (fwd_ws.py.jinja's `persistent`); 0: one
-            program per tile.
+        persistent: warpspec forward and dK/dV (PERSISTENT_KERNELS), 0 or 1: one program per SM walks the tiles, and
+            the producer loads the next tile's operands while the consumers finish this one (fwd_ws.py.jinja's and
+            bwd_ws.py.jinja's `persistent`); 0: one program per tile.
     """
 
     block_m: int
@@ -73,8 +75,11 @@ class KernelConfig:
         """Why these fields do not make one config of `kernel` ("fwd", "bwd_dkdv", "bwd_dq") together, or None.
         Separate from __post_init__ so that a tuner sampling each field on its own can build any combination and
         have planner.check reject it."""
-        if self.persistent and (not self.warpspec or kernel != "fwd"):
-            return f"persistent is a switch of the warpspec forward, got warpspec={self.warpspec} for {kernel}"
+        if self.persistent and (not self.warpspec or kernel not in PERSISTENT_KERNELS):
+            return (
+                f"persistent is a switch of the warpspec {' and '.join(PERSISTENT_KERNELS)} kernels, got "
+                f"warpspec={self.warpspec} for {kernel}"
+            )
         if not self.warpspec:
             if self.block_m not in _BLOCK_SIZES:
                 return (
@@ -179,7 +184,7 @@ class Variant:
         if template.endswith("_ws"):
             forward = template == "fwd_ws"
             return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
-                       persistent=bool(persistent) and forward)  # fmt: skip
+                       persistent=bool(persistent) and template in PERSISTENT_TEMPLATES)  # fmt: skip
         return cls(
             causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,
             dot_fp32=dot_fp32, banded=banded, varlen=varlen, pipeline_qk=bool(pipeline_qk) and template == "fwd",

@@ -106,6 +106,14 @@ def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool
     return fn, (1, 1, q_rows, head_dim), (1, 1, kv_rows, head_dim), kwargs
 
 
+def _grid(config: KernelConfig, row_tiles: int, batch_heads: int, device_index: int | None):
+    """(grid, tiles): one program per tile of rows, (row_tiles, batch·heads); or, persistent, one per SM (a program
+    of these configs takes most of an SM's shared memory: planner.sram_bytes), each walking tiles first,
+    first + programs, ... of the row_tiles · batch·heads."""
+    tiles = row_tiles * batch_heads
+    return ((min(tiles, _sm_count(device_index)),) if config.persistent else (row_tiles, batch_heads)), tiles
+
+
 def _launch(
     kernel: str, config: KernelConfig, causal: bool, grid: tuple[int, int], tma: list, rest: tuple, scalars: tuple
 ) -> None:
@@ -132,10 +140,7 @@ def forward(
     call must have passed `unsupported`."""
     batch, heads_q, seqlen_q, _ = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
-    q_tiles = -(-seqlen_q // config.block_m)
-    tiles = q_tiles * batch * heads_q
-    # persistent: one program per SM (one fits: planner.sram_bytes), each walking tiles first, first + programs, ...
-    grid = (min(tiles, _sm_count(q.device.index)),) if config.persistent else (q_tiles, batch * heads_q)
+    grid, tiles = _grid(config, -(-seqlen_q // config.block_m), batch * heads_q, q.device.index)
     _launch(
         "fwd", config, causal, grid, [(q, "q"), (k, "kv"), (v, "kv"), (o, "q")], (lse,),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, tiles),
@@ -161,10 +166,12 @@ def backward_dkdv(
     must have passed `unsupported`."""
     batch, heads_q, seqlen_q, _ = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    grid, tiles = _grid(config, -(-seqlen_k // config.block_n), batch * heads_kv, q.device.index)
     _launch(
-        "bwd_dkdv", config, causal, (-(-seqlen_k // config.block_n), batch * heads_kv),
+        "bwd_dkdv", config, causal, grid,
         [(q, "q"), (k, "kv"), (v, "kv"), (do, "q"), (dk, "kv"), (dv, "kv")], (lse, delta),
-        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale),
+        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale,
+         tiles),
     )  # fmt: skip
 
 

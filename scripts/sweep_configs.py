@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         "points that break the kernel's rules (num_warps 4, block sizes of 64 rows per consumer) are left out",
     )
     parser.add_argument(
-        "--persistent", default="0", help="forward warpspec only: 0, 1 or 0,1 (KernelConfig.persistent)"
+        "--persistent", default="0", help="warpspec fwd and bwd_dkdv: 0, 1 or 0,1 (KernelConfig.persistent)"
     )
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=16384, help="batch·N (heads·d stays 2048)")

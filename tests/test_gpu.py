@@ -205,16 +205,22 @@ def test_warpspec_direct_launches_give_what_the_jit_gives(monkeypatch):
     "configs",
     [(KernelConfig(64, 128, 4, 2, warpspec=1), None), (KernelConfig(64, 64, 4, 3, warpspec=1), None),
      (KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(128, 64, 4, 2, warpspec=1)),
-     (None, KernelConfig(64, 128, 4, 3, warpspec=1))],
-    ids=["dkdv_2consumers", "dkdv_1consumer3stages", "both_2consumers", "dq_1consumer3stages"],
+     (None, KernelConfig(64, 128, 4, 3, warpspec=1)),
+     (KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(128, 64, 4, 3, warpspec=1)),
+     (KernelConfig(64, 64, 4, 3, warpspec=1, persistent=1), None)],
+    ids=["dkdv_2consumers", "dkdv_1consumer3stages", "both_2consumers", "dq_1consumer3stages",
+         "dkdv_persistent_2consumers", "dkdv_persistent_1consumer3stages"],
 )  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @_WS_DIMS
-def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype):
+def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype, monkeypatch):
     # The warp-specialized dK/dV and dQ kernels (templates/bwd_ws.py.jinja, bwd_dq_ws.py.jinja), each beside the
     # other or the Triton one: all three gradients against float64 autograd, GQA (dK/dV summed over two query heads
-    # each), lengths across tiles, N_Q ≠ N_K, rows that see no key (causal, N_Q > N_K).
+    # each), lengths across tiles, N_Q ≠ N_K, rows that see no key (causal, N_Q > N_K). Persistent: three programs
+    # walk every tile, as in the forward's test.
     dkdv_config, dq_config = configs
+    if any(c is not None and c.persistent for c in configs):
+        monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
     torch.manual_seed(head_dim + sum(c.block_n for c in configs if c is not None))
     for q, k, v in _ws_inputs(head_dim, dtype):
         seqlen_q, seqlen_k = q.shape[2], k.shape[2]

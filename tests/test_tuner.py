@@ -85,7 +85,7 @@ def test_rejected_and_failed_configs_are_recorded_and_never_stop_the_study():
     # pruned: configs that do not fit, and sampled field combinations that make no config (warpspec's rules) or are
     # outside the candidates
     pruned_reasons = ("shared memory", "registers", "warpspec", "block_m=192 needs warpspec", "not in the search space",
-                      "persistent is a switch of the warpspec forward")  # fmt: skip
+                      "persistent is a switch of the warpspec")  # fmt: skip
     assert result.pruned == sum(1 for r in reasons if r.startswith(pruned_reasons))
     assert result.failed == sum(1 for r in reasons if r.startswith("RuntimeError: no recorded timing"))
     assert result.pruned + result.failed > 0
@@ -359,7 +359,7 @@ def test_a_dead_process_s_trial_in_timing_stops_counting_against_the_run_s_budge
 
 def test_a_warpspec_forward_default_is_timed_beside_its_other_schedule():
     # The default's twin with `persistent` flipped comes right after it (docs/PERF.md v12: a short tune sampling
-    # the switch on its own missed the faster schedule); not for Triton defaults, the backward, or a twin that does
+    # the switch on its own missed the faster schedule); not for Triton defaults, the dQ kernel, or a twin that does
     # not fit (three stages of 128-row K/V tiles beside a persistent program's O buffer at d=128)
     h200 = known_gpu("h200")
     space = planner.candidates("fwd")

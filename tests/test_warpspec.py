@@ -59,7 +59,8 @@ def test_configs_combine_fields_by_warpspec_rules():
     assert persistent.combination_error() is None and KernelConfig.from_dict(persistent.to_dict()) == persistent
     assert "persistent" not in WS.to_dict() and persistent.to_dict()["persistent"] == 1
     for cfg, kernel in ((KernelConfig(128, 64, 8, 2, persistent=1), "fwd"), (persistent, "bwd_dq")):
-        assert cfg.combination_error(kernel).startswith("persistent is a switch of the warpspec forward")
+        assert cfg.combination_error(kernel).startswith("persistent is a switch of the warpspec fwd and bwd_dkdv")
+    assert KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1).combination_error("bwd_dkdv") is None
     with pytest.raises(ValueError, match="persistent must be 0 or 1, got 2"):
         KernelConfig(128, 64, 4, 2, warpspec=1, persistent=2)
     with pytest.raises(ValueError, match=r"block_m must be one of \(16, 32, 64, 128, 256, 192\), got 96"):
@@ -78,7 +79,9 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     # dQ at d=128 with 128-row K/V tiles and two consumers: 64·(128 + 2.5·128)/128 = 224 > 240 − 24
     assert planner.check(WS, h200, 128, torch.bfloat16, "bwd_dq").startswith("registers: 224 fp32 accumulator")
     dkdv = [c for c in planner.candidates("bwd_dkdv") if c.warpspec]
-    assert len(dkdv) == 6 and all(planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") is None for c in dkdv[:4])
+    assert len(dkdv) == 12 and all(planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") is None for c in dkdv[:8])
+    # persistent dK/dV stages dK, dV apart from K, V: 2·128·(4·128 + 8·64) + 512 B > 227 KiB at 4 stages
+    assert planner.check(dkdv[-1], h200, 128, torch.bfloat16, "bwd_dkdv").startswith("shared memory")
     # 4 stages of 128-row K and V tiles at d=128: 2·128·(128 + 8·128) + 512 B > the H200's 227 KiB; 3 fit
     assert planner.check(KernelConfig(128, 128, 4, 4, warpspec=1), h200, 128, torch.bfloat16).startswith("shared")
     assert planner.check(KernelConfig(128, 128, 4, 3, warpspec=1), h200, 128, torch.bfloat16) is None
