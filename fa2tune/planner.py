@@ -19,6 +19,7 @@ S buffers of K_j and of V_j, and mbarriers (checked against compiles: ~300–400
     dkdv_ws   e·d·(2·B_c + 2·S·B_r) + 512         K, V owned (B_c = 64 per consumer); Q_i, dO_i streamed
                                                   (+ 2·e·d·B_c persistent: dK, dV staged apart from K, V)
     dq_ws     e·d·(2·B_r + 2·S·B_c) + 512         Q, dO owned (B_r = 64 per consumer); K_j, V_j streamed
+                                                  (+ e·d·B_r persistent: dQ staged apart from Q)
 
 On the wgmma path the seed's B_r·B_c term lives in the register file, with the other fp32 accumulators:
     fwd       B_r·(d + B_c)          Õ_i and S_ij (and S_i,j+1 with pipeline_qk)
@@ -109,7 +110,8 @@ def sram_bytes(
         staging = 2 * n if cfg.persistent else 0  # dK, dV staged apart from the next tile's K, V; else in K's, V's
         return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + _WS_SMEM_OVERHEAD  # S buffers of Q_i, dO_i
     if cfg.warpspec and kernel == "bwd_dq":
-        return e * d * (2 * m + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD  # Q, dO owned; S buffers of K_j, V_j
+        staging = m if cfg.persistent else 0  # dQ staged apart from the next tile's Q; else in Q's buffer
+        return e * d * (2 * m + staging + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD  # S buffers of K_j, V_j
     if cfg.warpspec:
         o_staging = m if cfg.persistent else 0  # else O is staged in Q's buffer
         return e * d * (m + o_staging + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD
@@ -196,7 +198,8 @@ def _model_terms(cfg: KernelConfig, kernel: str) -> str:
     if kernel == "bwd_dkdv":
         staging = f" + dK,dV {cfg.block_n}×d" if cfg.persistent else ""
         return f"K,V {cfg.block_n}×d{staging} + {s}×(Q,dO) {cfg.block_m}×d"
-    return f"Q,dO {cfg.block_m}×d + {s}×(K,V) {cfg.block_n}×d"
+    staging = f" + dQ {cfg.block_m}×d" if cfg.persistent else ""
+    return f"Q,dO {cfg.block_m}×d{staging} + {s}×(K,V) {cfg.block_n}×d"
 
 
 def candidates(kernel: str = "fwd") -> list[KernelConfig]:

@@ -16,8 +16,8 @@ WS_BACKWARD_TILES = {
     "bwd_dkdv": ("block_n", WS_DKDV_BLOCK_N, "K/V", "block_m", WS_DKDV_BLOCK_M),
     "bwd_dq": ("block_m", WS_DQ_BLOCK_M, "query", "block_n", WS_DQ_BLOCK_N),
 }
-PERSISTENT_TEMPLATES = ("fwd_ws", "bwd_ws")  # the warpspec templates with a `persistent` switch
-PERSISTENT_KERNELS = ("fwd", "bwd_dkdv")  # the kernels they run
+PERSISTENT_TEMPLATES = ("fwd_ws", "bwd_ws", "bwd_dq_ws")  # the warpspec templates with a `persistent` switch
+PERSISTENT_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")  # the kernels they run
 MAX_HEAD_DIM = 256  # the largest head dimension the templates take
 # The short names of the dtypes the kernels take, as YAML and the CLI spell them (torch-free, for the CLI's parser;
 # inputs.DTYPES_BY_NAME maps them to torch dtypes).
@@ -77,7 +77,7 @@ class KernelConfig:
         have planner.check reject it."""
         if self.persistent and (not self.warpspec or kernel not in PERSISTENT_KERNELS):
             return (
-                f"persistent is a switch of the warpspec {' and '.join(PERSISTENT_KERNELS)} kernels, got "
+                f"persistent is a switch of the warpspec kernels {', '.join(PERSISTENT_KERNELS)}, got "
                 f"warpspec={self.warpspec} for {kernel}"
             )
         if not self.warpspec:

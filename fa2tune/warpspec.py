@@ -192,8 +192,9 @@ def backward_dq(
     backward_dkdv. The call must have passed `unsupported`."""
     batch, heads_q, seqlen_q, _ = q.shape
     heads_kv, seqlen_k = k.shape[1], k.shape[2]
+    grid, tiles = _grid(config, -(-seqlen_q // config.block_m), batch * heads_q, q.device.index)
     _launch(
-        "bwd_dq", config, causal, (-(-seqlen_q // config.block_m), batch * heads_q),
-        [(q, "q"), (k, "kv"), (v, "kv"), (do, "q"), (dq, "q")], (lse, delta),
-        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, scale),
+        "bwd_dq", config, causal, grid, [(q, "q"), (k, "kv"), (v, "kv"), (do, "q"), (dq, "q")], (lse, delta),
+        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, scale,
+         tiles),
     )  # fmt: skip

@@ -207,9 +207,12 @@ def test_warpspec_direct_launches_give_what_the_jit_gives(monkeypatch):
      (KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(128, 64, 4, 2, warpspec=1)),
      (None, KernelConfig(64, 128, 4, 3, warpspec=1)),
      (KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(128, 64, 4, 3, warpspec=1)),
-     (KernelConfig(64, 64, 4, 3, warpspec=1, persistent=1), None)],
+     (KernelConfig(64, 64, 4, 3, warpspec=1, persistent=1), None),
+     (KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(128, 64, 4, 3, warpspec=1, persistent=1)),
+     (None, KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1))],
     ids=["dkdv_2consumers", "dkdv_1consumer3stages", "both_2consumers", "dq_1consumer3stages",
-         "dkdv_persistent_2consumers", "dkdv_persistent_1consumer3stages"],
+         "dkdv_persistent_2consumers", "dkdv_persistent_1consumer3stages", "both_persistent",
+         "dq_persistent_1consumer"],
 )  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @_WS_DIMS

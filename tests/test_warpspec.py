@@ -58,9 +58,11 @@ def test_configs_combine_fields_by_warpspec_rules():
     persistent = KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1)
     assert persistent.combination_error() is None and KernelConfig.from_dict(persistent.to_dict()) == persistent
     assert "persistent" not in WS.to_dict() and persistent.to_dict()["persistent"] == 1
-    for cfg, kernel in ((KernelConfig(128, 64, 8, 2, persistent=1), "fwd"), (persistent, "bwd_dq")):
-        assert cfg.combination_error(kernel).startswith("persistent is a switch of the warpspec fwd and bwd_dkdv")
+    for cfg, kernel in ((KernelConfig(128, 64, 8, 2, persistent=1), "fwd"), (KernelConfig(64, 64, persistent=1),
+                                                                             "bwd_dq")):  # fmt: skip
+        assert cfg.combination_error(kernel).startswith("persistent is a switch of the warpspec kernels fwd, bwd_dkdv")
     assert KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1).combination_error("bwd_dkdv") is None
+    assert persistent.combination_error("bwd_dq") is None
     with pytest.raises(ValueError, match="persistent must be 0 or 1, got 2"):
         KernelConfig(128, 64, 4, 2, warpspec=1, persistent=2)
     with pytest.raises(ValueError, match=r"block_m must be one of \(16, 32, 64, 128, 256, 192\), got 96"):
@@ -98,7 +100,7 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     # 192-row programs at d=128 with 128-row K/V tiles: three consumers of 160 registers would spill
     assert planner.check(KernelConfig(192, 128, 4, 2, warpspec=1), h200, 128, torch.bfloat16).startswith("registers")
     dq = [c for c in planner.candidates("bwd_dq") if c.warpspec]
-    assert len(dq) == 12 and all(c.combination_error("bwd_dq") is None for c in dq)
+    assert len(dq) == 24 and all(c.combination_error("bwd_dq") is None for c in dq)
     assert planner.check(KernelConfig(128, 64, 4, 3, warpspec=1), h200, 128, torch.bfloat16, "bwd_dq") is None
     # dK/dV at d=256: 64·(2·256 + 3·64)/128 = 352 accumulators a consumer thread
     assert planner.check(dkdv[0], h200, 256, torch.bfloat16, "bwd_dkdv").startswith("registers")
