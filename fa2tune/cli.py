@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from .types import DTYPE_CHOICES  # torch-free: `fa2tune tune` starts its helper processes before importing torch
@@ -230,6 +230,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                               seqlen_bucket=args.seqlen_bucket)
             for kernel in kernels for causal in causals
         ]  # fmt: skip
+        target = tunejob.config_path(devices[0], config_dir)  # what the file holds now is timed beside the rest
+        specs = [replace(spec, incumbent=tunejob.incumbent(spec, target)) for spec in specs]
         if len(devices) > 1:
             print(f"{len(specs)} studies shared by {len(devices)} workers ({storage})", flush=True)
             done = tunejob.run_parallel_many(specs, devices, progress=_worker_progress(specs, devices))
@@ -255,11 +257,13 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             pool.close()
     runtime.clear_cache()
     print(f"\nwrote {path}")
-    print(f"{'kernel':>9} {'causal':>6} {'winner':>22} {'ms':>8} {'default ms':>10} {'median ms':>9} {'timed':>5} "
-          f"{'2% at':>5} {'wall s':>6}")  # fmt: skip
+    # "before ms": the config the file held for the key (tuner's incumbent), timed in this run; "-" if none
+    print(f"{'kernel':>9} {'causal':>6} {'winner':>30} {'ms':>8} {'default ms':>10} {'before ms':>9} {'median ms':>9} "
+          f"{'timed':>5} {'2% at':>5} {'wall s':>6}")  # fmt: skip
     for kernel, causal, r in rows:
-        w = f"{r.best.block_m}x{r.best.block_n} w{r.best.num_warps} s{r.best.num_stages}"
-        print(f"{kernel:>9} {causal!s:>6} {w:>22} {r.best_ms:>8.3f} {r.default_ms or float('nan'):>10.3f} "
+        before = f"{r.incumbent_ms:.3f}" if r.incumbent_ms is not None else "-"
+        default = r.default_ms or float("nan")
+        print(f"{kernel:>9} {causal!s:>6} {r.best.label():>30} {r.best_ms:>8.3f} {default:>10.3f} {before:>9} "
               f"{r.median_ms:>9.3f} {r.measured:>5} {r.within_2pct_at or '-':>5} {r.wall_s:>6.0f}")  # fmt: skip
     return 0
 

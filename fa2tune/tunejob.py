@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import yaml
 
 from . import bench, codegen, planner, processes, selection, selfcheck, store, tuner
 from .inputs import DTYPES_BY_NAME
@@ -43,6 +44,16 @@ class StudySpec:
     varlen: bool = False  # tune the packed-sequence variant (the batch packed as equal-length sequences)
     seqlen_bucket: str = "all"  # "short": an entry for calls with max(N_q, N_k) <= store.SHORT_SEQLEN
     run: str | None = None  # set by run_parallel_many: `trials` is the budget of all its workers together
+    # The config the file this tune writes holds for the key now (stale or not): timed beside the new candidates,
+    # kept unless one is measured faster (tuner.first_configs says why). See incumbent().
+    incumbent: planner.KernelConfig | None = None
+
+    @property
+    def key(self) -> store.EntryKey:
+        """The entry this study writes."""
+        return store.EntryKey(head_dim=self.head_dim, dtype=self.dtype, causal=self.causal, kernel=self.kernel,
+                              seqlen_bucket=self.seqlen_bucket, window=self.window is not None,
+                              varlen=self.varlen)  # fmt: skip
 
     @property
     def mask(self) -> Mask:
@@ -134,7 +145,7 @@ def run_study(
             measure=measure, trials=spec.trials, timeout_s=spec.timeout_s, space=space, storage=_storage(spec.storage),
             verify=verify if finalize else None, remeasure_top=3 if finalize else 1, on_trial=on_trial,
             seed=spec.seed, variant=spec.variant, prepare=prepare if pool is not None else None,
-            batch_size=BATCH if pool is not None else 1, default=default, run=spec.run,
+            batch_size=BATCH if pool is not None else 1, default=default, incumbent=spec.incumbent, run=spec.run,
             on_timed=pool.release if pool is not None and (own_pool or release_pool) else None,
         )  # fmt: skip
     finally:
@@ -147,9 +158,7 @@ def run_study(
     )  # fmt: skip
     tflops = lambda ms: round(flops / (ms * 1e-3) / 1e12, 1) if ms and flops else None
     _check_plausible(result, tflops, info)
-    key = store.EntryKey(head_dim=spec.head_dim, dtype=spec.dtype, causal=spec.causal, kernel=spec.kernel,
-                         seqlen_bucket=spec.seqlen_bucket, window=spec.window is not None,
-                         varlen=spec.varlen)  # fmt: skip
+    key = spec.key
     entry = store.Entry(
         key=key,
         config=result.best, ms=round(result.best_ms, 4), tflops=tflops(result.best_ms),
@@ -180,6 +189,17 @@ def baseline(spec: StudySpec, device_name: str, info: DeviceInfo | None = None) 
     return default, "planner-default"
 
 
+def incumbent(spec: StudySpec, path: Path) -> planner.KernelConfig | None:
+    """The config the tuned-config file at `path` holds for spec's key, or None (no file, no entry, unreadable).
+
+    Stale entries count: their config won under the templates of their day, a strong first guess under today's."""
+    try:
+        _, entries = store.read_file(path)
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    return next((e.config for e in entries if e.key == spec.key), None)
+
+
 def _space(spec: StudySpec, info: DeviceInfo, cpu: bool) -> list[planner.KernelConfig]:
     if cpu:  # a few small tiles: the interpreter's time grows with the tile count
         return [planner.INTERPRETER_CONFIG, *(planner.KernelConfig(m, n, 4, 1) for m in (16, 64) for n in (16, 64))]
@@ -192,7 +212,7 @@ def _prefetch(spec: StudySpec, device_name: str, info: DeviceInfo, pool: bench.C
     space = _space(spec, info, cpu=False)
     first = tuner.first_configs(device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype,
                                 causal=spec.causal, trials=spec.trials, space=space,
-                                default=baseline(spec, device_name, info)[0])  # fmt: skip
+                                default=baseline(spec, device_name, info)[0], incumbent=spec.incumbent)  # fmt: skip
     pool.start(spec.kernel, spec.head_dim, dtype, spec.mask, first, seqlens=spec.seqlens, device=device_name,
                varlen=spec.varlen)  # fmt: skip
 
@@ -221,9 +241,14 @@ def device_summary(info: DeviceInfo) -> dict:
             "smem_per_block": info.smem_per_block}  # fmt: skip
 
 
+def config_path(device_name: str, config_dir: Path) -> Path:
+    """The file a tune on this device writes: <config_dir>/<gpu slug>.yaml."""
+    return Path(config_dir) / f"{selection.device_info(device_name).slug}.yaml"
+
+
 def write(entry: store.Entry, device_name: str, config_dir: Path) -> Path:
     info = selection.device_info(device_name)
-    path = Path(config_dir) / f"{info.slug}.yaml"
+    path = config_path(device_name, config_dir)
     store.write_entries(path, device_summary(info), [entry])
     return path
 

@@ -57,6 +57,8 @@ class TuneResult:
     failed: int
     wall_s: float
     within_2pct_at: int | None  # the first measured trial (1-based) within 2 % of the winner
+    incumbent: KernelConfig | None = None  # the config the key ran before this tune (tune()'s incumbent), if timed
+    incumbent_ms: float | None = None
     history: tuple[TrialRecord, ...] = field(repr=False, default=())
 
 
@@ -148,13 +150,16 @@ def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k:
 
 def first_configs(
     *, device: DeviceInfo, kernel: str, head_dim: int, dtype: torch.dtype, causal: bool, trials: int,
-    space: Sequence[KernelConfig], default: KernelConfig | None = None,
+    space: Sequence[KernelConfig], default: KernelConfig | None = None, incumbent: KernelConfig | None = None,
 ) -> list[KernelConfig]:  # fmt: skip
-    """The configs tune() with these arguments times first, known before any trial: the default, its twin with the
-    other program schedule (a warpspec forward's `persistent` flipped, when that fits), then one `promising` config
-    per block shape. tune() enqueues them; a tune of several studies compiles the next study's while this one is
-    timed, so the next starts timing at once.
+    """The configs tune() with these arguments times first, known before any trial: the default, the incumbent
+    (the config this key runs today, if it fits), the default's twin with the other program schedule (a warpspec
+    kernel's `persistent` flipped, when that fits), then one `promising` config per block shape. tune() enqueues
+    them; a tune of several studies compiles the next study's while this one is timed, so the next starts timing
+    at once.
 
+    The incumbent: a re-tune after a template change samples a space of ~50-100 configs with 10-16 trials and twice
+    replaced a shipped config by one it never timed beside it (docs/PERF.md v12, v13); timed, it stays unless beaten.
     The twin: which schedule wins depends on the length and the mask (persistent is 10-25 % faster at N <= 2k and
     slower on long causal calls, docs/PERF.md v12), and a 10-16 trial study sampling the switch on its own missed
     the better one for a short-length entry."""
@@ -163,11 +168,16 @@ def first_configs(
     if default is None:
         default = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
     candidates = [*space, default] if default not in space else space  # as tune() extends its space
-    feasible = [c for c in candidates if planner.check(c, device, head_dim, dtype, kernel) is None]
+    fits = lambda cfg: planner.check(cfg, device, head_dim, dtype, kernel) is None
+    feasible = [c for c in candidates if fits(c)]
     # feasible holds a twin only where the switch exists (KernelConfig.combination_error) and the config fits
-    twins = [twin] if (twin := replace(default, persistent=1 - default.persistent)) in feasible else []
-    picks = [c for c in promising(feasible, head_dim, kernel, k=max(3, trials // 2)) if c not in twins]
-    return [default, *twins, *picks]
+    twin = replace(default, persistent=1 - default.persistent)
+    first = [default]
+    for cfg in (incumbent, twin if twin in feasible else None):
+        if cfg is not None and cfg not in first and fits(cfg):
+            first.append(cfg)
+    picks = [c for c in promising(feasible, head_dim, kernel, k=max(3, trials // 2)) if c not in first]
+    return [*first, *picks]
 
 
 def tune(
@@ -185,6 +195,7 @@ def tune(
     verify: Verify | None = None,
     remeasure_top: int = 3,
     default: KernelConfig | None = None,
+    incumbent: KernelConfig | None = None,
     seed: int = 0,
     on_trial: Callable[[int, int, float | None, float], None] | None = None,
     variant: str = "",
@@ -202,6 +213,9 @@ def tune(
         storage: an Optuna storage URL (sqlite:///tune.db, a journal file, an RDB server) shared by workers.
         verify: checks a winner's output; returns a reason to reject it, or None.
         default: the baseline enqueued first; default: planner.default_config for the device.
+        incumbent: the config this key runs today (a fresh entry of the file the tune writes), timed right after
+            the default and re-timed with the top few: a re-tune replaces it only by a config measured faster.
+            Ignored if the planner rejects it now.
         on_trial: progress callback (measured so far, trials, best ms so far, elapsed s).
         variant: the template variant tuned beyond causal ("window", "varlen", "window+varlen"), in the study name.
         prepare: starts compiling a batch of configs (in parallel processes) and returns wait(config) for one
@@ -227,11 +241,14 @@ def tune(
     choices = {dim: sorted({getattr(c, dim) for c in candidates}) for dim in _DIMS}
     if default is None:
         default = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
-    if default not in allowed:  # the default is always a candidate: tuned >= default by construction
-        candidates.append(default)
-        allowed.add(default)
-        for dim in choices:
-            choices[dim] = sorted(set(choices[dim]) | {getattr(default, dim)})
+    if incumbent is not None and planner.check(incumbent, device, head_dim, dtype, kernel) is not None:
+        incumbent = None  # the planner's rules changed since it was tuned: it is no longer a candidate
+    for base in (default, incumbent):  # always candidates: tuned >= both by construction
+        if base is not None and base not in allowed:
+            candidates.append(base)
+            allowed.add(base)
+            for dim in choices:
+                choices[dim] = sorted(set(choices[dim]) | {getattr(base, dim)})
 
     optuna.logging.set_verbosity(logging.WARNING)
     sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=3, constant_liar=batch_size > 1)
@@ -243,7 +260,7 @@ def tune(
     tried = {cfg for t in study.trials if (cfg := _proposed(t)) is not None}
     feasible = [c for c in candidates if planner.check(c, device, head_dim, dtype, kernel) is None]
     first = first_configs(device=device, kernel=kernel, head_dim=head_dim, dtype=dtype, causal=causal, trials=trials,
-                          space=candidates, default=default)  # fmt: skip
+                          space=candidates, default=default, incumbent=incumbent)  # fmt: skip
     for cfg in first:
         if cfg not in tried:
             study.enqueue_trial(_params(cfg), skip_if_exists=True)  # workers sharing a study enqueue once
@@ -304,7 +321,7 @@ def tune(
             if cfg in measured:  # a config timed before: reuse the number, spend no device time
                 repeats += 1
                 untried = [c for c in feasible if c not in measured and c not in failures and c not in planned()]
-                if repeats >= 5 and untried:  # TPE keeps proposing the incumbent: explore an untried config instead
+                if repeats >= 5 and untried:  # TPE keeps proposing its best so far: explore an untried config instead
                     study.enqueue_trial(_params(rng.choice(untried)), skip_if_exists=True)
                     repeats = 0
                 study.tell(trial, measured[cfg])
@@ -370,8 +387,9 @@ def tune(
         raise RuntimeError(f"{name}: no config could be measured; reasons: {[r.reason for r in history][:5]}")
     # Re-measure the top few: a single timing can be lucky. The winner is the best second reading that verifies.
     ranked = sorted(measured, key=measured.get)[: max(1, remeasure_top)]
-    if remeasure_top > 1 and default in measured and default not in ranked:
-        ranked.append(default)  # its first reading can be a cold one: the tuned-vs-default figure needs a fair one
+    for base in (default, incumbent) if remeasure_top > 1 else ():
+        if base in measured and base not in ranked:
+            ranked.append(base)  # a first reading can be a cold one: tuned-vs-default (and -incumbent) needs a fair one
     second = {}
     for cfg in ranked:
         try:
@@ -398,6 +416,8 @@ def tune(
         best_ms=best_ms,
         default=default,
         default_ms=second.get(default, measured.get(default)),
+        incumbent=incumbent,
+        incumbent_ms=second.get(incumbent, measured.get(incumbent)) if incumbent is not None else None,
         median_ms=statistics.median(measured.values()),
         measured=len(measured),
         pruned=sum(1 for t in study.trials if t.state == optuna.trial.TrialState.PRUNED),

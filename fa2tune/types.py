@@ -42,9 +42,10 @@ class KernelConfig:
             (bwd_ws.py.jinja) 1 only: block_n / 64 consumer warpgroups own the K/V rows, block_m = 64 Q rows a step;
             in bwd_dq (bwd_dq_ws.py.jinja) 1 only: block_m / 64 consumer warpgroups own the query rows, block_n K/V
             rows a step.
-        persistent: warpspec forward and dK/dV (PERSISTENT_KERNELS), 0 or 1: one program per SM walks the tiles, and
-            the producer loads the next tile's operands while the consumers finish this one (fwd_ws.py.jinja's and
-            bwd_ws.py.jinja's `persistent`); 0: one program per tile.
+        persistent: the warpspec kernels (PERSISTENT_KERNELS: forward, dK/dV and dQ), 0 or 1: one program per SM
+            walks the tiles, and the producer loads the next tile's operands while the consumers finish this one
+            (the `persistent` switch of fwd_ws, bwd_ws and bwd_dq_ws.py.jinja); causal tiles are dealt in pairs, a
+            head's j-th longest with its j-th shortest, so every program gets the same work; 0: one program per tile.
     """
 
     block_m: int
@@ -54,6 +55,12 @@ class KernelConfig:
     pipeline_qk: int = 0
     warpspec: int = 0
     persistent: int = 0
+
+    def label(self) -> str:
+        """A short human name, as logs print it: "128x128 w4 s2 ws2 persistent"."""
+        switches = [name for name, on in (("qk", self.pipeline_qk), (f"ws{self.warpspec}", self.warpspec),
+                                          ("persistent", self.persistent)) if on]  # fmt: skip
+        return " ".join([f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}", *switches])
 
     def __post_init__(self) -> None:
         for name, allowed in (("block_m", _BLOCK_SIZES + WS_BLOCK_M[2:]), ("block_n", _BLOCK_SIZES)):

@@ -65,9 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         help="0, 1, 2 or a list (KernelConfig.warpspec: 1 and 2 in the forward, 1 in bwd_dkdv and bwd_dq); grid "
         "points that break the kernel's rules (num_warps 4, block sizes of 64 rows per consumer) are left out",
     )
-    parser.add_argument(
-        "--persistent", default="0", help="warpspec fwd and bwd_dkdv: 0, 1 or 0,1 (KernelConfig.persistent)"
-    )
+    parser.add_argument("--persistent", default="0", help="warpspec kernels: 0, 1 or 0,1 (KernelConfig.persistent)")
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=16384, help="batch·N (heads·d stays 2048)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 (a smoke test)")

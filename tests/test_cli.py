@@ -133,6 +133,39 @@ def test_tune_on_cpu_writes_yaml_that_the_runtime_then_uses(tmp_path, capsys, mo
     runtime.clear_cache()
 
 
+def test_a_re_tune_times_the_config_the_file_holds_for_its_key(tmp_path, capsys, monkeypatch):
+    # What the written file holds for the key (stale entries too: their config won under older templates) is each
+    # study's incumbent: timed beside the candidates and shown as "before ms"; other keys' entries are not.
+    if torch.cuda.is_available():
+        pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
+    from dataclasses import replace
+
+    from fa2tune import store, tunejob
+    from fa2tune.types import KernelConfig
+
+    path = tmp_path / "cpu-interpreter.yaml"
+    held = KernelConfig(16, 64, 4, 1)
+    entry = store.Entry(key=store.EntryKey(head_dim=16, dtype="bf16", causal=False, kernel="fwd"), config=held,
+                        ms=1.0, tflops=None, baseline={}, trials=1, spread=None, triton_version="0",
+                        torch_version="0", template_hash="stale", date="2026-01-01")  # fmt: skip
+    other = replace(entry, key=replace(entry.key, causal=True), config=KernelConfig(64, 16, 4, 1))
+    store.write_entries(path, {"name": "cpu"}, [entry, other])
+    seen = []
+    real = tunejob.run_study
+    monkeypatch.setattr(tunejob, "run_study", lambda spec, *a, **kw: seen.append(spec) or real(spec, *a, **kw))
+    args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "2", "--causal", "no", "--kernel", "fwd"]
+    assert cli.main([*args, "--config-dir", str(tmp_path)]) == 0
+    assert [s.incumbent for s in seen] == [held]
+    out = capsys.readouterr().out
+    header, row = out.splitlines()[-2:]
+    winner = next(e for e in store.read_file(path)[1] if e.key == entry.key).config
+    before_ms = row.split(winner.label())[1].split()[2]  # after the winner: ms, default ms, before ms
+    assert "default ms before ms" in header and float(before_ms) > 0
+    assert tunejob.incumbent(seen[0], tmp_path / "missing.yaml") is None
+    (tmp_path / "bad.yaml").write_text("entries: [")
+    assert tunejob.incumbent(seen[0], tmp_path / "bad.yaml") is None
+
+
 def test_tune_window_and_varlen_variants_on_cpu(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")

@@ -377,3 +377,30 @@ def test_a_warpspec_forward_default_is_timed_beside_its_other_schedule():
                              trials=10, space=planner.candidates("bwd_dq"),
                              default=KernelConfig(128, 64, 4, 3, warpspec=1))  # fmt: skip
     assert dq[1] == KernelConfig(128, 64, 4, 3, warpspec=1, persistent=1)
+
+
+def test_the_config_a_key_runs_now_is_timed_second_and_kept_unless_beaten():
+    # A re-tune of 10-16 trials twice replaced a shipped config by one it never timed beside it (docs/PERF.md v13).
+    # The incumbent, the config the written file holds for the key, is timed right after the default, re-timed
+    # with the top few, and so stays unless a config measures faster.
+    table = _recorded(128, True)
+    space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
+    h200 = known_gpu("h200")
+    feasible = [c for c in table if planner.check(c, h200, 128, torch.bfloat16, "fwd") is None]
+    ranked = sorted(feasible, key=table.get)
+    early = tuner.promising(feasible, 128, "fwd", k=4)
+    default = ranked[len(ranked) // 2]
+    # The incumbent: a config nothing else would time early, made the fastest of all.
+    incumbent = next(c for c in reversed(ranked) if c not in early and c != default)
+    table = {**table, incumbent: min(table.values()) * 0.9}
+    measure, calls = _replay(table)
+    result = tuner.tune(device=h200, kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=True, measure=measure,
+                        trials=4, space=space, default=default, incumbent=incumbent, seed=0)  # fmt: skip
+    assert calls[:2] == [default, incumbent] and calls.count(incumbent) == 2
+    assert result.best == incumbent and result.incumbent_ms == pytest.approx(table[incumbent])
+    # A config the planner rejects today (its rules changed since the entry was written) is not timed.
+    rejected = next(c for c in table if planner.check(c, h200, 128, torch.bfloat16, "fwd") is not None)
+    measure, calls = _replay(table)
+    result = tuner.tune(device=h200, kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=True, measure=measure,
+                        trials=4, space=space, default=default, incumbent=rejected, seed=0)  # fmt: skip
+    assert rejected not in calls and result.incumbent is None and result.incumbent_ms is None
