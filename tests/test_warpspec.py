@@ -54,7 +54,7 @@ def test_configs_combine_fields_by_warpspec_rules():
         assert cfg.combination_error("bwd_dq").startswith("bwd_dq's warpspec takes warpspec=1, block_m in (64, 128)")
     with pytest.raises(ValueError, match="warpspec must be 0, 1 or 2, got 3"):
         KernelConfig(128, 64, 4, 2, warpspec=3)
-    # persistent: a switch of the warpspec forward only; written to YAML only when on
+    # persistent: a switch of the warpspec kernels only; written to YAML only when on
     persistent = KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1)
     assert persistent.combination_error() is None and KernelConfig.from_dict(persistent.to_dict()) == persistent
     assert "persistent" not in WS.to_dict() and persistent.to_dict()["persistent"] == 1
