@@ -4,8 +4,8 @@
 A persistent warpspec program (KernelConfig.persistent) walks work items first, first + programs, ...; causal Q
 tiles differ in length (a head's last tile visits every K/V tile, its first one), so the order decides how long the
 busiest program runs. This counts K/V tiles per program — no GPU, no timing — for two orders:
-  snake : v12's fwd_ws.py.jinja order (docs/PERF.md v12): tiles head by head, longest first within a head, every other round
-          of `programs` tiles reversed;
+  snake : v12's fwd_ws.py.jinja order (docs/PERF.md v12): tiles head by head, longest first within a head, every
+          other round of `programs` tiles reversed;
   pairs : a head's j-th longest tile and its j-th shortest as one unit of n_m + 1 K/V tiles, units head by head:
           the order of all three persistent templates since docs/PERF.md v13 (measured there: the causal forward at
           N=16k went from ~25 % slower persistent than not to 2 %).
