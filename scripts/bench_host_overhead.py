@@ -11,6 +11,12 @@ launched the next kernel waits (docs/PERF.md v6 "host time", v7).
     python scripts/bench_host_overhead.py            # the eager path attention() takes, launches as no-ops
     python scripts/bench_host_overhead.py --op       # the custom op torch.compile sees, called directly
     python scripts/bench_host_overhead.py --gpu      # real launches: Triton's path vs direct, and SDPA
+    python scripts/bench_host_overhead.py --split    # where one warp-specialized forward launch's host time goes
+
+--split (GPU) replays one launch of the shipped d=128 causal forward piece by piece — fa2tune's wrapper, the TMA
+descriptors, fastlaunch, Triton's launcher, its TMA expansion (a CUtensorMap encoded per descriptor per call), and
+the compiled launcher with that expansion done beforehand — beside the Triton template's forward: a warpspec
+launch took ~64 µs more host time than a Triton one (docs/PERF.md v12), which decides single calls at N <= 1k (v13).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import os
 import sys
 import time
 
-if "--gpu" not in sys.argv:
+if "--gpu" not in sys.argv and "--split" not in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU needed: nothing is launched
 
 import torch
@@ -94,12 +100,89 @@ def _gpu(rounds: int) -> int:
     return 0
 
 
+def _captured_launch(call) -> tuple:
+    """(kernel, grid, tensors, scalars, kwargs) of the one fastlaunch.launch that call() makes (the last if more)."""
+    from fa2tune import fastlaunch
+
+    seen = []
+    real = fastlaunch.launch
+    fastlaunch.launch = lambda kernel, grid, tensors, scalars, **kw: seen.append((kernel, grid, tensors, scalars, kw))
+    try:
+        call()
+    finally:
+        fastlaunch.launch = real
+    return seen[-1]
+
+
+def _split(repeats: int) -> int:
+    from triton.backends.nvidia import driver
+
+    from fa2tune import fastlaunch, selection, warpspec
+
+    if not torch.cuda.is_available():
+        print("--split needs a CUDA GPU; none is visible", file=sys.stderr)
+        return 2
+    q, k, v = (torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    o, lse = torch.empty_like(q), torch.empty(1, 2, 64, device="cuda", dtype=torch.float32)
+    config = selection.resolve("fwd", 128, torch.bfloat16, True, "cuda", seqlen=64)[0]
+    if not config.warpspec:
+        config = KernelConfig(128, 128, 4, 2, warpspec=2)  # the d=128 causal pick of v10-v13
+    ws_forward = lambda: warpspec.forward(q, k, v, o, lse, causal=True, scale=0.088, config=config)
+    kernel, grid, tensors, scalars, kwargs = _captured_launch(ws_forward)
+    fastlaunch.launch(kernel, grid, tensors, scalars, **kwargs)  # the JIT's call: compiles and keeps the binary
+    hit = next((h for key, h in fastlaunch._compiled.items() if key[0] == id(kernel) and h), None)
+    if hit is None:
+        print("fastlaunch kept no binary for the warpspec forward (off, or Triton changed)", file=sys.stderr)
+        return 1
+    _, compiled, names = hit
+    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+    x, y, z = (*grid, 1, 1)[:3]
+    constexprs = tuple(kwargs[n] for n in names)
+    launch_args = (compiled.packed_metadata, None, None, None, *tensors, *scalars, *constexprs)
+    metas = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(tensors)
+    descriptors = [t for t in tensors if hasattr(t, "block_shape")]
+    expand = lambda: [driver.make_tensordesc_arg(d, m) for d, m in zip(descriptors, metas, strict=False)]
+    pieces = {
+        "attention(), no grad": lambda: fa2tune.attention(q, k, v, causal=True, config=config),
+        "warpspec.forward": ws_forward,
+        "descriptors, unchecked": lambda: [
+            warpspec._descriptor(d.base, tuple(d.block_shape), False) for d in descriptors
+        ],
+        "fastlaunch.launch": lambda: fastlaunch.launch(kernel, grid, tensors, scalars, **kwargs),
+        "compiled.run (Triton)": lambda: compiled.run(x, y, z, stream, compiled.function, *launch_args),
+        "TMA expansion alone": expand,
+    }
+    inner = compiled.run.launch  # Triton 3.6: a wrapper expanding the descriptors around the compiled launcher
+    raw = dict(zip(inner.__code__.co_freevars, (c.cell_contents for c in inner.__closure__ or ()), strict=False))
+    if "launcher" in raw and not compiled.run.global_scratch_size and not compiled.run.profile_scratch_size:
+        meta_of = {id(d): m for d, m in zip(descriptors, metas, strict=False)}  # by identity: == compares tensors
+        expand_one = lambda arg: driver.make_tensordesc_arg(arg, meta_of[id(arg)]) if id(arg) in meta_of else [arg]
+        expanded = [a for arg in tensors for a in expand_one(arg)]
+        base = (x, y, z, stream, compiled.function, compiled.run.launch_cooperative_grid, compiled.run.launch_pdl,
+                None, None, compiled.packed_metadata, None, None, None)  # fmt: skip
+        assert len(base) == driver._BASE_ARGS_FORMAT_LEN
+        pieces["launcher, expanded before"] = lambda: raw["launcher"](*base, *expanded, *scalars, *constexprs)
+    triton_config = KernelConfig(64, 64, 4, 2)
+    pieces["attention(), Triton fwd"] = lambda: fa2tune.attention(q, k, v, causal=True, config=triton_config)
+    tk, tgrid, ttensors, tscalars, tkwargs = _captured_launch(pieces["attention(), Triton fwd"])
+    pieces["fastlaunch.launch, Triton"] = lambda: fastlaunch.launch(tk, tgrid, ttensors, tscalars, **tkwargs)
+    readings = {name: sorted(_time_us(fn, repeats) for _ in range(5))[2] for name, fn in pieces.items()}
+    print(f"# host µs per call (median of 5 loops of {repeats}), {torch.cuda.get_device_name()}, 1x2x64x128 bf16 "
+          f"causal; warpspec config {config.label()}, {len(descriptors)} TMA descriptors")  # fmt: skip
+    for name, us in readings.items():
+        print(f"{name:>28} {us:8.1f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", action="store_true", help="call the custom op (the torch.compile path) instead")
     parser.add_argument("--gpu", action="store_true", help="launch for real on a CUDA GPU (see above)")
     parser.add_argument("--rounds", type=int, default=5, help="--gpu: alternating rounds")
+    parser.add_argument("--split", action="store_true", help="one warpspec launch's host time, piece by piece (GPU)")
     args = parser.parse_args(argv)
+    if args.split:
+        return _split(1000)
     if args.gpu:
         return _gpu(args.rounds)
     launcher._kernel = lambda *a, **k: _NoLaunch()
