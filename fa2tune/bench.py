@@ -197,11 +197,18 @@ def make_measure(
     tokens: int = 16384,
     width: int = 2048,
     varlen: bool = False,
+    with_forward: bool = False,
 ) -> Callable:
     """The tuner's objective: config -> sum over `seqlens` of the median time (ms) of `kernel` with it.
 
     Each length runs at batch = tokens // N and heads = width // head_dim (the PERF-NOTES grid). On the CPU (the
     Triton interpreter) the wall clock of one run is used: right for testing the pipeline, meaningless for speed.
+
+    with_forward: a backward kernel is timed inside the whole training call — the forward (at its resolved config)
+    launched, then the backward — as one timed run. Where the host takes longer to launch the call's kernels than
+    the GPU to run them (N <= 1k), that is what shows: a backward with faster kernels but costlier launches (the
+    warp-specialized ones) times slower, as the call does (docs/PERF.md v11, v13), where the backward alone, its
+    launches hidden behind the timer's cache flush, times faster.
     """
     inputs = [
         kernel_inputs(kernel, causal, max(1, tokens // n), max(1, width // head_dim), n, head_dim, dtype=dtype,
@@ -209,16 +216,23 @@ def make_measure(
         for n in seqlens
     ]  # fmt: skip
     on_gpu = str(device).startswith("cuda")
+    if with_forward and kernel == "fwd":
+        raise ValueError("with_forward times a backward kernel inside the training call; kernel is 'fwd'")
+
+    def run(cfg, x):
+        if with_forward:
+            run_kernel("fwd", None, x, causal)  # None: the forward's resolved config, as a call would run it
+        return run_kernel(kernel, cfg, x, causal)
 
     def measure(cfg) -> float:
         total = 0.0
         for x in inputs:
             if on_gpu:
-                total += time_cuda(lambda x=x: run_kernel(kernel, cfg, x, causal), device=device).median_ms
+                total += time_cuda(lambda x=x: run(cfg, x), device=device).median_ms
             else:
-                run_kernel(kernel, cfg, x, causal)  # first call renders and imports the variant
+                run(cfg, x)  # first call renders and imports the variant
                 start = time.perf_counter()
-                run_kernel(kernel, cfg, x, causal)
+                run(cfg, x)
                 total += (time.perf_counter() - start) * 1e3
         return total
 
@@ -226,7 +240,7 @@ def make_measure(
         """The winner's worst (p80 − p20) / median over the tuning lengths; None on the CPU."""
         if not on_gpu:
             return None
-        timings = [time_cuda(lambda x=x: run_kernel(kernel, cfg, x, causal), device=device) for x in inputs]
+        timings = [time_cuda(lambda x=x: run(cfg, x), device=device) for x in inputs]
         return round(max((t.p80_ms - t.p20_ms) / t.median_ms for t in timings), 4)
 
     measure.spread = spread

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import optuna
 import pytest
 import torch
@@ -249,3 +251,34 @@ def test_a_stopped_worker_leaves_at_once_ending_its_compile_processes_and_losing
     if not _gone(child):
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the busy child outlived the worker")
+
+
+def test_short_backward_studies_time_the_whole_training_call(interpreter_only, monkeypatch):
+    # At N <= 1k a call can wait for the host; a backward with faster kernels but costlier launches then times
+    # faster alone and slower in the call (docs/PERF.md v11, v13). The short bucket's backward studies time the
+    # forward and the backward as one run, and count that run's FLOPs; other studies time their kernel alone.
+    from fa2tune import bench
+    from fa2tune.types import KernelConfig, Mask
+
+    short_dq = tunejob.StudySpec(kernel="bwd_dq", head_dim=16, dtype="fp16", causal=True, seqlen_bucket="short")
+    assert short_dq.in_training_call and short_dq.timed_mode == "fwd+bwd"
+    assert not tunejob.StudySpec(kernel="bwd_dq", head_dim=16, dtype="fp16", causal=True).in_training_call
+    short_fwd = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="fp16", causal=True, seqlen_bucket="short")
+    assert not short_fwd.in_training_call and short_fwd.timed_mode == "fwd"
+    ran = []
+    real = bench.run_kernel
+    monkeypatch.setattr(bench, "run_kernel", lambda kernel, cfg, *a: ran.append((kernel, cfg)) or real(kernel, cfg, *a))
+    cfg = KernelConfig(16, 16, 4, 1)
+    for with_forward, expected in ((True, [("fwd", None), ("bwd_dq", cfg)]), (False, [("bwd_dq", cfg)])):
+        measure = bench.make_measure("bwd_dq", 16, torch.float16, Mask(causal=True), seqlens=(32,), device="cpu",
+                                     tokens=32, width=32, with_forward=with_forward)  # fmt: skip
+        ran.clear()
+        assert measure(cfg) > 0
+        assert ran == expected * 2  # a first call (renders the variant), then the timed one
+    with pytest.raises(ValueError, match="with_forward times a backward kernel"):
+        bench.make_measure("fwd", 16, torch.float16, Mask(), seqlens=(32,), device="cpu", with_forward=True)
+    # ... and a short backward study's tune does it: each timed run launches the forward first.
+    ran.clear()
+    result, entry = tunejob.run_study(replace(short_dq, dtype="bf16", trials=2), "cpu")
+    assert ran and [kernel for kernel, _ in ran] == ["fwd", "bwd_dq"] * (len(ran) // 2)
+    assert entry.key.seqlen_bucket == "short" and result.measured >= 1
