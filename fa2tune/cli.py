@@ -388,7 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "--seqlen-bucket short)")  # fmt: skip
     tune.add_argument("--seqlen-bucket", default="all", choices=["all", "short"],
                       help="short: an entry used only by calls with max(seqlen_q, seqlen_k) <= 1024, tuned at such "
-                           "lengths; all: the entry for every other length")  # fmt: skip
+                           "lengths (a backward kernel timed inside the whole training call, where the host can be "
+                           "the bound); all: the entry for every other length")  # fmt: skip
     tune.add_argument("--tokens", type=int, default=16384)
     tune.add_argument("--trials", type=int, default=40, help="configs measured per study")
     tune.add_argument("--timeout", type=float, default=None, help="seconds per study")
