@@ -153,10 +153,10 @@ def first_configs(
     space: Sequence[KernelConfig], default: KernelConfig | None = None, incumbent: KernelConfig | None = None,
 ) -> list[KernelConfig]:  # fmt: skip
     """The configs tune() with these arguments times first, known before any trial: the default, the incumbent
-    (the config this key runs today, if it fits), the default's twin with the other program schedule (a warpspec
-    kernel's `persistent` flipped, when that fits), then one `promising` config per block shape. tune() enqueues
-    them; a tune of several studies compiles the next study's while this one is timed, so the next starts timing
-    at once.
+    (the config the written file holds for this key, if it fits), the default's twin with the other program
+    schedule (a warpspec kernel's `persistent` flipped, when that fits), then one `promising` config per block
+    shape. tune() enqueues them; a tune of several studies compiles the next study's while this one is timed, so
+    the next starts timing at once.
 
     The incumbent: a re-tune after a template change samples a space of ~50-100 configs with 10-16 trials and twice
     replaced a shipped config by one it never timed beside it (docs/PERF.md v12, v13); timed, it stays unless beaten.
@@ -213,8 +213,8 @@ def tune(
         storage: an Optuna storage URL (sqlite:///tune.db, a journal file, an RDB server) shared by workers.
         verify: checks a winner's output; returns a reason to reject it, or None.
         default: the baseline enqueued first; default: planner.default_config for the device.
-        incumbent: the config this key runs today (a fresh entry of the file the tune writes), timed right after
-            the default and re-timed with the top few: a re-tune replaces it only by a config measured faster.
+        incumbent: the config the file the tune writes holds for this key (stale or not), timed right after the
+            default and re-timed with the top few: a re-tune replaces it only by a config measured faster.
             Ignored if the planner rejects it now.
         on_trial: progress callback (measured so far, trials, best ms so far, elapsed s).
         variant: the template variant tuned beyond causal ("window", "varlen", "window+varlen"), in the study name.
