@@ -68,7 +68,7 @@ _WS_REGISTERS_BESIDE_ACCUMULATORS = {"fwd": 64, "bwd_dkdv": 16, "bwd_dq": 24}
 
 
 def warpspec_unsupported(head_dim: int, dtype: torch.dtype, capability: tuple[int, int]) -> str | None:
-    """Why the warp-specialized kernels (forward, dK/dV) cannot run this head dim / dtype / GPU, or None."""
+    """Why the warp-specialized kernels (forward, dK/dV, dQ) cannot run this head dim / dtype / GPU, or None."""
     if capability[0] != 9:
         major, minor = capability
         return f"warpspec needs a Hopper GPU (compute capability 9.x: wgmma), this one is {major}.{minor}"
