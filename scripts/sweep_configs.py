@@ -18,7 +18,7 @@ import csv
 import itertools
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +40,8 @@ def _outputs(kernel: str, cfg, x: bench.KernelInputs, causal: bool) -> tuple[tor
 
 
 def _label(row: dict) -> str:
-    pipelined = " pipelined" if row["pipeline_qk"] else ""
-    warpspec = {0: "", 1: " warpspec", 2: " warpspec ping-pong"}[row.get("warpspec", 0)]
-    persistent = " persistent" if row.get("persistent") else ""
-    return (
-        f"{row['block_m']:>4} {row['block_n']:>4} w{row['num_warps']} s{row['num_stages']}{pipelined}{warpspec}"
-        f"{persistent}"
-    )
+    """The row's config as logs name it (KernelConfig.label: "128x128 w4 s2 ws2 persistent")."""
+    return KernelConfig(**{f.name: row[f.name] for f in fields(KernelConfig)}).label()
 
 
 def main(argv: list[str] | None = None) -> int:
