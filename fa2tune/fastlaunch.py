@@ -129,6 +129,107 @@ def launch(kernel: Any, grid: tuple[int, ...], tensors: tuple, scalars: tuple, *
         kernel[grid](*tensors, *scalars, **kwargs)
 
 
+# ---- kernels whose leading parameters are TMA descriptors (the Gluon kernels of fa2tune.warpspec) ----------------
+# Through launch(), such a launch built a descriptor object per tensor, keyed each, and Triton's CompiledKernel.run
+# then encoded every descriptor (a 128-byte CUtensorMap) before calling the binary's launcher: ~34 µs of host time
+# a launch on the H200 host, where the launcher itself takes 5.5 (docs/PERF.md v14, `bench_host_overhead.py
+# --split`). A warpspec fwd+bwd call makes three such launches, and at N <= 1k the GPU waits for the host.
+
+# launch_tma's plans: (id(kernel), device, descriptor dtypes and blocks, pointer keys, scalars, options) ->
+# _TmaPlan, or None where the JIT path is always taken. Bounded like _compiled.
+_tma_plans: dict[tuple, Any] = {}
+_MAX_ENCODED = 1024  # encoded descriptors a plan keeps (tensor addresses seen); cleared when full
+_BASE_ARGS = 13  # Triton 3.6's launcher arguments before the kernel's: checked against its driver in _TmaPlan.make
+
+
+class _TmaPlan:
+    """How to launch one compiled kernel without its Python wrapper: the launcher Triton compiled for it (a C
+    function taking every argument flat), the launch metadata, each descriptor's TMA metadata, and the descriptors
+    already encoded, by tensor address, shape and strides — the only inputs of the encoding besides the plan's own
+    block shape, dtype and swizzle, so a kept encoding is the one Triton would make again. Training loops and
+    benchmarks pass the same few addresses over and over (the caching allocator hands them back)."""
+
+    __slots__ = ("constexprs", "encode", "encoded", "function", "launcher", "metas", "options", "packed")
+
+    @classmethod
+    def make(cls, compiled, descriptors: int, constexprs: tuple) -> _TmaPlan | None:
+        """The plan for `compiled`, or None where its launch does not have the form this was written for (then
+        launch_tma keeps taking the JIT path for this key)."""
+        from triton.backends.nvidia import driver
+
+        run = compiled.run
+        wrapper = getattr(run, "launch", None)
+        closure = getattr(wrapper, "__closure__", None)
+        if closure is None or run.global_scratch_size or run.profile_scratch_size:
+            return None  # no descriptor wrapper to look through, or scratch memory to allocate per launch
+        cells = dict(zip(wrapper.__code__.co_freevars, (c.cell_contents for c in closure), strict=True))
+        if (
+            getattr(driver, "_BASE_ARGS_FORMAT_LEN", None) != _BASE_ARGS
+            or cells.get("tensordesc_indices") != set(range(descriptors))
+            or not callable(cells.get("launcher"))
+        ):
+            return None
+        plan = cls()
+        plan.launcher, plan.function, plan.packed = cells["launcher"], compiled.function, compiled.packed_metadata
+        plan.options = (run.launch_cooperative_grid, run.launch_pdl)
+        plan.metas = list(cells.get("tensordesc_meta") or [None] * descriptors)
+        plan.constexprs, plan.encoded, plan.encode = constexprs, {}, driver.make_tensordesc_arg
+        return plan
+
+    def launch(self, grid: tuple[int, ...], stream: int, tma, describe, pointers: tuple, scalars: tuple) -> None:
+        flat = []
+        for index, (t, block) in enumerate(tma):
+            key = (index, t.data_ptr(), t.shape, t.stride())
+            encoded = self.encoded.get(key)
+            if encoded is None:
+                if len(self.encoded) >= _MAX_ENCODED:
+                    self.encoded.clear()
+                encoded = self.encoded[key] = self.encode(describe(t, block), self.metas[index])
+            flat += encoded
+        x, y, z = (*grid, 1, 1)[:3]
+        self.launcher(x, y, z, stream, self.function, *self.options, None, None, self.packed, None, None, None,
+                      *flat, *pointers, *scalars, *self.constexprs)  # fmt: skip
+
+
+def launch_tma(kernel: Any, grid: tuple[int, ...], tma, describe, pointers: tuple, scalars: tuple, **kwargs) -> None:
+    """launch() for a kernel whose leading parameters are TMA descriptors: `kernel[grid](*descriptors, *pointers,
+    *scalars, **kwargs)` with descriptors = [describe(t, block) for t, block in tma].
+
+    The first call of a key goes through the JIT, as in launch(); later ones call the compiled launcher with the
+    descriptors encoded once per tensor address (_TmaPlan). The key adds each descriptor's dtype and block shape
+    (what the JIT specializes a descriptor on, with the layout the block and dtype decide) to launch()'s.
+    """
+    global _enabled, direct_launches
+    if not _enabled or not tma[0][0].is_cuda:
+        kernel[grid](*[describe(t, block) for t, block in tma], *pointers, *scalars, **kwargs)
+        return
+    device = torch.cuda.current_device()
+    key = (id(kernel), device, tuple([(t.dtype, block) for t, block in tma]), tuple([_tensor_key(t) for t in pointers]),
+           scalars, tuple(kwargs.items()))  # fmt: skip
+    plan = _tma_plans.get(key, False)
+    if plan is False:
+        compiled = kernel[grid](*[describe(t, block) for t, block in tma], *pointers, *scalars, **kwargs)
+        names = tuple(getattr(kernel, "arg_names", ())[len(tma) + len(pointers) + len(scalars) :])
+        usable = compiled is not None and hasattr(compiled, "packed_metadata") and all(n in kwargs for n in names)
+        if len(_tma_plans) >= _MAX_KEPT:
+            _tma_plans.clear()
+        _tma_plans[key] = _TmaPlan.make(compiled, len(tma), tuple(kwargs[n] for n in names)) if usable else None
+        return
+    if plan is None or _hooks_installed():
+        kernel[grid](*[describe(t, block) for t, block in tma], *pointers, *scalars, **kwargs)
+        return
+    try:
+        plan.launch(grid, torch._C._cuda_getCurrentRawStream(device), tma, describe, pointers, scalars)
+        direct_launches += 1
+    except (TypeError, AttributeError) as exc:  # Triton's launcher changed: never try again in this process
+        _enabled = False
+        clear()
+        warnings.warn(f"fa2tune: launching compiled kernels directly failed ({exc}); using Triton's launch path",
+                      RuntimeWarning, stacklevel=2)  # fmt: skip
+        kernel[grid](*[describe(t, block) for t, block in tma], *pointers, *scalars, **kwargs)
+
+
 def clear() -> None:
     """Forgets every kept kernel (tests; after Triton's cache was cleared)."""
     _compiled.clear()
+    _tma_plans.clear()

@@ -119,9 +119,16 @@ def _mask_args(mask: Mask, seqlen_q: int, seqlen_k: int, packing: Packing | None
     return cu_q, cu_k, mask.bounds(seqlen_q, seqlen_k)
 
 
+_NO_SWITCH = contextlib.nullcontext()  # stateless: one instance serves every call
+
+
 def _on_device(t: torch.Tensor):
-    """Triton launches on the current CUDA device: make it the tensors' own (cuda:1 inputs, current device 0)."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """Triton launches on the current CUDA device: make it the tensors' own (cuda:1 inputs, current device 0).
+    Where it already is (nearly always), no context: entering and leaving torch.cuda.device costs host time every
+    call of a short attention waits for."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_SWITCH
 
 
 def _config(

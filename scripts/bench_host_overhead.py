@@ -14,9 +14,10 @@ launched the next kernel waits (docs/PERF.md v6 "host time", v7).
     python scripts/bench_host_overhead.py --split    # where one warp-specialized forward launch's host time goes
 
 --split (GPU) replays one launch of the shipped d=128 causal forward piece by piece — fa2tune's wrapper, the TMA
-descriptors, fastlaunch, Triton's launcher, its TMA expansion (a CUtensorMap encoded per descriptor per call), and
-the compiled launcher with that expansion done beforehand — beside the Triton template's forward: a warpspec
-launch took ~64 µs more host time than a Triton one (docs/PERF.md v12), which decides single calls at N <= 1k (v13).
+descriptors, fastlaunch.launch_tma and its plan (the compiled launcher called with descriptors encoded once per
+address), v13's path (descriptor objects through fastlaunch.launch and Triton's CompiledKernel.run, which encodes a
+CUtensorMap per descriptor per call) — beside the Triton template's forward: a warpspec launch took ~64 µs more
+host time than a Triton one (docs/PERF.md v12), which decides single calls at N <= 1k (v13, v14).
 """
 
 from __future__ import annotations
@@ -100,17 +101,17 @@ def _gpu(rounds: int) -> int:
     return 0
 
 
-def _captured_launch(call) -> tuple:
-    """(kernel, grid, tensors, scalars, kwargs) of the one fastlaunch.launch that call() makes (the last if more)."""
+def _captured(call, name: str = "launch") -> tuple:
+    """The arguments of the one fastlaunch.<name> call that call() makes (the last if more): (positional, kwargs)."""
     from fa2tune import fastlaunch
 
     seen = []
-    real = fastlaunch.launch
-    fastlaunch.launch = lambda kernel, grid, tensors, scalars, **kw: seen.append((kernel, grid, tensors, scalars, kw))
+    real = getattr(fastlaunch, name)
+    setattr(fastlaunch, name, lambda *args, **kwargs: seen.append((args, kwargs)))
     try:
         call()
     finally:
-        fastlaunch.launch = real
+        setattr(fastlaunch, name, real)
     return seen[-1]
 
 
@@ -126,51 +127,45 @@ def _split(repeats: int) -> int:
     o, lse = torch.empty_like(q), torch.empty(1, 2, 64, device="cuda", dtype=torch.float32)
     config = selection.resolve("fwd", 128, torch.bfloat16, True, "cuda", seqlen=64)[0]
     if not config.warpspec:
-        config = KernelConfig(128, 128, 4, 2, warpspec=2)  # the d=128 causal pick of v10-v13
+        config = KernelConfig(128, 128, 4, 2, warpspec=2)  # the d=128 causal pick of v10-v14
     ws_forward = lambda: warpspec.forward(q, k, v, o, lse, causal=True, scale=0.088, config=config)
-    kernel, grid, tensors, scalars, kwargs = _captured_launch(ws_forward)
-    fastlaunch.launch(kernel, grid, tensors, scalars, **kwargs)  # the JIT's call: compiles and keeps the binary
+    (kernel, grid, tma, describe, pointers, scalars), kwargs = _captured(ws_forward, "launch_tma")
+    fastlaunch.launch_tma(kernel, grid, tma, describe, pointers, scalars, **kwargs)  # the JIT's call: compiles
+    plan = next((p for key, p in fastlaunch._tma_plans.items() if key[0] == id(kernel)), None)
+    descriptors = [describe(t, block) for t, block in tma]
+    tensors = (*descriptors, *pointers)
+    fastlaunch.launch(kernel, grid, tensors, scalars, **kwargs)  # v13's path, kept for comparison
     hit = next((h for key, h in fastlaunch._compiled.items() if key[0] == id(kernel) and h), None)
-    if hit is None:
-        print("fastlaunch kept no binary for the warpspec forward (off, or Triton changed)", file=sys.stderr)
+    if hit is None or plan is None:
+        print("fastlaunch kept no binary or plan for the warpspec forward (off, or Triton changed)", file=sys.stderr)
         return 1
     _, compiled, names = hit
     stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
     x, y, z = (*grid, 1, 1)[:3]
-    constexprs = tuple(kwargs[n] for n in names)
-    launch_args = (compiled.packed_metadata, None, None, None, *tensors, *scalars, *constexprs)
-    metas = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(tensors)
-    descriptors = [t for t in tensors if hasattr(t, "block_shape")]
-    expand = lambda: [driver.make_tensordesc_arg(d, m) for d, m in zip(descriptors, metas, strict=False)]
+    launch_args = (compiled.packed_metadata, None, None, None, *tensors, *scalars, *(kwargs[n] for n in names))
+    metas = getattr(compiled.metadata, "tensordesc_meta", None) or [None] * len(descriptors)
     pieces = {
-        "attention(), no grad": lambda: fa2tune.attention(q, k, v, causal=True, config=config),
+        "attention(), no grad": lambda: fa2tune.attention(q, k, v, causal=True),
+        "attention(), config given": lambda: fa2tune.attention(q, k, v, causal=True, config=config),
         "warpspec.forward": ws_forward,
-        "descriptors, unchecked": lambda: [
-            warpspec._descriptor(d.base, tuple(d.block_shape), False) for d in descriptors
-        ],
-        "fastlaunch.launch": lambda: fastlaunch.launch(kernel, grid, tensors, scalars, **kwargs),
+        "launch_tma (v14)": lambda: fastlaunch.launch_tma(kernel, grid, tma, describe, pointers, scalars, **kwargs),
+        "its plan, encodings kept": lambda: plan.launch(grid, stream, tma, describe, pointers, scalars),
+        "descriptors, unchecked": lambda: [warpspec._descriptor(t, block, False) for t, block in tma],
+        "launch() of descriptors (v13)": lambda: fastlaunch.launch(kernel, grid, tensors, scalars, **kwargs),
         "compiled.run (Triton)": lambda: compiled.run(x, y, z, stream, compiled.function, *launch_args),
-        "TMA expansion alone": expand,
+        "TMA expansion alone": lambda: [
+            driver.make_tensordesc_arg(d, m) for d, m in zip(descriptors, metas, strict=True)
+        ],
     }
-    inner = compiled.run.launch  # Triton 3.6: a wrapper expanding the descriptors around the compiled launcher
-    raw = dict(zip(inner.__code__.co_freevars, (c.cell_contents for c in inner.__closure__ or ()), strict=False))
-    if "launcher" in raw and not compiled.run.global_scratch_size and not compiled.run.profile_scratch_size:
-        meta_of = {id(d): m for d, m in zip(descriptors, metas, strict=False)}  # by identity: == compares tensors
-        expand_one = lambda arg: driver.make_tensordesc_arg(arg, meta_of[id(arg)]) if id(arg) in meta_of else [arg]
-        expanded = [a for arg in tensors for a in expand_one(arg)]
-        base = (x, y, z, stream, compiled.function, compiled.run.launch_cooperative_grid, compiled.run.launch_pdl,
-                None, None, compiled.packed_metadata, None, None, None)  # fmt: skip
-        assert len(base) == driver._BASE_ARGS_FORMAT_LEN
-        pieces["launcher, expanded before"] = lambda: raw["launcher"](*base, *expanded, *scalars, *constexprs)
     triton_config = KernelConfig(64, 64, 4, 2)
     pieces["attention(), Triton fwd"] = lambda: fa2tune.attention(q, k, v, causal=True, config=triton_config)
-    tk, tgrid, ttensors, tscalars, tkwargs = _captured_launch(pieces["attention(), Triton fwd"])
+    (tk, tgrid, ttensors, tscalars), tkwargs = _captured(pieces["attention(), Triton fwd"])
     pieces["fastlaunch.launch, Triton"] = lambda: fastlaunch.launch(tk, tgrid, ttensors, tscalars, **tkwargs)
     readings = {name: sorted(_time_us(fn, repeats) for _ in range(5))[2] for name, fn in pieces.items()}
     print(f"# host µs per call (median of 5 loops of {repeats}), {torch.cuda.get_device_name()}, 1x2x64x128 bf16 "
           f"causal; warpspec config {config.label()}, {len(descriptors)} TMA descriptors")  # fmt: skip
     for name, us in readings.items():
-        print(f"{name:>28} {us:8.1f}")
+        print(f"{name:>30} {us:8.1f}")
     return 0
 
 

@@ -168,3 +168,135 @@ def test_direct_launches_are_on_for_the_tested_triton_unless_turned_off(monkeypa
     finally:
         monkeypatch.undo()
         importlib.reload(fastlaunch)
+
+
+# ---- launch_tma: kernels whose leading parameters are TMA descriptors ------------------------------------------
+
+
+class _TmaTensor(_CudaTensor):
+    """What launch_tma reads of a tensor it describes: _CudaTensor's fields plus shape and strides."""
+
+    def __init__(self, address, shape=(1, 2, 64, 128)):
+        super().__init__(address)
+        self.shape = shape
+
+    def stride(self):
+        return (2 * 64 * 128, 64 * 128, 128, 1)
+
+
+def _describe(t, block):
+    from fa2tune import warpspec
+
+    return warpspec._descriptor(t, block, checked=False)  # the unchecked form warpspec passes with fastlaunch on
+
+
+class _TmaCompiled:
+    """A compiled kernel with Triton 3.6's launch form: run.launch is its driver's descriptor-expanding wrapper
+    (the real function, wrap_handle_tensordesc) around the C launcher, here a recorder."""
+
+    packed_metadata = "meta"
+    function = "fn-handle"
+
+    def __init__(self, descriptors: int, scratch: int = 0):
+        from types import SimpleNamespace
+
+        from triton.backends.nvidia import driver
+
+        self.launches = []
+        signature = {f"D{i}": "tensordesc<bf16[64,128]>" for i in range(descriptors)} | {"P": "*fp32", "n": "i32"}
+        launcher = lambda *args: self.launches.append(args)
+        self.run = SimpleNamespace(launch=driver.wrap_handle_tensordesc(launcher, signature, []),
+                                   global_scratch_size=scratch, profile_scratch_size=0,
+                                   launch_cooperative_grid=False, launch_pdl=True)  # fmt: skip
+
+
+class _TmaKernel(_Kernel):
+    """A stand-in Gluon kernel: descriptors D0, D1, a pointer P, a scalar n, a constexpr BLOCK."""
+
+    arg_names = ("D0", "D1", "P", "n", "BLOCK")
+
+    def __init__(self, scratch: int = 0):
+        super().__init__()
+        self.scratch = scratch
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.jit_calls.append((grid, args, kwargs))
+            self.compiled.append(_TmaCompiled(2, self.scratch))
+            return self.compiled[-1]
+
+        return run
+
+
+def _launch_tma(kernel, q, k, pointer, n=64, grid=(132,)):
+    tma = [(q, (1, 1, 64, 128)), (k, (1, 1, 128, 128))]
+    fastlaunch.launch_tma(kernel, grid, tma, _describe, (pointer,), (n,), BLOCK=64, num_warps=4)
+
+
+def test_launch_tma_calls_the_launcher_as_triton_s_wrapper_would(fake_cuda):
+    kernel, q, k, lse = _TmaKernel(), _TmaTensor(4096), _TmaTensor(1 << 20), _CudaTensor(1 << 24, torch.float32)
+    _launch_tma(kernel, q, k, lse)  # first call: the JIT
+    _launch_tma(kernel, q, k, lse)
+    assert len(kernel.jit_calls) == 1 and fastlaunch.direct_launches > 0
+    compiled = kernel.compiled[0]
+    (direct,) = compiled.launches
+    # What CompiledKernel.run hands Triton's wrapper for the same call: it expands each descriptor itself.
+    compiled.run.launch(132, 1, 1, 1234, "fn-handle", False, True, None, None, "meta", None, None, None,
+                        _describe(q, (1, 1, 64, 128)), _describe(k, (1, 1, 128, 128)), lse, 64, 64)  # fmt: skip
+    assert direct == compiled.launches[1]
+    assert direct[13] is q and direct[13 + 1 : 13 + 5] == q.shape  # the expansion really happened (no TMA meta)
+
+
+def test_launch_tma_encodes_a_descriptor_once_per_address(fake_cuda, monkeypatch):
+    kernel, q, k, lse = _TmaKernel(), _TmaTensor(4096), _TmaTensor(1 << 20), _CudaTensor(1 << 24, torch.float32)
+    _launch_tma(kernel, q, k, lse)
+    (plan,) = fastlaunch._tma_plans.values()
+    encoded = []
+    real = plan.encode
+    plan.encode = lambda desc, meta: encoded.append(desc.base) or real(desc, meta)
+    for _ in range(3):
+        _launch_tma(kernel, q, k, lse)
+    assert encoded == [q, k]
+    moved = _TmaTensor(8192)  # another q at another (aligned) address: the same binary, a new encoding for it only
+    _launch_tma(kernel, moved, k, lse)
+    reshaped = _TmaTensor(4096, shape=(1, 2, 32, 128))  # q's address, another shape: encoded anew
+    _launch_tma(kernel, reshaped, k, lse)
+    assert encoded == [q, k, moved, reshaped] and len(kernel.jit_calls) == 1
+    launches = kernel.compiled[0].launches
+    assert launches[-2][13] is moved and launches[-1][13 + 1 : 13 + 5] == (1, 2, 32, 128)
+    monkeypatch.setattr(fastlaunch, "_MAX_ENCODED", 2)
+    _launch_tma(kernel, _TmaTensor(12288), k, lse)
+    assert len(plan.encoded) <= 2
+
+
+def test_launch_tma_keeps_the_jit_path_for_a_launch_form_it_does_not_know(fake_cuda, monkeypatch):
+    kernel, q, k, lse = _TmaKernel(scratch=256), _TmaTensor(4096), _TmaTensor(1 << 20), _CudaTensor(1 << 24)
+    for _ in range(3):  # scratch memory to allocate per launch: CompiledKernel.run's job, not the plan's
+        _launch_tma(kernel, q, k, lse)
+    assert len(kernel.jit_calls) == 3 and list(fastlaunch._tma_plans.values()) == [None]
+    fastlaunch.clear()
+    kernel = _TmaKernel()
+    _launch_tma(kernel, q, k, lse)
+    monkeypatch.setattr(fastlaunch, "_hooks_installed", lambda: True)
+    _launch_tma(kernel, q, k, lse)
+    assert len(kernel.jit_calls) == 2 and kernel.compiled[0].launches == []
+    monkeypatch.setattr(fastlaunch, "_hooks_installed", lambda: False)
+    _launch_tma(kernel, q, k, lse, n=65)  # another scalar: another key, the JIT again
+    assert len(kernel.jit_calls) == 3
+    (plan, _) = fastlaunch._tma_plans.values()
+    plan.launcher = None  # a Triton whose launcher changed under us
+    with pytest.warns(RuntimeWarning, match="launching compiled kernels directly failed"):
+        _launch_tma(kernel, q, k, lse)
+    assert len(kernel.jit_calls) == 4 and not fastlaunch._enabled and not fastlaunch._tma_plans
+
+
+def test_launch_tma_on_the_interpreter_or_switched_off_uses_the_jit(fake_cuda, monkeypatch):
+    kernel = _TmaKernel()
+    cpu = torch.zeros(1, 2, 64, 128)
+    for _ in range(2):
+        _launch_tma(kernel, cpu, cpu, torch.zeros(2))
+    monkeypatch.setattr(fastlaunch, "_enabled", False)
+    for _ in range(2):
+        _launch_tma(kernel, _TmaTensor(4096), _TmaTensor(8192), _CudaTensor(1 << 24))
+    assert len(kernel.jit_calls) == 4 and not fastlaunch._tma_plans
+    assert kernel.jit_calls[0][1][0].base is cpu  # the JIT gets descriptors of the tensors

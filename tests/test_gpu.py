@@ -236,3 +236,34 @@ def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype, m
         ref_grads = torch.autograd.grad(ref.nan_to_num(0.0), (qd, kd, vd), do.double())
         for got, want, name in zip(grads, ref_grads, "qkv", strict=True):
             assert_close(got, want, dtype, what=f"d{name} at N_Q={seqlen_q} N_K={seqlen_k}")
+
+
+@_HOPPER
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_warpspec_backward_direct_launches_give_what_the_jit_gives(causal, monkeypatch):
+    # fastlaunch.launch_tma: from the second call of a key the dK/dV and dQ kernels are launched by their compiled
+    # launcher with descriptors encoded once per tensor address. Each case runs three times — the JIT's call, then
+    # two direct ones that reuse the inputs' encodings and encode their new gradient buffers (every result is kept,
+    # so each call's buffers are at new addresses) — and equals the JIT path bit for bit.
+    from fa2tune import fastlaunch
+
+    torch.manual_seed(7)
+    configs = dict(dkdv_config=KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1),
+                   dq_config=KernelConfig(128, 64, 4, 3, warpspec=1, persistent=1))  # fmt: skip
+    cases = []
+    for n in (300, 512):
+        q, k, v, do = (torch.randn(2, 4, n, 128, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+        o, lse = launcher.forward(q, k, v, causal=causal, scale=0.1)
+        cases.append((do, q, k, v, o, lse))
+
+    def run_all():
+        return [launcher.backward(*case, causal=causal, scale=0.1, **configs) for case in cases for _ in range(3)]
+
+    fastlaunch.clear()
+    monkeypatch.setattr(fastlaunch, "_enabled", True)
+    start = fastlaunch.direct_launches
+    direct = run_all()
+    assert fastlaunch.direct_launches - start >= 2 * 2 * len(cases), "the direct path was not taken"
+    monkeypatch.setattr(fastlaunch, "_enabled", False)
+    for got, want in zip(direct, run_all(), strict=True):
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
