@@ -217,3 +217,27 @@ def test_traced_calls_go_through_the_custom_op(device):
         k = torch.empty(2, 2, 1500, 64, dtype=torch.bfloat16, device=device)
         o, lse = fa2tune.attention(q, k, k, causal=True, return_lse=True)
     assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (2, 4, 1000) and lse.dtype == torch.float32
+
+
+def test_calls_with_nothing_to_differentiate_skip_autograd(device, monkeypatch):
+    # Inputs without grad, or any inputs under torch.no_grad / inference_mode: the forward runs without the
+    # autograd.Function (its host time buys nothing there) and gives the grad path's outputs bit for bit.
+    torch.manual_seed(15)
+    q, k, v = (torch.randn(2, 4, 37, 32, device=device) for _ in range(3))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with_grad = fa2tune.attention(*leaves, causal=True, return_lse=True)
+    assert with_grad[0].requires_grad and with_grad[0].grad_fn is not None
+    calls = []
+    real = launcher._EagerAttention.apply
+    monkeypatch.setattr(launcher._EagerAttention, "apply", lambda *args: calls.append(args) or real(*args))
+    outputs = [fa2tune.attention(q, k, v, causal=True, return_lse=True)]
+    with torch.no_grad():
+        outputs.append(fa2tune.attention(*leaves, causal=True, return_lse=True))
+    with torch.inference_mode():
+        outputs.append(fa2tune.attention(q, k, v, causal=True, return_lse=True))
+    assert not calls
+    for o, lse in outputs:
+        assert not o.requires_grad and o.grad_fn is None
+        assert torch.equal(o, with_grad[0].detach()) and torch.equal(lse, with_grad[1].detach())
+    fa2tune.attention(leaves[0], k, v, causal=True)  # one input with grad: the autograd.Function again
+    assert len(calls) == 1
