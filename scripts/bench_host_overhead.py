@@ -10,7 +10,7 @@ launched the next kernel waits (docs/PERF.md v6 "host time", v7).
 
     python scripts/bench_host_overhead.py            # the eager path attention() takes, launches as no-ops
     python scripts/bench_host_overhead.py --op       # the custom op torch.compile sees, called directly
-    python scripts/bench_host_overhead.py --gpu      # real launches: Triton's path vs direct, and SDPA
+    python scripts/bench_host_overhead.py --gpu      # real launches: Triton's path vs direct, SDPA, autograd's floor
     python scripts/bench_host_overhead.py --split    # where one warp-specialized forward launch's host time goes
 
 --split (GPU) replays one launch of the shipped d=128 causal forward piece by piece — fa2tune's wrapper, the TMA
@@ -65,6 +65,22 @@ def _cases(attend, q, k, v, do):
     }
 
 
+class _KernelLess(torch.autograd.Function):
+    """attention()'s autograd.Function with no kernels (outputs allocated, inputs and outputs saved): the host
+    time autograd itself takes for a call of that shape, the floor under fa2tune's own."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        o, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _gpu(rounds: int) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -80,10 +96,19 @@ def _gpu(rounds: int) -> int:
     # The tuned forward at d=128 on Hopper is the warp-specialized (Gluon) one; the Triton template's beside it
     triton_fwd = _cases(lambda *t: fa2tune.attention(*t, causal=True, config=KernelConfig(64, 64, 4, 2)), q, k, v, do)
     sdpa = _cases(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), q, k, v, do)
+    kernel_less = _cases(_KernelLess.apply, q, k, v, do)
+    # fa2tune's launchers alone, on tensors without grad: what the forward and the backward cost outside autograd
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    o, lse = launcher.forward(qd, kd, vd, causal=True, scale=0.088)
+    launchers = {
+        "launcher.forward": lambda: launcher.forward(qd, kd, vd, causal=True, scale=0.088),
+        "launcher.backward": lambda: launcher.backward(do, qd, kd, vd, o, lse, causal=True, scale=0.088),
+    }
     readings: dict[str, dict[str, list[float]]] = {}
     for _ in range(rounds):
         for label, direct, cases in (("Triton's launch path", False, ours), ("direct launches", True, ours),
-                                     ("direct, Triton forward", True, triton_fwd)):  # fmt: skip
+                                     ("direct, Triton forward", True, triton_fwd), ("launchers alone", True, launchers),
+                                     ("no kernels (autograd)", True, kernel_less)):  # fmt: skip
             fastlaunch._enabled = direct
             for name, fn in cases.items():
                 readings.setdefault(label, {}).setdefault(name, []).append(_time_us(fn))
@@ -97,7 +122,10 @@ def _gpu(rounds: int) -> int:
           f"(direct launches taken: {fastlaunch.direct_launches}); forward config {resolved}")  # fmt: skip
     print(f"{'':>22}" + "".join(f"{name:>20}" for name in ours))
     for label, rows in readings.items():
-        print(f"{label:>22}" + "".join(f"{sorted(xs)[len(xs) // 2]:20.0f}" for xs in rows.values()))
+        if label != "launchers alone":
+            print(f"{label:>22}" + "".join(f"{sorted(xs)[len(xs) // 2]:20.0f}" for xs in rows.values()))
+    print("  launchers alone, no autograd: " + ", ".join(
+        f"{name} {sorted(xs)[len(xs) // 2]:.0f}" for name, xs in readings["launchers alone"].items()))  # fmt: skip
     return 0
 
 
