@@ -12,6 +12,7 @@ launched the next kernel waits (docs/PERF.md v6 "host time", v7).
     python scripts/bench_host_overhead.py --op       # the custom op torch.compile sees, called directly
     python scripts/bench_host_overhead.py --gpu      # real launches: Triton's path vs direct, SDPA, autograd's floor
     python scripts/bench_host_overhead.py --split    # where one warp-specialized forward launch's host time goes
+    python scripts/bench_host_overhead.py --autograd-split   # a fwd+bwd call: forward, into the backward, its body, out
 
 --split (GPU) replays one launch of the shipped d=128 causal forward piece by piece — fa2tune's wrapper, the TMA
 descriptors, fastlaunch.launch_tma and its plan (the compiled launcher called with descriptors encoded once per
@@ -27,7 +28,7 @@ import os
 import sys
 import time
 
-if "--gpu" not in sys.argv and "--split" not in sys.argv:
+if "--gpu" not in sys.argv and "--split" not in sys.argv and "--autograd-split" not in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU needed: nothing is launched
 
 import torch
@@ -197,13 +198,78 @@ def _split(repeats: int) -> int:
     return 0
 
 
+def _autograd_split(repeats: int) -> int:
+    """A fwd+bwd call's host time in four stretches, from timestamps taken inside it: the forward (attention()),
+    torch.autograd.grad until fa2tune's backward begins (the engine's start, and on a GPU its hand-over to the
+    device's backward thread), the backward's body (launcher.backward, inside the autograd.Function's backward), and
+    from its end until grad() returns. v14 found ~100 µs of a 431-µs call around the backward that its pieces timed
+    alone do not explain. On a machine without a GPU the launches are no-ops (CPU tensors, no thread hand-over)."""
+    on_gpu = torch.cuda.is_available()
+    kernel_lookup = launcher._kernel
+    if not on_gpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the launchers would refuse CPU tensors
+        launcher._kernel = lambda *a, **k: _NoLaunch()
+    device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
+    q, k, v = (torch.randn(1, 2, 64, 128, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    stamps: dict[str, float] = {}
+    function_backward, body = launcher._EagerAttention.backward, launcher.backward
+
+    def timed_function_backward(ctx, *grads):
+        stamps["in"] = time.perf_counter()
+        result = function_backward(ctx, *grads)
+        stamps["out"] = time.perf_counter()
+        return result
+
+    def timed_body(*args, **kwargs):
+        stamps["body"] = time.perf_counter()
+        result = body(*args, **kwargs)
+        stamps["body end"] = time.perf_counter()
+        return result
+
+    launcher._EagerAttention.backward, launcher.backward = staticmethod(timed_function_backward), timed_body
+    spans: dict[str, list[float]] = {}
+    try:
+        for i in range(repeats + 50):
+            start = time.perf_counter()
+            out = fa2tune.attention(q, k, v, causal=True)
+            forward_end = time.perf_counter()
+            torch.autograd.grad(out, (q, k, v), do)
+            end = time.perf_counter()
+            if i < 50:  # warm-up: compiles, caches
+                continue
+            for name, (a, b) in {
+                "forward (attention())": (start, forward_end),
+                "grad() until the Function's backward": (forward_end, stamps["in"]),
+                "  the Function's backward until the body": (stamps["in"], stamps["body"]),
+                "  the body (launcher.backward)": (stamps["body"], stamps["body end"]),
+                "  the body's end until the Function's return": (stamps["body end"], stamps["out"]),
+                "the Function's return until grad() returns": (stamps["out"], end),
+                "whole call": (start, end),
+            }.items():
+                spans.setdefault(name, []).append((b - a) * 1e6)
+    finally:
+        launcher._EagerAttention.backward, launcher.backward = staticmethod(function_backward), body
+        launcher._kernel = kernel_lookup
+        if on_gpu:
+            torch.cuda.synchronize()
+    where = torch.cuda.get_device_name() if on_gpu else "CPU, launches as no-ops"
+    print(f"# host µs of a fwd+bwd call, {where}, 1x2x64x128 causal, medians of {repeats} calls without synchronising")
+    for name, xs in spans.items():
+        print(f"{name:>46} {sorted(xs)[len(xs) // 2]:8.1f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", action="store_true", help="call the custom op (the torch.compile path) instead")
     parser.add_argument("--gpu", action="store_true", help="launch for real on a CUDA GPU (see above)")
     parser.add_argument("--rounds", type=int, default=5, help="--gpu: alternating rounds")
     parser.add_argument("--split", action="store_true", help="one warpspec launch's host time, piece by piece (GPU)")
+    parser.add_argument("--autograd-split", action="store_true", help="a fwd+bwd call's host time in stretches")
     args = parser.parse_args(argv)
+    if args.autograd_split:
+        return _autograd_split(2000)
     if args.split:
         return _split(1000)
     if args.gpu:

@@ -83,3 +83,17 @@ def test_persistent_order_model_deals_every_tile_once(order):
         assert items == [(h, r) for h in range(heads) for r in range(q_tiles)]
     at_16k = script.imbalance(deal(128, 16, 132))
     assert (at_16k > 1.4) if order == "snake" else (at_16k < 1.05)
+
+
+def test_autograd_split_times_each_stretch_and_puts_the_launchers_back(capsys):
+    # bench_host_overhead.py --autograd-split patches the autograd.Function's backward and launcher.backward to
+    # time them, and on a machine without a GPU turns launches into no-ops: afterwards all three are the real ones.
+    from fa2tune import launcher
+
+    script = load_script("bench_host_overhead")
+    before = (launcher._EagerAttention.backward, launcher.backward, launcher._kernel)
+    assert script._autograd_split(5) == 0
+    assert (launcher._EagerAttention.backward, launcher.backward, launcher._kernel) == before
+    lines = capsys.readouterr().out.splitlines()
+    spans = {line.rsplit(maxsplit=1)[0].strip(): float(line.rsplit(maxsplit=1)[1]) for line in lines[1:]}
+    assert len(spans) == 7 and all(us > 0 for us in spans.values())  # every stamp taken, each after the one before
