@@ -8,6 +8,11 @@ time with the sum of the kernels' times from torch.profiler: the difference is t
 Shapes as in bench_vs_sdpa.py: batch·N = 16k tokens, heads·d = 2048, bf16 (docs/PERF.md v6).
 
     python scripts/bench_short_lengths.py --rounds 3 --profile
+    python scripts/bench_short_lengths.py --graph    # each call also replayed from a CUDA graph, beside cuDNN's
+
+--graph captures each fwd+bwd call (fa2tune's and SDPA cuDNN's) in a CUDA graph after a warm-up and times its
+replay beside the eager call: a replay launches the call's kernels with no host work, so the difference is what the
+host costs a call that waits for it (docs/PERF.md v14) — and what a user who captures the step gets back.
 """
 
 from __future__ import annotations
@@ -30,6 +35,52 @@ def _case(head_dim: int, seqlen: int, causal: bool, tokens: int, width: int):
     return (lambda: torch.autograd.grad(fa2tune.attention(q, k, v, causal=causal), (q, k, v), do)), flops
 
 
+def _sdpa_cudnn_case(head_dim: int, seqlen: int, causal: bool, tokens: int, width: int):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    batch, heads = max(1, tokens // seqlen), width // head_dim
+    q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    do = torch.randn_like(q)
+
+    def call():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v), do)
+
+    return call
+
+
+def _graphed(fn):
+    """fn captured in a CUDA graph, after a warm-up on a side stream (compiles, kept launches, allocations);
+    returns the graph's replay, which launches the call's kernels again with no host work."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _graph_table(head_dims, seqlens, tokens: int, width: int) -> None:
+    import triton
+
+    print("\nfwd+bwd TFLOP/s, eager call | replayed from a CUDA graph: fa2tune, SDPA cuDNN")
+    for head_dim in head_dims:
+        for causal in (True, False):
+            for seqlen in seqlens:
+                fn, flops = _case(head_dim, seqlen, causal, tokens, width)
+                cudnn = _sdpa_cudnn_case(head_dim, seqlen, causal, tokens, width)
+                calls = (fn, _graphed(fn), cudnn, _graphed(cudnn))
+                row = [flops / triton.testing.do_bench(call, warmup=50, rep=200) / 1e9 for call in calls]
+                print(f"d={head_dim:<3} N={seqlen:<5} causal={causal!s:<5} fa2tune {row[0]:5.0f} | {row[1]:5.0f}   "
+                      f"cuDNN {row[2]:5.0f} | {row[3]:5.0f}", flush=True)  # fmt: skip
+
+
 def _use_short_entries(on: bool, real) -> None:
     from fa2tune import selection, store
 
@@ -45,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--profile", action="store_true", help="also split d × N=512 causal into kernel and idle time")
+    parser.add_argument("--graph", action="store_true", help="also each call replayed from a CUDA graph (see above)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_short_lengths.py needs a CUDA GPU; none is visible", file=sys.stderr)
@@ -73,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     _use_short_entries(True, real)
+    if args.graph:
+        _graph_table(head_dims, seqlens, args.tokens, args.width)
     if args.profile:
         from fa2tune.bench import kernel_times_ms
 
