@@ -213,7 +213,11 @@ def launch_tma(kernel: Any, grid: tuple[int, ...], tma, describe, pointers: tupl
         usable = compiled is not None and hasattr(compiled, "packed_metadata") and all(n in kwargs for n in names)
         if len(_tma_plans) >= _MAX_KEPT:
             _tma_plans.clear()
-        _tma_plans[key] = _TmaPlan.make(compiled, len(tma), tuple(kwargs[n] for n in names)) if usable else None
+        try:
+            plan = _TmaPlan.make(compiled, len(tma), tuple(kwargs[n] for n in names)) if usable else None
+        except (AttributeError, TypeError, ValueError):  # a Triton whose compiled kernels look otherwise: the JIT
+            plan = None
+        _tma_plans[key] = plan
         return
     if plan is None or _hooks_installed():
         kernel[grid](*[describe(t, block) for t, block in tma], *pointers, *scalars, **kwargs)

@@ -290,6 +290,24 @@ def test_launch_tma_keeps_the_jit_path_for_a_launch_form_it_does_not_know(fake_c
     assert len(kernel.jit_calls) == 4 and not fastlaunch._enabled and not fastlaunch._tma_plans
 
 
+def test_launch_tma_keeps_the_jit_path_for_compiled_kernels_without_triton_3_6_s_fields(fake_cuda):
+    kernel, q, k, lse = _TmaKernel(), _TmaTensor(4096), _TmaTensor(1 << 20), _CudaTensor(1 << 24)
+    real = kernel.__getitem__
+
+    def older_triton(grid):  # its compiled kernels' launchers have no scratch-size fields
+        def run(*args, **kwargs):
+            compiled = real(grid)(*args, **kwargs)
+            del compiled.run.global_scratch_size
+            return compiled
+
+        return run
+
+    kernel.__class__ = type("OlderTriton", (_TmaKernel,), {"__getitem__": lambda self, grid: older_triton(grid)})
+    for _ in range(3):  # no error for the call that looked, and the JIT from then on
+        _launch_tma(kernel, q, k, lse)
+    assert len(kernel.jit_calls) == 3 and list(fastlaunch._tma_plans.values()) == [None]
+
+
 def test_launch_tma_on_the_interpreter_or_switched_off_uses_the_jit(fake_cuda, monkeypatch):
     kernel = _TmaKernel()
     cpu = torch.zeros(1, 2, 64, 128)
