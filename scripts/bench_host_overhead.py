@@ -18,7 +18,8 @@ launched the next kernel waits (docs/PERF.md v6 "host time", v7).
 descriptors, fastlaunch.launch_tma and its plan (the compiled launcher called with descriptors encoded once per
 address), v13's path (descriptor objects through fastlaunch.launch and Triton's CompiledKernel.run, which encodes a
 CUtensorMap per descriptor per call) — beside the Triton template's forward: a warpspec launch took ~64 µs more
-host time than a Triton one (docs/PERF.md v12), which decides single calls at N <= 1k (v13, v14).
+host time than a Triton one (docs/PERF.md v12), which decides single calls at N <= 1k (v13); launch_tma took the
+warpspec forward's launch from 35 to 23 µs, the Triton forward's being 17 (v14).
 """
 
 from __future__ import annotations
