@@ -97,7 +97,7 @@ def launch(kernel: Any, grid: tuple[int, ...], tensors: tuple, scalars: tuple, *
     scalars: the int/float parameters after them; kwargs: its constexpr parameters plus Triton's launch options
     (num_warps, num_stages, maxnreg).
     """
-    global _enabled, direct_launches
+    global direct_launches
     if not _enabled or not _on_cuda(tensors[0]):  # off, or the interpreter
         kernel[grid](*tensors, *scalars, **kwargs)
         return
@@ -122,11 +122,18 @@ def launch(kernel: Any, grid: tuple[int, ...], tensors: tuple, scalars: tuple, *
                      None, None, None, *tensors, *scalars, *(kwargs[n] for n in names))  # fmt: skip
         direct_launches += 1
     except (TypeError, AttributeError) as exc:  # Triton's launcher changed: never try again in this process
-        _enabled = False
-        _compiled.clear()
-        warnings.warn(f"fa2tune: launching compiled kernels directly failed ({exc}); using Triton's launch path",
-                      RuntimeWarning, stacklevel=2)  # fmt: skip
+        _turn_off(exc)
         kernel[grid](*tensors, *scalars, **kwargs)
+
+
+def _turn_off(exc: Exception) -> None:
+    """A direct launch failed (Triton's launcher changed under us): every launch takes the JIT path from now on in
+    this process, with one warning."""
+    global _enabled
+    _enabled = False
+    clear()
+    warnings.warn(f"fa2tune: launching compiled kernels directly failed ({exc}); using Triton's launch path",
+                  RuntimeWarning, stacklevel=3)  # fmt: skip
 
 
 # ---- kernels whose leading parameters are TMA descriptors (the Gluon kernels of fa2tune.warpspec) ----------------
@@ -199,7 +206,7 @@ def launch_tma(kernel: Any, grid: tuple[int, ...], tma, describe, pointers: tupl
     descriptors encoded once per tensor address (_TmaPlan). The key adds each descriptor's dtype and block shape
     (what the JIT specializes a descriptor on, with the layout the block and dtype decide) to launch()'s.
     """
-    global _enabled, direct_launches
+    global direct_launches
     if not _enabled or not tma[0][0].is_cuda:
         kernel[grid](*[describe(t, block) for t, block in tma], *pointers, *scalars, **kwargs)
         return
@@ -226,10 +233,7 @@ def launch_tma(kernel: Any, grid: tuple[int, ...], tma, describe, pointers: tupl
         plan.launch(grid, torch._C._cuda_getCurrentRawStream(device), tma, describe, pointers, scalars)
         direct_launches += 1
     except (TypeError, AttributeError) as exc:  # Triton's launcher changed: never try again in this process
-        _enabled = False
-        clear()
-        warnings.warn(f"fa2tune: launching compiled kernels directly failed ({exc}); using Triton's launch path",
-                      RuntimeWarning, stacklevel=2)  # fmt: skip
+        _turn_off(exc)
         kernel[grid](*[describe(t, block) for t, block in tma], *pointers, *scalars, **kwargs)
 
 

@@ -23,7 +23,11 @@ import sys
 import torch
 
 
-def _case(head_dim: int, seqlen: int, causal: bool, tokens: int, width: int):
+def _case(head_dim: int, seqlen: int, causal: bool, tokens: int, width: int, provider: str = "fa2tune"):
+    """(one fwd+bwd call, its FLOPs) at this shape; provider "fa2tune" or "sdpa_cudnn" (SDPA's cuDNN backend)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     import fa2tune
     from fa2tune.bench import attention_flops
 
@@ -32,23 +36,14 @@ def _case(head_dim: int, seqlen: int, causal: bool, tokens: int, width: int):
                for _ in range(3))  # fmt: skip
     do = torch.randn_like(q)
     flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal=causal, mode="fwd+bwd")
-    return (lambda: torch.autograd.grad(fa2tune.attention(q, k, v, causal=causal), (q, k, v), do)), flops
+    if provider == "fa2tune":
+        return (lambda: torch.autograd.grad(fa2tune.attention(q, k, v, causal=causal), (q, k, v), do)), flops
 
-
-def _sdpa_cudnn_case(head_dim: int, seqlen: int, causal: bool, tokens: int, width: int):
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    batch, heads = max(1, tokens // seqlen), width // head_dim
-    q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))  # fmt: skip
-    do = torch.randn_like(q)
-
-    def call():
+    def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v), do)
 
-    return call
+    return cudnn, flops
 
 
 def _graphed(fn):
@@ -74,7 +69,7 @@ def _graph_table(head_dims, seqlens, tokens: int, width: int) -> None:
         for causal in (True, False):
             for seqlen in seqlens:
                 fn, flops = _case(head_dim, seqlen, causal, tokens, width)
-                cudnn = _sdpa_cudnn_case(head_dim, seqlen, causal, tokens, width)
+                cudnn, _ = _case(head_dim, seqlen, causal, tokens, width, provider="sdpa_cudnn")
                 calls = (fn, _graphed(fn), cudnn, _graphed(cudnn))
                 row = [flops / triton.testing.do_bench(call, warmup=50, rep=200) / 1e9 for call in calls]
                 print(f"d={head_dim:<3} N={seqlen:<5} causal={causal!s:<5} fa2tune {row[0]:5.0f} | {row[1]:5.0f}   "
