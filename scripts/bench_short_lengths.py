@@ -9,10 +9,16 @@ Shapes as in bench_vs_sdpa.py: batch·N = 16k tokens, heads·d = 2048, bf16 (doc
 
     python scripts/bench_short_lengths.py --rounds 3 --profile
     python scripts/bench_short_lengths.py --graph    # each call also replayed from a CUDA graph, beside cuDNN's
+    python scripts/bench_short_lengths.py --threads  # with autograd's device threads and without, beside SDPA's
 
 --graph captures each fwd+bwd call (fa2tune's and SDPA cuDNN's) in a CUDA graph after a warm-up and times its
 replay beside the eager call: a replay launches the call's kernels with no host work, so the difference is what the
 host costs a call that waits for it (docs/PERF.md v14) — and what a user who captures the step gets back.
+
+--threads times each fwd+bwd call with autograd's device threads (PyTorch's default: a GPU's backward runs on a
+thread of its own) and with torch.autograd.set_multithreading_enabled(False) (on the calling thread): moving a
+call's Python between two threads, and the CPU caches between two cores, costs a short call ~40 % of its host
+time (docs/PERF.md v15).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import torch
 
 
 def _case(head_dim: int, seqlen: int, causal: bool, tokens: int, width: int, provider: str = "fa2tune"):
-    """(one fwd+bwd call, its FLOPs) at this shape; provider "fa2tune" or "sdpa_cudnn" (SDPA's cuDNN backend)."""
+    """(one fwd+bwd call, its FLOPs) at this shape; provider "fa2tune", "sdpa_cudnn" or "sdpa_flash" (SDPA with
+    that backend)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -39,11 +46,13 @@ def _case(head_dim: int, seqlen: int, causal: bool, tokens: int, width: int, pro
     if provider == "fa2tune":
         return (lambda: torch.autograd.grad(fa2tune.attention(q, k, v, causal=causal), (q, k, v), do)), flops
 
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+    backend = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION}[provider]
+
+    def sdpa():
+        with sdpa_kernel(backend):
             return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=causal), (q, k, v), do)
 
-    return cudnn, flops
+    return sdpa, flops
 
 
 def _graphed(fn):
@@ -76,6 +85,30 @@ def _graph_table(head_dims, seqlens, tokens: int, width: int) -> None:
                       f"cuDNN {row[2]:5.0f} | {row[3]:5.0f}", flush=True)  # fmt: skip
 
 
+def _threads_table(head_dims, seqlens, tokens: int, width: int, rounds: int) -> None:
+    """fwd+bwd with autograd's device threads (PyTorch's default: the backward runs on a thread of its own per
+    GPU) and without (torch.autograd.set_multithreading_enabled(False): on the calling thread), alternating."""
+    import triton
+
+    providers = ("fa2tune", "sdpa_cudnn", "sdpa_flash")
+    print(f"\nfwd+bwd TFLOP/s, median of {rounds} rounds: autograd's device thread (default) | the calling thread")
+    for head_dim in head_dims:
+        for causal in (True, False):
+            for seqlen in seqlens:
+                cells = []
+                for provider in providers:
+                    fn, flops = _case(head_dim, seqlen, causal, tokens, width, provider=provider)
+                    readings = {True: [], False: []}
+                    for _ in range(rounds):
+                        for threads in (True, False):
+                            with torch.autograd.set_multithreading_enabled(threads):
+                                ms = triton.testing.do_bench(fn, warmup=50, rep=200)
+                            readings[threads].append(flops / ms / 1e9)
+                    mid = {t: sorted(xs)[len(xs) // 2] for t, xs in readings.items()}
+                    cells.append(f"{provider} {mid[True]:5.0f} | {mid[False]:5.0f}")
+                print(f"d={head_dim:<3} N={seqlen:<5} causal={causal!s:<5} " + "   ".join(cells), flush=True)
+
+
 def _use_short_entries(on: bool, real) -> None:
     from fa2tune import selection, store
 
@@ -92,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--profile", action="store_true", help="also split d × N=512 causal into kernel and idle time")
     parser.add_argument("--graph", action="store_true", help="also each call replayed from a CUDA graph (see above)")
+    parser.add_argument("--threads", action="store_true", help="also with autograd's device threads on and off")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_short_lengths.py needs a CUDA GPU; none is visible", file=sys.stderr)
@@ -122,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     _use_short_entries(True, real)
     if args.graph:
         _graph_table(head_dims, seqlens, args.tokens, args.width)
+    if args.threads:
+        _threads_table(head_dims, seqlens, args.tokens, args.width, args.rounds)
     if args.profile:
         from fa2tune.bench import kernel_times_ms
 

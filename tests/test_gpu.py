@@ -269,6 +269,29 @@ def test_warpspec_backward_direct_launches_give_what_the_jit_gives(causal, monke
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_on_the_calling_thread_gives_what_the_device_thread_gives(head_dim):
+    # README recommends torch.autograd.set_multithreading_enabled(False) for short training calls (docs/PERF.md v15:
+    # the backward then runs on the calling thread, not on autograd's thread for the GPU). fa2tune's launches read
+    # the current device and stream, and keep per-process caches: the gradients must not depend on the thread.
+    torch.manual_seed(12)
+    shape = (2, 4, 300, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for threads in (True, False, True):
+        with torch.autograd.set_multithreading_enabled(threads):
+            o = fa2tune.attention(q, k, v, causal=True)
+            results.setdefault(threads, []).append((o, *torch.autograd.grad(o, (q, k, v), grad_out)))
+    for got in (*results[True], *results[False]):
+        assert all(torch.equal(a, b) for a, b in zip(got, results[True][0], strict=True))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = naive_attention(qd, kd, vd, causal=True)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), grad_out.double())
+    for got, want, name in zip(results[False][0][1:], ref_grads, "qkv", strict=True):
+        assert_close(got, want, torch.bfloat16, what=f"d{name}")
+
+
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
 def test_cuda_graph_replays_give_what_eager_calls_give(training):
     # A call that waits for its host (N <= 512, docs/PERF.md v14) runs at its kernels' speed when captured in a CUDA
