@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+from collections.abc import Callable
 from dataclasses import astuple, dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -163,6 +166,54 @@ def _triton_default(head_dim: int, dtype: torch.dtype, causal: bool, kernel: str
     return planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device, warpspec=False)
 
 
+# ---- launch plans ----------------------------------------------------------------------------------------------
+# A training or inference loop calls attention with the same shapes, strides, dtype, mask and scale over and over.
+# Everything forward() and backward() work out from those — configs, kernels, grids, scalar arguments — is kept per
+# such signature as one function of the call's tensors (a plan); a call whose signature was seen allocates its
+# outputs and runs the plan. At N <= 512 a training call waits for its host, and autograd runs the backward on a
+# thread of its own (another core), where every object the backward touches is a cache miss: the fewer, the better
+# (docs/PERF.md v15).
+
+
+class _Plan(NamedTuple):
+    launch: Callable[..., None]
+    tma: bool  # it reads tensors through TMA: every call's addresses must be 16-byte aligned (warpspec.unsupported)
+
+
+_plans: dict[tuple, _Plan] = {}
+_MAX_PLANS = 256  # signatures a process keeps; cleared when full
+
+
+def _plan_key(kind: str, tensors: tuple, mask: Mask, scale: float, configs: tuple) -> tuple:
+    """A call's signature: what its plan was worked out from. The resolved configs come from the tuned files and the
+    planner through selection.resolve, whose cache generation and config directory are part of it."""
+    return (kind, tuple([(t.shape, t.stride()) for t in tensors]), tensors[0].dtype, tensors[0].device, mask, scale,
+            configs, selection.generation, os.environ.get("FA2TUNE_CONFIG_DIR"), interpreting())  # fmt: skip
+
+
+def _misaligned(*tensors: torch.Tensor) -> int:
+    bits = 0
+    for t in tensors:
+        bits |= t.data_ptr()
+    return bits % warpspec.TMA_ALIGN
+
+
+def _keep(key: tuple | None, plan: _Plan, downgraded: bool, tma_tensors: tuple) -> None:
+    """Keeps a plan for its signature. Not one whose warpspec config was swapped for the Triton template's where the
+    swap may have been for this call's addresses (warpspec.unsupported), which another call of the signature may not
+    share."""
+    if key is None or (downgraded and _misaligned(*tma_tensors)):
+        return
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    _plans[key] = plan
+
+
+def clear_plans() -> None:
+    """Forgets every kept plan (tests)."""
+    _plans.clear()
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -186,7 +237,18 @@ def forward(
         (heads_q, total_q) for packed sequences.
     """
     mask = _as_mask(causal)
-    (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), strides = _layout(q, k, packing)
+    key = None
+    if out is None and packing is None:  # a plan's outputs are allocated as below; packed offsets are per call
+        key = _plan_key("fwd", (q, k, v), mask, scale, config)
+        plan = _plans.get(key)
+        if plan is not None:
+            o = torch.empty_like(q, memory_format=torch.contiguous_format)
+            lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+            if not (plan.tma and _misaligned(q, k, v, o)):
+                with _on_device(q):
+                    plan.launch(q, k, v, o, lse)
+                return o, lse
+    (batch, heads_q, _, seqlen_q, _, _), _ = _layout(q, k, packing)
     explicit = config is not None
     if explicit and config.combination_error("fwd") is not None:
         raise ValueError(f"config {config}: {config.combination_error('fwd')}")
@@ -196,24 +258,33 @@ def forward(
     lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
     if o.numel() == 0 or batch == 0 or seqlen_q == 0:
         return o, lse.fill_(float("-inf"))
-    config = _runnable(config, "fwd", explicit, mask, packing, q=q, k=k, v=v, out=o)
-    if config.warpspec:
-        with _on_device(q):
-            warpspec.forward(q, k, v, o, lse, causal=mask.causal, scale=scale, config=config)
-        return o, lse
+    runnable = _runnable(config, "fwd", explicit, mask, packing, q=q, k=k, v=v, out=o)
+    launch = _forward_launcher(q, k, v, o, lse, mask, scale, runnable, packing)
+    with _on_device(q):
+        launch(q, k, v, o, lse)
+    _keep(key, _Plan(launch, bool(runnable.warpspec)), runnable != config, (q, k, v, o))
+    return o, lse
+
+
+def _forward_launcher(q, k, v, o, lse, mask: Mask, scale: float, config: KernelConfig, packing: Packing | None):
+    """launch(q, k, v, o, lse) for calls with these tensors' shapes and strides and this packing: the forward's one
+    kernel launch with everything but the tensors worked out."""
+    if config.warpspec:  # _runnable checked that this call can take it
+        return warpspec.forward_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config)
+    (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), strides = _layout(q, k, packing)
     kernel = _kernel("fwd", "_attn_fwd", mask, seqlen_q, seqlen_k, config, packing is not None)
     cu_q, cu_k, (left, right, prefix) = _mask_args(mask, seqlen_q, seqlen_k, packing)
     grid = fwd_grid(_cdiv(seqlen_q, config.block_m), batch * heads_q)
-    with _on_device(q):
-        fastlaunch.launch(
-            kernel, grid, (q, k, v, o, lse, cu_q, cu_k),
-            (*strides(q), *strides(k), *strides(v), *strides(o), *_lse_strides(lse, packing),
-             batch, heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale * LOG2E, left, right, prefix),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim),
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, INPUT_PRECISION=_input_precision(q.dtype),
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )  # fmt: skip
-    return o, lse
+    scalars = (*strides(q), *strides(k), *strides(v), *strides(o), *_lse_strides(lse, packing), batch, heads_q,
+               heads_q // heads_kv, seqlen_q, seqlen_k, scale * LOG2E, left, right, prefix)  # fmt: skip
+    options = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim), BLOCK_M=config.block_m,
+                   BLOCK_N=config.block_n, INPUT_PRECISION=_input_precision(q.dtype), num_warps=config.num_warps,
+                   num_stages=config.num_stages)  # fmt: skip
+
+    def launch(q, k, v, o, lse):
+        fastlaunch.launch(kernel, grid, (q, k, v, o, lse, cu_q, cu_k), scalars, **options)
+
+    return launch
 
 
 def _as_mask(causal: bool | Mask) -> Mask:
@@ -249,26 +320,44 @@ def backward(
     if do.stride(-1) != 1:
         do = do.contiguous()  # e.g. the stride-0 gradient of out.sum()
     mask = _as_mask(causal)
+    key = None
+    if packing is None:  # packed offsets are per call
+        key = _plan_key("bwd", (q, k, v, o, lse, do), mask, scale, (dkdv_config, dq_config))
+        plan = _plans.get(key)
+        if plan is not None:
+            dq, dk, dv, delta = _gradient_buffers(q, k, v, lse)
+            if not (plan.tma and _misaligned(q, k, v, do, dq, dk, dv)):
+                with _on_device(q):
+                    plan.launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse)
+                return dq, dk, dv
     for name, kernel, given in (("dkdv_config", "bwd_dkdv", dkdv_config), ("dq_config", "bwd_dq", dq_config)):
         if given is not None and given.combination_error(kernel) is not None:
             raise ValueError(f"{name} {given}: {given.combination_error(kernel)}")
     explicit_dkdv, explicit_dq = dkdv_config is not None, dq_config is not None
     dkdv_config = _config(dkdv_config, "bwd_dkdv", q, k, mask, packing)
     dq_config = _config(dq_config, "bwd_dq", q, k, mask, packing)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    delta = torch.empty_like(lse)
-    dkdv_config = _runnable(dkdv_config, "bwd_dkdv", explicit_dkdv, mask, packing, q=q, k=k, v=v, grad_out=do, dk=dk,
-                            dv=dv)  # fmt: skip
-    dq_config = _runnable(dq_config, "bwd_dq", explicit_dq, mask, packing, q=q, k=k, v=v, grad_out=do, dq=dq)
-
+    dq, dk, dv, delta = _gradient_buffers(q, k, v, lse)
+    dkdv_run = _runnable(dkdv_config, "bwd_dkdv", explicit_dkdv, mask, packing, q=q, k=k, v=v, grad_out=do, dk=dk,
+                         dv=dv)  # fmt: skip
+    dq_run = _runnable(dq_config, "bwd_dq", explicit_dq, mask, packing, q=q, k=k, v=v, grad_out=do, dq=dq)
+    launch = _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_run, dq_run, packing)
     with _on_device(q):
-        _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config, dq_config, packing, dlse)
+        launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse)
+    downgraded = dkdv_run != dkdv_config or dq_run != dq_config
+    _keep(key, _Plan(launch, bool(dkdv_run.warpspec or dq_run.warpspec)), downgraded, (q, k, v, do, dq, dk, dv))
     return dq, dk, dv
 
 
-def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config, dq_config, packing, dlse):
+def _gradient_buffers(q, k, v, lse):
+    """dq, dk, dv (contiguous, as backward() returns them) and δ, uninitialised."""
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format), torch.empty_like(lse))  # fmt: skip
+
+
+def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config, dq_config, packing):
+    """launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse) for calls with these tensors' shapes and strides and
+    this packing: δ's preprocess kernel, then the dK/dV and dQ kernels, everything but the tensors worked out."""
     (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), strides = _layout(q, k, packing)
     varlen = packing is not None
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim))
@@ -276,36 +365,47 @@ def _launch_bwd(q, k, v, o, lse, do, dq, dk, dv, delta, mask, scale, dkdv_config
     # δ per row needs no sequence boundaries: packed rows are preprocessed as one batch of one long sequence.
     pre_rows, pre_batch = (q.shape[0], 1) if varlen else (seqlen_q, batch)
     pre = _kernel("bwd", "_attn_bwd_preprocess", mask, seqlen_q, seqlen_k, dq_config, varlen)
-    fastlaunch.launch(
-        pre, (_cdiv(pre_rows, dq_config.block_m) * pre_batch * heads_q,),
-        (o, do, delta), (*strides(o), *strides(do), heads_q, pre_rows), **common, BLOCK_M=dq_config.block_m,
-    )  # fmt: skip
-    if dlse is not None:
-        delta.sub_(dlse)  # same layout as lse, hence as δ
+    pre_grid = (_cdiv(pre_rows, dq_config.block_m) * pre_batch * heads_q,)
+    pre_scalars = (*strides(o), *strides(do), heads_q, pre_rows)
+    pre_options = dict(**common, BLOCK_M=dq_config.block_m)
     cu_q, cu_k, bounds = _mask_args(mask, seqlen_q, seqlen_k, packing)
     inputs = (*strides(q), *strides(k), *strides(v), *strides(do), *_lse_strides(lse, packing))
     sizes = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds)
 
     if dkdv_config.warpspec:  # backward() checked that this call can take it
-        warpspec.backward_dkdv(q, k, v, do, lse, delta, dk, dv, causal=mask.causal, scale=scale, config=dkdv_config)
+        ws_dkdv = warpspec.backward_dkdv_launcher(q, k, lse, causal=mask.causal, scale=scale, config=dkdv_config)
+        dkdv = lambda q, k, v, do, lse, delta, dk, dv: ws_dkdv(q, k, v, do, dk, dv, lse, delta)
     else:
-        dkdv = _kernel("bwd", "_attn_bwd_dkdv", mask, seqlen_q, seqlen_k, dkdv_config, varlen)
-        fastlaunch.launch(
-            dkdv, (_cdiv(seqlen_k, dkdv_config.block_n) * batch * heads_kv,),
-            (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k), (*inputs, *strides(dk), *strides(dv), *sizes),
-            **common, BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n, INPUT_PRECISION=precision,
-            num_warps=dkdv_config.num_warps, num_stages=dkdv_config.num_stages,
-        )  # fmt: skip
+        dkdv_kernel = _kernel("bwd", "_attn_bwd_dkdv", mask, seqlen_q, seqlen_k, dkdv_config, varlen)
+        dkdv_grid = (_cdiv(seqlen_k, dkdv_config.block_n) * batch * heads_kv,)
+        dkdv_scalars = (*inputs, *strides(dk), *strides(dv), *sizes)
+        dkdv_options = dict(**common, BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n,
+                            INPUT_PRECISION=precision, num_warps=dkdv_config.num_warps,
+                            num_stages=dkdv_config.num_stages)  # fmt: skip
+        dkdv = lambda q, k, v, do, lse, delta, dk, dv: fastlaunch.launch(
+            dkdv_kernel, dkdv_grid, (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k), dkdv_scalars, **dkdv_options
+        )
     if dq_config.warpspec:  # backward() checked that this call can take it
-        warpspec.backward_dq(q, k, v, do, lse, delta, dq, causal=mask.causal, scale=scale, config=dq_config)
-        return
-    dq_kernel = _kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, dq_config, varlen)
-    fastlaunch.launch(
-        dq_kernel, (_cdiv(seqlen_q, dq_config.block_m) * batch * heads_q,),
-        (q, k, v, do, lse, delta, dq, cu_q, cu_k), (*inputs, *strides(dq), *sizes),
-        **common, BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, INPUT_PRECISION=precision,
-        num_warps=dq_config.num_warps, num_stages=dq_config.num_stages,
-    )  # fmt: skip
+        ws_dq = warpspec.backward_dq_launcher(q, k, lse, causal=mask.causal, scale=scale, config=dq_config)
+        dq_launch = lambda q, k, v, do, lse, delta, dq: ws_dq(q, k, v, do, dq, lse, delta)
+    else:
+        dq_kernel = _kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, dq_config, varlen)
+        dq_grid = (_cdiv(seqlen_q, dq_config.block_m) * batch * heads_q,)
+        dq_scalars = (*inputs, *strides(dq), *sizes)
+        dq_options = dict(**common, BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, INPUT_PRECISION=precision,
+                          num_warps=dq_config.num_warps, num_stages=dq_config.num_stages)  # fmt: skip
+        dq_launch = lambda q, k, v, do, lse, delta, dq: fastlaunch.launch(
+            dq_kernel, dq_grid, (q, k, v, do, lse, delta, dq, cu_q, cu_k), dq_scalars, **dq_options
+        )
+
+    def launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse):
+        fastlaunch.launch(pre, pre_grid, (o, do, delta), pre_scalars, **pre_options)
+        if dlse is not None:
+            delta.sub_(dlse)  # same layout as lse, hence as δ
+        dkdv(q, k, v, do, lse, delta, dk, dv)
+        dq_launch(q, k, v, do, lse, delta, dq)
+
+    return launch
 
 
 # ---- torch custom ops: what torch.compile sees -------------------------------------------------------------

@@ -28,9 +28,15 @@ def device_info(device: torch.device | str) -> DeviceInfo:
     return inspect_cached(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# Counts clear_cache() calls: what launcher's launch plans (resolved configs among them) are kept under.
+generation = 0
+
+
 def clear_cache() -> None:
     """Forget resolved configs (after a tune wrote new entries, or the config directories changed)."""
+    global generation
     _cache.clear()
+    generation += 1
 
 
 def resolve(

@@ -124,15 +124,28 @@ def _grid(config: KernelConfig, row_tiles: int, batch_heads: int, device_index: 
     return ((min(tiles, _sm_count(device_index)),) if config.persistent else (row_tiles, batch_heads)), tiles
 
 
-def _launch(
-    kernel: str, config: KernelConfig, causal: bool, grid: tuple[int, int], tma: list, rest: tuple, scalars: tuple
-) -> None:
-    """Launches a warpspec config of `kernel` on `grid`: tma lists (tensor, "q" or "kv") in the kernel's order of
-    descriptor parameters — "q" tensors in the query-side block, "kv" in the key-side one (compiled_form) —, rest the
-    pointer parameters after them, scalars the rest."""
-    fn, q_block, kv_block, kwargs = compiled_form(kernel, config, tma[0][0].shape[-1], causal)
-    blocks = {"q": q_block, "kv": kv_block}
-    fastlaunch.launch_tma(fn, grid, [(t, blocks[side]) for t, side in tma], _describe, rest, scalars, **kwargs)
+def _launcher(
+    kernel: str,
+    config: KernelConfig,
+    causal: bool,
+    head_dim: int,
+    grid: tuple[int, ...],
+    sides: tuple[str, ...],
+    scalars: tuple,
+):
+    """A function of the call's tensors that launches a warpspec config of `kernel` on `grid`: its arguments are the
+    tensors the kernel reads through TMA descriptors, in the kernel's order — sides names each one's block, "q" the
+    query-side one, "kv" the key-side one (compiled_form) —, then its pointer parameters; scalars are the rest.
+    Everything but the tensors is worked out here, once per call signature (launcher's plans keep the function)."""
+    fn, q_block, kv_block, kwargs = compiled_form(kernel, config, head_dim, causal)
+    blocks = tuple(q_block if side == "q" else kv_block for side in sides)
+    count = len(sides)
+
+    def launch(*tensors: torch.Tensor) -> None:
+        tma = list(zip(tensors[:count], blocks, strict=True))
+        fastlaunch.launch_tma(fn, grid, tma, _describe, tensors[count:], scalars, **kwargs)
+
+    return launch
 
 
 def _describe(t: torch.Tensor, block: tuple[int, ...]):
@@ -141,76 +154,50 @@ def _describe(t: torch.Tensor, block: tuple[int, ...]):
     return _descriptor(t, block, checked=not fastlaunch.enabled())
 
 
-def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float,
-    config: KernelConfig,
-) -> None:
-    """Writes O and the logsumexp (batch, heads_q, seqlen_q) of attention(q, k, v) with a warpspec config; the
-    call must have passed `unsupported`."""
-    batch, heads_q, seqlen_q, _ = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+def _sizes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    batch, heads_q, seqlen_q, head_dim = q.shape
+    return batch, heads_q, k.shape[1], seqlen_q, k.shape[2], head_dim
+
+
+def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
+                     config: KernelConfig):  # fmt: skip
+    """launch(q, k, v, o, lse): writes O and the logsumexp (batch, heads_q, seqlen_q) of attention(q, k, v) with a
+    warpspec config, for calls of these shapes and strides; the call must have passed `unsupported`."""
+    batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     grid, tiles = _grid(config, -(-seqlen_q // config.block_m), batch * heads_q, q.device.index)
-    _launch(
-        "fwd", config, causal, grid, [(q, "q"), (k, "kv"), (v, "kv"), (o, "q")], (lse,),
+    return _launcher(
+        "fwd", config, causal, head_dim, grid, ("q", "kv", "kv", "q"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, tiles),
     )  # fmt: skip
 
 
-def backward_dkdv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float,
-    config: KernelConfig,
-) -> None:
-    """Writes dK and dV (batch, heads_kv, seqlen_k, head_dim) — summed over each K/V head's query heads — with a
-    warpspec bwd_dkdv config; δ (delta) as the Triton template's preprocess kernel leaves it (less dlse). The call
-    must have passed `unsupported`."""
-    batch, heads_q, seqlen_q, _ = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
+                           config: KernelConfig):  # fmt: skip
+    """launch(q, k, v, do, dk, dv, lse, delta): writes dK and dV (batch, heads_kv, seqlen_k, head_dim) — summed over
+    each K/V head's query heads — with a warpspec bwd_dkdv config; δ (delta) as the Triton template's preprocess
+    kernel leaves it (less dlse). The call must have passed `unsupported`."""
+    batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     grid, tiles = _grid(config, -(-seqlen_k // config.block_n), batch * heads_kv, q.device.index)
-    _launch(
-        "bwd_dkdv", config, causal, grid,
-        [(q, "q"), (k, "kv"), (v, "kv"), (do, "q"), (dk, "kv"), (dv, "kv")], (lse, delta),
+    return _launcher(
+        "bwd_dkdv", config, causal, head_dim, grid, ("q", "kv", "kv", "q", "kv", "kv"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale,
          tiles),
     )  # fmt: skip
 
 
-def backward_dq(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    dq: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float,
-    config: KernelConfig,
-) -> None:
-    """Writes dQ (batch, heads_q, seqlen_q, head_dim) with a warpspec bwd_dq config; δ (delta) as for
-    backward_dkdv. The call must have passed `unsupported`."""
-    batch, heads_q, seqlen_q, _ = q.shape
-    heads_kv, seqlen_k = k.shape[1], k.shape[2]
+def backward_dq_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
+                         config: KernelConfig):  # fmt: skip
+    """launch(q, k, v, do, dq, lse, delta): writes dQ (batch, heads_q, seqlen_q, head_dim) with a warpspec bwd_dq
+    config; δ as for backward_dkdv_launcher. The call must have passed `unsupported`."""
+    batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     grid, tiles = _grid(config, -(-seqlen_q // config.block_m), batch * heads_q, q.device.index)
-    _launch(
-        "bwd_dq", config, causal, grid, [(q, "q"), (k, "kv"), (v, "kv"), (do, "q"), (dq, "q")], (lse, delta),
+    return _launcher(
+        "bwd_dq", config, causal, head_dim, grid, ("q", "kv", "kv", "q", "q"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, scale,
          tiles),
     )  # fmt: skip
+
+
+def forward(q, k, v, o, lse, *, causal: bool, scale: float, config: KernelConfig) -> None:
+    """forward_launcher's launch, once (a one-off call: scripts, tests)."""
+    forward_launcher(q, k, lse, causal=causal, scale=scale, config=config)(q, k, v, o, lse)

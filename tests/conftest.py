@@ -31,6 +31,15 @@ TOLERANCES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _fresh_launch_plans():
+    """launcher keeps, per call signature, what the first call worked out (configs, grids: its plans). Tests patch
+    what that is worked out from (selection.resolve, warpspec._sm_count): each starts with none kept."""
+    from fa2tune import launcher
+
+    launcher.clear_plans()
+
+
 @pytest.fixture(scope="session")
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
