@@ -13,6 +13,7 @@ launched the next kernel waits (docs/PERF.md v6 "host time", v7).
     python scripts/bench_host_overhead.py --gpu      # real launches: Triton's path vs direct, SDPA, autograd's floor
     python scripts/bench_host_overhead.py --split    # where one warp-specialized forward launch's host time goes
     python scripts/bench_host_overhead.py --autograd-split   # a fwd+bwd call: forward, into the backward, its body, out
+    python scripts/bench_host_overhead.py --threads  # fwd+bwd with the backward on autograd's thread, pinned, or not
 
 --split (GPU) replays one launch of the shipped d=128 causal forward piece by piece — fa2tune's wrapper, the TMA
 descriptors, fastlaunch.launch_tma and its plan (the compiled launcher called with descriptors encoded once per
@@ -29,7 +30,7 @@ import os
 import sys
 import time
 
-if "--gpu" not in sys.argv and "--split" not in sys.argv and "--autograd-split" not in sys.argv:
+if not {"--gpu", "--split", "--autograd-split", "--threads"} & set(sys.argv):
     os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU needed: nothing is launched
 
 import torch
@@ -261,6 +262,98 @@ def _autograd_split(repeats: int) -> int:
     return 0
 
 
+def _threads(rounds: int, repeats: int = 1000) -> int:
+    """Host µs of fwd+bwd calls (fa2tune, SDPA flash, a kernel-less autograd.Function) and of fa2tune's launchers,
+    with the backward where PyTorch puts it (autograd's thread for the GPU, on whichever core), with that thread and
+    the calling one pinned to one core or to two, and on the calling thread (torch.autograd.
+    set_multithreading_enabled(False)); "launchers fwd; bwd on a thread" hands launcher.backward to a plain Python
+    thread, which isolates the hand-over from autograd. docs/PERF.md v15 found the thread, not autograd, to be
+    where a short fwd+bwd call's unexplained host time goes: the backward's objects are cache misses on another core."""
+    import queue
+    import threading
+
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not torch.cuda.is_available():
+        print("--threads needs a CUDA GPU; none is visible", file=sys.stderr)
+        return 2
+    q, k, v = (torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    o, lse = launcher.forward(qd, kd, vd, causal=True, scale=0.088)
+    every_core = os.sched_getaffinity(0)
+    first, second = sorted(every_core)[:2]
+    pin = {"want": None, "applied": None}  # the backward thread's core set, asked and applied
+
+    def pinned(backward):
+        def run(ctx, *grads):
+            if pin["applied"] != pin["want"]:  # on autograd's thread: pins that thread only (Linux)
+                os.sched_setaffinity(0, pin["want"] or every_core)
+                pin["applied"] = pin["want"]
+            return backward(ctx, *grads)
+
+        return staticmethod(run)
+
+    class Identity(torch.autograd.Function):  # puts a pinning backward in SDPA's graph too
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        backward = pinned(lambda ctx, g: g)
+
+    jobs: queue.Queue = queue.Queue()
+    done: queue.Queue = queue.Queue()
+
+    def worker():
+        while True:
+            job = jobs.get()
+            job()
+            done.put(None)
+
+    threading.Thread(target=worker, daemon=True).start()
+    on_worker = lambda fn: (jobs.put(fn), done.get())
+    forward = lambda: launcher.forward(qd, kd, vd, causal=True, scale=0.088)
+    backward = lambda: launcher.backward(do, qd, kd, vd, o, lse, causal=True, scale=0.088)
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(Identity.apply(q), k, v, is_causal=True)
+            return torch.autograd.grad(out, (q, k, v), do)
+
+    cases = {
+        "fa2tune fwd+bwd": lambda: torch.autograd.grad(fa2tune.attention(q, k, v, causal=True), (q, k, v), do),
+        "SDPA flash fwd+bwd": sdpa,
+        "kernel-less fwd+bwd": lambda: torch.autograd.grad(_KernelLess.apply(q, k, v), (q, k, v), do),
+        "fa2tune fwd (grad)": lambda: fa2tune.attention(q, k, v, causal=True),
+        "launchers fwd;bwd": lambda: (forward(), backward()),
+        "launchers fwd; bwd on a thread": lambda: (forward(), on_worker(backward)),
+        "thread round trip": lambda: on_worker(lambda: None),
+    }
+    modes = {"default": (every_core, None), "same core": ({first}, {first}), "two cores": ({first}, {second}),
+             "no autograd threads": (every_core, None)}  # fmt: skip
+    real = launcher._EagerAttention.backward
+    launcher._EagerAttention.backward = pinned(real)
+    readings: dict[str, dict[str, list[float]]] = {}
+    try:
+        for _ in range(rounds):
+            for mode, (main_cores, backward_cores) in modes.items():
+                os.sched_setaffinity(0, main_cores)
+                pin["want"] = backward_cores
+                on_worker(lambda cores=backward_cores: os.sched_setaffinity(0, cores or every_core))
+                for name, fn in cases.items():
+                    with torch.autograd.set_multithreading_enabled(mode != "no autograd threads"):
+                        readings.setdefault(name, {}).setdefault(mode, []).append(_time_us(fn, repeats))
+    finally:
+        launcher._EagerAttention.backward = real
+        os.sched_setaffinity(0, every_core)
+    print(f"# host µs per call, {torch.cuda.get_device_name()}, 1x2x64x128 bf16 causal, median of {rounds} rounds")
+    print(f"{'':>34}" + "".join(f"{mode:>22}" for mode in modes))
+    for name, row in readings.items():
+        print(f"{name:>34}" + "".join(f"{sorted(xs)[len(xs) // 2]:22.0f}" for xs in row.values()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", action="store_true", help="call the custom op (the torch.compile path) instead")
@@ -268,7 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="--gpu: alternating rounds")
     parser.add_argument("--split", action="store_true", help="one warpspec launch's host time, piece by piece (GPU)")
     parser.add_argument("--autograd-split", action="store_true", help="a fwd+bwd call's host time in stretches")
+    parser.add_argument("--threads", action="store_true", help="fwd+bwd host time by where the backward runs (GPU)")
     args = parser.parse_args(argv)
+    if args.threads:
+        return _threads(3)
     if args.autograd_split:
         return _autograd_split(2000)
     if args.split:
