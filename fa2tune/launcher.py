@@ -373,8 +373,8 @@ def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config
     sizes = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds)
 
     if dkdv_config.warpspec:  # backward() checked that this call can take it
-        ws_dkdv = warpspec.backward_dkdv_launcher(q, k, lse, causal=mask.causal, scale=scale, config=dkdv_config)
-        dkdv = lambda q, k, v, do, lse, delta, dk, dv: ws_dkdv(q, k, v, do, dk, dv, lse, delta)
+        # the warpspec launchers take the TMA-read tensors first: the Triton ones below take the same order
+        dkdv = warpspec.backward_dkdv_launcher(q, k, lse, causal=mask.causal, scale=scale, config=dkdv_config)
     else:
         dkdv_kernel = _kernel("bwd", "_attn_bwd_dkdv", mask, seqlen_q, seqlen_k, dkdv_config, varlen)
         dkdv_grid = (_cdiv(seqlen_k, dkdv_config.block_n) * batch * heads_kv,)
@@ -382,19 +382,18 @@ def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config
         dkdv_options = dict(**common, BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n,
                             INPUT_PRECISION=precision, num_warps=dkdv_config.num_warps,
                             num_stages=dkdv_config.num_stages)  # fmt: skip
-        dkdv = lambda q, k, v, do, lse, delta, dk, dv: fastlaunch.launch(
+        dkdv = lambda q, k, v, do, dk, dv, lse, delta: fastlaunch.launch(
             dkdv_kernel, dkdv_grid, (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k), dkdv_scalars, **dkdv_options
         )
     if dq_config.warpspec:  # backward() checked that this call can take it
-        ws_dq = warpspec.backward_dq_launcher(q, k, lse, causal=mask.causal, scale=scale, config=dq_config)
-        dq_launch = lambda q, k, v, do, lse, delta, dq: ws_dq(q, k, v, do, dq, lse, delta)
+        dq_launch = warpspec.backward_dq_launcher(q, k, lse, causal=mask.causal, scale=scale, config=dq_config)
     else:
         dq_kernel = _kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, dq_config, varlen)
         dq_grid = (_cdiv(seqlen_q, dq_config.block_m) * batch * heads_q,)
         dq_scalars = (*inputs, *strides(dq), *sizes)
         dq_options = dict(**common, BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, INPUT_PRECISION=precision,
                           num_warps=dq_config.num_warps, num_stages=dq_config.num_stages)  # fmt: skip
-        dq_launch = lambda q, k, v, do, lse, delta, dq: fastlaunch.launch(
+        dq_launch = lambda q, k, v, do, dq, lse, delta: fastlaunch.launch(
             dq_kernel, dq_grid, (q, k, v, do, lse, delta, dq, cu_q, cu_k), dq_scalars, **dq_options
         )
 
@@ -402,8 +401,8 @@ def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config
         fastlaunch.launch(pre, pre_grid, (o, do, delta), pre_scalars, **pre_options)
         if dlse is not None:
             delta.sub_(dlse)  # same layout as lse, hence as δ
-        dkdv(q, k, v, do, lse, delta, dk, dv)
-        dq_launch(q, k, v, do, lse, delta, dq)
+        dkdv(q, k, v, do, dk, dv, lse, delta)
+        dq_launch(q, k, v, do, dq, lse, delta)
 
     return launch
 
