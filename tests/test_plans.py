@@ -158,3 +158,27 @@ def test_packed_sequences_and_given_outputs_keep_no_plan(device):
     cu = torch.tensor([0, 45], dtype=torch.int32, device=device)
     fa2tune.attention_varlen(*packed, cu, cu, 45, 45)
     assert not launcher._plans
+
+
+def test_plans_hold_no_tensors(device):
+    # A plan outlives its call: a tensor in its closures (an input, an output, a gradient buffer) would keep a
+    # training step's activations alive for as long as the process keeps the plan.
+    q, k, v = _qkv(device=device, grad=True)
+    torch.autograd.grad(fa2tune.attention(q, k, v, causal=True), (q, k, v), torch.randn_like(q))
+    assert len(launcher._plans) == 2  # the forward's and the backward's
+
+    def contents(fn, seen):
+        if id(fn) in seen:
+            return
+        seen.add(id(fn))
+        for cell in fn.__closure__ or ():
+            value = cell.cell_contents
+            yield value
+            if callable(value) and hasattr(value, "__closure__"):
+                yield from contents(value, seen)
+
+    for plan in launcher._plans.values():
+        held = list(contents(plan.launch, set()))
+        assert held and not any(isinstance(x, torch.Tensor) for x in held)
+        flat = [y for x in held if isinstance(x, tuple | list) for y in x]
+        assert not any(isinstance(y, torch.Tensor) for y in flat)
