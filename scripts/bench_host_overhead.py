@@ -284,13 +284,18 @@ def _threads(rounds: int, repeats: int = 1000) -> int:
     o, lse = launcher.forward(qd, kd, vd, causal=True, scale=0.088)
     every_core = os.sched_getaffinity(0)
     first, second = sorted(every_core)[:2]
-    pin = {"want": None, "applied": None}  # the backward thread's core set, asked and applied
+    # the cores asked for the thread that runs the backward, and what each thread was given, by thread: with
+    # autograd's threads off the backward runs on the calling thread, and autograd's thread must keep its own record
+    # (one record for both left autograd's thread pinned in the next round's "default" — the one-off's flaw, v15)
+    pin: dict = {"want": None}
+    applied: dict[int, object] = {}
 
     def pinned(backward):
         def run(ctx, *grads):
-            if pin["applied"] != pin["want"]:  # on autograd's thread: pins that thread only (Linux)
+            thread = threading.get_ident()
+            if applied.get(thread) != pin["want"]:  # pins the thread this runs on only (Linux)
                 os.sched_setaffinity(0, pin["want"] or every_core)
-                pin["applied"] = pin["want"]
+                applied[thread] = pin["want"]
             return backward(ctx, *grads)
 
         return staticmethod(run)
@@ -345,7 +350,7 @@ def _threads(rounds: int, repeats: int = 1000) -> int:
                     with torch.autograd.set_multithreading_enabled(mode != "no autograd threads"):
                         readings.setdefault(name, {}).setdefault(mode, []).append(_time_us(fn, repeats))
     finally:
-        launcher._EagerAttention.backward = real
+        launcher._EagerAttention.backward = staticmethod(real)
         os.sched_setaffinity(0, every_core)
     print(f"# host µs per call, {torch.cuda.get_device_name()}, 1x2x64x128 bf16 causal, median of {rounds} rounds")
     print(f"{'':>34}" + "".join(f"{mode:>22}" for mode in modes))

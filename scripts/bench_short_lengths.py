@@ -17,7 +17,7 @@ host costs a call that waits for it (docs/PERF.md v14) — and what a user who c
 
 --threads times each fwd+bwd call with autograd's device threads (PyTorch's default: a GPU's backward runs on a
 thread of its own) and with torch.autograd.set_multithreading_enabled(False) (on the calling thread): moving a
-call's Python between two threads, and the CPU caches between two cores, costs a short call ~40 % of its host
+call's Python between two threads, and the CPU caches between two cores, costs a short call 18–57 % of its host
 time (docs/PERF.md v15).
 """
 
