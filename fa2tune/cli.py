@@ -211,7 +211,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     if devices[0] == "cpu":
         print("note: CPU timings (Triton's interpreter) say nothing about GPU speed; this run only exercises the "
               "pipeline on tiny shapes.")  # fmt: skip
-    kernels = {"fwd": ["fwd"], "bwd": ["bwd_dkdv", "bwd_dq"], "all": list(planner.KERNELS)}[args.kernel]
+    kernels = {"bwd": ["bwd_dkdv", "bwd_dq"], "all": list(planner.KERNELS)}.get(args.kernel, [args.kernel])
     seqlens = _tuning_lengths(args.seqlens, args.seqlen_bucket)
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     config_dir = Path(args.config_dir) if args.config_dir else store.user_config_dir()
@@ -374,7 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--head-dim", type=_head_dim, required=True)
     tune.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_CHOICES))
     tune.add_argument("--causal", default="both", choices=["both", "yes", "no"])
-    tune.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "all"])
+    tune.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "bwd_dkdv", "bwd_dq", "all"],
+                      help="bwd: both backward kernels; bwd_dkdv / bwd_dq one of them (after a change to its template)")
     tune.add_argument(
         "--window",
         type=_window,

@@ -7,7 +7,9 @@
 #   e.g. bash scripts/gpu-tune-h200.sh 16 /tmp "128/bf16 128/fp16 128/bf16/all/short" "64/bf16 64/fp16 64/bf16/all/short"
 # (session 5 re-tuned only the forward, 24 trials, then the short entries: docs/bench/logs/ship-tune-d*-session5.log;
 # session 11 the backward, 16 trials: "128/bf16/bwd 128/fp16/bwd 64/bf16/bwd", after which the d=128 bf16 N <= 1k
-# backward entries were put back to their Triton configs: docs/PERF.md v11)
+# backward entries were put back to their Triton configs: docs/PERF.md v11;
+# session 16 the forward, 16 trials, then the dK/dV kernel alone, 6 trials: "128/bf16/bwd_dkdv 128/bf16/bwd_dkdv/short
+# 128/fp16/bwd_dkdv" "64/bf16/bwd_dkdv 64/bf16/bwd_dkdv/short": docs/PERF.md v16)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 trials=$1 logs=$2

@@ -166,6 +166,18 @@ def test_a_re_tune_times_the_config_the_file_holds_for_its_key(tmp_path, capsys,
     assert tunejob.incumbent(seen[0], tmp_path / "bad.yaml") is None
 
 
+def test_tune_one_backward_kernel_on_cpu(tmp_path):
+    # after a change to one backward template only its entries are stale: `--kernel bwd_dq` tunes that one alone
+    if torch.cuda.is_available():
+        pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
+    from fa2tune import store
+
+    args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "1", "--causal", "no", "--kernel", "bwd_dq"]
+    assert cli.main([*args, "--config-dir", str(tmp_path)]) == 0
+    _, entries = store.read_file(tmp_path / "cpu-interpreter.yaml")
+    assert [e.key.kernel for e in entries] == ["bwd_dq"]
+
+
 def test_tune_window_and_varlen_variants_on_cpu(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
