@@ -374,8 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--head-dim", type=_head_dim, required=True)
     tune.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_CHOICES))
     tune.add_argument("--causal", default="both", choices=["both", "yes", "no"])
-    tune.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "bwd_dkdv", "bwd_dq", "all"],
-                      help="bwd: both backward kernels; bwd_dkdv / bwd_dq one of them (after a change to its template)")
+    tune.add_argument(
+        "--kernel",
+        default="fwd",
+        choices=["fwd", "bwd", "bwd_dkdv", "bwd_dq", "all"],
+        help="bwd: both backward kernels; bwd_dkdv / bwd_dq one of them (after a change to its template)",
+    )
     tune.add_argument(
         "--window",
         type=_window,
