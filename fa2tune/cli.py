@@ -164,10 +164,10 @@ def _window(text: str) -> tuple[int, int]:
 
 
 def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
-    """--seqlens, or the bucket's default; a short bucket tuned at a length it never serves would be wrong."""
-    from .store import SHORT_SEQLEN
+    """--seqlens, or the bucket's default; a bucket tuned at a length it never serves would be wrong."""
+    from .store import BUCKET_RANGES
 
-    text = text or ("512,1024" if bucket == "short" else "1024,4096,16384")
+    text = text or {"short": "512,1024", "medium": "2048,4096"}.get(bucket, "1024,4096,16384")
     try:
         seqlens = tuple(int(n) for n in text.split(","))
     except ValueError:
@@ -175,8 +175,9 @@ def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
     problem = None
     if not seqlens or min(seqlens) < 1:
         problem = f"--seqlens must be comma-separated ints >= 1, got {text!r}"
-    elif bucket == "short" and max(seqlens) > SHORT_SEQLEN:
-        problem = f"--seqlen-bucket short serves lengths <= {SHORT_SEQLEN}; --seqlens {text} goes past it"
+    elif bucket in BUCKET_RANGES and not all(BUCKET_RANGES[bucket][0] < n <= BUCKET_RANGES[bucket][1] for n in seqlens):
+        low, high = BUCKET_RANGES[bucket]
+        problem = f"--seqlen-bucket {bucket} serves lengths in ({low}, {high}]; --seqlens {text} goes outside it"
     if problem:
         print(f"fa2tune: {problem}", file=sys.stderr)
         sys.exit(2)
@@ -331,6 +332,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
                 )
                 if (k.short_config, k.short_source) != (k.config, k.source):  # a "short" entry for N <= 1024
                     rows[-1].update(fwd_short=k.short_config.to_dict(), short_source=k.short_source)
+                if (k.medium_config, k.medium_source) != (k.config, k.source):  # a "medium" entry, 1024 < N <= 4096
+                    rows[-1].update(fwd_medium=k.medium_config.to_dict(), medium_source=k.medium_source)
     if args.json:
         print(json.dumps({"slug": slug, "search_path": [str(d) for d in store.config_dirs()], "rows": rows}, indent=2))
         return 0
@@ -390,11 +393,12 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU core)")
     tune.add_argument("--seqlens", default=None,
                       help="tuning lengths, at batch·N = --tokens (default 1024,4096,16384; 512,1024 for "
-                           "--seqlen-bucket short)")  # fmt: skip
-    tune.add_argument("--seqlen-bucket", default="all", choices=["all", "short"],
+                           "--seqlen-bucket short; 2048,4096 for medium)")  # fmt: skip
+    tune.add_argument("--seqlen-bucket", default="all", choices=["all", "short", "medium"],
                       help="short: an entry used only by calls with max(seqlen_q, seqlen_k) <= 1024, tuned at such "
                            "lengths (a backward kernel timed inside the whole training call, where the host can be "
-                           "the bound); all: the entry for every other length")  # fmt: skip
+                           "the bound); medium: the same for 1024 < max(seqlen_q, seqlen_k) <= 4096; all: the entry "
+                           "for every other length")  # fmt: skip
     tune.add_argument("--tokens", type=int, default=16384)
     tune.add_argument("--trials", type=int, default=40, help="configs measured per study")
     tune.add_argument("--timeout", type=float, default=None, help="seconds per study")

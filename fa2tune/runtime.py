@@ -28,6 +28,8 @@ class AttentionKernel:
         short_config, short_source: the forward config for calls whose longer side is at most
             store.SHORT_SEQLEN, and where it came from: the store's "short" entry if there is one, else the same
             as config. (The backward looks its configs up the same way at each call.)
+        medium_config, medium_source: the same for calls whose longer side is past store.SHORT_SEQLEN and at most
+            store.MEDIUM_SEQLEN (the store's "medium" entry).
     """
 
     head_dim: int
@@ -45,6 +47,8 @@ class AttentionKernel:
     varlen: bool = False
     short_config: KernelConfig | None = None
     short_source: str | None = None
+    medium_config: KernelConfig | None = None
+    medium_source: str | None = None
 
     def __call__(
         self,
@@ -72,8 +76,8 @@ class AttentionKernel:
         mask = dict(causal=self.causal, window=self.window, prefix_len=self.prefix_len)
         # The call's longer side picks the forward config, by the store's rule (what attention() does without one).
         longest = max(packing[2:4]) if self.varlen and len(packing) >= 4 else max(q.shape[-2], k.shape[-2])
-        short = self.short_config is not None and store.buckets_for(longest)[0] == "short"
-        options = dict(scale=scale, return_lse=return_lse, config=self.short_config if short else self.config)
+        bucket_config = {"short": self.short_config, "medium": self.medium_config}.get(store.bucket_of(longest))
+        options = dict(scale=scale, return_lse=return_lse, config=bucket_config or self.config)
         if self.varlen:
             return attention_varlen(q, k, v, *packing, **mask, **options)
         return attention(q, k, v, **mask, **options)
@@ -94,10 +98,10 @@ def _resolved(
     configs = [selection.resolve(kernel, head_dim, dtype, causal, device, window=banded, varlen=varlen)
                for kernel in ("fwd", "bwd_dkdv", "bwd_dq")]  # fmt: skip
     (fwd, source), (dkdv, bwd_source), (dq, _) = configs
-    short, short_source = selection.resolve("fwd", head_dim, dtype, causal, device, window=banded, varlen=varlen,
-                                            seqlen=store.SHORT_SEQLEN)  # fmt: skip
+    short, medium = (selection.resolve("fwd", head_dim, dtype, causal, device, window=banded, varlen=varlen, seqlen=n)
+                     for n in (store.SHORT_SEQLEN, store.MEDIUM_SEQLEN))  # fmt: skip
     return AttentionKernel(head_dim, dtype, causal, selection.device_info(device), device, fwd, source, dkdv, dq,
-                           bwd_source, window, prefix_len, varlen, short, short_source)  # fmt: skip
+                           bwd_source, window, prefix_len, varlen, *short, *medium)  # fmt: skip
 
 
 def get_kernel(

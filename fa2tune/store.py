@@ -42,14 +42,30 @@ DTYPE_NAMES = ("bf16", "fp16", "fp32")  # inputs.DTYPE_NAMES' values; no torch n
 KERNEL_NAMES = ("fwd", "bwd_dkdv", "bwd_dq")  # planner.KERNELS; repeated so reading YAML needs no torch import
 # Configs per sequence length: "all" serves every length; "short" (optional) serves calls whose longer side,
 # max(seqlen_q, seqlen_k), is at most SHORT_SEQLEN — there a tile grid of a few programs per head and the masked
-# diagonal tiles weigh more, and the best config can differ from the long-sequence one (docs/TUNING.md).
-SEQLEN_BUCKETS = ("all", "short")
+# diagonal tiles weigh more, and the best config can differ from the long-sequence one (docs/TUNING.md); "medium"
+# (optional) serves SHORT_SEQLEN < length <= MEDIUM_SEQLEN: the "all" entry is tuned where the longest of its lengths
+# weighs most, and at N = 2k a causal d=64 forward ran 20 % slower with it than with the best config there
+# (docs/PERF.md v17).
+SEQLEN_BUCKETS = ("all", "short", "medium")
 SHORT_SEQLEN = 1024
+MEDIUM_SEQLEN = 4096
+# The lengths each bucket serves, lowest excluded: (lowest, highest].
+BUCKET_RANGES = {"short": (0, SHORT_SEQLEN), "medium": (SHORT_SEQLEN, MEDIUM_SEQLEN)}
+
+
+def bucket_of(seqlen: int | None) -> str:
+    """The length bucket of a call whose longer side is `seqlen` (None: unknown, "all")."""
+    if seqlen is not None:
+        for bucket, (low, high) in BUCKET_RANGES.items():
+            if low < seqlen <= high:
+                return bucket
+    return "all"
 
 
 def buckets_for(seqlen: int | None) -> tuple[str, ...]:
     """The buckets a call of this length looks up, in order: its own, then "all"."""
-    return ("short", "all") if seqlen is not None and seqlen <= SHORT_SEQLEN else ("all",)
+    bucket = bucket_of(seqlen)
+    return (bucket, "all") if bucket != "all" else ("all",)
 
 
 @dataclass(frozen=True)

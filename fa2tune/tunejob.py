@@ -42,7 +42,7 @@ class StudySpec:
     seed: int = 0  # workers of one study get different seeds, so their first proposals differ
     window: tuple[int, int] | None = None  # tune the band-mask variant at this (left, right) window
     varlen: bool = False  # tune the packed-sequence variant (the batch packed as equal-length sequences)
-    seqlen_bucket: str = "all"  # "short": an entry for calls with max(N_q, N_k) <= store.SHORT_SEQLEN
+    seqlen_bucket: str = "all"  # "short" / "medium": an entry for calls of those lengths only (store.BUCKET_RANGES)
     run: str | None = None  # set by run_parallel_many: `trials` is the budget of all its workers together
     # The config the file this tune writes holds for the key now (stale or not): timed beside the new candidates,
     # kept unless one is measured faster (tuner.first_configs says why). See incumbent().
@@ -72,9 +72,10 @@ class StudySpec:
 
     @property
     def variant(self) -> str:
-        """The study-name suffix: the template variant ("window", "varlen") and the length bucket ("short"), joined
-        by "+"; "" for the plain variant at every length."""
-        parts = (("window", self.window is not None), ("varlen", self.varlen), ("short", self.seqlen_bucket == "short"))
+        """The study-name suffix: the template variant ("window", "varlen") and the length bucket ("short",
+        "medium"), joined by "+"; "" for the plain variant at every length."""
+        bucket = self.seqlen_bucket
+        parts = (("window", self.window is not None), ("varlen", self.varlen), (bucket, bucket != "all"))
         return "+".join(name for name, on in parts if on)
 
 
@@ -185,13 +186,14 @@ def run_study(
 
 
 def baseline(spec: StudySpec, device_name: str, info: DeviceInfo | None = None) -> tuple[planner.KernelConfig, str]:
-    """(config, name) a study must beat, timed first: the planner's default; for a short-length study, the config
-    calls of those lengths run without its entry — the "all" entry, tuned at longer lengths — so a short entry is
-    written only as at least as fast as that at its own lengths (a tuned config is never slower than its baseline).
+    """(config, name) a study must beat, timed first: the planner's default; for a length bucket's study ("short",
+    "medium"), the config calls of those lengths run without its entry — the "all" entry, tuned at other lengths — so
+    a bucket's entry is written only as at least as fast as that at its own lengths (a tuned config is never slower
+    than its baseline).
     info: the device's DeviceInfo, if already read.
     """
     dtype = DTYPES_BY_NAME[spec.dtype]
-    if spec.seqlen_bucket == "short":
+    if spec.seqlen_bucket != "all":
         config, source = selection.resolve(spec.kernel, spec.head_dim, dtype, spec.causal, device_name,
                                            window=spec.window is not None, varlen=spec.varlen)  # fmt: skip
         if source != "planner-default":

@@ -11,6 +11,7 @@ interpreter, or over a recorded table in tests.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -125,27 +126,31 @@ def fail_abandoned(storage, run: str, pid: int) -> int:
 
 
 def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k: int = 3) -> list[KernelConfig]:
-    """One config for each of the k block shapes (block_m, block_n) a roofline argument ranks first.
+    """One config for each of the k block shapes (block_m, block_n) a roofline argument ranks first, taken in turn
+    from the warp-specialized kernels and the Triton template where the space holds both.
 
     Timed right after the default, these spread the first trials over the shapes — the choice that matters most —
     before TPE refines warps and stages. A program's arithmetic intensity grows with its tile (block_m·block_n),
     so larger tiles first, as long as their fp32 accumulators stay well inside the register file (≤ 192 per
-    thread; past ~256 they spill); per shape, 3 pipeline stages (a load hidden behind one loop step) and more warps.
-    On the recorded H200 sweeps this start takes the study from 7 to 15 of 20 runs within 2 % of the best at a
-    quarter of the exhaustive budget (docs/TUNING.md).
+    thread; past ~256 they spill); per shape, 3 pipeline stages (a load hidden behind one loop step), more warps,
+    and a persistent grid. On the recorded H200 sweeps this start takes the study from 7 to 15 of 20 runs within 2 %
+    of the best at a quarter of the exhaustive budget (docs/TUNING.md). The two kernel families take turns because
+    ranking all shapes together let the Triton template's larger tiles crowd out the warp-specialized kernel's
+    smaller ones: a 16-trial tune of the d=64 causal N ≤ 1k forward never timed the (128, 128) warpspec persistent
+    config, 13 % faster than the one it kept (docs/PERF.md v17).
     """
 
     def score(cfg: KernelConfig):
         regs = planner.accumulators_per_thread(cfg, head_dim, kernel)
-        return (regs > 192, -cfg.block_m * cfg.block_n, abs(cfg.num_stages - 3), -cfg.num_warps)
+        return (regs > 192, -cfg.block_m * cfg.block_n, abs(cfg.num_stages - 3), -cfg.num_warps, -cfg.persistent)
 
-    picks: list[KernelConfig] = []
+    by_family: dict[bool, list[KernelConfig]] = {True: [], False: []}  # warpspec first
     for cfg in sorted(candidates, key=score):
-        if all((p.block_m, p.block_n) != (cfg.block_m, cfg.block_n) for p in picks):
-            picks.append(cfg)
-        if len(picks) >= k:
-            break
-    return picks
+        family = by_family[cfg.warpspec > 0]
+        if all((p.block_m, p.block_n) != (cfg.block_m, cfg.block_n) for p in family):
+            family.append(cfg)
+    turns = itertools.zip_longest(by_family[True], by_family[False])
+    return [cfg for pair in turns for cfg in pair if cfg is not None][:k]
 
 
 def first_configs(

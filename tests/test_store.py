@@ -237,7 +237,7 @@ def test_a_short_entry_serves_calls_up_to_1024_and_the_all_entry_the_rest(config
     short_cfg, long_cfg, dq_short = KernelConfig(16, 16, 4, 1), KernelConfig(32, 16, 4, 1), KernelConfig(16, 32, 4, 1)
     store.write_entries(path, DEVICE, [_entry(cfg=long_cfg), _entry(cfg=short_cfg, bucket="short"),
                                        _entry(kernel="bwd_dq", cfg=dq_short, bucket="short")])  # fmt: skip
-    assert store.buckets_for(1024) == ("short", "all") and store.buckets_for(1025) == store.buckets_for(None)
+    assert store.buckets_for(1024) == ("short", "all") and store.buckets_for(4097) == store.buckets_for(None)
     resolve = lambda kernel, n: selection.resolve(kernel, 64, torch.float32, False, device, seqlen=n)
     assert resolve("fwd", 1) == resolve("fwd", 1024) == (short_cfg, str(path))
     assert resolve("fwd", 1025) == resolve("fwd", None) == (long_cfg, str(path))
@@ -282,7 +282,36 @@ def test_a_short_entry_key_round_trips_and_a_bad_bucket_is_refused(config_dir):
     store.write_entries(path, DEVICE, [_entry(bucket="short"), _entry()])
     assert sorted(e.key.seqlen_bucket for e in store.read_file(path)[1]) == ["all", "short"]
     with pytest.raises(ValueError, match="seqlen_bucket must be one of"):
-        store.EntryKey(head_dim=64, dtype="bf16", causal=False, kernel="fwd", seqlen_bucket="medium")
+        store.EntryKey(head_dim=64, dtype="bf16", causal=False, kernel="fwd", seqlen_bucket="long")
+
+
+def test_a_medium_entry_serves_calls_past_1024_up_to_4096(config_dir, device):
+    slug = selection.device_info(device).slug
+    path = config_dir / "env" / f"{slug}.yaml"
+    short_cfg, medium_cfg, long_cfg = KernelConfig(16, 16, 4, 1), KernelConfig(16, 32, 4, 2), KernelConfig(32, 16, 4, 1)
+    store.write_entries(path, DEVICE, [_entry(cfg=long_cfg), _entry(cfg=short_cfg, bucket="short"),
+                                       _entry(cfg=medium_cfg, bucket="medium")])  # fmt: skip
+    assert [store.bucket_of(n) for n in (None, 1, 1024, 1025, 4096, 4097)] == [
+        "all", "short", "short", "medium", "medium", "all"]  # fmt: skip
+    assert store.buckets_for(2048) == ("medium", "all")
+    resolve = lambda n: selection.resolve("fwd", 64, torch.float32, False, device, seqlen=n)[0]
+    assert [resolve(n) for n in (1024, 1025, 4096, 4097)] == [short_cfg, medium_cfg, medium_cfg, long_cfg]
+    # With no medium entry for a kernel, its medium-length calls run the "all" one.
+    assert selection.resolve("bwd_dq", 64, torch.float32, False, device, seqlen=2048)[1] == "planner-default"
+
+    kernel = fa2tune.get_kernel(64, device=device, dtype=torch.float32)
+    assert (kernel.short_config, kernel.medium_config, kernel.config) == (short_cfg, medium_cfg, long_cfg)
+    assert kernel.medium_source == str(path)
+    launched = []
+    real = runtime.attention
+    x = torch.empty(1, 1, 8, 64)
+    try:
+        runtime.attention = lambda *args, config=None, **kw: launched.append(config)
+        for n in (1000, 1025, 4096, 4097):
+            kernel(x, torch.empty(1, 1, n, 64), torch.empty(1, 1, n, 64))
+    finally:
+        runtime.attention = real
+    assert launched == [short_cfg, medium_cfg, medium_cfg, long_cfg]
 
 
 def test_a_short_study_must_beat_what_short_calls_run_without_it(config_dir, device):
@@ -298,6 +327,7 @@ def test_a_short_study_must_beat_what_short_calls_run_without_it(config_dir, dev
     store.write_entries(config_dir / "env" / f"{slug}.yaml", DEVICE, [_entry(cfg=long_cfg)])
     runtime.clear_cache()
     assert tunejob.baseline(spec("short"), device) == (long_cfg, "seqlen_bucket all")  # the "all" entry
+    assert tunejob.baseline(spec("medium"), device) == (long_cfg, "seqlen_bucket all")
     assert tunejob.baseline(spec("all"), device) == (default(), "planner-default")
     assert tunejob.baseline(spec("short", "bwd_dq"), device) == (default("bwd_dq"), "planner-default")
 
