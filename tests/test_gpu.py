@@ -32,6 +32,34 @@ def test_production_shapes_match_reference(head_dim, causal, dtype):
     assert_close(lse, ref_lse, torch.float32, what="lse")
 
 
+@pytest.mark.parametrize("seqlen", [700, 3000, 5000], ids=["short", "medium", "all"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_each_length_bucket_runs_its_shipped_entry_right(head_dim, causal, seqlen):
+    # The shipped file holds a bf16 forward entry per length bucket (store.BUCKET_RANGES); a call of a bucket's
+    # length launches that entry's config: forward and gradients against float64, output poisoned first.
+    from fa2tune import selection, store
+
+    config, source = selection.resolve("fwd", head_dim, torch.bfloat16, causal, "cuda", seqlen=seqlen)
+    if torch.cuda.get_device_capability() == (9, 0) and "H200" in torch.cuda.get_device_name():
+        assert source.endswith("nvidia-h200.yaml"), f"no shipped {store.bucket_of(seqlen)} entry: {source}"
+    torch.manual_seed(seqlen + head_dim)
+    q, k, v = (torch.randn(1, 2, seqlen, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    out = torch.full_like(q, float("nan"), requires_grad=False)
+    o, _ = launcher.forward(q.detach(), k.detach(), v.detach(), causal=causal, scale=head_dim**-0.5, config=config,
+                            out=out)  # fmt: skip
+    o_auto = fa2tune.attention(q, k, v, causal=causal)  # the same entry through the public call, with autograd
+    grads = torch.autograd.grad(o_auto, (q, k, v), torch.ones_like(o_auto))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = naive_attention(qd, kd, vd, causal=causal)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), torch.ones_like(ref))
+    assert_close(o, ref, torch.bfloat16)
+    assert torch.equal(o, o_auto.detach())
+    for got, want, name in zip(grads, ref_grads, "qkv", strict=True):
+        assert_close(got, want, torch.bfloat16, what=f"d{name}")
+
+
 def test_offsets_past_two_to_the_31_elements():
     # 2^31 + 2^21 elements per tensor: the last (batch, head) starts past what int32 offsets can address.
     batch, heads, seqlen, head_dim = 16384 + 16, 16, 128, 64
