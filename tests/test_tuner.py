@@ -379,6 +379,24 @@ def test_a_warpspec_forward_default_is_timed_beside_its_other_schedule():
     assert dq[1] == KernelConfig(128, 64, 4, 3, warpspec=1, persistent=1)
 
 
+def test_first_picks_take_turns_between_the_warpspec_kernels_and_the_triton_template():
+    # Ranked together by tile size, the Triton template's 128x256 / 256x128 / 64x256 shapes crowded out the
+    # warp-specialized kernel's (128, 128): a 16-trial d=64 causal N <= 1k study never timed it, and it was 13 %
+    # faster than the config the study kept (docs/PERF.md v17). Now the two families alternate, warpspec first.
+    h200 = known_gpu("h200")
+    space = planner.candidates("fwd")
+    feasible = [c for c in space if planner.check(c, h200, 64, torch.bfloat16, "fwd") is None]
+    picks = tuner.promising(feasible, 64, "fwd", k=8)
+    assert [c.warpspec > 0 for c in picks] == [True, False] * 4
+    assert KernelConfig(128, 128, 4, 3, warpspec=1, persistent=1) in picks
+    for family in (True, False):  # one config per block shape within a family
+        shapes = [(c.block_m, c.block_n) for c in picks if (c.warpspec > 0) == family]
+        assert len(shapes) == len(set(shapes))
+    # Where the space has no warp-specialized configs (not Hopper), the picks are the Triton ones as before.
+    triton_only = [c for c in feasible if not c.warpspec]
+    assert tuner.promising(triton_only, 64, "fwd", k=4) == [c for c in picks if not c.warpspec]
+
+
 def test_the_config_a_key_runs_now_is_timed_second_and_kept_unless_beaten():
     # A re-tune of 10-16 trials twice replaced a shipped config by one it never timed beside it (docs/PERF.md v13).
     # The incumbent, the config the written file holds for the key, is timed right after the default, re-timed
