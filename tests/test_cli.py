@@ -133,6 +133,39 @@ def test_tune_on_cpu_writes_yaml_that_the_runtime_then_uses(tmp_path, capsys, mo
     runtime.clear_cache()
 
 
+def test_show_lists_the_length_bucket_configs_a_call_resolves(tmp_path, capsys, monkeypatch):
+    # `fa2tune show` prints, beside the config of every length, the forward configs of the short and medium buckets
+    # where the store has entries for them.
+    if torch.cuda.is_available():
+        pytest.skip("resolves for the CPU interpreter; on a GPU show reads the card")
+    from fa2tune import codegen, runtime, store
+    from fa2tune.types import KernelConfig
+
+    configs = {
+        "all": KernelConfig(32, 16, 4, 1),
+        "short": KernelConfig(16, 16, 4, 1),
+        "medium": KernelConfig(16, 32, 4, 2),
+    }
+    entries = []
+    for bucket, cfg in configs.items():
+        key = store.EntryKey(head_dim=64, dtype="bf16", causal=False, kernel="fwd", seqlen_bucket=bucket)
+        entries.append(store.Entry(key=key, config=cfg, ms=1.0, tflops=None, baseline={}, trials=1, spread=None,
+                                   triton_version="0", torch_version="0", date="2026-11-30",
+                                   template_hash=codegen.entry_code_hash(key, cfg)))  # fmt: skip
+    store.write_entries(tmp_path / "cpu-interpreter.yaml", {"name": "cpu", "slug": "cpu-interpreter"}, entries)
+    monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path))
+    runtime.clear_cache()
+    try:
+        assert cli.main(["show", "--device", "cpu", "--json"]) == 0
+    finally:
+        runtime.clear_cache()
+    shown = json.loads(capsys.readouterr().out)
+    (row,) = [r for r in shown["rows"] if r.get("resolved") and r["head_dim"] == 64 and not r["causal"]]
+    assert row["fwd"] == configs["all"].to_dict()
+    assert row["fwd_short"] == configs["short"].to_dict() and row["fwd_medium"] == configs["medium"].to_dict()
+    assert row["medium_source"] == str(tmp_path / "cpu-interpreter.yaml")
+
+
 def test_a_re_tune_times_the_config_the_file_holds_for_its_key(tmp_path, capsys, monkeypatch):
     # What the written file holds for the key (stale entries too: their config won under older templates) is each
     # study's incumbent: timed beside the candidates and shown as "before ms"; other keys' entries are not.
