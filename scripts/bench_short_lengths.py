@@ -2,8 +2,9 @@
 """Short sequences (issue 6): fwd+bwd with and without the short-length entries, and where a call's time goes.
 
 At N <= 1k a fwd+bwd call's kernels take a few hundred µs, the same order as the host's part of the call, so
-single readings swing. This times fa2tune's fwd+bwd with the "short" entries and with them switched off
-(store.buckets_for patched to "all" only), alternating, several rounds; then, with --profile, compares do_bench's
+single readings swing. This times fa2tune's fwd+bwd with the length-bucket entries ("short" for N <= 1k, "medium"
+for 1k < N <= 4k: `--seqlens 2048,4096` measures those) and with them switched off (store.buckets_for patched to
+"all" only), alternating, several rounds; then, with --profile, compares do_bench's
 time with the sum of the kernels' times from torch.profiler: the difference is time the GPU waited for the host.
 Shapes as in bench_vs_sdpa.py: batch·N = 16k tokens, heads·d = 2048, bf16 (docs/PERF.md v6).
 
@@ -110,6 +111,7 @@ def _threads_table(head_dims, seqlens, tokens: int, width: int, rounds: int) -> 
 
 
 def _use_short_entries(on: bool, real) -> None:
+    """Bucket entries (short and medium) on, or every call resolved from the "all" entries."""
     from fa2tune import selection, store
 
     store.buckets_for = real if on else (lambda seqlen: ("all",))
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     real = store.buckets_for
     head_dims, seqlens = [int(d) for d in args.head_dims.split(",")], [int(n) for n in args.seqlens.split(",")]
-    print("fwd+bwd TFLOP/s, one reading per round: with the short entries | 'all' entries only")
+    print("fwd+bwd TFLOP/s, one reading per round: with the length bucket's entries | 'all' entries only")
     for head_dim in head_dims:
         for causal in (True, False):
             for seqlen in seqlens:
