@@ -76,8 +76,9 @@ class AttentionKernel:
         mask = dict(causal=self.causal, window=self.window, prefix_len=self.prefix_len)
         # The call's longer side picks the forward config, by the store's rule (what attention() does without one).
         longest = max(packing[2:4]) if self.varlen and len(packing) >= 4 else max(q.shape[-2], k.shape[-2])
-        bucket_config = {"short": self.short_config, "medium": self.medium_config}.get(store.bucket_of(longest))
-        options = dict(scale=scale, return_lse=return_lse, config=bucket_config or self.config)
+        bucket = store.bucket_of(longest)
+        config = self.short_config if bucket == "short" else self.medium_config if bucket == "medium" else None
+        options = dict(scale=scale, return_lse=return_lse, config=config or self.config)
         if self.varlen:
             return attention_varlen(q, k, v, *packing, **mask, **options)
         return attention(q, k, v, **mask, **options)
