@@ -110,7 +110,7 @@ def _threads_table(head_dims, seqlens, tokens: int, width: int, rounds: int) -> 
                 print(f"d={head_dim:<3} N={seqlen:<5} causal={causal!s:<5} " + "   ".join(cells), flush=True)
 
 
-def _use_short_entries(on: bool, real) -> None:
+def _use_bucket_entries(on: bool, real) -> None:
     """Bucket entries (short and medium) on, or every call resolved from the "all" entries."""
     from fa2tune import selection, store
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 readings = {True: [], False: []}
                 for _ in range(args.rounds):
                     for on in (True, False):
-                        _use_short_entries(on, real)
+                        _use_bucket_entries(on, real)
                         fn()
                         readings[on].append(flops / triton.testing.do_bench(fn, warmup=50, rep=200) / 1e9)
                 fmt = lambda xs: " ".join(f"{x:5.0f}" for x in xs)
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{fmt(readings[False])}",
                     flush=True,
                 )
-    _use_short_entries(True, real)
+    _use_bucket_entries(True, real)
     if args.graph:
         _graph_table(head_dims, seqlens, args.tokens, args.width)
     if args.threads:
