@@ -35,6 +35,7 @@ compile, but are never worth timing.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -51,6 +52,10 @@ NUM_STAGES = (1, 2, 3, 4, 5)
 # whose rows are whole 16-byte TMA units and wgmma widths.
 WS_HEAD_DIMS = (32, 64, 128, 256)
 WS_DTYPES = (torch.float16, torch.bfloat16)
+# Gluon, the dialect they are written in, is experimental and its API moves between Triton releases (3.9 renamed
+# tma.async_copy_shared_to_global, and the kernels no longer compile): they run on the Triton they were written and
+# measured on, and elsewhere every call takes the Triton template.
+WS_TRITON = "3.6."
 WS_BLOCK_N = (64, 128)
 WS_STAGES = (2, 3, 4)
 _WS_SMEM_OVERHEAD = 512  # mbarriers and alignment; compiles measured 284–392 B
@@ -67,8 +72,11 @@ _WS_REGISTERS_BESIDE_ACCUMULATORS = {"fwd": 64, "bwd_dkdv": 16, "bwd_dq": 24}
 # (128, 64, 128) holds 224 of 255 and does not spill; (128, 128, 128), 224 of 240, spills 48 B (causal 72).
 
 
-def warpspec_unsupported(head_dim: int, dtype: torch.dtype, capability: tuple[int, int]) -> str | None:
-    """Why the warp-specialized kernels (forward, dK/dV, dQ) cannot run this head dim / dtype / GPU, or None."""
+def warpspec_unsupported(
+    head_dim: int, dtype: torch.dtype, capability: tuple[int, int], triton: str = ""
+) -> str | None:
+    """Why the warp-specialized kernels (forward, dK/dV, dQ) cannot run this head dim / dtype / GPU, or None.
+    triton: the version of the Triton that would compile them ("": not known — a known-GPU table's model of a card)."""
     if capability[0] != 9:
         major, minor = capability
         return f"warpspec needs a Hopper GPU (compute capability 9.x: wgmma), this one is {major}.{minor}"
@@ -76,7 +84,17 @@ def warpspec_unsupported(head_dim: int, dtype: torch.dtype, capability: tuple[in
         return f"warpspec takes float16/bfloat16 inputs, got {dtype}"
     if head_dim not in WS_HEAD_DIMS:
         return f"warpspec takes head_dim in {WS_HEAD_DIMS}, got {head_dim}"
+    if triton and not triton.startswith(WS_TRITON):
+        return f"warpspec's Gluon kernels are written for Triton {WS_TRITON}x; this is Triton {triton}"
     return None
+
+
+@functools.cache
+def triton_version() -> str:
+    """The version of the Triton this process compiles with."""
+    import triton
+
+    return triton.__version__
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -163,7 +181,7 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
     if cfg.pipeline_qk and kernel != "fwd":
         return f"pipeline_qk is a forward switch; {kernel} has no QKᵀ loop to pipeline that way"
     if cfg.warpspec:
-        reason = warpspec_unsupported(head_dim, dtype, device.capability)
+        reason = warpspec_unsupported(head_dim, dtype, device.capability, device.triton_version)
         if reason is not None:
             return reason
         consumers = cfg.consumers(kernel)

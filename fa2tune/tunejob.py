@@ -178,7 +178,7 @@ def run_study(
         baseline={"name": default_name, "config": result.default.to_dict(),
                   "ms": result.default_ms, "tflops": tflops(result.default_ms)},
         trials=result.measured, spread=measure.spread(result.best) if finalize else None,
-        triton_version=_triton_version(), torch_version=str(torch.__version__),
+        triton_version=planner.triton_version(), torch_version=str(torch.__version__),
         template_hash=codegen.entry_code_hash(key, result.best),
         date=datetime.date.today().isoformat(),
     )  # fmt: skip
@@ -242,12 +242,6 @@ def _check_plausible(result: tuner.TuneResult, tflops: Callable, info: DeviceInf
             f"{info.name}'s tensor cores can reach: the timing did not measure the kernel (were the events recorded "
             "on another GPU?). Nothing was written."
         )
-
-
-def _triton_version() -> str:
-    import triton
-
-    return triton.__version__
 
 
 def device_summary(info: DeviceInfo) -> dict:

@@ -28,7 +28,7 @@ def unsupported(mask: Mask, packed: bool, **tensors: torch.Tensor) -> str | None
     q, k = tensors["q"], tensors["k"]
     if interpreting() or not q.is_cuda:
         return "warpspec runs on a CUDA GPU only, not Triton's interpreter"
-    reason = planner.warpspec_unsupported(q.shape[-1], q.dtype, _capability(q.device.index))
+    reason = planner.warpspec_unsupported(q.shape[-1], q.dtype, _capability(q.device.index), planner.triton_version())
     if reason is not None:
         return reason
     if mask.banded or packed:

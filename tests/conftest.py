@@ -21,6 +21,16 @@ os.environ.pop("FA2TUNE_CONFIG_DIR", None)
 
 import pytest
 
+from fa2tune import planner
+
+# Tests of code written against one Triton's internals (the Gluon kernels' API, its compiled launchers' form): on
+# another Triton the product gates those paths off (planner.WS_TRITON, fastlaunch's form check) and these have
+# nothing to test. CI pins that Triton.
+ON_WS_TRITON = pytest.mark.skipif(
+    not planner.triton_version().startswith(planner.WS_TRITON),
+    reason=f"written against Triton {planner.WS_TRITON}x's internals; this is Triton {planner.triton_version()}",
+)
+
 # Per-dtype tolerances against a float64 reference: |out - ref| <= atol + rtol·|ref|.
 # bf16 has 8 bits of mantissa (eps 2^-8 ≈ 3.9e-3), fp16 11 bits (eps ≈ 4.9e-4); P is rounded to the input dtype
 # before P·V, as in every FlashAttention kernel, so errors are a few eps of the output's magnitude.

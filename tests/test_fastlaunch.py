@@ -11,6 +11,8 @@ import torch
 
 from fa2tune import fastlaunch
 
+from .conftest import ON_WS_TRITON
+
 
 class _Compiled:
     packed_metadata = "meta"
@@ -233,6 +235,7 @@ def _launch_tma(kernel, q, k, pointer, n=64, grid=(132,)):
     fastlaunch.launch_tma(kernel, grid, tma, _describe, (pointer,), (n,), BLOCK=64, num_warps=4)
 
 
+@ON_WS_TRITON
 def test_launch_tma_calls_the_launcher_as_triton_s_wrapper_would(fake_cuda):
     kernel, q, k, lse = _TmaKernel(), _TmaTensor(4096), _TmaTensor(1 << 20), _CudaTensor(1 << 24, torch.float32)
     _launch_tma(kernel, q, k, lse)  # first call: the JIT
@@ -247,6 +250,7 @@ def test_launch_tma_calls_the_launcher_as_triton_s_wrapper_would(fake_cuda):
     assert direct[13] is q and direct[13 + 1 : 13 + 5] == q.shape  # the expansion really happened (no TMA meta)
 
 
+@ON_WS_TRITON
 def test_launch_tma_encodes_a_descriptor_once_per_address(fake_cuda, monkeypatch):
     kernel, q, k, lse = _TmaKernel(), _TmaTensor(4096), _TmaTensor(1 << 20), _CudaTensor(1 << 24, torch.float32)
     _launch_tma(kernel, q, k, lse)
@@ -269,6 +273,7 @@ def test_launch_tma_encodes_a_descriptor_once_per_address(fake_cuda, monkeypatch
     assert len(plan.encoded) <= 2
 
 
+@ON_WS_TRITON
 def test_launch_tma_keeps_the_jit_path_for_a_launch_form_it_does_not_know(fake_cuda, monkeypatch):
     kernel, q, k, lse = _TmaKernel(scratch=256), _TmaTensor(4096), _TmaTensor(1 << 20), _CudaTensor(1 << 24)
     for _ in range(3):  # scratch memory to allocate per launch: CompiledKernel.run's job, not the plan's

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from fa2tune.reference import naive_attention
 from fa2tune.store import EntryKey
 from fa2tune.types import KernelConfig, Variant
 
-from .conftest import assert_close
+from .conftest import ON_WS_TRITON, assert_close
 
 WS = KernelConfig(128, 128, 4, 2, warpspec=1)
 
@@ -78,6 +79,14 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     )
     assert planner.check(WS, h200, 128, torch.float32).startswith("warpspec takes float16/bfloat16")
     assert planner.check(WS, h200, 96, torch.bfloat16).startswith("warpspec takes head_dim in (32, 64, 128, 256)")
+    # The Gluon kernels compile on the Triton they were written for (3.9 renamed their TMA store): a card read under
+    # another Triton rules them out, so a shipped warpspec entry is passed over with a warning, not compiled.
+    read_under = lambda version: replace(h200, source="card", triton_version=version)
+    assert planner.check(WS, read_under("3.6.0"), 128, torch.bfloat16) is None
+    assert planner.check(WS, read_under("3.9.0"), 128, torch.bfloat16) == (
+        "warpspec's Gluon kernels are written for Triton 3.6.x; this is Triton 3.9.0"
+    )
+    assert planner.check(KernelConfig(128, 64, 8, 3), read_under("3.9.0"), 128, torch.bfloat16) is None
     # dQ at d=128 with 128-row K/V tiles and two consumers: 64·(128 + 2.5·128)/128 = 224 > 240 − 24
     assert planner.check(WS, h200, 128, torch.bfloat16, "bwd_dq").startswith("registers: 224 fp32 accumulator")
     dkdv = [c for c in planner.candidates("bwd_dkdv") if c.warpspec]
@@ -168,6 +177,7 @@ print(json.dumps(rows))
 """
 
 
+@ON_WS_TRITON
 def test_planner_model_and_registers_match_the_compiler():
     # Compiled for sm_90 without a card (Triton ships ptxas and cuobjdump): the shared memory the model predicts is
     # what the compiler allocates, to within the mbarrier allowance, and a consumer spills (STACK > 0) exactly when
