@@ -92,7 +92,7 @@ def code_hash(
     for even_m, even_n in tails:
         variant = Variant.for_template(
             template, causal=causal, banded=window, varlen=varlen, even_m=even_m, even_n=even_n,
-            pipeline_qk=pipeline_qk, pingpong=warpspec == 2, persistent=persistent,
+            pipeline_qk=pipeline_qk, pingpong=warpspec == 2, persistent=persistent, fused_dq=warpspec == 2,
         )  # fmt: skip
         code = [line for line in render(template, variant).splitlines() if not line.startswith(_PROVENANCE)]
         digest.update("\n".join(code).encode())

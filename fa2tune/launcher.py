@@ -385,7 +385,10 @@ def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config
         dkdv = lambda q, k, v, do, dk, dv, lse, delta: fastlaunch.launch(
             dkdv_kernel, dkdv_grid, (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k), dkdv_scalars, **dkdv_options
         )
-    if dq_config.warpspec:  # backward() checked that this call can take it
+    fused_dq = dkdv_config.warpspec == 2  # the dK/dV kernel also adds scale·dS·K into an fp32 dQ
+    if fused_dq:
+        dq_launch = None
+    elif dq_config.warpspec:  # backward() checked that this call can take it
         dq_launch = warpspec.backward_dq_launcher(q, k, lse, causal=mask.causal, scale=scale, config=dq_config)
     else:
         dq_kernel = _kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, dq_config, varlen)
@@ -401,8 +404,13 @@ def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config
         fastlaunch.launch(pre, pre_grid, (o, do, delta), pre_scalars, **pre_options)
         if dlse is not None:
             delta.sub_(dlse)  # same layout as lse, hence as δ
-        dkdv(q, k, v, do, dk, dv, lse, delta)
-        dq_launch(q, k, v, do, dq, lse, delta)
+        if fused_dq:
+            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            dkdv(q, k, v, do, dk, dv, dq_acc, lse, delta)
+            dq.copy_(dq_acc)
+        else:
+            dkdv(q, k, v, do, dk, dv, lse, delta)
+            dq_launch(q, k, v, do, dq, lse, delta)
 
     return launch
 

@@ -126,7 +126,10 @@ def sram_bytes(
     e, d, m, n = dtype.itemsize, head_dim_padded(head_dim), cfg.block_m, cfg.block_n
     if cfg.warpspec and kernel == "bwd_dkdv":
         staging = 2 * n if cfg.persistent else 0  # dK, dV staged apart from the next tile's K, V; else in K's, V's
-        return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + _WS_SMEM_OVERHEAD  # S buffers of Q_i, dO_i
+        fused_dq = 0
+        if cfg.warpspec == 2:  # dSᵀ (n × m, 16-bit) and two fp32 staging buffers of m × 64 dQ columns a consumer
+            fused_dq = e * n * m + (n // 64) * 2 * m * min(d, 64) * 4
+        return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + fused_dq + _WS_SMEM_OVERHEAD  # S Q_i, dO_i
     if cfg.warpspec and kernel == "bwd_dq":
         staging = m if cfg.persistent else 0  # dQ staged apart from the next tile's Q; else in Q's buffer
         return e * d * (2 * m + staging + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD  # S buffers of K_j, V_j
@@ -156,6 +159,11 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
     """fp32 accumulator values each thread holds (see the module docstring)."""
     _check_kernel(kernel)
     d, m, n = head_dim_padded(head_dim), cfg.block_m, cfg.block_n
+    if cfg.warpspec == 2 and kernel == "bwd_dkdv":
+        # dQ fused in: dSᵀ goes through shared memory (no 16-bit register copy), plus a 64 × 64 fp32 dQ partial.
+        # Counted beside Sᵀ and dPᵀ, though it is live only after them: compiled for sm_90, d=128 keeps 80 B of
+        # stack (d=64 none), and it measured 7-18 % slower than the two kernels it replaces (docs/PERF.md v18)
+        return 64 * (2 * d + 2.5 * m + min(d, 64)) / 128
     if cfg.warpspec and kernel == "bwd_dkdv":
         # each consumer warpgroup: its 64 rows of dK and dV, Sᵀ and dPᵀ (64 × B_r), and Pᵀ, dSᵀ as 16-bit operands
         return 64 * (2 * d + 2 * m + m) / 128
@@ -224,8 +232,9 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     """The search space of `kernel`: block_m, block_n in {16..256}, num_warps in {4, 8}, num_stages in {1..5};
     the forward also pipeline_qk in {0, 1}, and the warp-specialized template: block_m in {64, 128, 192}, block_n
     in {64, 128}, num_stages in {2, 3, 4}, persistent or not, with ping-pong too at block_m = 128; bwd_dkdv and
-    bwd_dq their warp-specialized templates: bwd_dkdv at block_m 64, block_n in {64, 128}, bwd_dq at block_m and
-    block_n in {64, 128}, num_stages in {2, 3, 4} (check() drops them off Hopper)."""
+    bwd_dq their warp-specialized templates: bwd_dkdv at block_m 64, block_n in {64, 128}, with dQ fused in or not
+    (warpspec 2 or 1), bwd_dq at block_m and block_n in {64, 128}, num_stages in {2, 3, 4} (check() drops them off
+    Hopper)."""
     _check_kernel(kernel)
     switches = (0, 1) if kernel == "fwd" else (0,)
     grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES, switches)
@@ -238,7 +247,8 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
         persistent = (0, 1) if kernel in PERSISTENT_KERNELS else (0,)
         for a, b, s, p in itertools.product(owned_sizes, streamed_sizes, WS_STAGES, persistent):
             m, n = (b, a) if owned == "block_n" else (a, b)
-            configs.append(KernelConfig(m, n, 4, s, warpspec=1, persistent=p))
+            modes = (1, 2) if kernel == "bwd_dkdv" else (1,)  # bwd_dkdv's 2: dQ fused in
+            configs += [KernelConfig(m, n, 4, s, warpspec=ws, persistent=p) for ws in modes]
     return configs
 
 

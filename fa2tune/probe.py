@@ -149,8 +149,9 @@ def _compile_warpspec(
     fn, q_block, kv_block, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal)
     x = torch.empty(2, 16, 8192, head_dim, dtype=dtype)
     q_desc, kv_desc = warpspec._descriptor(x, q_block), warpspec._descriptor(x, kv_block)
+    dqacc_desc = warpspec._descriptor(x.float(), warpspec.dq_partial_block(q_block))
     descriptors = {"q_desc": q_desc, "o_desc": q_desc, "do_desc": q_desc, "k_desc": kv_desc, "v_desc": kv_desc,
-                   "dk_desc": kv_desc, "dv_desc": kv_desc, "dq_desc": q_desc}  # fmt: skip
+                   "dk_desc": kv_desc, "dv_desc": kv_desc, "dq_desc": q_desc, "dqacc_desc": dqacc_desc}  # fmt: skip
     scalars = {"LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "scale": "fp32", "GROUP": "i32"}
     signature, constexprs = {}, {}
     for index, (arg, param) in enumerate(zip(fn.arg_names, fn.params, strict=True)):

@@ -127,7 +127,9 @@ def fail_abandoned(storage, run: str, pid: int) -> int:
 
 def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k: int = 3) -> list[KernelConfig]:
     """One config for each of the k block shapes (block_m, block_n) a roofline argument ranks first, taken in turn
-    from the warp-specialized kernels and the Triton template where the space holds both.
+    from the warp-specialized kernels and the Triton template where the space holds both; the warp-specialized
+    kernels' modes (the forward's ping-pong, the dK/dV kernel's fused dQ) count as shapes of their own, as they
+    change the schedule more than warps and stages do.
 
     Timed right after the default, these spread the first trials over the shapes — the choice that matters most —
     before TPE refines warps and stages. A program's arithmetic intensity grows with its tile (block_m·block_n),
@@ -147,7 +149,7 @@ def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k:
     by_family: dict[bool, list[KernelConfig]] = {True: [], False: []}  # warpspec first
     for cfg in sorted(candidates, key=score):
         family = by_family[cfg.warpspec > 0]
-        if all((p.block_m, p.block_n) != (cfg.block_m, cfg.block_n) for p in family):
+        if all((p.block_m, p.block_n, p.warpspec) != (cfg.block_m, cfg.block_n, cfg.warpspec) for p in family):
             family.append(cfg)
     turns = itertools.zip_longest(by_family[True], by_family[False])
     return [cfg for pair in turns for cfg in pair if cfg is not None][:k]

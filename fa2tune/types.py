@@ -39,7 +39,9 @@ class KernelConfig:
             (Hopper only): in the forward (fwd_ws.py.jinja) a TMA producer warp and block_m / 64 consumer
             warpgroups (block_m 64, 128 or 192; num_warps is then the first consumer's 4); 2 the same with the two
             consumers of a block_m = 128 tile taking turns at the tensor cores (ping-pong). In bwd_dkdv
-            (bwd_ws.py.jinja) 1 only: block_n / 64 consumer warpgroups own the K/V rows, block_m = 64 Q rows a step;
+            (bwd_ws.py.jinja) 1: block_n / 64 consumer warpgroups own the K/V rows, block_m = 64 Q rows a step; 2:
+            the same kernel also adds each step's dQ share into an fp32 dQ by TMA reductions, and no dQ kernel runs
+            (FlashAttention-2/3's five matmuls instead of seven; the bwd_dq config is then unused);
             in bwd_dq (bwd_dq_ws.py.jinja) 1 only: block_m / 64 consumer warpgroups own the query rows, block_n K/V
             rows a step.
         persistent: the warpspec kernels (PERSISTENT_KERNELS: forward, dK/dV and dQ), 0 or 1: one program per SM
@@ -102,10 +104,11 @@ class KernelConfig:
         if kernel in WS_BACKWARD_TILES:
             owned, owned_sizes, rows, streamed, streamed_sizes = WS_BACKWARD_TILES[kernel]
             got = (self.warpspec, getattr(self, owned), getattr(self, streamed))
-            if got[0] != 1 or got[1] not in owned_sizes or got[2] not in streamed_sizes:
+            modes = (1, 2) if kernel == "bwd_dkdv" else (1,)  # bwd_dkdv's 2: dQ fused in (Variant.fused_dq)
+            if got[0] not in modes or got[1] not in owned_sizes or got[2] not in streamed_sizes:
                 return (
-                    f"{kernel}'s warpspec takes warpspec=1, {owned} in {owned_sizes} (64 {rows} rows per consumer "
-                    f"warpgroup) and {streamed} in {streamed_sizes}, got {', '.join(map(str, got))}"
+                    f"{kernel}'s warpspec takes warpspec in {modes}, {owned} in {owned_sizes} (64 {rows} rows per "
+                    f"consumer warpgroup) and {streamed} in {streamed_sizes}, got {', '.join(map(str, got))}"
                 )
             return None
         if self.block_m not in WS_BLOCK_M:
@@ -155,6 +158,8 @@ class Variant:
         pipeline_qk: the forward's unmasked loop issues the next QKᵀ before this softmax (KernelConfig.pipeline_qk).
         pingpong: fwd_ws only: the two consumer warpgroups take turns at the tensor cores (KernelConfig.warpspec 2).
         persistent: fwd_ws only: one program per SM walks the tiles (KernelConfig.persistent).
+        fused_dq: bwd_ws only: the dK/dV kernel also adds each step's dQ share, scale·dS·K, into an fp32 dQ by TMA
+            reductions, and no dQ kernel runs (KernelConfig.warpspec 2 of bwd_dkdv).
     """
 
     causal: bool
@@ -166,6 +171,7 @@ class Variant:
     pipeline_qk: bool = False
     pingpong: bool = False
     persistent: bool = False
+    fused_dq: bool = False
 
     @classmethod
     def for_template(
@@ -181,6 +187,7 @@ class Variant:
         dot_fp32: bool = False,
         pingpong: bool = False,
         persistent: int | bool = False,
+        fused_dq: bool = False,
     ) -> Variant:
         """The variant `template` (codegen.TEMPLATES) renders for a call: the rules the launcher, codegen.code_hash
         and the probe must agree on, or a stored entry's hash would not name the code it runs. A band mask carries
@@ -191,7 +198,8 @@ class Variant:
         if template.endswith("_ws"):
             forward = template == "fwd_ws"
             return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
-                       persistent=bool(persistent) and template in PERSISTENT_TEMPLATES)  # fmt: skip
+                       persistent=bool(persistent) and template in PERSISTENT_TEMPLATES,
+                       fused_dq=fused_dq and template == "bwd_ws")  # fmt: skip
         return cls(
             causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,
             dot_fp32=dot_fp32, banded=banded, varlen=varlen, pipeline_qk=bool(pipeline_qk) and template == "fwd",

@@ -67,7 +67,17 @@ def _sm_count(index: int | None) -> int:
 def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
 
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+
+
+DQ_PARTIAL_COLS = 64  # bwd_ws.py.jinja's DQ_COLS: the columns of one TMA reduction of a fused-dQ partial
+
+
+def dq_partial_block(q_block: tuple[int, ...]) -> tuple[int, ...]:
+    """TMA block of the fp32 dQ that a fused-dQ dK/dV kernel (bwd_dkdv warpspec 2) adds its partials into: the
+    query-side block, DQ_PARTIAL_COLS columns wide."""
+    return (*q_block[:-1], min(q_block[-1], DQ_PARTIAL_COLS))
 
 
 @functools.cache
@@ -99,7 +109,8 @@ def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool
     the launches below and for probe.compile_config; cached, as every launch asks (7 µs uncached)."""
     template = codegen.template_for(kernel, config.warpspec)
     variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
-                                   pingpong=config.warpspec == 2, persistent=config.persistent)  # fmt: skip
+                                   pingpong=config.warpspec == 2, persistent=config.persistent,
+                                   fused_dq=config.warpspec == 2)  # fmt: skip
     module = codegen.load(template, variant)
     if kernel == "fwd":  # consumers own query rows; K/V stream in block_n rows
         fn, q_rows, kv_rows = module._attn_fwd_ws, ROWS_PER_CONSUMER, config.block_n
@@ -135,10 +146,12 @@ def _launcher(
 ):
     """A function of the call's tensors that launches a warpspec config of `kernel` on `grid`: its arguments are the
     tensors the kernel reads through TMA descriptors, in the kernel's order — sides names each one's block, "q" the
-    query-side one, "kv" the key-side one (compiled_form) —, then its pointer parameters; scalars are the rest.
+    query-side one, "kv" the key-side one (compiled_form), "dq_partial" a fused-dQ partial's (dq_partial_block) —,
+    then its pointer parameters; scalars are the rest.
     Everything but the tensors is worked out here, once per call signature (launcher's plans keep the function)."""
     fn, q_block, kv_block, kwargs = compiled_form(kernel, config, head_dim, causal)
-    blocks = tuple(q_block if side == "q" else kv_block for side in sides)
+    by_side = {"q": q_block, "kv": kv_block, "dq_partial": dq_partial_block(q_block)}
+    blocks = tuple(by_side[side] for side in sides)
     count = len(sides)
 
     def launch(*tensors: torch.Tensor) -> None:
@@ -175,11 +188,15 @@ def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, 
                            config: KernelConfig):  # fmt: skip
     """launch(q, k, v, do, dk, dv, lse, delta): writes dK and dV (batch, heads_kv, seqlen_k, head_dim) — summed over
     each K/V head's query heads — with a warpspec bwd_dkdv config; δ (delta) as the Triton template's preprocess
-    kernel leaves it (less dlse). The call must have passed `unsupported`."""
+    kernel leaves it (less dlse). The call must have passed `unsupported`.
+
+    With config.warpspec 2 (dQ fused in) it is launch(q, k, v, do, dk, dv, dq_acc, lse, delta), and also adds dQ
+    into dq_acc, a zeroed fp32 tensor of q's shape."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     grid, tiles = _grid(config, -(-seqlen_k // config.block_n), batch * heads_kv, q.device.index)
+    sides = ("q", "kv", "kv", "q", "kv", "kv") + (("dq_partial",) if config.warpspec == 2 else ())
     return _launcher(
-        "bwd_dkdv", config, causal, head_dim, grid, ("q", "kv", "kv", "q", "kv", "kv"),
+        "bwd_dkdv", config, causal, head_dim, grid, sides,
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale,
          tiles),
     )  # fmt: skip

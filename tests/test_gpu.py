@@ -237,10 +237,11 @@ def test_warpspec_direct_launches_give_what_the_jit_gives(monkeypatch):
      (KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(128, 64, 4, 3, warpspec=1)),
      (KernelConfig(64, 64, 4, 3, warpspec=1, persistent=1), None),
      (KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(128, 64, 4, 3, warpspec=1, persistent=1)),
-     (None, KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1))],
+     (None, KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1)),
+     (KernelConfig(64, 128, 4, 2, warpspec=2), None), (KernelConfig(64, 64, 4, 3, warpspec=2, persistent=1), None)],
     ids=["dkdv_2consumers", "dkdv_1consumer3stages", "both_2consumers", "dq_1consumer3stages",
          "dkdv_persistent_2consumers", "dkdv_persistent_1consumer3stages", "both_persistent",
-         "dq_persistent_1consumer"],
+         "dq_persistent_1consumer", "fused_dq_2consumers", "fused_dq_persistent_1consumer3stages"],
 )  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @_WS_DIMS
@@ -248,7 +249,8 @@ def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype, m
     # The warp-specialized dK/dV and dQ kernels (templates/bwd_ws.py.jinja, bwd_dq_ws.py.jinja), each beside the
     # other or the Triton one: all three gradients against float64 autograd, GQA (dK/dV summed over two query heads
     # each), lengths across tiles, N_Q ≠ N_K, rows that see no key (causal, N_Q > N_K). Persistent: three programs
-    # walk every tile, as in the forward's test.
+    # walk every tile, as in the forward's test. Fused dQ (bwd_dkdv warpspec 2): no dQ kernel runs, dQ is the sum of
+    # the dK/dV programs' TMA reductions — over query heads' GQA groups, ragged tiles and rows past N_Q.
     dkdv_config, dq_config = configs
     if any(c is not None and c.persistent for c in configs):
         monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)

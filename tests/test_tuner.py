@@ -389,8 +389,8 @@ def test_first_picks_take_turns_between_the_warpspec_kernels_and_the_triton_temp
     picks = tuner.promising(feasible, 64, "fwd", k=8)
     assert [c.warpspec > 0 for c in picks] == [True, False] * 4
     assert KernelConfig(128, 128, 4, 3, warpspec=1, persistent=1) in picks
-    for family in (True, False):  # one config per block shape within a family
-        shapes = [(c.block_m, c.block_n) for c in picks if (c.warpspec > 0) == family]
+    for family in (True, False):  # one config per block shape (and warpspec mode) within a family
+        shapes = [(c.block_m, c.block_n, c.warpspec) for c in picks if (c.warpspec > 0) == family]
         assert len(shapes) == len(set(shapes))
     # Where the space has no warp-specialized configs (not Hopper), the picks are the Triton ones as before.
     triton_only = [c for c in feasible if not c.warpspec]

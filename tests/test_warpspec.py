@@ -42,17 +42,18 @@ def test_configs_combine_fields_by_warpspec_rules():
         assert cfg.combination_error().startswith(message)
         assert planner.check(cfg, known_gpu("h200"), 128, torch.bfloat16).startswith(message)
     assert KernelConfig(64, 128, 4, 2, warpspec=1).combination_error("bwd_dkdv") is None
+    assert KernelConfig(64, 128, 4, 2, warpspec=2).combination_error("bwd_dkdv") is None  # dQ fused in
     assert (
         KernelConfig(128, 128, 4, 2, warpspec=1)
         .combination_error("bwd_dkdv")
         .startswith(
-            "bwd_dkdv's warpspec takes warpspec=1, block_n in (64, 128) (64 K/V rows per consumer warpgroup) and "
-            "block_m in (64,)"
+            "bwd_dkdv's warpspec takes warpspec in (1, 2), block_n in (64, 128) (64 K/V rows per consumer warpgroup) "
+            "and block_m in (64,)"
         )
     )
     assert WS.combination_error("bwd_dq") is None
     for cfg in (KernelConfig(192, 64, 4, 2, warpspec=1), KernelConfig(128, 64, 4, 2, warpspec=2)):
-        assert cfg.combination_error("bwd_dq").startswith("bwd_dq's warpspec takes warpspec=1, block_m in (64, 128)")
+        assert cfg.combination_error("bwd_dq").startswith("bwd_dq's warpspec takes warpspec in (1,), block_m in")
     with pytest.raises(ValueError, match="warpspec must be 0, 1 or 2, got 3"):
         KernelConfig(128, 64, 4, 2, warpspec=3)
     # persistent: a switch of the warpspec kernels only; written to YAML only when on
@@ -89,8 +90,19 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     assert planner.check(KernelConfig(128, 64, 8, 3), read_under("3.9.0"), 128, torch.bfloat16) is None
     # dQ at d=128 with 128-row K/V tiles and two consumers: 64·(128 + 2.5·128)/128 = 224 > 240 − 24
     assert planner.check(WS, h200, 128, torch.bfloat16, "bwd_dq").startswith("registers: 224 fp32 accumulator")
-    dkdv = [c for c in planner.candidates("bwd_dkdv") if c.warpspec]
+    dkdv = [c for c in planner.candidates("bwd_dkdv") if c.warpspec == 1]
     assert len(dkdv) == 12 and all(planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") is None for c in dkdv[:8])
+    # dQ fused in (warpspec 2) adds dSᵀ (2·128·64 B) and two 64 × 64 fp32 staging buffers a consumer (4·16 KiB):
+    # at d=128, two stages: 213,504 B with 512 for barriers (the sm_90 compile allocates 213,416); and its registers,
+    # 64·(2·128 + 2.5·64 + 64)/128 = 240 > 240 − 16, are counted to spill, as the compile does (80 B of stack)
+    fused = KernelConfig(64, 128, 4, 2, warpspec=2)
+    assert planner.sram_bytes(fused, 128, torch.bfloat16, "bwd_dkdv") == 213504
+    assert planner.check(fused, h200, 128, torch.bfloat16, "bwd_dkdv").startswith("registers: 240 fp32")
+    assert planner.check(fused, h200, 64, torch.bfloat16, "bwd_dkdv") is None
+    for cfg in (KernelConfig(64, 128, 4, 3, warpspec=2), KernelConfig(64, 128, 4, 2, warpspec=2, persistent=1)):
+        assert planner.sram_bytes(cfg, 128, torch.bfloat16, "bwd_dkdv") > h200.smem_per_block
+        assert planner.check(cfg, h200, 64, torch.bfloat16, "bwd_dkdv") is None
+    assert len([c for c in planner.candidates("bwd_dkdv") if c.warpspec == 2]) == 12
     # persistent dK/dV stages dK, dV apart from K, V: 2·128·(4·128 + 8·64) + 512 B > 227 KiB at 4 stages
     assert planner.check(dkdv[-1], h200, 128, torch.bfloat16, "bwd_dkdv").startswith("shared memory")
     # 4 stages of 128-row K and V tiles at d=128: 2·128·(128 + 8·128) + 512 B > the H200's 227 KiB; 3 fit
@@ -151,6 +163,14 @@ def test_code_hash_names_the_template_and_its_switches():
         "bwd_dq_ws", causal=False, banded=False, varlen=False, even_m=True, even_n=True))  # fmt: skip
     assert "def _attn_bwd_dkdv_ws(" in codegen.render("bwd_ws", Variant.for_template(
         "bwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True))  # fmt: skip
+    # bwd_dkdv's warpspec 2 (dQ fused in) is code of its own; fused_dq is a switch of bwd_ws only
+    fused = Variant.for_template("bwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True,
+                                 fused_dq=True)  # fmt: skip
+    assert fused.fused_dq and "tma_reduce_add(dqacc_desc" in codegen.render("bwd_ws", fused)
+    assert not Variant.for_template("bwd_dq_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True,
+                                    fused_dq=True).fused_dq  # fmt: skip
+    assert codegen.code_hash("bwd_dkdv", causal=True, warpspec=2) != codegen.code_hash("bwd_dkdv", causal=True,
+                                                                                      warpspec=1)  # fmt: skip
     variant = Variant.for_template(
         "fwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True, pingpong=True
     )
@@ -191,6 +211,7 @@ def test_planner_model_and_registers_match_the_compiler():
             ("fwd", 128, KernelConfig(64, 64, 4, 4, warpspec=1).to_dict(), False),
             ("fwd", 128, KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1).to_dict(), False),
             ("bwd_dkdv", 64, KernelConfig(64, 128, 4, 3, warpspec=1).to_dict(), True),
+            ("bwd_dkdv", 64, KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1).to_dict(), True),
             ("bwd_dq", 128, KernelConfig(128, 64, 4, 3, warpspec=1).to_dict(), True),
             ("bwd_dq", 128, KernelConfig(64, 128, 4, 2, warpspec=1).to_dict(), False),
             ("bwd_dq", 128, KernelConfig(128, 128, 4, 2, warpspec=1).to_dict(), True),
@@ -223,7 +244,7 @@ def test_a_tuned_warpspec_config_falls_back_to_triton_where_it_cannot_run(monkey
         with pytest.raises(ValueError, match="cannot run this call: warpspec runs on a CUDA GPU only"):
             fa2tune.attention(q, k, v, config=WS)
     bad_dq = KernelConfig(192, 64, 4, 2, warpspec=1)
-    with pytest.raises(ValueError, match=r"dq_config .*bwd_dq's warpspec takes warpspec=1, block_m in \(64, 128\)"):
+    with pytest.raises(ValueError, match=r"dq_config .*bwd_dq's warpspec takes warpspec in \(1,\), block_m in \(64, 1"):
         launcher.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dq_config=bad_dq)
     with pytest.raises(ValueError, match="block_m=192 needs warpspec"):
         fa2tune.attention(q, k, v, config=KernelConfig(192, 64))
