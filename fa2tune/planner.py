@@ -127,8 +127,10 @@ def sram_bytes(
     if cfg.warpspec and kernel == "bwd_dkdv":
         staging = 2 * n if cfg.persistent else 0  # dK, dV staged apart from the next tile's K, V; else in K's, V's
         fused_dq = 0
-        if cfg.warpspec == 2:  # dSᵀ (n × m, 16-bit) and two fp32 staging buffers of m × 64 dQ columns a consumer
-            fused_dq = e * n * m + (n // 64) * 2 * m * min(d, 64) * 4
+        if cfg.warpspec == 2:  # dSᵀ (n × m, 16-bit) twice, and an fp32 staging buffer of its dQ columns a consumer
+            consumers = n // 64
+            share = d // consumers if d > 64 else d  # dQ columns a consumer reduces: warpspec.dq_partial_block
+            fused_dq = 2 * e * n * m + consumers * m * min(share, 64) * 4 + 256  # + its 4 mbarriers, alignment
         return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + fused_dq + _WS_SMEM_OVERHEAD  # S Q_i, dO_i
     if cfg.warpspec and kernel == "bwd_dq":
         staging = m if cfg.persistent else 0  # dQ staged apart from the next tile's Q; else in Q's buffer
@@ -160,10 +162,10 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
     _check_kernel(kernel)
     d, m, n = head_dim_padded(head_dim), cfg.block_m, cfg.block_n
     if cfg.warpspec == 2 and kernel == "bwd_dkdv":
-        # dQ fused in: dSᵀ goes through shared memory (no 16-bit register copy), plus a 64 × 64 fp32 dQ partial.
-        # Counted beside Sᵀ and dPᵀ, though it is live only after them: compiled for sm_90, d=128 keeps 80 B of
-        # stack (d=64 none), and it measured 7-18 % slower than the two kernels it replaces (docs/PERF.md v18)
-        return 64 * (2 * d + 2.5 * m + min(d, 64)) / 128
+        # dQ fused in: dSᵀ goes through shared memory (no 16-bit register copy); the dQ partial (64 × at most 64
+        # fp32) is live only once Sᵀ, dPᵀ are dead. Compiled for sm_90, d=128 keeps 40 B (causal 112 B) of stack
+        # beside it, as persistent loops do (timing decides: docs/PERF.md v18); d=64 none
+        return 64 * (2 * d + max(2.5 * m, min(d, 64))) / 128
     if cfg.warpspec and kernel == "bwd_dkdv":
         # each consumer warpgroup: its 64 rows of dK and dV, Sᵀ and dPᵀ (64 × B_r), and Pᵀ, dSᵀ as 16-bit operands
         return 64 * (2 * d + 2 * m + m) / 128

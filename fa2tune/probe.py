@@ -149,9 +149,11 @@ def _compile_warpspec(
     fn, q_block, kv_block, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal)
     x = torch.empty(2, 16, 8192, head_dim, dtype=dtype)
     q_desc, kv_desc = warpspec._descriptor(x, q_block), warpspec._descriptor(x, kv_block)
-    dqacc_desc = warpspec._descriptor(x.float(), warpspec.dq_partial_block(q_block))
     descriptors = {"q_desc": q_desc, "o_desc": q_desc, "do_desc": q_desc, "k_desc": kv_desc, "v_desc": kv_desc,
-                   "dk_desc": kv_desc, "dv_desc": kv_desc, "dq_desc": q_desc, "dqacc_desc": dqacc_desc}  # fmt: skip
+                   "dk_desc": kv_desc, "dv_desc": kv_desc, "dq_desc": q_desc}  # fmt: skip
+    if "dqacc_desc" in fn.arg_names:  # bwd_dkdv with dQ fused in: the fp32 dQ its partials are added into
+        block = warpspec.dq_partial_block(q_block, kwargs["CONSUMERS"])
+        descriptors["dqacc_desc"] = warpspec._descriptor(x.float(), block)
     scalars = {"LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "scale": "fp32", "GROUP": "i32"}
     signature, constexprs = {}, {}
     for index, (arg, param) in enumerate(zip(fn.arg_names, fn.params, strict=True)):

@@ -71,13 +71,17 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
-DQ_PARTIAL_COLS = 64  # bwd_ws.py.jinja's DQ_COLS: the columns of one TMA reduction of a fused-dQ partial
+DQ_PARTIAL_COLS = 64  # bwd_ws.py.jinja: the most columns of one TMA reduction of a fused-dQ partial
 
 
-def dq_partial_block(q_block: tuple[int, ...]) -> tuple[int, ...]:
+def dq_partial_block(q_block: tuple[int, ...], consumers: int) -> tuple[int, ...]:
     """TMA block of the fp32 dQ that a fused-dQ dK/dV kernel (bwd_dkdv warpspec 2) adds its partials into: the
-    query-side block, DQ_PARTIAL_COLS columns wide."""
-    return (*q_block[:-1], min(q_block[-1], DQ_PARTIAL_COLS))
+    query-side block, as wide as one consumer's share of the columns — head_dim / consumers where head_dim > 64
+    (the consumers split the columns), all of them at 64 (each sums over its own K/V rows): bwd_ws.py.jinja's
+    SPLIT_DQ —, DQ_PARTIAL_COLS at most."""
+    head_dim = q_block[-1]
+    share = head_dim // consumers if head_dim > 64 else head_dim
+    return (*q_block[:-1], min(share, DQ_PARTIAL_COLS))
 
 
 @functools.cache
@@ -150,7 +154,7 @@ def _launcher(
     then its pointer parameters; scalars are the rest.
     Everything but the tensors is worked out here, once per call signature (launcher's plans keep the function)."""
     fn, q_block, kv_block, kwargs = compiled_form(kernel, config, head_dim, causal)
-    by_side = {"q": q_block, "kv": kv_block, "dq_partial": dq_partial_block(q_block)}
+    by_side = {"q": q_block, "kv": kv_block, "dq_partial": dq_partial_block(q_block, kwargs["CONSUMERS"])}
     blocks = tuple(by_side[side] for side in sides)
     count = len(sides)
 
