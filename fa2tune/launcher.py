@@ -13,7 +13,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -322,7 +322,8 @@ def backward(
     mask = _as_mask(causal)
     key = None
     if packing is None:  # packed offsets are per call
-        key = _plan_key("bwd", (q, k, v, o, lse, do), mask, scale, (dkdv_config, dq_config))
+        deterministic = torch.are_deterministic_algorithms_enabled()  # picks the dK/dV kernel: _deterministic
+        key = _plan_key("bwd", (q, k, v, o, lse, do), mask, scale, (dkdv_config, dq_config, deterministic))
         plan = _plans.get(key)
         if plan is not None:
             dq, dk, dv, delta = _gradient_buffers(q, k, v, lse)
@@ -334,7 +335,7 @@ def backward(
         if given is not None and given.combination_error(kernel) is not None:
             raise ValueError(f"{name} {given}: {given.combination_error(kernel)}")
     explicit_dkdv, explicit_dq = dkdv_config is not None, dq_config is not None
-    dkdv_config = _config(dkdv_config, "bwd_dkdv", q, k, mask, packing)
+    dkdv_config = _deterministic(_config(dkdv_config, "bwd_dkdv", q, k, mask, packing), explicit_dkdv)
     dq_config = _config(dq_config, "bwd_dq", q, k, mask, packing)
     dq, dk, dv, delta = _gradient_buffers(q, k, v, lse)
     dkdv_run = _runnable(dkdv_config, "bwd_dkdv", explicit_dkdv, mask, packing, q=q, k=k, v=v, grad_out=do, dk=dk,
@@ -346,6 +347,21 @@ def backward(
     downgraded = dkdv_run != dkdv_config or dq_run != dq_config
     _keep(key, _Plan(launch, bool(dkdv_run.warpspec or dq_run.warpspec)), downgraded, (q, k, v, do, dq, dk, dv))
     return dq, dk, dv
+
+
+def _deterministic(config: KernelConfig, explicit: bool) -> KernelConfig:
+    """The dK/dV config a backward runs. With dQ fused in (bwd_dkdv warpspec 2) the dK/dV programs add their dQ
+    shares by TMA reductions in the order they arrive: fp32 sums whose last bits vary from run to run. Under
+    torch.use_deterministic_algorithms(True) a tuned fused config gives way to its twin with a dQ kernel (warpspec
+    1: same tiles, less shared memory), whose every sum has one order; an explicit one is an error."""
+    if config.warpspec != 2 or not torch.are_deterministic_algorithms_enabled():
+        return config
+    if explicit:
+        raise RuntimeError(
+            f"dkdv_config {config} fuses dQ in (warpspec=2), which adds dQ in a run-to-run order, and "
+            "torch.use_deterministic_algorithms(True) is set: pass warpspec=1 for a deterministic backward"
+        )
+    return replace(config, warpspec=1)
 
 
 def _gradient_buffers(q, k, v, lse):

@@ -202,6 +202,13 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
                 f"registers: {regs:.0f} fp32 accumulator values per consumer thread, more than the {budget} its "
                 f"{WS_REGISTERS[consumers][1]} registers leave beside them: would spill"
             )
+        if kernel == "bwd_dkdv" and cfg.warpspec == 2 and head_dim > 64 and cfg.num_stages > 2:
+            # measured, not modelled: (64, 128) 3 stages at d=128 compiles with 232 B of stack (2 stages: 40 B) and
+            # ran 25-30 % slower (docs/PERF.md v18); timed first by the tuner, it hid the 2-stage config
+            return (
+                f"registers: dK/dV with dQ fused in at head_dim > 64 spills past 2 stages (sm_90: 232 B of stack at "
+                f"d=128, 3 stages), got num_stages={cfg.num_stages}"
+            )
     need = sram_bytes(cfg, head_dim, dtype, kernel, device.capability)
     if need > device.smem_per_block:
         return (

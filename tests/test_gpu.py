@@ -108,6 +108,8 @@ def test_direct_launches_give_what_triton_s_launch_path_gives(causal, monkeypatc
 
     fastlaunch.clear()
     monkeypatch.setattr(fastlaunch, "_enabled", True)  # whatever FA2TUNE_DIRECT_LAUNCH says
+    # bit for bit needs a deterministic backward: a shipped dK/dV entry with dQ fused in adds dQ in arrival order
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     start = fastlaunch.direct_launches
     direct = run_all()
     assert fastlaunch.direct_launches - start >= 4 * len(cases), "the direct path was not taken"
@@ -266,6 +268,30 @@ def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype, m
         ref_grads = torch.autograd.grad(ref.nan_to_num(0.0), (qd, kd, vd), do.double())
         for got, want, name in zip(grads, ref_grads, "qkv", strict=True):
             assert_close(got, want, dtype, what=f"d{name} at N_Q={seqlen_q} N_K={seqlen_k}")
+
+
+@_HOPPER
+def test_fused_dq_backward_is_deterministic_when_torch_asks(monkeypatch):
+    # dQ fused into the dK/dV kernel is summed by TMA reductions in arrival order; under
+    # torch.use_deterministic_algorithms(True) a resolved fused config runs its warpspec=1 twin (dQ kernel): the same
+    # bits on every run, and the same gradients as the fused run to rounding. An explicit fused config is an error.
+    torch.manual_seed(11)
+    q, k, v, do = (torch.randn(1, 4, 1000, 64, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    o, lse = launcher.forward(q, k, v, causal=True, scale=0.125)
+    fused = KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1)
+    monkeypatch.setattr(launcher.selection, "resolve", lambda kernel, *a, **kw: (
+        fused if kernel == "bwd_dkdv" else KernelConfig(128, 64, 4, 3, warpspec=1), "test"))  # fmt: skip
+    launcher.clear_plans()
+    loose = launcher.backward(do, q, k, v, o, lse, causal=True, scale=0.125)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    runs = [launcher.backward(do, q, k, v, o, lse, causal=True, scale=0.125) for _ in range(3)]
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0], strict=True))
+    for a, b in zip(runs[0], loose, strict=True):
+        assert_close(a, b, torch.bfloat16, what="deterministic twin against the fused run")
+    with pytest.raises(RuntimeError, match=r"dkdv_config .* fuses dQ in .*use_deterministic_algorithms"):
+        launcher.backward(do, q, k, v, o, lse, causal=True, scale=0.125, dkdv_config=fused)
+    launcher.clear_plans()
 
 
 @_HOPPER

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune import codegen, launcher, planner, selection, warpspec
+from fa2tune import codegen, launcher, planner, selection, tuner, warpspec
 from fa2tune.device import known_gpu
 from fa2tune.reference import naive_attention
 from fa2tune.store import EntryKey
@@ -100,6 +100,13 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     assert planner.sram_bytes(fused, 128, torch.bfloat16, "bwd_dkdv") == 197376
     assert planner.sram_bytes(KernelConfig(64, 128, 4, 3, warpspec=2), 128, torch.bfloat16, "bwd_dkdv") == 230144
     assert planner.check(fused, h200, 128, torch.bfloat16, "bwd_dkdv") is None
+    # three stages fit at d=128 but spill (232 B of stack): ruled out, so the tuner's first fused pick is 2 stages
+    three = planner.check(KernelConfig(64, 128, 4, 3, warpspec=2), h200, 128, torch.bfloat16, "bwd_dkdv")
+    assert three.startswith("registers: dK/dV with dQ fused in at head_dim > 64 spills past 2 stages")
+    space = [c for c in planner.candidates("bwd_dkdv") if not planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv")]
+    first = tuner.first_configs(device=h200, kernel="bwd_dkdv", head_dim=128, dtype=torch.bfloat16, causal=False,
+                                trials=8, space=space)  # fmt: skip
+    assert fused in first
     persistent_fused = KernelConfig(64, 128, 4, 2, warpspec=2, persistent=1)
     assert planner.check(persistent_fused, h200, 128, torch.bfloat16, "bwd_dkdv").startswith("shared memory")
     assert planner.check(persistent_fused, h200, 64, torch.bfloat16, "bwd_dkdv") is None
@@ -231,6 +238,22 @@ def test_planner_model_and_registers_match_the_compiler():
         reason = planner.check(cfg, known_gpu("h200"), head_dim, torch.bfloat16, kernel) or ""
         assert stack and (max(stack) > 0) == reason.startswith("registers"), (fields, stack, reason)
     assert reason.startswith("registers: 128 fp32 accumulator values per consumer thread")  # the last row spills
+
+
+def test_a_fused_dq_config_gives_way_to_its_twin_under_deterministic_algorithms(monkeypatch, device):
+    # dQ fused into the dK/dV kernel (warpspec 2) sums dQ by TMA reductions in arrival order: not bit-reproducible.
+    # torch's default allows that; under torch.use_deterministic_algorithms(True) a resolved fused config runs its
+    # warpspec=1 twin (a dQ kernel of its own) and an explicit one is an error naming the argument.
+    fused = KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1)
+    ws1 = KernelConfig(64, 128, 4, 3, warpspec=1, persistent=1)
+    assert launcher._deterministic(fused, explicit=True) is fused
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert launcher._deterministic(fused, explicit=False) == ws1
+    assert launcher._deterministic(ws1, explicit=True) is ws1
+    q, k, v, do = (torch.randn(1, 2, 40, 64, device=device) for _ in range(4))
+    o, lse = launcher.forward(q, k, v, causal=False, scale=0.125)
+    with pytest.raises(RuntimeError, match=r"dkdv_config .* fuses dQ in .*use_deterministic_algorithms"):
+        launcher.backward(do, q, k, v, o, lse, causal=False, scale=0.125, dkdv_config=fused)
 
 
 def test_a_tuned_warpspec_config_falls_back_to_triton_where_it_cannot_run(monkeypatch, device):
