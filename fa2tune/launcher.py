@@ -373,7 +373,8 @@ def _gradient_buffers(q, k, v, lse):
 
 def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config, dq_config, packing):
     """launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse) for calls with these tensors' shapes and strides and
-    this packing: δ's preprocess kernel, then the dK/dV and dQ kernels, everything but the tensors worked out."""
+    this packing: δ's preprocess kernel, then the dK/dV and dQ kernels — or, dQ fused in (bwd_dkdv warpspec 2), the
+    dK/dV kernel adding into a zeroed fp32 dQ and its cast —, everything but the tensors worked out."""
     (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), strides = _layout(q, k, packing)
     varlen = packing is not None
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim))
