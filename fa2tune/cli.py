@@ -266,6 +266,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         default = r.default_ms or float("nan")
         print(f"{kernel:>9} {causal!s:>6} {r.best.label():>30} {r.best_ms:>8.3f} {default:>10.3f} {before:>9} "
               f"{r.median_ms:>9.3f} {r.measured:>5} {r.within_2pct_at or '-':>5} {r.wall_s:>6.0f}")  # fmt: skip
+    # What each study timed, fastest first: which configs a winner was chosen among (docs/PERF.md v18: a d=128 tune
+    # kept the dQ kernel, and without this list nothing said it had timed only a spilling fused config)
+    for kernel, causal, r in rows:
+        timed = sorted({t.config: t.ms for t in r.history if t.ms is not None}.items(), key=lambda item: item[1])
+        print(f"  {kernel} causal={causal} timed: " + ", ".join(f"{cfg.label()} {ms:.3f}" for cfg, ms in timed))
     return 0
 
 

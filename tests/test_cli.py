@@ -121,6 +121,9 @@ def test_tune_on_cpu_writes_yaml_that_the_runtime_then_uses(tmp_path, capsys, mo
     assert "say nothing about GPU speed" in out and "wrote" in out and "winner" in out
     _, entries = store.read_file(tmp_path / "cpu-interpreter.yaml")
     (entry,) = entries
+    # each study's timed configs, fastest first: the winner leads its list
+    (timed,) = [line for line in out.splitlines() if line.startswith("  fwd causal=False timed: ")]
+    assert timed.removeprefix("  fwd causal=False timed: ").startswith(entry.config.label() + " ")
     assert entry.key == store.EntryKey(head_dim=16, dtype="bf16", causal=False, kernel="fwd")
     assert entry.baseline["name"] == "planner-default" and entry.trials >= 1
     monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path))
@@ -190,7 +193,9 @@ def test_a_re_tune_times_the_config_the_file_holds_for_its_key(tmp_path, capsys,
     assert cli.main([*args, "--config-dir", str(tmp_path)]) == 0
     assert [s.incumbent for s in seen] == [held]
     out = capsys.readouterr().out
-    header, row = out.splitlines()[-2:]
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("kernel causal"))
+    header, row = lines[at : at + 2]  # the summary table's header and its one row; each study's timed list after
     winner = next(e for e in store.read_file(path)[1] if e.key == entry.key).config
     before_ms = row.split(winner.label())[1].split()[2]  # after the winner: ms, default ms, before ms
     assert "default ms before ms" in header and float(before_ms) > 0
