@@ -111,6 +111,10 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     assert planner.check(persistent_fused, h200, 128, torch.bfloat16, "bwd_dkdv").startswith("shared memory")
     assert planner.check(persistent_fused, h200, 64, torch.bfloat16, "bwd_dkdv") is None
     assert len([c for c in planner.candidates("bwd_dkdv") if c.warpspec == 2]) == 12
+    # the fp32 dQ's TMA block: a consumer's share of the columns, ≤ 64 (d > 64 split between consumers; d = 64 whole)
+    assert warpspec.dq_partial_block((1, 1, 64, 128), 2) == (1, 1, 64, 64)
+    assert warpspec.dq_partial_block((1, 1, 64, 128), 1) == (1, 1, 64, 64)  # two 64-column reductions a step
+    assert warpspec.dq_partial_block((1, 1, 64, 64), 2) == (1, 1, 64, 64)
     # persistent dK/dV stages dK, dV apart from K, V: 2·128·(4·128 + 8·64) + 512 B > 227 KiB at 4 stages
     assert planner.check(dkdv[-1], h200, 128, torch.bfloat16, "bwd_dkdv").startswith("shared memory")
     # 4 stages of 128-row K and V tiles at d=128: 2·128·(128 + 8·128) + 512 B > the H200's 227 KiB; 3 fit
