@@ -129,8 +129,7 @@ def sram_bytes(
         fused_dq = 0
         if cfg.warpspec == 2:  # dSᵀ (n × m, 16-bit) twice, and an fp32 staging buffer of its dQ columns a consumer
             consumers = n // 64
-            share = d // consumers if d > 64 else d  # dQ columns a consumer reduces: warpspec.dq_partial_block
-            fused_dq = 2 * e * n * m + consumers * m * min(share, 64) * 4 + 256  # + its 4 mbarriers, alignment
+            fused_dq = 2 * e * n * m + consumers * m * fused_dq_columns(d, consumers) * 4 + 256  # + 4 mbarriers
         return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + fused_dq + _WS_SMEM_OVERHEAD  # S Q_i, dO_i
     if cfg.warpspec and kernel == "bwd_dq":
         staging = m if cfg.persistent else 0  # dQ staged apart from the next tile's Q; else in Q's buffer
@@ -154,6 +153,15 @@ def sram_bytes(
     return e * d * (2 * m + 2 * s * n) + scores
 
 
+def fused_dq_columns(head_dim: int, consumers: int) -> int:
+    """The dQ columns one consumer of a fused-dQ dK/dV kernel (bwd_dkdv warpspec 2) reduces at a time: its share —
+    head_dim / consumers where head_dim > 64 (the consumers split the columns over all their K/V rows), all of them
+    at 64 (each over its own rows): bwd_ws.py.jinja's SPLIT_DQ — in blocks of at most 64 (a 64 × 64 fp32 partial
+    is 32 registers a thread)."""
+    share = head_dim // consumers if head_dim > 64 else head_dim
+    return min(share, 64)
+
+
 MAX_ACCUMULATORS_PER_THREAD = 255
 
 
@@ -165,7 +173,7 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
         # dQ fused in: dSᵀ goes through shared memory (no 16-bit register copy); the dQ partial (64 × at most 64
         # fp32) is live only once Sᵀ, dPᵀ are dead. Compiled for sm_90, d=128 keeps 40 B (causal 112 B) of stack
         # beside it, as persistent loops do (timing decides: docs/PERF.md v18); d=64 none
-        return 64 * (2 * d + max(2.5 * m, min(d, 64))) / 128
+        return 64 * (2 * d + max(2.5 * m, fused_dq_columns(d, n // 64))) / 128
     if cfg.warpspec and kernel == "bwd_dkdv":
         # each consumer warpgroup: its 64 rows of dK and dV, Sᵀ and dPᵀ (64 × B_r), and Pᵀ, dSᵀ as 16-bit operands
         return 64 * (2 * d + 2 * m + m) / 128

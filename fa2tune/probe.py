@@ -153,7 +153,7 @@ def _compile_warpspec(
                    "dk_desc": kv_desc, "dv_desc": kv_desc, "dq_desc": q_desc}  # fmt: skip
     if "dqacc_desc" in fn.arg_names:  # bwd_dkdv with dQ fused in: the fp32 dQ its partials are added into
         block = warpspec.dq_partial_block(q_block, kwargs["CONSUMERS"])
-        descriptors["dqacc_desc"] = warpspec._descriptor(x.float(), block)
+        descriptors["dqacc_desc"] = warpspec._descriptor(torch.empty_like(x, dtype=torch.float32), block)
     scalars = {"LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "scale": "fp32", "GROUP": "i32"}
     signature, constexprs = {}, {}
     for index, (arg, param) in enumerate(zip(fn.arg_names, fn.params, strict=True)):

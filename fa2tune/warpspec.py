@@ -71,17 +71,10 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
-DQ_PARTIAL_COLS = 64  # bwd_ws.py.jinja: the most columns of one TMA reduction of a fused-dQ partial
-
-
 def dq_partial_block(q_block: tuple[int, ...], consumers: int) -> tuple[int, ...]:
     """TMA block of the fp32 dQ that a fused-dQ dK/dV kernel (bwd_dkdv warpspec 2) adds its partials into: the
-    query-side block, as wide as one consumer's share of the columns — head_dim / consumers where head_dim > 64
-    (the consumers split the columns), all of them at 64 (each sums over its own K/V rows): bwd_ws.py.jinja's
-    SPLIT_DQ —, DQ_PARTIAL_COLS at most."""
-    head_dim = q_block[-1]
-    share = head_dim // consumers if head_dim > 64 else head_dim
-    return (*q_block[:-1], min(share, DQ_PARTIAL_COLS))
+    query-side block, planner.fused_dq_columns wide."""
+    return (*q_block[:-1], planner.fused_dq_columns(q_block[-1], consumers))
 
 
 @functools.cache
