@@ -97,3 +97,12 @@ def test_autograd_split_times_each_stretch_and_puts_the_launchers_back(capsys):
     lines = capsys.readouterr().out.splitlines()
     spans = {line.rsplit(maxsplit=1)[0].strip(): float(line.rsplit(maxsplit=1)[1]) for line in lines[1:]}
     assert len(spans) == 7 and all(us > 0 for us in spans.values())  # every stamp taken, each after the one before
+
+
+def test_fused_dq_benchmark_times_what_the_planner_accepts():
+    # scripts/bench_fused_dq.py (docs/PERF.md v18's A/B): at d=128 only the 2-stage one-tile-a-program fused config
+    # (3 stages spill, persistent does not fit); at d=64 all four.
+    script = load_script("bench_fused_dq")
+    assert list(script.candidates(128)) == ["fused s2"]
+    assert list(script.candidates(64)) == ["fused s2", "fused s2 p", "fused s3", "fused s3 p"]
+    assert all(cfg.warpspec == 2 and cfg.block_n == 128 for cfg in script.candidates(64).values())
