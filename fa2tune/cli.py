@@ -184,6 +184,18 @@ def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
     return seqlens
 
 
+def _at_served_lengths(spec, target):
+    """spec, tuned at the lengths that the file's bucket entries leave to it (tunejob.unserved_lengths), and says so."""
+    from . import tunejob
+
+    lengths = tunejob.unserved_lengths(spec, target)
+    if lengths != spec.seqlens:
+        print(f"note: {spec.kernel} causal={spec.causal}: {target.name} has length-bucket entries for this key, so "
+              f"its \"all\" entry serves longer calls and is tuned at {','.join(map(str, lengths))} "
+              f"(--seqlens chooses)")  # fmt: skip
+    return replace(spec, seqlens=lengths)
+
+
 def _worker_progress(specs, devices):
     """A one-line progress display for a multi-GPU tune: each worker's study, trials timed, best ms so far."""
     states: dict[int, str] = {}
@@ -233,6 +245,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         target = tunejob.config_path(devices[0], config_dir)  # what the file holds now is timed beside the rest
         specs = [replace(spec, incumbent=tunejob.incumbent(spec, target)) for spec in specs]
+        if args.seqlens is None:  # an "all" entry beside bucket entries is tuned at the lengths it serves
+            specs = [_at_served_lengths(spec, target) for spec in specs]
         if len(devices) > 1:
             print(f"{len(specs)} studies shared by {len(devices)} workers ({storage})", flush=True)
             done = tunejob.run_parallel_many(specs, devices, progress=_worker_progress(specs, devices))
@@ -397,8 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--varlen", action="store_true", help="tune the packed-sequence (attention_varlen) variant")
     tune.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU core)")
     tune.add_argument("--seqlens", default=None,
-                      help="tuning lengths, at batch·N = --tokens (default 1024,4096,16384; 512,1024 for "
-                           "--seqlen-bucket short; 2048,4096 for medium)")  # fmt: skip
+                      help="tuning lengths, at batch·N = --tokens (default 1024,4096,16384 — less those the "
+                           "file's short and medium entries for the key serve, 8192 added where fewer than two "
+                           "remain —; 512,1024 for --seqlen-bucket short; 2048,4096 for medium)")  # fmt: skip
     tune.add_argument("--seqlen-bucket", default="all", choices=["all", "short", "medium"],
                       help="short: an entry used only by calls with max(seqlen_q, seqlen_k) <= 1024, tuned at such "
                            "lengths (a backward kernel timed inside the whole training call, where the host can be "

@@ -214,6 +214,27 @@ def incumbent(spec: StudySpec, path: Path) -> planner.KernelConfig | None:
     return next((e.config for e in entries if e.key == spec.key), None)
 
 
+# The lengths an "all" study falls back to where bucket entries leave it fewer than two (the longest grid lengths).
+LONG_LENGTHS = (8192, 16384)
+
+
+def unserved_lengths(spec: StudySpec, path: Path) -> tuple[int, ...]:
+    """spec's lengths less those a short or medium entry in the file at `path` serves for the same key, so an "all"
+    entry is tuned where calls will use it (docs/PERF.md v17: tuned at 1k + 4k + 16k beside both bucket entries,
+    the d=64 causal forward's "all" entry chose a config 3 % slower at N = 16k, the one length it served); where
+    fewer than two remain, LONG_LENGTHS join them. A bucket study's own lengths are returned as they are."""
+    if spec.seqlen_bucket != "all":
+        return spec.seqlens
+    try:
+        _, entries = store.read_file(path)
+    except (OSError, ValueError, yaml.YAMLError):
+        return spec.seqlens
+    keys = {e.key for e in entries}
+    served = [store.BUCKET_RANGES[b] for b in store.BUCKET_RANGES if replace(spec, seqlen_bucket=b).key in keys]
+    kept = tuple(n for n in spec.seqlens if not any(low < n <= high for low, high in served))
+    return kept if len(kept) >= 2 else tuple(sorted({*kept, *LONG_LENGTHS}))
+
+
 def _space(spec: StudySpec, info: DeviceInfo, cpu: bool) -> list[planner.KernelConfig]:
     if cpu:  # a few small tiles: the interpreter's time grows with the tile count
         return [planner.INTERPRETER_CONFIG, *(planner.KernelConfig(m, n, 4, 1) for m in (16, 64) for n in (16, 64))]

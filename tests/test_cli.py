@@ -259,6 +259,24 @@ def test_tune_a_short_length_bucket_on_cpu(tmp_path, capsys, monkeypatch):
     assert "serves lengths in (1024, 4096]; --seqlens 1024,2048 goes outside it" in capsys.readouterr().err
 
 
+def test_tune_all_beside_a_bucket_entry_is_timed_where_the_entry_serves(tmp_path, capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
+    from fa2tune import tunejob
+
+    seen = []
+    real = tunejob.run_study
+    monkeypatch.setattr(tunejob, "run_study", lambda spec, *a, **kw: seen.append(spec) or real(spec, *a, **kw))
+    args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "2", "--causal", "no", "--kernel", "fwd",
+            "--config-dir", str(tmp_path)]  # fmt: skip
+    assert cli.main([*args, "--seqlen-bucket", "short"]) == 0
+    assert cli.main(args) == 0
+    assert seen[-1].seqlens == (4096, 16384) and seen[-1].seqlen_bucket == "all"
+    assert 'its "all" entry serves longer calls and is tuned at 4096,16384' in capsys.readouterr().out
+    assert cli.main([*args, "--seqlens", "1024,2048"]) == 0  # lengths given: taken as they are, no note
+    assert seen[-1].seqlens == (1024, 2048) and "serves longer calls" not in capsys.readouterr().out
+
+
 def test_a_window_may_start_with_minus_one_without_the_equals_form():
     parse = lambda *argv: cli.build_parser().parse_args(cli._join_negative_values(list(argv)))
     assert parse("tune", "--head-dim", "64", "--window", "-1,0").window == (-1, 0)

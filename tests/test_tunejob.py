@@ -282,3 +282,29 @@ def test_short_backward_studies_time_the_whole_training_call(interpreter_only, m
     result, entry = tunejob.run_study(replace(short_dq, dtype="bf16", trials=2), "cpu")
     assert ran and [kernel for kernel, _ in ran] == ["fwd", "bwd_dq"] * (len(ran) // 2)
     assert entry.key.seqlen_bucket == "short" and result.measured >= 1
+
+
+def test_an_all_study_beside_bucket_entries_is_tuned_at_the_lengths_it_serves(tmp_path):
+    from fa2tune.types import KernelConfig
+
+    def entry(bucket, causal=False, kernel="fwd"):
+        key = store.EntryKey(head_dim=64, dtype="bf16", causal=causal, kernel=kernel, seqlen_bucket=bucket)
+        return store.Entry(key=key, config=KernelConfig(64, 64, 4, 2), ms=1.0, tflops=None, baseline={}, trials=1,
+                           spread=None, triton_version="3.6.0", torch_version="2.13.0", template_hash="x",
+                           date="2026-11-30")  # fmt: skip
+
+    path = tmp_path / "gpu.yaml"
+    spec = tunejob.StudySpec(kernel="fwd", head_dim=64, dtype="bf16", causal=False)
+    assert tunejob.unserved_lengths(spec, path) == (1024, 4096, 16384)  # no file: every default length
+    store.write_entries(path, {"name": "x", "slug": "gpu"}, [entry("short")])
+    assert tunejob.unserved_lengths(spec, path) == (4096, 16384)  # 1k is the short entry's
+    store.write_entries(path, {"name": "x", "slug": "gpu"}, [entry("medium"), entry("short", causal=True)])
+    assert tunejob.unserved_lengths(spec, path) == (8192, 16384)  # only 16k left: 8k joins it
+    # Another key's buckets (the causal one's short entry is there, not its medium) and bucket studies: unchanged.
+    causal = replace(spec, causal=True)
+    assert tunejob.unserved_lengths(causal, path) == (4096, 16384)
+    assert tunejob.unserved_lengths(replace(spec, kernel="bwd_dkdv"), path) == (1024, 4096, 16384)
+    short = replace(spec, seqlen_bucket="short", seqlens=(512, 1024))
+    assert tunejob.unserved_lengths(short, path) == (512, 1024)
+    path.write_text("{not yaml")  # an unreadable file leaves the lengths as they are
+    assert tunejob.unserved_lengths(spec, path) == (1024, 4096, 16384)
