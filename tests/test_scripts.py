@@ -106,3 +106,22 @@ def test_fused_dq_benchmark_times_what_the_planner_accepts():
     assert list(script.candidates(128)) == ["fused s2"]
     assert list(script.candidates(64)) == ["fused s2", "fused s2 p", "fused s3", "fused s3 p"]
     assert all(cfg.warpspec == 2 and cfg.block_n == 128 for cfg in script.candidates(64).values())
+
+
+def test_two_programs_an_sm_experiment_patches_registers_and_grid_and_puts_them_back(monkeypatch):
+    # scripts/exp_two_programs_per_sm.py (docs/PERF.md v19): inside, one-consumer programs get maxnreg 128 and the
+    # persistent grid two programs an SM; outside, everything is as it was, and its configs are one-consumer ones
+    # the H200's planner accepts at d=64 under the patched registers too.
+    from fa2tune import planner, warpspec
+    from fa2tune.device import known_gpu
+
+    script = load_script("exp_two_programs_per_sm")
+    monkeypatch.setattr(warpspec, "_sm_count", lambda index: 132)  # the H200's, without a GPU
+    registers, sm_count = planner.WS_REGISTERS[1], warpspec._sm_count
+    with script.two_programs_an_sm():
+        assert planner.WS_REGISTERS[1] == (128, 232, 24)
+        assert warpspec._sm_count(0) == 264
+        for cfg in script.candidates():
+            assert cfg.consumers("fwd") == 1
+            assert planner.check(cfg, known_gpu("h200"), 64, torch.bfloat16, "fwd") is None
+    assert planner.WS_REGISTERS[1] == registers and warpspec._sm_count is sm_count
