@@ -18,5 +18,6 @@ def load_script(name: str) -> ModuleType:
     path = folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass of the script looks its module up there
     spec.loader.exec_module(module)
     return module

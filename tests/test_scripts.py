@@ -125,3 +125,29 @@ def test_two_programs_an_sm_experiment_patches_registers_and_grid_and_puts_them_
             assert cfg.consumers("fwd") == 1
             assert planner.check(cfg, known_gpu("h200"), 64, torch.bfloat16, "fwd") is None
     assert planner.WS_REGISTERS[1] == registers and warpspec._sm_count is sm_count
+
+
+_SASS_LOOP = """
+        /*0100*/                   LDSM.16.M88.4 R152, [R187+0xe000] ;                  /* 0x0 */
+        /*0200*/                   WARPGROUP.ARRIVE ;                                    /* 0x0 */
+        /*0210*/                   HGMMA.64x64x16.F32.BF16 R24, R152, gdesc[UR16], RZ, !UPT ;   /* 0x0 */
+        /*0220*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                       /* 0x0 */
+        /*0230*/                   MUFU.EX2 R40, R24 ;                                   /* 0x0 */
+        /*0240*/                   F2FP.BF16.F32.PACK_AB {ptile}, R41, R40 ;             /* 0x0 */
+        /*0250*/                   HGMMA.64x64x16.F32.BF16 R88, {ptile}, gdesc[UR28].tnspB, R88 ;   /* 0x0 */
+        /*0260*/                   ISETP.GE.AND P0, PT, R2, R3, PT ;                     /* 0x0 */
+        /*0270*/               @P0 BRA 0x200 ;                                           /* 0x0 */
+"""
+
+
+def test_sass_check_finds_a_register_operand_rewritten_inside_its_loop():
+    # scripts/sass_wgmma_operands.py (docs/PERF.md v19): K, loaded before the loop, is the first HGMMA's register
+    # operand on every step; Pᵀ is formed in the loop before its own HGMMA. Put Pᵀ in K's registers (what the
+    # sm_90 compile did with the causal mask under a branch) and the check names the instruction; in registers of
+    # its own, nothing is reported.
+    script = load_script("sass_wgmma_operands")
+    (bad,) = script.innermost_hgmma_loops(script.parse(_SASS_LOOP.format(ptile="R152")))
+    assert (bad.start, bad.end, bad.hgmmas) == (0x200, 0x270, 2)
+    assert bad.clobbers == ("F2FP.BF16.F32.PACK_AB R152, R41, R40",) and bad.operand_registers == (152,)
+    (good,) = script.innermost_hgmma_loops(script.parse(_SASS_LOOP.format(ptile="R60")))
+    assert good.clobbers == () and good.operand_registers == (60, 152) and good.spills == 0

@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Does a warp-specialized kernel keep its register wgmma operands intact through its step loops? (sm_90 SASS)
+
+An asynchronous wgmma whose A operand sits in registers (an "RS" HGMMA) reads them after it is issued; a value
+meant to stay in registers across a loop's steps (docs/PERF.md v19: K and V of the dK/dV kernel) must not be
+written inside the loop. This compiles one config offline for sm_90 (no GPU: Triton ships ptxas and cuobjdump),
+finds the innermost loops that issue HGMMAs, and reports for each its HGMMAs, their register A operands, the
+instructions in the loop that write a register of an operand loaded before the loop, and its local-memory spills.
+
+    python scripts/sass_wgmma_operands.py --kernel bwd_dkdv --head-dim 64 --causal --config 64,128,4,3,1,0
+
+Found with it (v19): with K and V as register operands and the causal mask under a branch, the loop rewrote K's and
+V's registers on every step (wrong dK on the H200); with the mask applied without a branch, nothing in the loop
+writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_RS_HGMMA = re.compile(r"^HGMMA\S*\s+R\d+,\s+R(\d+),")  # HGMMA D, A(registers), B(descriptor), ...
+_BRANCH = re.compile(r"\bBRA\s+(0x[0-9a-f]+)")
+_DEST = re.compile(r"^(\S+)\s+R(\d+)\b")
+# instructions whose first register operand is not a destination
+_NO_DEST = ("HGMMA", "ST", "RED", "ATOM", "BRA", "WARPGROUP", "BAR", "SYNCS", "UTMA", "EXIT", "ISETP", "FSETP")
+A_OPERAND_REGISTERS = 4  # an m64nNk16 HGMMA's 16-bit A fragment: four registers from the one it names
+
+
+@dataclass(frozen=True)
+class LoopReport:
+    start: int
+    end: int
+    hgmmas: int
+    operand_registers: tuple[int, ...]  # first registers of the RS HGMMAs' A fragments
+    clobbers: tuple[str, ...]  # instructions in the loop writing a fragment that was loaded before it
+    spills: int  # LDL / STL in the loop
+
+
+def parse(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction without its predicate) of every instruction in cuobjdump -sass output."""
+    found = []
+    for line in sass.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m:
+            text = m.group(2)
+            found.append((int(m.group(1), 16), text.split(None, 1)[1] if text.startswith("@") else text))
+    return found
+
+
+def innermost_hgmma_loops(instructions: list[tuple[int, str]]) -> list[LoopReport]:
+    """One report per backward branch whose body issues HGMMAs and holds no other such loop."""
+    loops = {(int(t, 16), a) for a, x in instructions for t in _BRANCH.findall(x) if int(t, 16) < a}
+    with_hgmma = [(s, e) for s, e in loops if any(s <= a <= e and x.startswith("HGMMA") for a, x in instructions)]
+    innermost = [(s, e) for s, e in with_hgmma
+                 if not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in with_hgmma)]  # fmt: skip
+    reports = []
+    for start, end in sorted(innermost):
+        body = [x for a, x in instructions if start <= a <= end]
+        carried = _fragments(_carried_operands(body))
+        operands = sorted({int(m.group(1)) for x in body if (m := _RS_HGMMA.match(x))})
+        clobbers = tuple(x for x in body if (r := _destination(x)) is not None and r in carried)
+        spills = sum(x.startswith(("LDL", "STL")) for x in body)
+        reports.append(LoopReport(start, end, sum(x.startswith("HGMMA") for x in body), tuple(operands), clobbers,
+                                  spills))  # fmt: skip
+    return reports
+
+
+def _destination(instruction: str) -> int | None:
+    """The register an instruction writes (its first operand), or None for stores, branches, HGMMAs, compares."""
+    m = _DEST.match(instruction)
+    return None if m is None or m.group(1).startswith(_NO_DEST) else int(m.group(2))
+
+
+def _fragments(firsts) -> set[int]:
+    return {r for first in firsts for r in range(first, first + A_OPERAND_REGISTERS)}
+
+
+def _carried_operands(body: list[str]) -> list[int]:
+    """The A fragments (first registers) an HGMMA of the loop reads before anything in the loop writes them: values
+    carried in from before the loop (or from the step before), which the loop must leave as they are."""
+    written: set[int] = set()
+    carried = []
+    for x in body:
+        m = _RS_HGMMA.match(x)
+        if m and int(m.group(1)) not in carried and not _fragments([int(m.group(1))]) & written:
+            carried.append(int(m.group(1)))
+        r = _destination(x)
+        if r is not None:
+            written.add(r)
+    return carried
+
+
+def compile_sass(kernel: str, config: str, head_dim: int, causal: bool) -> str:
+    """sm_90 SASS of one config of `kernel`, compiled without a GPU."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+    from triton import knobs
+
+    from fa2tune import probe
+    from fa2tune.types import KernelConfig
+
+    m, n, warps, stages, warpspec, persistent = (int(x) for x in config.split(","))
+    cfg = KernelConfig(m, n, warps, stages, warpspec=warpspec, persistent=persistent)
+    report = probe.compile_config(kernel, cfg, head_dim, torch.bfloat16, causal=causal)
+    if report.error:
+        sys.exit(f"{cfg.label()}: {report.error}")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(report.cubin)
+        f.flush()
+        return subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", default="bwd_dkdv", choices=("fwd", "bwd_dkdv", "bwd_dq"))
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--config", default="64,128,4,3,1,0", help="block_m,block_n,warps,stages,warpspec,persistent")
+    parser.add_argument("--sass", default=None, help="read this cuobjdump -sass output instead of compiling")
+    args = parser.parse_args()
+    if args.sass:
+        with open(args.sass) as f:
+            sass = f.read()
+    else:
+        sass = compile_sass(args.kernel, args.config, args.head_dim, args.causal)
+    reports = innermost_hgmma_loops(parse(sass))
+    for r in reports:
+        print(f"loop {r.start:#06x}-{r.end:#06x}: {r.hgmmas} HGMMA, register A operands from "
+              f"{', '.join(f'R{o}' for o in r.operand_registers) or 'none'}; {r.spills} LDL/STL; "
+              f"{len(r.clobbers)} writes to operands carried into the loop")  # fmt: skip
+        for x in r.clobbers[:5]:
+            print(f"    {x}")
+    sys.exit(1 if any(r.clobbers for r in reports) else 0)
+
+
+if __name__ == "__main__":
+    main()
