@@ -231,14 +231,23 @@ def test_tune_window_and_varlen_variants_on_cpu(tmp_path, capsys):
     assert "expected LEFT,RIGHT with ints >= -1" in capsys.readouterr().err
 
 
-def test_tune_a_short_length_bucket_on_cpu(tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def studies_run(monkeypatch):
+    """The StudySpec of every study a CPU `fa2tune tune` runs, in order (the studies still run)."""
     if torch.cuda.is_available():
         pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
-    from fa2tune import store, tunejob
+    from fa2tune import tunejob
 
     seen = []
     real = tunejob.run_study
     monkeypatch.setattr(tunejob, "run_study", lambda spec, *a, **kw: seen.append(spec) or real(spec, *a, **kw))
+    return seen
+
+
+def test_tune_a_short_length_bucket_on_cpu(tmp_path, capsys, studies_run):
+    from fa2tune import store
+
+    seen = studies_run
     args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "2", "--causal", "no", "--kernel", "fwd"]
     assert cli.main([*args, "--seqlen-bucket", "short", "--config-dir", str(tmp_path)]) == 0
     (spec,) = seen
@@ -259,14 +268,8 @@ def test_tune_a_short_length_bucket_on_cpu(tmp_path, capsys, monkeypatch):
     assert "serves lengths in (1024, 4096]; --seqlens 1024,2048 goes outside it" in capsys.readouterr().err
 
 
-def test_tune_all_beside_a_bucket_entry_is_timed_where_the_entry_serves(tmp_path, capsys, monkeypatch):
-    if torch.cuda.is_available():
-        pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
-    from fa2tune import tunejob
-
-    seen = []
-    real = tunejob.run_study
-    monkeypatch.setattr(tunejob, "run_study", lambda spec, *a, **kw: seen.append(spec) or real(spec, *a, **kw))
+def test_tune_all_beside_a_bucket_entry_is_timed_where_the_entry_serves(tmp_path, capsys, studies_run):
+    seen = studies_run
     args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "2", "--causal", "no", "--kernel", "fwd",
             "--config-dir", str(tmp_path)]  # fmt: skip
     assert cli.main([*args, "--seqlen-bucket", "short"]) == 0
