@@ -39,7 +39,7 @@ class LoopReport:
     end: int
     hgmmas: int
     operand_registers: tuple[int, ...]  # first registers of the RS HGMMAs' A fragments
-    clobbers: tuple[str, ...]  # instructions in the loop writing a fragment that was loaded before it
+    clobbers: tuple[str, ...]  # writes that give an operand carried into the loop to another matmul (_reused_operands)
     spills: int  # LDL / STL in the loop
 
 
@@ -63,12 +63,10 @@ def innermost_hgmma_loops(instructions: list[tuple[int, str]]) -> list[LoopRepor
     reports = []
     for start, end in sorted(innermost):
         body = [x for a, x in instructions if start <= a <= end]
-        carried = _fragments(_carried_operands(body))
         operands = sorted({int(m.group(1)) for x in body if (m := _RS_HGMMA.match(x))})
-        clobbers = tuple(x for x in body if (r := _destination(x)) is not None and r in carried)
         spills = sum(x.startswith(("LDL", "STL")) for x in body)
-        reports.append(LoopReport(start, end, sum(x.startswith("HGMMA") for x in body), tuple(operands), clobbers,
-                                  spills))  # fmt: skip
+        reports.append(LoopReport(start, end, sum(x.startswith("HGMMA") for x in body), tuple(operands),
+                                  _reused_operands(body), spills))  # fmt: skip
     return reports
 
 
@@ -78,23 +76,28 @@ def _destination(instruction: str) -> int | None:
     return None if m is None or m.group(1).startswith(_NO_DEST) else int(m.group(2))
 
 
-def _fragments(firsts) -> set[int]:
-    return {r for first in firsts for r in range(first, first + A_OPERAND_REGISTERS)}
-
-
-def _carried_operands(body: list[str]) -> list[int]:
-    """The A fragments (first registers) an HGMMA of the loop reads before anything in the loop writes them: values
-    carried in from before the loop (or from the step before), which the loop must leave as they are."""
-    written: set[int] = set()
-    carried = []
+def _reused_operands(body: list[str]) -> tuple[str, ...]:
+    """Writes that turn a register operand carried into the loop into another matmul's operand: the register is
+    read, before anything in the loop writes it, as the A operand of an HGMMA accumulating into one register block,
+    then written, then read as the A operand of an HGMMA accumulating into another. That is the signature of a value
+    meant to last the loop (an operand loaded once) whose registers the compile gave to a value of one step; a
+    value of the step before replaced by this step's (P of a pipelined forward) is read by one matmul only."""
+    first_reader: dict[int, int] = {}  # register -> accumulator of the HGMMA that read it first, before any write
+    written: dict[int, str] = {}  # register -> the first instruction in the loop that wrote it
+    found = []
     for x in body:
         m = _RS_HGMMA.match(x)
-        if m and int(m.group(1)) not in carried and not _fragments([int(m.group(1))]) & written:
-            carried.append(int(m.group(1)))
+        if m:
+            accumulator = int(re.match(r"^HGMMA\S*\s+R(\d+)", x).group(1))
+            for reg in range(int(m.group(1)), int(m.group(1)) + A_OPERAND_REGISTERS):
+                if reg not in written:
+                    first_reader.setdefault(reg, accumulator)
+                elif first_reader.get(reg, accumulator) != accumulator and written[reg] not in found:
+                    found.append(written[reg])
         r = _destination(x)
         if r is not None:
-            written.add(r)
-    return carried
+            written.setdefault(r, x)
+    return tuple(found)
 
 
 def compile_sass(kernel: str, config: str, head_dim: int, causal: bool) -> str:
@@ -135,7 +138,7 @@ def main() -> None:
     for r in reports:
         print(f"loop {r.start:#06x}-{r.end:#06x}: {r.hgmmas} HGMMA, register A operands from "
               f"{', '.join(f'R{o}' for o in r.operand_registers) or 'none'}; {r.spills} LDL/STL; "
-              f"{len(r.clobbers)} writes to operands carried into the loop")  # fmt: skip
+              f"{len(r.clobbers)} writes giving an operand carried into the loop to another matmul")  # fmt: skip
         for x in r.clobbers[:5]:
             print(f"    {x}")
     sys.exit(1 if any(r.clobbers for r in reports) else 0)

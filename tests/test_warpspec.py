@@ -244,6 +244,37 @@ def test_planner_model_and_registers_match_the_compiler():
     assert reason.startswith("registers: 128 fp32 accumulator values per consumer thread")  # the last row spills
 
 
+_SASS_PROBE = """
+import json, sys
+sys.path.insert(0, "scripts")
+import sass_wgmma_operands as sass
+out = []
+for kernel, head_dim, causal, config in json.loads(sys.argv[1]):
+    loops = sass.innermost_hgmma_loops(sass.parse(sass.compile_sass(kernel, config, head_dim, causal)))
+    out.append([[loop.hgmmas, len(loop.operand_registers), len(loop.clobbers)] for loop in loops])
+print(json.dumps(out))
+"""
+
+
+@ON_WS_TRITON
+def test_step_loops_leave_register_operands_carried_into_them_alone():
+    # An asynchronous wgmma reads a register A operand after it is issued; a value carried into a step loop for it
+    # must not be rewritten in the loop. docs/PERF.md v19 met an sm_90 compile that did (K and V as operands, the
+    # causal mask under a branch: wrong dK). scripts/sass_wgmma_operands.py reads the compiled loops; the shipped
+    # kinds of warpspec kernel (causal, where the branches are, and the fused dQ) issue register-operand HGMMAs in
+    # their step loops and leave every operand carried into a loop alone.
+    rows = [("bwd_dkdv", 64, True, "64,128,4,3,2,1"), ("bwd_dkdv", 128, True, "64,128,4,2,1,1"),
+            ("bwd_dkdv", 128, False, "64,128,4,2,2,0"), ("fwd", 128, True, "128,128,4,2,2,1"),
+            ("bwd_dq", 128, True, "128,64,4,3,1,1")]  # fmt: skip
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _SASS_PROBE, json.dumps(rows)], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=str(codegen.templates_dir().parent))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    for row, loops in zip(rows, json.loads(out.stdout.splitlines()[-1]), strict=True):
+        assert any(operands > 0 for _, operands, _ in loops), (row, loops)  # the check has something to check
+        assert all(clobbers == 0 for _, _, clobbers in loops), (row, loops)
+
+
 def test_a_fused_dq_config_gives_way_to_its_twin_under_deterministic_algorithms(monkeypatch, device):
     # dQ fused into the dK/dV kernel (warpspec 2) sums dQ by TMA reductions in arrival order: not bit-reproducible.
     # torch's default allows that; under torch.use_deterministic_algorithms(True) a resolved fused config runs its
