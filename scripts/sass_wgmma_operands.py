@@ -4,8 +4,10 @@
 An asynchronous wgmma whose A operand sits in registers (an "RS" HGMMA) reads them after it is issued; a value
 meant to stay in registers across a loop's steps (docs/PERF.md v19: K and V of the dK/dV kernel) must not be
 written inside the loop. This compiles one config offline for sm_90 (no GPU: Triton ships ptxas and cuobjdump),
-finds the innermost loops that issue HGMMAs, and reports for each its HGMMAs, their register A operands, the
-instructions in the loop that write a register of an operand loaded before the loop, and its local-memory spills.
+finds the innermost loops that issue HGMMAs, and reports for each its HGMMAs, their register A operands, its
+local-memory spills, and the writes that give an operand carried into the loop to another matmul (read by one
+HGMMA before anything in the loop writes it, written, then read by an HGMMA accumulating elsewhere: what the
+miscompile below looked like; exit status 1 if there are any).
 
     python scripts/sass_wgmma_operands.py --kernel bwd_dkdv --head-dim 64 --causal --config 64,128,4,3,1,0
 
