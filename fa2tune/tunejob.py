@@ -230,8 +230,8 @@ def unserved_lengths(spec: StudySpec, path: Path) -> tuple[int, ...]:
     except (OSError, ValueError, yaml.YAMLError):
         return spec.seqlens
     keys = {e.key for e in entries}
-    served = [store.BUCKET_RANGES[b] for b in store.BUCKET_RANGES if replace(spec, seqlen_bucket=b).key in keys]
-    kept = tuple(n for n in spec.seqlens if not any(low < n <= high for low, high in served))
+    served = {bucket for bucket in store.BUCKET_RANGES if replace(spec, seqlen_bucket=bucket).key in keys}
+    kept = tuple(n for n in spec.seqlens if store.bucket_of(n) not in served)  # the store's own length rule
     return kept if len(kept) >= 2 else tuple(sorted({*kept, *LONG_LENGTHS}))
 
 
