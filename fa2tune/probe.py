@@ -13,6 +13,8 @@ a real launch builds.
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +39,19 @@ class CompileReport:
 
     shared_bytes: int | None
     error: str | None = None
-    cubin: bytes | None = None  # the binary, for `cuobjdump -res-usage` (registers, spills)
+    cubin: bytes | None = None  # the binary, for cuobjdump() (registers, spills, SASS)
+
+
+def cuobjdump(cubin: bytes, *options: str) -> str:
+    """What Triton's bundled cuobjdump prints for a compiled binary: `-res-usage` (registers, stack: spills),
+    `-sass` (the machine code, scripts/sass_wgmma_operands.py)."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([knobs.nvidia.cuobjdump.path, *options, f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
 
 
 def _example_ints(head_dim_pad: int, heads: int, group: int) -> dict[str, int]:

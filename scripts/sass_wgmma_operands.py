@@ -21,13 +21,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 
 _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-_RS_HGMMA = re.compile(r"^HGMMA\S*\s+R\d+,\s+R(\d+),")  # HGMMA D, A(registers), B(descriptor), ...
+_RS_HGMMA = re.compile(r"^HGMMA\S*\s+R(\d+),\s+R(\d+),")  # HGMMA D(accumulator), A(registers), B(descriptor)
 _BRANCH = re.compile(r"\bBRA\s+(0x[0-9a-f]+)")
 _DEST = re.compile(r"^(\S+)\s+R(\d+)\b")
 # instructions whose first register operand is not a destination
@@ -65,7 +63,7 @@ def innermost_hgmma_loops(instructions: list[tuple[int, str]]) -> list[LoopRepor
     reports = []
     for start, end in sorted(innermost):
         body = [x for a, x in instructions if start <= a <= end]
-        operands = sorted({int(m.group(1)) for x in body if (m := _RS_HGMMA.match(x))})
+        operands = sorted({int(m.group(2)) for x in body if (m := _RS_HGMMA.match(x))})
         spills = sum(x.startswith(("LDL", "STL")) for x in body)
         reports.append(LoopReport(start, end, sum(x.startswith("HGMMA") for x in body), tuple(operands),
                                   _reused_operands(body), spills))  # fmt: skip
@@ -90,8 +88,8 @@ def _reused_operands(body: list[str]) -> tuple[str, ...]:
     for x in body:
         m = _RS_HGMMA.match(x)
         if m:
-            accumulator = int(re.match(r"^HGMMA\S*\s+R(\d+)", x).group(1))
-            for reg in range(int(m.group(1)), int(m.group(1)) + A_OPERAND_REGISTERS):
+            accumulator, first = int(m.group(1)), int(m.group(2))
+            for reg in range(first, first + A_OPERAND_REGISTERS):
                 if reg not in written:
                     first_reader.setdefault(reg, accumulator)
                 elif first_reader.get(reg, accumulator) != accumulator and written[reg] not in found:
@@ -106,7 +104,6 @@ def compile_sass(kernel: str, config: str, head_dim: int, causal: bool) -> str:
     """sm_90 SASS of one config of `kernel`, compiled without a GPU."""
     os.environ.pop("TRITON_INTERPRET", None)
     import torch
-    from triton import knobs
 
     from fa2tune import probe
     from fa2tune.types import KernelConfig
@@ -116,11 +113,7 @@ def compile_sass(kernel: str, config: str, head_dim: int, causal: bool) -> str:
     report = probe.compile_config(kernel, cfg, head_dim, torch.bfloat16, causal=causal)
     if report.error:
         sys.exit(f"{cfg.label()}: {report.error}")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(report.cubin)
-        f.flush()
-        return subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout  # fmt: skip
+    return probe.cuobjdump(report.cubin, "-sass")
 
 
 def main() -> None:

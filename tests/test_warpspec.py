@@ -192,18 +192,14 @@ def test_code_hash_names_the_template_and_its_switches():
 
 
 _PROBE = """
-import json, subprocess, sys, tempfile, torch
+import json, sys, torch
 from fa2tune import probe
 from fa2tune.types import KernelConfig
-from triton import knobs
 rows = []
 for kernel, head_dim, fields, causal in json.loads(sys.argv[1]):
     report = probe.compile_config(kernel, KernelConfig(**fields), head_dim, torch.bfloat16, causal=causal)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(report.cubin)
-        f.flush()
-        usage = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True, text=True)
-    stack = [int(w.split(":")[1]) for w in usage.stdout.split() if w.startswith("STACK:")]
+    usage = probe.cuobjdump(report.cubin, "-res-usage")
+    stack = [int(w.split(":")[1]) for w in usage.split() if w.startswith("STACK:")]
     rows.append([report.shared_bytes, report.error, stack])
 print(json.dumps(rows))
 """
