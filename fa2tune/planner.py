@@ -24,7 +24,8 @@ S buffers of K_j and of V_j, and mbarriers (checked against compiles: ~300–400
 On the wgmma path the seed's B_r·B_c term lives in the register file, with the other fp32 accumulators:
     fwd       B_r·(d + B_c)          Õ_i and S_ij (and S_i,j+1 with pipeline_qk)
     fwd_ws    64·(d + B_c)           per consumer warpgroup (128 threads), which owns 64 rows
-    dkdv_ws   64·(2·d + 3·B_r)       per consumer: dK, dV, Sᵀ, dPᵀ, and Pᵀ, dSᵀ (16-bit, half a register each)
+    dkdv_ws   64·(2·d + 3·B_r)       per consumer: dK, dV, Sᵀ, dPᵀ, and Pᵀ, dSᵀ (16-bit, half a register each);
+                                     at d <= 64 + 64·d, K and V as 16-bit operands (kv_in_registers: no mask)
     dq_ws     64·(d + 2.5·B_c)       per consumer: dQ, S (then P), dP, and the in-flight wgmma's dS_j-1 (16-bit)
     bwd_dkdv  B_c·(2·d + 2·B_r)      dK_j, dV_j, P_ijᵀ and dP_ijᵀ
     bwd_dq    B_r·(d + 2·B_c)        dQ_i, P_ij and dP_ij
@@ -162,6 +163,15 @@ def fused_dq_columns(head_dim: int, consumers: int) -> int:
     return min(share, 64)
 
 
+def kv_in_registers(head_dim: int, causal: bool = False) -> bool:
+    """Whether the warp-specialized dK/dV kernel holds its K and V rows in registers as the Sᵀ and dPᵀ wgmmas' A
+    operands (bwd_ws.py.jinja's KV_IN_REGS), rather than reading them from shared memory every step: at d <= 64,
+    where 2·64·d/128 16-bit values a thread fit beside the accumulators, and without a causal mask (docs/PERF.md
+    v19, v20). The register model (accumulators_per_thread) has no mask, so it counts them for both: a causal
+    compile holds fewer than it says."""
+    return head_dim_padded(head_dim) <= 64 and not causal
+
+
 MAX_ACCUMULATORS_PER_THREAD = 255
 
 
@@ -169,14 +179,16 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
     """fp32 accumulator values each thread holds (see the module docstring)."""
     _check_kernel(kernel)
     d, m, n = head_dim_padded(head_dim), cfg.block_m, cfg.block_n
+    # K and V as 16-bit register operands (half a register a value) of the dK/dV kernel's Sᵀ and dPᵀ at d <= 64
+    kv_operands = 64 * d / 128 if kernel == "bwd_dkdv" and kv_in_registers(d) else 0
     if cfg.warpspec == 2 and kernel == "bwd_dkdv":
         # dQ fused in: dSᵀ goes through shared memory (no 16-bit register copy); the dQ partial (64 × at most 64
         # fp32) is live only once Sᵀ, dPᵀ are dead. Compiled for sm_90, d=128 keeps 40 B (causal 112 B) of stack
         # beside it, as persistent loops do (timing decides: docs/PERF.md v18); d=64 none
-        return 64 * (2 * d + max(2.5 * m, fused_dq_columns(d, n // 64))) / 128
+        return 64 * (2 * d + max(2.5 * m, fused_dq_columns(d, n // 64))) / 128 + kv_operands
     if cfg.warpspec and kernel == "bwd_dkdv":
         # each consumer warpgroup: its 64 rows of dK and dV, Sᵀ and dPᵀ (64 × B_r), and Pᵀ, dSᵀ as 16-bit operands
-        return 64 * (2 * d + 2 * m + m) / 128
+        return 64 * (2 * d + 2 * m + m) / 128 + kv_operands
     if cfg.warpspec and kernel == "bwd_dq":
         # each consumer warpgroup: its 64 rows of dQ, S (then P) and dP (64 × B_c), the in-flight dS_j-1 (16-bit)
         return 64 * (d + 2.5 * n) / 128

@@ -115,6 +115,15 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     assert warpspec.dq_partial_block((1, 1, 64, 128), 2) == (1, 1, 64, 64)
     assert warpspec.dq_partial_block((1, 1, 64, 128), 1) == (1, 1, 64, 64)  # two 64-column reductions a step
     assert warpspec.dq_partial_block((1, 1, 64, 64), 2) == (1, 1, 64, 64)
+    # at d <= 64 without a mask K and V are register operands too (a consumer's 64 × d of each, 16-bit): 32 values
+    # a thread more than d=64's accumulators, in both forms (the model has no mask: it counts them for causal too);
+    # none at d=128, where they would not fit
+    assert planner.kv_in_registers(64) and planner.kv_in_registers(32) and not planner.kv_in_registers(128)
+    assert not planner.kv_in_registers(64, causal=True)
+    for cfg in (KernelConfig(64, 128, 4, 3, warpspec=1), KernelConfig(64, 128, 4, 3, warpspec=2)):
+        at64 = planner.accumulators_per_thread(cfg, 64, "bwd_dkdv")
+        planner_without = 64 * (2 * 64 + (3 * 64 if cfg.warpspec == 1 else 2.5 * 64)) / 128
+        assert at64 == planner_without + 32 and planner.check(cfg, h200, 64, torch.bfloat16, "bwd_dkdv") is None
     # persistent dK/dV stages dK, dV apart from K, V: 2·128·(4·128 + 8·64) + 512 B > 227 KiB at 4 stages
     assert planner.check(dkdv[-1], h200, 128, torch.bfloat16, "bwd_dkdv").startswith("shared memory")
     # 4 stages of 128-row K and V tiles at d=128: 2·128·(128 + 8·128) + 512 B > the H200's 227 KiB; 3 fit
@@ -257,18 +266,24 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
     # An asynchronous wgmma reads a register A operand after it is issued; a value carried into a step loop for it
     # must not be rewritten in the loop. docs/PERF.md v19 met an sm_90 compile that did (K and V as operands, the
     # causal mask under a branch: wrong dK). scripts/sass_wgmma_operands.py reads the compiled loops; the shipped
-    # kinds of warpspec kernel (causal, where the branches are, and the fused dQ) issue register-operand HGMMAs in
-    # their step loops and leave every operand carried into a loop alone.
-    rows = [("bwd_dkdv", 64, True, "64,128,4,3,2,1"), ("bwd_dkdv", 128, True, "64,128,4,2,1,1"),
-            ("bwd_dkdv", 128, False, "64,128,4,2,2,0"), ("fwd", 128, True, "128,128,4,2,2,1"),
-            ("bwd_dq", 128, True, "128,64,4,3,1,1")]  # fmt: skip
+    # kinds of warpspec kernel (causal, where the branches are, the fused dQ, and d=64's K and V in registers) issue
+    # register-operand HGMMAs in their step loops and leave every operand carried into a loop alone.
+    rows = [("bwd_dkdv", 64, True, "64,128,4,3,2,1"), ("bwd_dkdv", 64, False, "64,128,4,3,2,1"),
+            ("bwd_dkdv", 128, True, "64,128,4,2,1,1"), ("bwd_dkdv", 128, False, "64,128,4,2,2,0"),
+            ("fwd", 128, True, "128,128,4,2,2,1"), ("bwd_dq", 128, True, "128,64,4,3,1,1")]  # fmt: skip
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _SASS_PROBE, json.dumps(rows)], env=env, capture_output=True,
                          text=True, timeout=600, cwd=str(codegen.templates_dir().parent))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    for row, loops in zip(rows, json.loads(out.stdout.splitlines()[-1]), strict=True):
+    found = json.loads(out.stdout.splitlines()[-1])
+    for row, loops in zip(rows, found, strict=True):
         assert any(operands > 0 for _, operands, _ in loops), (row, loops)  # the check has something to check
         assert all(clobbers == 0 for _, _, clobbers in loops), (row, loops)
+    # K and V are register operands where planner.kv_in_registers says, d=64 without a mask: eight A fragments more
+    # a loop (K's and V's 64 × 64 rows, four k-steps of 16 each) than the same config compiled causal
+    assert planner.kv_in_registers(64) and not planner.kv_in_registers(64, causal=True)
+    causal, unmasked = ({operands for _, operands, _ in loops} for loops in found[:2])
+    assert unmasked == {n + 8 for n in causal}, (causal, unmasked)
 
 
 def test_a_fused_dq_config_gives_way_to_its_twin_under_deterministic_algorithms(monkeypatch, device):
