@@ -339,8 +339,12 @@ def test_backward_on_the_calling_thread_gives_what_the_device_thread_gives(head_
         with torch.autograd.set_multithreading_enabled(threads):
             o = fa2tune.attention(q, k, v, causal=True)
             results.setdefault(threads, []).append((o, *torch.autograd.grad(o, (q, k, v), grad_out)))
+    # O, dK and dV bit for bit; dQ is summed in arrival order where the shipped config fuses it into the dK/dV
+    # kernel (d=64: warpspec 2, TMA reductions), so it may differ in its last bits from call to call, thread or not
+    first = results[True][0]
     for got in (*results[True], *results[False]):
-        assert all(torch.equal(a, b) for a, b in zip(got, results[True][0], strict=True))
+        assert torch.equal(got[0], first[0]) and torch.equal(got[2], first[2]) and torch.equal(got[3], first[3])
+        torch.testing.assert_close(got[1], first[1], atol=1e-2, rtol=1e-2)
     qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, _ = naive_attention(qd, kd, vd, causal=True)
     ref_grads = torch.autograd.grad(ref, (qd, kd, vd), grad_out.double())
