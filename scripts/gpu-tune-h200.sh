@@ -18,7 +18,8 @@
 # "64/bf16/bwd_dkdv 64/bf16/bwd_dkdv/short 64/bf16/bwd_dkdv/medium" "128/bf16/bwd_dkdv 128/bf16/bwd_dkdv/medium
 # 64/fp16/bwd_dkdv": docs/PERF.md v18; session 19 "128/bf16/bwd_dkdv/all/8192,16384 128/bf16/bwd_dkdv/medium
 # 128/bf16/fwd/all/8192,16384" "128/fp16/bwd_dkdv 64/bf16/fwd/all/8192,16384" at 8 trials, then 128/fp16/bwd_dkdv/short
-# and /medium: docs/PERF.md v19)
+# and /medium: docs/PERF.md v19; session 20, one GPU, "64/bf16/bwd_dkdv 64/bf16/bwd_dkdv/short 64/bf16/bwd_dkdv/medium
+# 64/fp16/bwd_dkdv" at 8 trials, one after another: docs/PERF.md v20)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 trials=$1 logs=$2
