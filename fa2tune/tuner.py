@@ -81,8 +81,13 @@ def _params(cfg: KernelConfig) -> dict[str, int]:
 
 
 def _completed(study: optuna.Study) -> dict[KernelConfig, float]:
-    states = (optuna.trial.TrialState.COMPLETE,)
-    return {KernelConfig(**t.params): t.value for t in study.get_trials(deepcopy=False, states=states)}
+    """Each config the study timed, with its best reading: two workers proposing one config at the same instant can
+    both time it (nothing locks a shared study between ask and tell), and the winner's ms is its best reading."""
+    best: dict[KernelConfig, float] = {}
+    for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        cfg = KernelConfig(**trial.params)
+        best[cfg] = min(trial.value, best.get(cfg, trial.value))
+    return best
 
 
 def _proposed(trial: optuna.trial.FrozenTrial) -> KernelConfig | None:

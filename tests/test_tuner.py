@@ -162,6 +162,21 @@ def test_processes_of_one_run_share_its_budget_and_stop_when_it_is_spent(tmp_pat
     assert len(late_calls) == 7
 
 
+def test_a_config_two_workers_both_timed_keeps_its_best_reading():
+    # Two workers proposing one config at the same instant can both time it: the study's number for it (what a
+    # finishing worker names the winner by, and reports as its ms) is the better reading, whichever came last.
+    import optuna
+
+    cfg = KernelConfig(64, 32, 4, 2)
+    params = tuner._params(cfg)
+    choices = {dim: optuna.distributions.CategoricalDistribution([value]) for dim, value in params.items()}
+    for readings in ((1.0, 1.5), (1.5, 1.0)):
+        study = optuna.create_study()
+        for value in readings:
+            study.add_trial(optuna.trial.create_trial(params=params, distributions=choices, value=value))
+        assert tuner._completed(study) == {cfg: 1.0}
+
+
 def test_a_trial_another_process_is_still_suggesting_is_not_read_as_a_config():
     # A shared study's running trial can hold block_m and not yet block_n (the other process suggests them one
     # at a time): reading it as a KernelConfig raised TypeError and failed a worker's study.
