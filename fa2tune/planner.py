@@ -25,7 +25,7 @@ On the wgmma path the seed's B_r·B_c term lives in the register file, with the 
     fwd       B_r·(d + B_c)          Õ_i and S_ij (and S_i,j+1 with pipeline_qk)
     fwd_ws    64·(d + B_c)           per consumer warpgroup (128 threads), which owns 64 rows
     dkdv_ws   64·(2·d + 3·B_r)       per consumer: dK, dV, Sᵀ, dPᵀ, and Pᵀ, dSᵀ (16-bit, half a register each);
-                                     at d <= 64 + 64·d, K and V as 16-bit operands (kv_in_registers: no mask)
+              + 64·d at d <= 64      K and V as 16-bit operands (kv_in_registers; counted for both masks)
     dq_ws     64·(d + 2.5·B_c)       per consumer: dQ, S (then P), dP, and the in-flight wgmma's dS_j-1 (16-bit)
     bwd_dkdv  B_c·(2·d + 2·B_r)      dK_j, dV_j, P_ijᵀ and dP_ijᵀ
     bwd_dq    B_r·(d + 2·B_c)        dQ_i, P_ij and dP_ij
