@@ -169,12 +169,14 @@ def _compile_warpspec(
         block = warpspec.dq_partial_block(q_block, kwargs["CONSUMERS"])
         descriptors["dqacc_desc"] = warpspec._descriptor(torch.empty_like(x, dtype=torch.float32), block)
     scalars = {"LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "scale": "fp32", "GROUP": "i32"}
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for index, (arg, param) in enumerate(zip(fn.arg_names, fn.params, strict=True)):
         if param.is_constexpr:
             signature[arg] = "constexpr"
             constexprs[(index,)] = kwargs[arg]
         else:
             signature[arg] = mangle_type(descriptors[arg]) if arg in descriptors else scalars.get(arg, "i32")
+            if signature[arg].startswith("*"):
+                attrs[(index,)] = [["tt.divisibility", 16]]  # as the JIT specializes a 16-byte-aligned tensor
     options = {name: kwargs[name] for name in ("num_warps", "maxnreg") if name in kwargs}
-    return _compile(GluonASTSource(fn, signature, constexprs), target, options)
+    return _compile(GluonASTSource(fn, signature, constexprs, attrs), target, options)

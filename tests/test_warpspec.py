@@ -214,6 +214,31 @@ print(json.dumps(rows))
 """
 
 
+_ATTRS_PROBE = """
+import json, torch
+from fa2tune import probe
+from fa2tune.types import KernelConfig
+seen = []
+probe._compile = lambda source, target, options: seen.append(source)
+probe.compile_config("bwd_dkdv", KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1), 64, torch.bfloat16)
+kinds = list(seen[0].signature.values())
+print(json.dumps([[kind, seen[0].attrs.get((index,))] for index, kind in enumerate(kinds) if kind.startswith("*")]))
+"""
+
+
+@ON_WS_TRITON
+def test_offline_compiles_specialize_pointers_as_a_launch_does():
+    # Triton's JIT marks a 16-byte-aligned tensor argument tt.divisibility=16, which lets the compiler vectorize its
+    # loads; an offline compile (probe, hence the register and SASS checks here) must too, or it reads other code
+    # than runs (an in-kernel dQ cast compiled so showed scalar loads and more stack: docs/PERF.md v21).
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _ATTRS_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    pointers = json.loads(out.stdout.splitlines()[-1])
+    assert [kind for kind, _ in pointers] == ["*fp32", "*fp32"]  # LSE, DELTA
+    assert all(attrs == [["tt.divisibility", 16]] for _, attrs in pointers)
+
+
 @ON_WS_TRITON
 def test_planner_model_and_registers_match_the_compiler():
     # Compiled for sm_90 without a card (Triton ships ptxas and cuobjdump): the shared memory the model predicts is
