@@ -138,7 +138,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _switches(cfg) -> str:
     """The config's template switches in words ("" for the plain Triton template)."""
     names = {"pipeline_qk": {1: "pipeline_qk"}, "warpspec": {1: "warpspec", 2: "warpspec ping-pong"},
-             "persistent": {1: "persistent"}}  # fmt: skip
+             "persistent": {1: "persistent", 2: "persistent, two programs an SM"}}  # fmt: skip
     return " ".join(names[field][value] for field, value in asdict(cfg).items() if field in names and value)
 
 

@@ -64,6 +64,9 @@ _WS_SMEM_OVERHEAD = 512  # mbarriers and alignment; compiles measured 284–392 
 # 4·(consumers + 1) warps (the producer's warp rounds up to a warpgroup) on one SM of 64k registers; setmaxnreg
 # gives the producer the minimum (24) and the consumers the rest (one consumer: the compiler's 255).
 WS_REGISTERS = {1: (None, 255, 24), 2: (None, 240, 24), 3: (128, 160, 24)}
+# Two one-consumer programs an SM (KernelConfig.persistent = 2): each compiled at maxnreg 128 — half the register file
+# for its two warpgroups — of which setmaxnreg gives the consumer 232 (sm_90: no spill at d=64 or d=128, B_c = 128).
+WS_TWO_AN_SM_REGISTERS = (128, 232, 24)
 # A consumer spills once its fp32 accumulators (64·(d + B_c) / 128) pass its registers less this: compiled for
 # sm_90, (d, B_r, B_c) = (256, 64, 128) with 192 of 255, (256, 128, 128) 192 of 240 and (128, 192, 128) 128 of
 # 160 spill (cuobjdump STACK 40, 96, 248 B); 160 of 255, 160 of 240 and 96 of 160 do not (tests/test_warpspec.py).
@@ -200,6 +203,16 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
     return values / (32 * cfg.num_warps)
 
 
+def ws_registers(cfg: KernelConfig, kernel: str = "fwd") -> tuple[int | None, int, int]:
+    """(maxnreg, registers of each consumer thread, of the producer's) a warpspec config of `kernel` compiles with."""
+    return WS_TWO_AN_SM_REGISTERS if cfg.persistent == 2 else WS_REGISTERS[cfg.consumers(kernel)]
+
+
+def programs_per_sm(cfg: KernelConfig) -> int:
+    """Programs a persistent grid of this config puts on each SM (KernelConfig.persistent: 2 for persistent = 2)."""
+    return 2 if cfg.persistent == 2 else 1
+
+
 def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dtype, kernel: str = "fwd") -> str | None:
     """Returns why `cfg` should not run `kernel` on `device` (does not fit, or would spill), or None."""
     _check_kernel(kernel)
@@ -214,13 +227,13 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
         reason = warpspec_unsupported(head_dim, dtype, device.capability, device.triton_version)
         if reason is not None:
             return reason
-        consumers = cfg.consumers(kernel)
-        budget = WS_REGISTERS[consumers][1] - _WS_REGISTERS_BESIDE_ACCUMULATORS[kernel]
+        consumer_registers = ws_registers(cfg, kernel)[1]
+        budget = consumer_registers - _WS_REGISTERS_BESIDE_ACCUMULATORS[kernel]
         regs = accumulators_per_thread(cfg, head_dim, kernel)
         if regs > budget:
             return (
                 f"registers: {regs:.0f} fp32 accumulator values per consumer thread, more than the {budget} its "
-                f"{WS_REGISTERS[consumers][1]} registers leave beside them: would spill"
+                f"{consumer_registers} registers leave beside them: would spill"
             )
         if kernel == "bwd_dkdv" and cfg.warpspec == 2 and head_dim > 64 and cfg.num_stages > 2:
             # measured, not modelled: (64, 128) 3 stages at d=128 compiles with 232 B of stack (2 stages: 40 B) and
@@ -235,6 +248,15 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
             f"shared memory: needs {need:,} B (model: {_model_terms(cfg, kernel)}), "
             f"{device.name} allows {device.smem_per_block:,} B per block"
         )
+    shared = programs_per_sm(cfg)
+    if shared > 1:
+        # each program also leaves the SM's reserve (smem_per_sm - smem_per_block: 1 KiB on Hopper) to the system
+        each = device.smem_per_sm // shared - (device.smem_per_sm - device.smem_per_block)
+        if need > each:
+            return (
+                f"shared memory: needs {need:,} B (model: {_model_terms(cfg, kernel)}); {shared} programs an SM "
+                f"(persistent={cfg.persistent}) leave each {each:,} B on {device.name}"
+            )
     regs = accumulators_per_thread(cfg, head_dim, kernel)
     if regs > MAX_ACCUMULATORS_PER_THREAD:
         return (
@@ -260,7 +282,8 @@ def _model_terms(cfg: KernelConfig, kernel: str) -> str:
 def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     """The search space of `kernel`: block_m, block_n in {16..256}, num_warps in {4, 8}, num_stages in {1..5};
     the forward also pipeline_qk in {0, 1}, and the warp-specialized template: block_m in {64, 128, 192}, block_n
-    in {64, 128}, num_stages in {2, 3, 4}, persistent or not, with ping-pong too at block_m = 128; bwd_dkdv and
+    in {64, 128}, num_stages in {2, 3, 4}, persistent or not (at block_m = 64 also two programs an SM), with
+    ping-pong too at block_m = 128; bwd_dkdv and
     bwd_dq their warp-specialized templates: bwd_dkdv at block_m 64, block_n in {64, 128}, with dQ fused in or not
     (warpspec 2 or 1), bwd_dq at block_m and block_n in {64, 128}, num_stages in {2, 3, 4} (check() drops them off
     Hopper)."""
@@ -269,7 +292,9 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES, switches)
     configs = [KernelConfig(m, n, w, s, p) for m, n, w, s, p in grid]
     if kernel == "fwd":
-        for m, n, s, p in itertools.product(WS_BLOCK_M, WS_BLOCK_N, WS_STAGES, (0, 1)):
+        for m, n, s, p in itertools.product(WS_BLOCK_M, WS_BLOCK_N, WS_STAGES, (0, 1, 2)):
+            if p == 2 and m != WS_BLOCK_M[0]:
+                continue  # two programs an SM: one-consumer programs only
             configs += [KernelConfig(m, n, 4, s, warpspec=ws, persistent=p) for ws in ((1, 2) if m == 128 else (1,))]
     if kernel in WS_BACKWARD_TILES:
         owned, owned_sizes, _, _, streamed_sizes = WS_BACKWARD_TILES[kernel]

@@ -133,8 +133,8 @@ def fail_abandoned(storage, run: str, pid: int) -> int:
 def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k: int = 3) -> list[KernelConfig]:
     """One config for each of the k block shapes (block_m, block_n) a roofline argument ranks first, taken in turn
     from the warp-specialized kernels and the Triton template where the space holds both; the warp-specialized
-    kernels' modes (the forward's ping-pong, the dK/dV kernel's fused dQ) count as shapes of their own, as they
-    change the schedule more than warps and stages do.
+    kernels' modes (the forward's ping-pong, the dK/dV kernel's fused dQ, two programs an SM) count as shapes of
+    their own, as they change the schedule more than warps and stages do.
 
     Timed right after the default, these spread the first trials over the shapes — the choice that matters most —
     before TPE refines warps and stages. A program's arithmetic intensity grows with its tile (block_m·block_n),
@@ -154,7 +154,8 @@ def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k:
     by_family: dict[bool, list[KernelConfig]] = {True: [], False: []}  # warpspec first
     for cfg in sorted(candidates, key=score):
         family = by_family[cfg.warpspec > 0]
-        if all((p.block_m, p.block_n, p.warpspec) != (cfg.block_m, cfg.block_n, cfg.warpspec) for p in family):
+        shape = lambda c: (c.block_m, c.block_n, c.warpspec, c.persistent == 2)
+        if all(shape(p) != shape(cfg) for p in family):
             family.append(cfg)
     turns = itertools.zip_longest(by_family[True], by_family[False])
     return [cfg for pair in turns for cfg in pair if cfg is not None][:k]
@@ -183,7 +184,7 @@ def first_configs(
     fits = lambda cfg: planner.check(cfg, device, head_dim, dtype, kernel) is None
     feasible = [c for c in candidates if fits(c)]
     # feasible holds a twin only where the switch exists (KernelConfig.combination_error) and the config fits
-    twin = replace(default, persistent=1 - default.persistent)
+    twin = replace(default, persistent=int(not default.persistent))
     first = [default]
     for cfg in (incumbent, twin if twin in feasible else None):
         if cfg is not None and cfg not in first and fits(cfg):

@@ -48,6 +48,10 @@ class KernelConfig:
             walks the tiles, and the producer loads the next tile's operands while the consumers finish this one
             (the `persistent` switch of fwd_ws, bwd_ws and bwd_dq_ws.py.jinja); causal tiles are dealt in pairs, a
             head's j-th longest with its j-th shortest, so every program gets the same work; 0: one program per tile.
+            2 (the forward's one-consumer configs, block_m = 64): persistent with two programs an SM, each compiled
+            for half the register file (planner.WS_TWO_AN_SM_REGISTERS) and in half the shared memory, so one runs
+            under the other's tile prologue and epilogue — what the one-consumer forward lacks at N <= 1k, where its
+            Q loads and O stores are a large share of a tile (docs/PERF.md v19, v21).
     """
 
     block_m: int
@@ -60,8 +64,9 @@ class KernelConfig:
 
     def label(self) -> str:
         """A short human name, as logs print it: "128x128 w4 s2 ws2 persistent"."""
+        persistent = "persistent" + " x2" * (self.persistent == 2)
         switches = [name for name, on in (("qk", self.pipeline_qk), (f"ws{self.warpspec}", self.warpspec),
-                                          ("persistent", self.persistent)) if on]  # fmt: skip
+                                          (persistent, self.persistent)) if on]  # fmt: skip
         return " ".join([f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}", *switches])
 
     def __post_init__(self) -> None:
@@ -77,8 +82,8 @@ class KernelConfig:
             raise ValueError(f"pipeline_qk must be 0 or 1, got {self.pipeline_qk!r}")
         if self.warpspec not in (0, 1, 2):
             raise ValueError(f"warpspec must be 0, 1 or 2, got {self.warpspec!r}")
-        if self.persistent not in (0, 1):
-            raise ValueError(f"persistent must be 0 or 1, got {self.persistent!r}")
+        if self.persistent not in (0, 1, 2):
+            raise ValueError(f"persistent must be 0, 1 or 2, got {self.persistent!r}")
 
     def combination_error(self, kernel: str = "fwd") -> str | None:
         """Why these fields do not make one config of `kernel` ("fwd", "bwd_dkdv", "bwd_dq") together, or None.
@@ -88,6 +93,12 @@ class KernelConfig:
             return (
                 f"persistent is a switch of the warpspec kernels {', '.join(PERSISTENT_KERNELS)}, got "
                 f"warpspec={self.warpspec} for {kernel}"
+            )
+        if self.persistent == 2 and (kernel != "fwd" or self.warpspec != 1 or self.block_m != WS_BLOCK_M[0]):
+            return (
+                f"persistent=2 (two programs an SM) is a switch of the forward's one-consumer warpspec configs "
+                f"(warpspec=1, block_m={WS_BLOCK_M[0]}), got warpspec={self.warpspec}, block_m={self.block_m} for "
+                f"{kernel}"
             )
         if not self.warpspec:
             if self.block_m not in _BLOCK_SIZES:

@@ -116,7 +116,7 @@ def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool
     else:  # consumers own K/V rows; Q and dO stream in block_m rows
         fn, q_rows, kv_rows = module._attn_bwd_dkdv_ws, config.block_m, ROWS_PER_CONSUMER
     consumers = config.consumers(kernel)
-    maxnreg, consumer_regs, producer_regs = planner.WS_REGISTERS[consumers]
+    maxnreg, consumer_regs, producer_regs = planner.ws_registers(config, kernel)
     kwargs = dict(CONSUMERS=consumers, STAGES=config.num_stages, PRODUCER_REGS=producer_regs,
                   CONSUMER_REGS=consumer_regs, num_warps=4)  # fmt: skip
     if maxnreg is not None:
@@ -126,10 +126,13 @@ def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool
 
 def _grid(config: KernelConfig, row_tiles: int, batch_heads: int, device_index: int | None):
     """(grid, tiles): one program per tile of rows, (row_tiles, batch·heads); or, persistent, one per SM (a program
-    of these configs takes most of an SM's shared memory: planner.sram_bytes), each walking tiles first,
-    first + programs, ... of the row_tiles · batch·heads."""
+    of these configs takes most of an SM's shared memory: planner.sram_bytes) — two with persistent = 2, which
+    planner.check lets only configs fitting twice have —, each walking tiles first, first + programs, ... of the
+    row_tiles · batch·heads."""
     tiles = row_tiles * batch_heads
-    return ((min(tiles, _sm_count(device_index)),) if config.persistent else (row_tiles, batch_heads)), tiles
+    if not config.persistent:
+        return (row_tiles, batch_heads), tiles
+    return (min(tiles, planner.programs_per_sm(config) * _sm_count(device_index)),), tiles
 
 
 def _launcher(

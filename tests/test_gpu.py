@@ -129,7 +129,7 @@ _WS_CONFIGS = [KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(128, 128, 4
                KernelConfig(128, 128, 4, 2, warpspec=2), KernelConfig(192, 128, 4, 2, warpspec=1),
                KernelConfig(128, 64, 4, 3, warpspec=1), KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1),
                KernelConfig(128, 128, 4, 2, warpspec=2, persistent=1), KernelConfig(192, 64, 4, 3, warpspec=1,
-               persistent=1)]  # fmt: skip
+               persistent=1), KernelConfig(64, 64, 4, 2, warpspec=1, persistent=2)]  # fmt: skip
 _WS_LENGTHS = [(1000, 1537), (1, 5), (257, 257), (300, 1000), (1000, 300)]
 _HOPPER = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
                              reason="needs Hopper")  # fmt: skip
@@ -154,8 +154,9 @@ def _ws_inputs(head_dim: int, dtype: torch.dtype):
 def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype, monkeypatch):
     torch.manual_seed(head_dim + config.block_m)
     if config.persistent:
-        # three programs walk every tile (as on a GPU of three SMs): each meets tiles of several heads and lengths,
-        # in the causal order's reversed rounds too, with its K/V ring and Q, O buffers carried from tile to tile
+        # three programs walk every tile (as on a GPU of three SMs; six with two an SM): each meets tiles of several
+        # heads and lengths, in the causal order's reversed rounds too, with its K/V ring and Q, O buffers carried
+        # from tile to tile
         monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
     for q, k, v in _ws_inputs(head_dim, dtype):
         out = torch.full_like(q, float("nan"))  # poisoned: every element must be written

@@ -85,7 +85,7 @@ def test_rejected_and_failed_configs_are_recorded_and_never_stop_the_study():
     # pruned: configs that do not fit, and sampled field combinations that make no config (warpspec's rules) or are
     # outside the candidates
     pruned_reasons = ("shared memory", "registers", "warpspec", "block_m=192 needs warpspec", "not in the search space",
-                      "persistent is a switch of the warpspec")  # fmt: skip
+                      "persistent is a switch of the warpspec", "persistent=2 (two programs an SM)")  # fmt: skip
     assert result.pruned == sum(1 for r in reasons if r.startswith(pruned_reasons))
     assert result.failed == sum(1 for r in reasons if r.startswith("RuntimeError: no recorded timing"))
     assert result.pruned + result.failed > 0
@@ -410,6 +410,19 @@ def test_first_picks_take_turns_between_the_warpspec_kernels_and_the_triton_temp
     # Where the space has no warp-specialized configs (not Hopper), the picks are the Triton ones as before.
     triton_only = [c for c in feasible if not c.warpspec]
     assert tuner.promising(triton_only, 64, "fwd", k=4) == [c for c in picks if not c.warpspec]
+
+
+def test_two_programs_an_sm_is_a_shape_of_its_own_among_the_first_picks():
+    # persistent=2 (one-consumer forwards, two an SM) changes the schedule as ping-pong does: ranked with the
+    # persistent one-consumer config of the same tiles it would never be picked beside it (docs/PERF.md v21: it won
+    # d=64's causal N <= 1k forward by 6 %).
+    h200 = known_gpu("h200")
+    feasible = [c for c in planner.candidates("fwd") if planner.check(c, h200, 64, torch.bfloat16, "fwd") is None]
+    picks = [c for c in tuner.promising(feasible, 64, "fwd", k=12) if c.warpspec]
+    assert KernelConfig(64, 128, 4, 3, warpspec=1, persistent=2) in picks
+    assert KernelConfig(64, 128, 4, 3, warpspec=1, persistent=1) in picks
+    wider = [c for c in tuner.promising(feasible, 64, "fwd", k=20) if c.persistent == 2]
+    assert [c.block_n for c in wider] == [128, 64]
 
 
 def test_the_config_a_key_runs_now_is_timed_second_and_kept_unless_beaten():

@@ -65,8 +65,14 @@ def test_configs_combine_fields_by_warpspec_rules():
         assert cfg.combination_error(kernel).startswith("persistent is a switch of the warpspec kernels fwd, bwd_dkdv")
     assert KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1).combination_error("bwd_dkdv") is None
     assert persistent.combination_error("bwd_dq") is None
-    with pytest.raises(ValueError, match="persistent must be 0 or 1, got 2"):
-        KernelConfig(128, 64, 4, 2, warpspec=1, persistent=2)
+    with pytest.raises(ValueError, match="persistent must be 0, 1 or 2, got 3"):
+        KernelConfig(128, 64, 4, 2, warpspec=1, persistent=3)
+    # persistent=2, two programs an SM: the forward's one-consumer warpspec configs only
+    two = KernelConfig(64, 64, 4, 3, warpspec=1, persistent=2)
+    assert two.combination_error() is None and KernelConfig.from_dict(two.to_dict()) == two
+    assert two.label() == "64x64 w4 s3 ws1 persistent x2"
+    for cfg, kernel in ((replace(two, block_m=128), "fwd"), (two, "bwd_dq"), (replace(two, block_n=128), "bwd_dkdv")):
+        assert cfg.combination_error(kernel).startswith("persistent=2 (two programs an SM)"), (cfg, kernel)
     with pytest.raises(ValueError, match=r"block_m must be one of \(16, 32, 64, 128, 256, 192\), got 96"):
         KernelConfig(96, 64, 4, 2, warpspec=1)
 
@@ -130,8 +136,19 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     assert planner.check(KernelConfig(128, 128, 4, 4, warpspec=1), h200, 128, torch.bfloat16).startswith("shared")
     assert planner.check(KernelConfig(128, 128, 4, 3, warpspec=1), h200, 128, torch.bfloat16) is None
     ws = [c for c in planner.candidates("fwd") if c.warpspec]
-    assert len(ws) == 48 and all(c.combination_error() is None for c in ws)
-    assert sum(c.persistent for c in ws) == 24
+    assert len(ws) == 54 and all(c.combination_error() is None for c in ws)
+    assert [sum(c.persistent == p for c in ws) for p in (1, 2)] == [24, 6]  # two an SM: block_m = 64 only
+    # two programs an SM: each in half the SM's shared memory less its 1 KiB reserve, and compiled at maxnreg 128
+    two_an_sm = KernelConfig(64, 64, 4, 3, warpspec=1, persistent=2)
+    assert planner.check(replace(two_an_sm, persistent=1), h200, 128, torch.bfloat16) is None  # 131,584 B
+    assert "2 programs an SM (persistent=2) leave each 115,712 B" in planner.check(two_an_sm, h200, 128, torch.bfloat16)
+    assert planner.check(replace(two_an_sm, num_stages=2), h200, 128, torch.bfloat16) is None  # 98,816 B
+    assert (
+        planner.ws_registers(two_an_sm)
+        == planner.WS_TWO_AN_SM_REGISTERS
+        != planner.ws_registers(replace(two_an_sm, persistent=1))
+    )
+    assert warpspec.compiled_form("fwd", two_an_sm, 64, True)[3]["maxnreg"] == 128
     # persistent stages O apart from Q: 2·128·(128 + 128 + 4·128) + 512 B fits, with 3 stages 256.5 KiB does not
     assert planner.sram_bytes(KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1), 128, torch.bfloat16) == (
         planner.sram_bytes(WS, 128, torch.bfloat16) + 2 * 128 * 128
@@ -146,6 +163,15 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     assert planner.check(KernelConfig(128, 64, 4, 3, warpspec=1), h200, 128, torch.bfloat16, "bwd_dq") is None
     # dK/dV at d=256: 64·(2·256 + 3·64)/128 = 352 accumulators a consumer thread
     assert planner.check(dkdv[0], h200, 256, torch.bfloat16, "bwd_dkdv").startswith("registers")
+
+
+def test_persistent_grids_hold_a_program_an_sm_or_two(monkeypatch):
+    monkeypatch.setattr(warpspec, "_sm_count", lambda index: 132)
+    one, two = (KernelConfig(64, 64, 4, 3, warpspec=1, persistent=p) for p in (1, 2))
+    assert warpspec._grid(one, 8, 1024, 0) == ((132,), 8192)
+    assert warpspec._grid(two, 8, 1024, 0) == ((264,), 8192)
+    assert warpspec._grid(two, 2, 3, 0) == ((6,), 6)  # never more programs than tiles
+    assert warpspec._grid(replace(two, persistent=0), 8, 1024, 0) == ((8, 1024), 8192)
 
 
 def test_the_unchecked_descriptor_is_the_checked_one():
@@ -244,7 +270,8 @@ def test_planner_model_and_registers_match_the_compiler():
     # Compiled for sm_90 without a card (Triton ships ptxas and cuobjdump): the shared memory the model predicts is
     # what the compiler allocates, to within the mbarrier allowance, and a consumer spills (STACK > 0) exactly when
     # the planner's register rule says it would, with the split of planner.WS_REGISTERS: one, two (ping-pong,
-    # causal; persistent, with its separate O buffer) and three consumers that fit, a dK/dV kernel, dQ kernels of one
+    # causal; persistent, with its separate O buffer) and three consumers that fit, one consumer two an SM (maxnreg
+    # 128: planner.WS_TWO_AN_SM_REGISTERS) at d=64 and d=128, a dK/dV kernel, dQ kernels of one
     # and two consumers that fit and one that does not, and three forward consumers at d=128 B_c=128 that do not.
     # (Persistent and causal, the loop over tiles keeps 8-24 B of stack beside fitting accumulators, 128 B with
     # three consumers at d=64: the rule does not count it, the tuner's timing does: docs/PERF.md v12.)
@@ -252,6 +279,8 @@ def test_planner_model_and_registers_match_the_compiler():
             ("fwd", 64, KernelConfig(192, 128, 4, 2, warpspec=1).to_dict(), True),
             ("fwd", 128, KernelConfig(64, 64, 4, 4, warpspec=1).to_dict(), False),
             ("fwd", 128, KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1).to_dict(), False),
+            ("fwd", 64, KernelConfig(64, 128, 4, 2, warpspec=1, persistent=2).to_dict(), True),
+            ("fwd", 128, KernelConfig(64, 64, 4, 2, warpspec=1, persistent=2).to_dict(), True),
             ("bwd_dkdv", 64, KernelConfig(64, 128, 4, 3, warpspec=1).to_dict(), True),
             ("bwd_dkdv", 64, KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1).to_dict(), True),
             ("bwd_dkdv", 64, KernelConfig(64, 64, 4, 3, warpspec=2).to_dict(), False),
