@@ -283,7 +283,7 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     """The search space of `kernel`: block_m, block_n in {16..256}, num_warps in {4, 8}, num_stages in {1..5};
     the forward also pipeline_qk in {0, 1}, and the warp-specialized template: block_m in {64, 128, 192}, block_n
     in {64, 128}, num_stages in {2, 3, 4}, persistent or not (at block_m = 64 also two programs an SM), with
-    ping-pong too at block_m = 128; bwd_dkdv and
+    ping-pong too at block_m = 128; bwd_dkdv (at block_n = 64 also two programs an SM) and
     bwd_dq their warp-specialized templates: bwd_dkdv at block_m 64, block_n in {64, 128}, with dQ fused in or not
     (warpspec 2 or 1), bwd_dq at block_m and block_n in {64, 128}, num_stages in {2, 3, 4} (check() drops them off
     Hopper)."""
@@ -298,11 +298,12 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
             configs += [KernelConfig(m, n, 4, s, warpspec=ws, persistent=p) for ws in ((1, 2) if m == 128 else (1,))]
     if kernel in WS_BACKWARD_TILES:
         owned, owned_sizes, _, _, streamed_sizes = WS_BACKWARD_TILES[kernel]
-        persistent = (0, 1) if kernel in PERSISTENT_KERNELS else (0,)
+        persistent = (0, 1, 2) if kernel in PERSISTENT_KERNELS else (0,)
         for a, b, s, p in itertools.product(owned_sizes, streamed_sizes, WS_STAGES, persistent):
             m, n = (b, a) if owned == "block_n" else (a, b)
             modes = (1, 2) if kernel == "bwd_dkdv" else (1,)  # bwd_dkdv's 2: dQ fused in
-            configs += [KernelConfig(m, n, 4, s, warpspec=ws, persistent=p) for ws in modes]
+            shapes = [KernelConfig(m, n, 4, s, warpspec=ws, persistent=p) for ws in modes]
+            configs += [c for c in shapes if p < 2 or c.two_an_sm_shape(kernel)]
     return configs
 
 

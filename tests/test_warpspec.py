@@ -96,8 +96,15 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     assert planner.check(KernelConfig(128, 64, 8, 3), read_under("3.9.0"), 128, torch.bfloat16) is None
     # dQ at d=128 with 128-row K/V tiles and two consumers: 64·(128 + 2.5·128)/128 = 224 > 240 − 24
     assert planner.check(WS, h200, 128, torch.bfloat16, "bwd_dq").startswith("registers: 224 fp32 accumulator")
-    dkdv = [c for c in planner.candidates("bwd_dkdv") if c.warpspec == 1]
+    dkdv = [c for c in planner.candidates("bwd_dkdv") if c.warpspec == 1 and c.persistent < 2]
     assert len(dkdv) == 12 and all(planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") is None for c in dkdv[:8])
+    # two one-consumer dK/dV programs an SM: 232 registers less 16 hold d=64's 64·(2·64 + 3·64)/128 + 32 = 192, not
+    # d=128's 224; at d=64 with dQ fused in, 2 and 3 stages fit twice in shared memory, 4 do not
+    two = [c for c in planner.candidates("bwd_dkdv") if c.persistent == 2]
+    assert {(c.block_n, c.warpspec) for c in two} == {(64, 1), (64, 2)} and len(two) == 6
+    fits = {c.label(): planner.check(c, h200, 64, torch.bfloat16, "bwd_dkdv") for c in two}
+    assert [name for name, reason in fits.items() if reason] == ["64x64 w4 s4 ws2 persistent x2"]
+    assert all(planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") for c in two)
     # dQ fused in (warpspec 2) adds dSᵀ twice (2·2·128·64 B), a consumer's fp32 staging buffer of its 64 dQ columns
     # (2·64·64·4 B at d=128, the consumers splitting the columns; all 64 columns each at d=64) and 256 B for its
     # barriers: two stages at d=128 need 197,376 B (the sm_90 compile allocates 197,096), three 230,144, and a
@@ -116,7 +123,7 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     persistent_fused = KernelConfig(64, 128, 4, 2, warpspec=2, persistent=1)
     assert planner.check(persistent_fused, h200, 128, torch.bfloat16, "bwd_dkdv").startswith("shared memory")
     assert planner.check(persistent_fused, h200, 64, torch.bfloat16, "bwd_dkdv") is None
-    assert len([c for c in planner.candidates("bwd_dkdv") if c.warpspec == 2]) == 12
+    assert len([c for c in planner.candidates("bwd_dkdv") if c.warpspec == 2 and c.persistent < 2]) == 12
     # the fp32 dQ's TMA block: a consumer's share of the columns, ≤ 64 (d > 64 split between consumers; d = 64 whole)
     assert warpspec.dq_partial_block((1, 1, 64, 128), 2) == (1, 1, 64, 64)
     assert warpspec.dq_partial_block((1, 1, 64, 128), 1) == (1, 1, 64, 64)  # two 64-column reductions a step
@@ -271,8 +278,9 @@ def test_planner_model_and_registers_match_the_compiler():
     # what the compiler allocates, to within the mbarrier allowance, and a consumer spills (STACK > 0) exactly when
     # the planner's register rule says it would, with the split of planner.WS_REGISTERS: one, two (ping-pong,
     # causal; persistent, with its separate O buffer) and three consumers that fit, one consumer two an SM (maxnreg
-    # 128: planner.WS_TWO_AN_SM_REGISTERS) at d=64 and d=128, a dK/dV kernel, dQ kernels of one
-    # and two consumers that fit and one that does not, and three forward consumers at d=128 B_c=128 that do not.
+    # 128: planner.WS_TWO_AN_SM_REGISTERS) at d=64 and d=128 and a fused-dQ dK/dV one at d=64, a dK/dV kernel, dQ
+    # kernels of one and two consumers that fit and one that does not, and three forward consumers at d=128 B_c=128
+    # that do not.
     # (Persistent and causal, the loop over tiles keeps 8-24 B of stack beside fitting accumulators, 128 B with
     # three consumers at d=64: the rule does not count it, the tuner's timing does: docs/PERF.md v12.)
     rows = [("fwd", 128, WS.to_dict(), False), ("fwd", 128, KernelConfig(128, 128, 4, 2, warpspec=2).to_dict(), True),
@@ -281,6 +289,7 @@ def test_planner_model_and_registers_match_the_compiler():
             ("fwd", 128, KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1).to_dict(), False),
             ("fwd", 64, KernelConfig(64, 128, 4, 2, warpspec=1, persistent=2).to_dict(), True),
             ("fwd", 128, KernelConfig(64, 64, 4, 2, warpspec=1, persistent=2).to_dict(), True),
+            ("bwd_dkdv", 64, KernelConfig(64, 64, 4, 3, warpspec=2, persistent=2).to_dict(), True),
             ("bwd_dkdv", 64, KernelConfig(64, 128, 4, 3, warpspec=1).to_dict(), True),
             ("bwd_dkdv", 64, KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1).to_dict(), True),
             ("bwd_dkdv", 64, KernelConfig(64, 64, 4, 3, warpspec=2).to_dict(), False),
