@@ -65,7 +65,8 @@ _WS_SMEM_OVERHEAD = 512  # mbarriers and alignment; compiles measured 284–392 
 # gives the producer the minimum (24) and the consumers the rest (one consumer: the compiler's 255).
 WS_REGISTERS = {1: (None, 255, 24), 2: (None, 240, 24), 3: (128, 160, 24)}
 # Two one-consumer programs an SM (KernelConfig.persistent = 2): each compiled at maxnreg 128 — half the register file
-# for its two warpgroups — of which setmaxnreg gives the consumer 232 (sm_90: no spill at d=64 or d=128, B_c = 128).
+# for its two warpgroups — of which setmaxnreg gives the consumer 232 (sm_90, no spill: the forward's d=64 (64, 128)
+# and d=128 (64, 64), the fused dK/dV kernel's d=64 (64, 64); tests/test_warpspec.py).
 WS_TWO_AN_SM_REGISTERS = (128, 232, 24)
 # A consumer spills once its fp32 accumulators (64·(d + B_c) / 128) pass its registers less this: compiled for
 # sm_90, (d, B_r, B_c) = (256, 64, 128) with 192 of 255, (256, 128, 128) 192 of 240 and (128, 192, 128) 128 of
@@ -209,7 +210,7 @@ def ws_registers(cfg: KernelConfig, kernel: str = "fwd") -> tuple[int | None, in
 
 
 def programs_per_sm(cfg: KernelConfig) -> int:
-    """Programs a persistent grid of this config puts on each SM (KernelConfig.persistent: 2 for persistent = 2)."""
+    """Programs a persistent grid of this config puts on each SM: 2 with persistent = 2, else 1."""
     return 2 if cfg.persistent == 2 else 1
 
 
@@ -293,9 +294,8 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     configs = [KernelConfig(m, n, w, s, p) for m, n, w, s, p in grid]
     if kernel == "fwd":
         for m, n, s, p in itertools.product(WS_BLOCK_M, WS_BLOCK_N, WS_STAGES, (0, 1, 2)):
-            if p == 2 and m != WS_BLOCK_M[0]:
-                continue  # two programs an SM: one-consumer programs only
-            configs += [KernelConfig(m, n, 4, s, warpspec=ws, persistent=p) for ws in ((1, 2) if m == 128 else (1,))]
+            shapes = [KernelConfig(m, n, 4, s, warpspec=ws, persistent=p) for ws in ((1, 2) if m == 128 else (1,))]
+            configs += [c for c in shapes if p < 2 or c.two_an_sm_shape(kernel)]  # two an SM: one consumer only
     if kernel in WS_BACKWARD_TILES:
         owned, owned_sizes, _, _, streamed_sizes = WS_BACKWARD_TILES[kernel]
         persistent = (0, 1, 2) if kernel in PERSISTENT_KERNELS else (0,)
