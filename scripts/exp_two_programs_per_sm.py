@@ -13,7 +13,10 @@ programs an SM), beside the shipped config and cuDNN; bf16, batch·N = 16k token
     python scripts/exp_two_programs_per_sm.py --mode two --head-dims 64
 
 Measured on the H200 (docs/PERF.md v19): two an SM lift the one-consumer configs by 39-51 % at d=64, but beat the
-shipped configs only at d=64 causal N=512 (244 against 209 TFLOP/s; cuDNN 258). Not shipped.
+shipped configs only at d=64 causal N=512 (244 against 209 TFLOP/s; cuDNN 258). Since v21 this is a config switch,
+`persistent: 2` (planner.WS_TWO_AN_SM_REGISTERS, planner.programs_per_sm), which the tuner searches and the d=64
+causal N <= 1k forward entries use; this script stays as v19's measurement (its `two` mode patches every one-consumer
+config, not only persistent ones).
 """
 
 from __future__ import annotations
