@@ -67,9 +67,10 @@ def test_configs_combine_fields_by_warpspec_rules():
     assert persistent.combination_error("bwd_dq") is None
     with pytest.raises(ValueError, match="persistent must be 0, 1 or 2, got 3"):
         KernelConfig(128, 64, 4, 2, warpspec=1, persistent=3)
-    # persistent=2, two programs an SM: the forward's one-consumer warpspec configs only
+    # persistent=2, two programs an SM: one-consumer warpspec configs of the forward and of dK/dV only
     two = KernelConfig(64, 64, 4, 3, warpspec=1, persistent=2)
     assert two.combination_error() is None and KernelConfig.from_dict(two.to_dict()) == two
+    assert two.combination_error("bwd_dkdv") is None and replace(two, warpspec=2).combination_error("bwd_dkdv") is None
     assert two.label() == "64x64 w4 s3 ws1 persistent x2"
     for cfg, kernel in ((replace(two, block_m=128), "fwd"), (two, "bwd_dq"), (replace(two, block_n=128), "bwd_dkdv")):
         assert cfg.combination_error(kernel).startswith("persistent=2 (two programs an SM)"), (cfg, kernel)
