@@ -48,10 +48,10 @@ class KernelConfig:
             walks the tiles, and the producer loads the next tile's operands while the consumers finish this one
             (the `persistent` switch of fwd_ws, bwd_ws and bwd_dq_ws.py.jinja); causal tiles are dealt in pairs, a
             head's j-th longest with its j-th shortest, so every program gets the same work; 0: one program per tile.
-            2 (one-consumer configs of the forward and of dK/dV: two_an_sm_shape): persistent with two programs an
-            SM, each compiled for half the register file (planner.WS_TWO_AN_SM_REGISTERS) and in half the shared
+            2 (one-consumer configs of each of the three: two_an_sm_shape): persistent with two programs an SM,
+            each compiled for half the register file (planner.WS_TWO_AN_SM_REGISTERS) and in half the shared
             memory, so one runs under the other's tile prologue and epilogue — what a one-consumer program lacks at
-            N <= 1k, where its loads and stores are a large share of a tile (docs/PERF.md v19, v21).
+            N <= 1k, where its loads and stores are a large share of a tile (docs/PERF.md v19, v21, v22).
     """
 
     block_m: int
@@ -96,9 +96,9 @@ class KernelConfig:
             )
         if self.persistent == 2 and not self.two_an_sm_shape(kernel):
             return (
-                f"persistent=2 (two programs an SM) is a switch of one-consumer warpspec configs: the forward's "
-                f"(warpspec=1, block_m=64) and the dK/dV kernel's (block_n=64), got warpspec={self.warpspec}, "
-                f"block_m={self.block_m}, block_n={self.block_n} for {kernel}"
+                f"persistent=2 (two programs an SM) is a switch of one-consumer warpspec configs: the forward's and "
+                f"the dQ kernel's (warpspec=1, block_m=64) and the dK/dV kernel's (block_n=64), got "
+                f"warpspec={self.warpspec}, block_m={self.block_m}, block_n={self.block_n} for {kernel}"
             )
         if not self.warpspec:
             if self.block_m not in _BLOCK_SIZES:
@@ -129,10 +129,11 @@ class KernelConfig:
         return None
 
     def two_an_sm_shape(self, kernel: str = "fwd") -> bool:
-        """Whether persistent=2 may run this config of `kernel`: a one-consumer program of the forward (warpspec 1,
-        block_m 64) or of the dK/dV kernel (block_n 64, dQ fused in or not) — measured faster two an SM at
-        N <= 1k (docs/PERF.md v21); the others have not been."""
-        if kernel == "fwd":
+        """Whether persistent=2 may run this config of `kernel`: a one-consumer program — of the forward or the
+        dQ kernel (warpspec 1, block_m 64: 64 query rows) or of the dK/dV kernel (block_n 64, dQ fused in or not) —
+        measured faster two an SM at N <= 1k (docs/PERF.md v21, v22); programs of more consumers hold most of an
+        SM already."""
+        if kernel in ("fwd", "bwd_dq"):
             return self.warpspec == 1 and self.block_m == WS_BLOCK_M[0]
         return kernel == "bwd_dkdv" and self.warpspec in (1, 2) and self.block_n == WS_DKDV_BLOCK_N[0]
 

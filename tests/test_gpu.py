@@ -243,11 +243,12 @@ def test_warpspec_direct_launches_give_what_the_jit_gives(monkeypatch):
      (None, KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1)),
      (KernelConfig(64, 128, 4, 2, warpspec=2), None), (KernelConfig(64, 64, 4, 3, warpspec=2, persistent=1), None),
      (KernelConfig(64, 64, 4, 3, warpspec=1, persistent=2), KernelConfig(128, 64, 4, 3, warpspec=1)),
-     (KernelConfig(64, 64, 4, 3, warpspec=2, persistent=2), None)],
+     (KernelConfig(64, 64, 4, 3, warpspec=2, persistent=2), None),
+     (KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(64, 64, 4, 2, warpspec=1, persistent=2))],
     ids=["dkdv_2consumers", "dkdv_1consumer3stages", "both_2consumers", "dq_1consumer3stages",
          "dkdv_persistent_2consumers", "dkdv_persistent_1consumer3stages", "both_persistent",
          "dq_persistent_1consumer", "fused_dq_2consumers", "fused_dq_persistent_1consumer3stages",
-         "dkdv_two_an_sm", "fused_dq_two_an_sm"],
+         "dkdv_two_an_sm", "fused_dq_two_an_sm", "dq_two_an_sm"],
 )  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @_WS_DIMS

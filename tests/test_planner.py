@@ -67,8 +67,9 @@ def test_every_rejection_has_a_reason_and_plan_partitions_candidates():
         plan = planner.plan(known_gpu("l4"), 96, torch.float16, kernel)
         # 250 block/warp/stage configs; the forward's doubled by its pipeline_qk switch, plus 54 warpspec ones
         # (24, each persistent or not, and the 6 one-consumer ones two programs an SM; 30 for dK/dV — 24 persistent
-        # or not, half with dQ fused in, and the 6 one-consumer ones two an SM — and 24 for dQ, persistent or not)
-        expected = 250 * (kernel == "fwd") + 250 + {"fwd": 54, "bwd_dkdv": 30, "bwd_dq": 24}[kernel]
+        # or not, half with dQ fused in, and the 6 one-consumer ones two an SM — and 30 for dQ, 24 persistent or
+        # not and the 6 one-consumer ones two an SM)
+        expected = 250 * (kernel == "fwd") + 250 + {"fwd": 54, "bwd_dkdv": 30, "bwd_dq": 30}[kernel]
         assert len(plan.accepted) + len(plan.rejected) == len(planner.candidates(kernel)) == expected
         assert plan.accepted and plan.rejected
         for cfg, need, reason in plan.rejected:

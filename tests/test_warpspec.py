@@ -67,12 +67,14 @@ def test_configs_combine_fields_by_warpspec_rules():
     assert persistent.combination_error("bwd_dq") is None
     with pytest.raises(ValueError, match="persistent must be 0, 1 or 2, got 3"):
         KernelConfig(128, 64, 4, 2, warpspec=1, persistent=3)
-    # persistent=2, two programs an SM: one-consumer warpspec configs of the forward and of dK/dV only
+    # persistent=2, two programs an SM: one-consumer warpspec configs only (of each kernel: 64 owned rows)
     two = KernelConfig(64, 64, 4, 3, warpspec=1, persistent=2)
     assert two.combination_error() is None and KernelConfig.from_dict(two.to_dict()) == two
     assert two.combination_error("bwd_dkdv") is None and replace(two, warpspec=2).combination_error("bwd_dkdv") is None
+    assert two.combination_error("bwd_dq") is None and replace(two, block_n=128).combination_error("bwd_dq") is None
     assert two.label() == "64x64 w4 s3 ws1 persistent x2"
-    for cfg, kernel in ((replace(two, block_m=128), "fwd"), (two, "bwd_dq"), (replace(two, block_n=128), "bwd_dkdv")):
+    for cfg, kernel in ((replace(two, block_m=128), "fwd"), (replace(two, block_m=128), "bwd_dq"),
+                        (replace(two, block_n=128), "bwd_dkdv")):  # fmt: skip
         assert cfg.combination_error(kernel).startswith("persistent=2 (two programs an SM)"), (cfg, kernel)
     with pytest.raises(ValueError, match=r"block_m must be one of \(16, 32, 64, 128, 256, 192\), got 96"):
         KernelConfig(96, 64, 4, 2, warpspec=1)
@@ -167,8 +169,19 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     # 192-row programs at d=128 with 128-row K/V tiles: three consumers of 160 registers would spill
     assert planner.check(KernelConfig(192, 128, 4, 2, warpspec=1), h200, 128, torch.bfloat16).startswith("registers")
     dq = [c for c in planner.candidates("bwd_dq") if c.warpspec]
-    assert len(dq) == 24 and all(c.combination_error("bwd_dq") is None for c in dq)
+    assert len(dq) == 30 and all(c.combination_error("bwd_dq") is None for c in dq)
     assert planner.check(KernelConfig(128, 64, 4, 3, warpspec=1), h200, 128, torch.bfloat16, "bwd_dq") is None
+    # one-consumer dQ programs two an SM: at d=128 only (64, 64) with 2 stages fits half an SM, 2·128·(3·64 + 4·64)
+    # + 512 = 115,200 B of 115,712 (the sm_90 compile allocates 114,988), and 64·(128 + 2.5·128)/128 = 224
+    # accumulators do not fit 232 − 24 registers; d=64 fits all but 3 and 4 stages of 128-row K/V tiles
+    fits = {(d, c.label()): planner.check(c, h200, d, torch.bfloat16, "bwd_dq") for c in dq if c.persistent == 2
+            for d in (64, 128)}  # fmt: skip
+    assert [key for key, reason in fits.items() if reason is None] == [
+        (64, "64x64 w4 s2 ws1 persistent x2"), (128, "64x64 w4 s2 ws1 persistent x2"),
+        (64, "64x64 w4 s3 ws1 persistent x2"), (64, "64x64 w4 s4 ws1 persistent x2"),
+        (64, "64x128 w4 s2 ws1 persistent x2")]  # fmt: skip
+    assert fits[128, "64x64 w4 s3 ws1 persistent x2"].startswith("shared memory: needs 147,968 B")
+    assert fits[128, "64x128 w4 s2 ws1 persistent x2"].startswith("registers: 224 fp32 accumulator values")
     # dK/dV at d=256: 64·(2·256 + 3·64)/128 = 352 accumulators a consumer thread
     assert planner.check(dkdv[0], h200, 256, torch.bfloat16, "bwd_dkdv").startswith("registers")
 
@@ -279,7 +292,8 @@ def test_planner_model_and_registers_match_the_compiler():
     # what the compiler allocates, to within the mbarrier allowance, and a consumer spills (STACK > 0) exactly when
     # the planner's register rule says it would, with the split of planner.WS_REGISTERS: one, two (ping-pong,
     # causal; persistent, with its separate O buffer) and three consumers that fit, one consumer two an SM (maxnreg
-    # 128: planner.WS_TWO_AN_SM_REGISTERS) at d=64 and d=128 and a fused-dQ dK/dV one at d=64, a dK/dV kernel, dQ
+    # 128: planner.WS_TWO_AN_SM_REGISTERS) at d=64 and d=128, a fused-dQ dK/dV one at d=64 and a dQ one at d=128
+    # (its 2 stages within 512 B of half an SM), a dK/dV kernel, dQ
     # kernels of one and two consumers that fit and one that does not, and three forward consumers at d=128 B_c=128
     # that do not.
     # (Persistent and causal, the loop over tiles keeps 8-24 B of stack beside fitting accumulators, 128 B with
@@ -291,6 +305,7 @@ def test_planner_model_and_registers_match_the_compiler():
             ("fwd", 64, KernelConfig(64, 128, 4, 2, warpspec=1, persistent=2).to_dict(), True),
             ("fwd", 128, KernelConfig(64, 64, 4, 2, warpspec=1, persistent=2).to_dict(), True),
             ("bwd_dkdv", 64, KernelConfig(64, 64, 4, 3, warpspec=2, persistent=2).to_dict(), True),
+            ("bwd_dq", 128, KernelConfig(64, 64, 4, 2, warpspec=1, persistent=2).to_dict(), True),
             ("bwd_dkdv", 64, KernelConfig(64, 128, 4, 3, warpspec=1).to_dict(), True),
             ("bwd_dkdv", 64, KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1).to_dict(), True),
             ("bwd_dkdv", 64, KernelConfig(64, 64, 4, 3, warpspec=2).to_dict(), False),
