@@ -66,7 +66,8 @@ _WS_SMEM_OVERHEAD = 512  # mbarriers and alignment; compiles measured 284–392 
 WS_REGISTERS = {1: (None, 255, 24), 2: (None, 240, 24), 3: (128, 160, 24)}
 # Two one-consumer programs an SM (KernelConfig.persistent = 2): each compiled at maxnreg 128 — half the register file
 # for its two warpgroups — of which setmaxnreg gives the consumer 232 (sm_90, no spill: the forward's d=64 (64, 128)
-# and d=128 (64, 64), the fused dK/dV kernel's d=64 (64, 64); tests/test_warpspec.py).
+# and d=128 (64, 64), the fused dK/dV kernel's d=64 (64, 64), the dQ kernel's d=128 (64, 64);
+# tests/test_warpspec.py).
 WS_TWO_AN_SM_REGISTERS = (128, 232, 24)
 # A consumer spills once its fp32 accumulators (64·(d + B_c) / 128) pass its registers less this: compiled for
 # sm_90, (d, B_r, B_c) = (256, 64, 128) with 192 of 255, (256, 128, 128) 192 of 240 and (128, 192, 128) 128 of
@@ -284,10 +285,10 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     """The search space of `kernel`: block_m, block_n in {16..256}, num_warps in {4, 8}, num_stages in {1..5};
     the forward also pipeline_qk in {0, 1}, and the warp-specialized template: block_m in {64, 128, 192}, block_n
     in {64, 128}, num_stages in {2, 3, 4}, persistent or not (at block_m = 64 also two programs an SM), with
-    ping-pong too at block_m = 128; bwd_dkdv (at block_n = 64 also two programs an SM) and
-    bwd_dq their warp-specialized templates: bwd_dkdv at block_m 64, block_n in {64, 128}, with dQ fused in or not
-    (warpspec 2 or 1), bwd_dq at block_m and block_n in {64, 128}, num_stages in {2, 3, 4} (check() drops them off
-    Hopper)."""
+    ping-pong too at block_m = 128; bwd_dkdv and bwd_dq their warp-specialized templates, persistent or not:
+    bwd_dkdv at block_m 64, block_n in {64, 128}, with dQ fused in or not (warpspec 2 or 1), bwd_dq at block_m and
+    block_n in {64, 128}, num_stages in {2, 3, 4}, and their one-consumer programs (bwd_dkdv block_n = 64, bwd_dq
+    block_m = 64) also two an SM (check() drops them off Hopper)."""
     _check_kernel(kernel)
     switches = (0, 1) if kernel == "fwd" else (0,)
     grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES, switches)
