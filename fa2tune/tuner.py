@@ -72,6 +72,11 @@ def study_name(
 
 
 _DIMS = tuple(f.name for f in fields(KernelConfig))  # the search dimensions
+# A re-tune keeps the config a key runs now unless another measures faster by more than this fraction: readings of
+# one config differ by up to ~1 % (do_bench medians, L2 flushed; one process's rounds, docs/PERF.md v22), and a swap
+# on a 0.1 % "win" (session 22's d=128 short dK/dV, 1.196 against 1.197 ms) rewrites a shipped entry — and every
+# measurement made with it — for nothing.
+INCUMBENT_MARGIN = 0.01
 _REQUIRED = tuple(f.name for f in fields(KernelConfig) if f.default is MISSING)  # the switches default to 0
 
 
@@ -227,7 +232,8 @@ def tune(
         verify: checks a winner's output; returns a reason to reject it, or None.
         default: the baseline enqueued first; default: planner.default_config for the device.
         incumbent: the config the file the tune writes holds for this key (stale or not), timed right after the
-            default and re-timed with the top few: a re-tune replaces it only by a config measured faster.
+            default and re-timed with the top few: a re-tune replaces it only by a config measured more than
+            INCUMBENT_MARGIN faster.
             Ignored if the planner rejects it now.
         on_trial: progress callback (measured so far, trials, best ms so far, elapsed s).
         variant: the template variant tuned beyond causal ("window", "varlen", "window+varlen"), in the study name.
@@ -410,7 +416,11 @@ def tune(
         except Exception:
             continue
     best, best_ms = None, None
-    for cfg in sorted(second, key=second.get):
+    order = sorted(second, key=second.get)
+    if incumbent in second and second[order[0]] > second[incumbent] * (1 - INCUMBENT_MARGIN):
+        order.remove(incumbent)  # the fastest is within the noise of the config the key runs now: keep that
+        order.insert(0, incumbent)
+    for cfg in order:
         problem = verify(cfg) if verify is not None else None
         if problem is None:
             best, best_ms = cfg, second[cfg]

@@ -450,3 +450,18 @@ def test_the_config_a_key_runs_now_is_timed_second_and_kept_unless_beaten():
     result = tuner.tune(device=h200, kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=True, measure=measure,
                         trials=4, space=space, default=default, incumbent=rejected, seed=0)  # fmt: skip
     assert rejected not in calls and result.incumbent is None and result.incumbent_ms is None
+    # Beaten within the noise (INCUMBENT_MARGIN) the incumbent stays; beaten by more it is replaced. The challenger:
+    # the default (always timed), made the fastest of all.
+    fastest = min(table.values()) * 0.8
+    for ratio, kept in ((1 + tuner.INCUMBENT_MARGIN / 2, True), (1 + 2 * tuner.INCUMBENT_MARGIN, False)):
+        measure, calls = _replay({**table, default: fastest, incumbent: fastest * ratio})
+        result = tuner.tune(device=h200, kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=True,
+                            measure=measure, trials=4, space=space, default=default, incumbent=incumbent,
+                            seed=0)  # fmt: skip
+        assert result.best == (incumbent if kept else default), ratio
+    # ... and kept only if it verifies: then the fastest that does wins
+    measure, calls = _replay({**table, default: fastest, incumbent: fastest * (1 + tuner.INCUMBENT_MARGIN / 2)})
+    result = tuner.tune(device=h200, kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=True, measure=measure,
+                        trials=4, space=space, default=default, incumbent=incumbent, seed=0,
+                        verify=lambda cfg: "wrong output" if cfg == incumbent else None)  # fmt: skip
+    assert result.best == default
