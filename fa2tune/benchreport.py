@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import math
+import statistics
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -29,6 +30,35 @@ def write_rows(rows: Iterable[dict], path: str | Path) -> None:
         writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+
+
+def _key(row: dict) -> tuple:
+    return row["provider"], row["head_dim"], row["seqlen"], row["causal"], row["mode"]
+
+
+def median_of_runs(runs: list[list[dict]]) -> list[dict]:
+    """One row per (provider, head_dim, seqlen, causal, mode) of several runs of the same grid, its tflops the median
+    of the runs' numbers (NaN readings left out; NaN if every run had one), in the first run's order.
+
+    Why: a training call at N <= 512 waits for its host, and its readings differ between processes by up to 35 %
+    (docs/PERF.md v19, v22); one process's reading is a draw, the median of several is the row."""
+    readings: dict[tuple, list[float]] = {}
+    first: dict[tuple, dict] = {}
+    for run in runs:
+        for row in run:
+            first.setdefault(_key(row), row)
+            if not math.isnan(row["tflops"]):
+                readings.setdefault(_key(row), []).append(row["tflops"])
+    return [{**row, "tflops": round(statistics.median(readings[key]), 1) if key in readings else math.nan}
+            for key, row in first.items()]  # fmt: skip
+
+
+def merge_rows(base: list[dict], new: list[dict]) -> list[dict]:
+    """base with every row that new also has replaced by new's (same provider, head_dim, seqlen, causal, mode), in
+    base's order; new's other rows after them. How a re-measured part of the grid goes into docs/bench/<gpu>.csv."""
+    by_key = {_key(row): row for row in new}
+    merged = [by_key.pop(_key(row), row) for row in base]
+    return merged + [row for row in new if _key(row) in by_key]
 
 
 def ratios(rows: list[dict], provider: str, baseline: str, mode: str) -> dict[tuple[int, int, bool], float]:

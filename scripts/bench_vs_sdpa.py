@@ -7,12 +7,21 @@ writes docs/bench/<gpu>.csv's columns; --plots writes one PNG per (head_dim, mod
 
     python scripts/bench_vs_sdpa.py --csv $OUT/nvidia-h200.csv --plots $OUT
     python scripts/bench_vs_sdpa.py --from-csv docs/bench/nvidia-h200-v2.csv --plots docs/bench   # no GPU needed
+    python scripts/bench_vs_sdpa.py --head-dims 64 --seqlens 512 --processes 3 --merge-into docs/bench/nvidia-h200.csv
+
+--processes N runs the whole measurement in N fresh processes, one after another, and takes each row's median:
+training calls at N <= 512 wait for their host and read up to 35 % apart between processes (docs/PERF.md v19, v22).
+--merge-into CSV replaces that file's rows for the shapes and providers measured (the rest stay) — how part of
+the grid is re-measured after a change.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", default=None)
     parser.add_argument("--plots", default=None, help="folder for one PNG per (head_dim, mode)")
     parser.add_argument("--from-csv", default=None, help="report and plot an earlier run's CSV; measure nothing")
+    parser.add_argument("--processes", type=int, default=1, help="fresh processes to measure in; each row's median")
+    parser.add_argument("--merge-into", default=None, help="a grid CSV whose rows for what is measured are replaced")
     args = parser.parse_args(argv)
     if args.from_csv:
         rows = benchreport.read_rows(args.from_csv)
@@ -129,19 +140,24 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(map(str, benchreport.write_plots(rows, args.plots, _title(args.from_csv)))))
         print("\n".join(benchreport.summary(rows)))
         return 0
+    if args.processes < 1:
+        print(f"--processes must be at least 1, got {args.processes}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_vs_sdpa.py needs a CUDA GPU; none is visible", file=sys.stderr)
         return 2
     providers = args.providers.split(",")
-    rows = []
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {__import__('triton').__version__}")
-    for mode in args.modes.split(","):
-        for head_dim in map(int, args.head_dims.split(",")):
-            for seqlen in map(int, args.seqlens.split(",")):
-                for causal in (False, True):
-                    rows += _measure(providers, mode, head_dim, seqlen, causal, args.tokens, args.width)
+    if args.processes > 1:
+        runs = [_run_in_process(args, i) for i in range(args.processes)]
+        rows = benchreport.median_of_runs(runs)
+        print(f"# each row: the median of {args.processes} processes")
+    else:
+        rows = _measure_grid(args, providers)
     if args.csv:
         benchreport.write_rows(rows, args.csv)
+    if args.merge_into:
+        benchreport.write_rows(benchreport.merge_rows(benchreport.read_rows(args.merge_into), rows), args.merge_into)
     if args.plots:
         benchreport.write_plots(rows, args.plots, f"{torch.cuda.get_device_name()} bf16")
     print(f"\n{'mode':>8} {'d':>4} {'N':>6} {'causal':>6} " + " ".join(f"{p:>14}" for p in providers))
@@ -152,6 +168,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['mode']:>8} {r['head_dim']:>4} {r['seqlen']:>6} {r['causal']!s:>6} {cells}")
     print("\n".join(benchreport.summary(rows)))
     return 0
+
+
+def _measure_grid(args, providers: list[str]) -> list[dict]:
+    rows = []
+    for mode in args.modes.split(","):
+        for head_dim in map(int, args.head_dims.split(",")):
+            for seqlen in map(int, args.seqlens.split(",")):
+                for causal in (False, True):
+                    rows += _measure(providers, mode, head_dim, seqlen, causal, args.tokens, args.width)
+    return rows
+
+
+def _run_in_process(args, index: int) -> list[dict]:
+    """The grid measured by a fresh Python process running this script (its table printed as it goes): its rows."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "rows.csv")
+        command = [sys.executable, os.path.abspath(__file__), "--head-dims", args.head_dims, "--seqlens", args.seqlens,
+                   "--providers", args.providers, "--tokens", str(args.tokens), "--width", str(args.width), "--modes",
+                   args.modes, "--csv", path]  # fmt: skip
+        print(f"# process {index + 1} of {args.processes}", flush=True)
+        subprocess.run(command, check=True)
+        return benchreport.read_rows(path)
 
 
 def _title(csv_path: str) -> str:

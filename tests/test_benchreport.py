@@ -45,3 +45,28 @@ def test_csv_round_trip_and_plots(tmp_path):
     assert math.isnan(back[-1]["tflops"])
     (png,) = benchreport.write_plots(back, tmp_path / "plots", "test")
     assert png.name == "d64-fwd.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _row(provider, seqlen, causal, tflops, mode="fwd+bwd"):
+    return dict(provider=provider, head_dim=64, seqlen=seqlen, causal=causal, mode=mode, tflops=tflops)
+
+
+def test_median_of_runs_takes_each_rows_median_across_processes():
+    # A host-bound row reads far apart between processes (docs/PERF.md v22: 148–209): the row is their median; a
+    # reading a provider could not give (NaN) is left out, and a row no process could measure stays NaN.
+    runs = [[_row("fa2tune", 512, True, a), _row("sdpa_cudnn", 512, True, b), _row("flex", 512, True, c)]
+            for a, b, c in ((160.1, 189.7, math.nan), (208.9, 189.3, math.nan), (185.2, 190.0, math.nan))]  # fmt: skip
+    fa2tune, cudnn, flex = benchreport.median_of_runs(runs)
+    assert (fa2tune["provider"], fa2tune["tflops"]) == ("fa2tune", 185.2) and cudnn["tflops"] == 189.7
+    assert math.isnan(flex["tflops"])
+    runs[1][0]["tflops"] = math.nan  # an even count of readings: the mean of the middle two
+    assert benchreport.median_of_runs(runs)[0]["tflops"] == round((160.1 + 185.2) / 2, 1)
+
+
+def test_merge_rows_replaces_what_was_measured_and_keeps_the_rest():
+    base = [_row(p, n, c, 100.0) for n in (512, 1024) for c in (False, True) for p in ("fa2tune", "sdpa_cudnn")]
+    new = [_row("fa2tune", 512, True, 150.0), _row("sdpa_cudnn", 512, True, 190.0), _row("fa2tune", 2048, True, 1.0)]
+    merged = benchreport.merge_rows(base, new)
+    assert [r["tflops"] for r in merged[: len(base)]] == [100.0, 100.0, 150.0, 190.0, 100.0, 100.0, 100.0, 100.0]
+    assert merged[len(base) :] == [new[2]]  # a shape base lacked goes after its rows
+    assert benchreport.merge_rows(base, [_row("fa2tune", 512, True, 1.0, mode="fwd")])[-1]["mode"] == "fwd"

@@ -151,3 +151,43 @@ def test_sass_check_finds_a_register_operand_rewritten_inside_its_loop():
     assert bad.clobbers == ("F2FP.BF16.F32.PACK_AB R152, R41, R40",) and bad.operand_registers == (152,)
     (good,) = script.innermost_hgmma_loops(script.parse(_SASS_LOOP.format(ptile="R60")))
     assert good.clobbers == () and good.operand_registers == (60, 152) and good.spills == 0
+
+
+def test_grid_benchmark_takes_each_rows_median_over_fresh_processes_and_merges_it(monkeypatch, tmp_path, capsys):
+    # scripts/bench_vs_sdpa.py --processes 3 --merge-into CSV: the grid measured by three child processes of the
+    # script (each given the same shapes and a CSV of its own, never --processes again), each row's median written
+    # over the CSV's row for it, every other row kept. The children are faked here: they write rows to their CSV.
+    from fa2tune import benchreport
+
+    script = load_script("bench_vs_sdpa")
+    monkeypatch.setattr(script.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(script.torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    readings = iter([(150.0, 189.0), (210.0, 190.0), (180.0, 188.0)])
+    commands = []
+
+    def child(command, check):
+        commands.append(command)
+        fa2tune_reading, cudnn = next(readings)
+        rows = [dict(provider=p, head_dim=64, seqlen=512, causal=c, mode="fwd+bwd", tflops=t)
+                for c in (False, True) for p, t in (("fa2tune", fa2tune_reading), ("sdpa_cudnn", cudnn))]  # fmt: skip
+        benchreport.write_rows(rows, command[command.index("--csv") + 1])
+
+    monkeypatch.setattr(script.subprocess, "run", child)
+    grid = tmp_path / "grid.csv"
+    kept = dict(provider="fa2tune", head_dim=128, seqlen=8192, causal=False, mode="fwd", tflops=644.0)
+    old = [dict(kept), dict(provider="fa2tune", head_dim=64, seqlen=512, causal=True, mode="fwd+bwd", tflops=99.0)]
+    benchreport.write_rows(old, grid)
+    argv = ["--head-dims", "64", "--seqlens", "512", "--modes", "fwd+bwd", "--providers", "fa2tune,sdpa_cudnn",
+            "--processes", "3", "--merge-into", str(grid)]  # fmt: skip
+    assert script.main(argv) == 0
+    assert len(commands) == 3 and not any("--processes" in c or "--merge-into" in c for c in commands)
+    assert all(c[c.index("--seqlens") + 1] == "512" and c[c.index("--providers") + 1] == "fa2tune,sdpa_cudnn"
+               for c in commands)  # fmt: skip
+    merged = {
+        (r["provider"], r["head_dim"], r["seqlen"], r["causal"]): r["tflops"] for r in benchreport.read_rows(grid)
+    }
+    assert merged == {("fa2tune", 128, 8192, False): 644.0, ("fa2tune", 64, 512, True): 180.0,
+                      ("fa2tune", 64, 512, False): 180.0, ("sdpa_cudnn", 64, 512, False): 189.0,
+                      ("sdpa_cudnn", 64, 512, True): 189.0}  # fmt: skip
+    assert "the median of 3 processes" in capsys.readouterr().out
+    assert script.main([*argv[:-4], "--processes", "0"]) == 2
