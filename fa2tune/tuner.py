@@ -72,12 +72,12 @@ def study_name(
 
 
 _DIMS = tuple(f.name for f in fields(KernelConfig))  # the search dimensions
+_REQUIRED = tuple(f.name for f in fields(KernelConfig) if f.default is MISSING)  # the switches default to 0
 # A re-tune keeps the config a key runs now unless another measures faster by more than this fraction: readings of
 # one config differ by up to ~1 % (do_bench medians, L2 flushed; one process's rounds, docs/PERF.md v22), and a swap
 # on a 0.1 % "win" (session 22's d=128 short dK/dV, 1.196 against 1.197 ms) rewrites a shipped entry — and every
 # measurement made with it — for nothing.
 INCUMBENT_MARGIN = 0.01
-_REQUIRED = tuple(f.name for f in fields(KernelConfig) if f.default is MISSING)  # the switches default to 0
 
 
 def _params(cfg: KernelConfig) -> dict[str, int]:
