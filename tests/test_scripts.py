@@ -191,3 +191,35 @@ def test_grid_benchmark_takes_each_rows_median_over_fresh_processes_and_merges_i
                       ("sdpa_cudnn", 64, 512, True): 189.0}  # fmt: skip
     assert "the median of 3 processes" in capsys.readouterr().out
     assert script.main([*argv[:-4], "--processes", "0"]) == 2
+
+
+_SASS_STEP = """
+        /*0100*/                   MOV R1, R2 ;                                          /* 0x0 */
+        /*0200*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR20], RZ, !UPT ; /* 0x0 */
+        /*0210*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3 ;        /* 0x0 */
+        /*0220*/              @!P0 BRA 0x210 ;                                           /* 0x0 */
+        /*0230*/              @!P2 BRA P1, 0x{target} ;                                  /* 0x0 */
+{mask}
+        /*0400*/                   FMNMX R40, R24, R25, !PT ;                            /* 0x0 */
+        /*0410*/                   MUFU.EX2 R41, R40 ;                                   /* 0x0 */
+        /*0420*/                   HGMMA.64x128x16.F32.BF16 R88, R152, gdesc[UR24].tnspB, R88 ;  /* 0x0 */
+        /*0430*/               @P3 BRA 0x200 ;                                           /* 0x0 */
+"""
+
+
+def test_step_mix_counts_a_step_and_the_mask_block_a_branch_skips():
+    # scripts/sass_step_mix.py (docs/PERF.md v22): the step loop is the innermost loop with HGMMAs and MUFU.EX2 — not
+    # the mbarrier's spin loop inside it —, and the mask block behind the two-predicate branch sm_90 writes
+    # ("@!P2 BRA P1, target") is what an unmasked step does not issue; a branch over a few instructions is control.
+    script = load_script("sass_step_mix")
+    mask = "\n".join(f"        /*{0x240 + 16 * i:04x}*/ FSEL R{24 + i}, R{24 + i}, -INF , !P4 ;  /* 0x0 */"
+                     for i in range(20))  # fmt: skip
+    loop = script.step_loop(script.parse(_SASS_STEP.format(target="0400", mask=mask)), min_exp2=1)
+    assert (loop.start, loop.end, loop.instructions) == (0x200, 0x430, 28)
+    assert loop.opcodes["HGMMA"] == 2 and loop.opcodes["MUFU"] == 1 and loop.opcodes["FSEL"] == 20
+    assert [(b, t, ops["FSEL"]) for b, t, ops in loop.skipped] == [(0x230, 0x400, 20)] and loop.unmasked == 8
+    short = script.step_loop(script.parse(_SASS_STEP.format(target="0400", mask=mask.split("\n", 19)[-1])), min_exp2=1)
+    assert short.skipped == () and short.unmasked == short.instructions == 9
+    without_exp2 = _SASS_STEP.replace("MUFU.EX2 R41, R40", "FADD R41, R40, R40")
+    assert script.step_loop(script.parse(without_exp2.format(target="0400", mask=mask)), min_exp2=1) is None
+    assert script.step_loop(script.parse(_SASS_STEP.format(target="0400", mask=mask))) is None  # 1 exp2: not a softmax

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""What one consumer warp issues per step of a warp-specialized kernel's softmax loop (sm_90 SASS, compiled offline).
+
+Finds the step loop — the innermost loop that issues both HGMMAs and a softmax's MUFU.EX2 (a consumer's QKᵀ,
+softmax and P·V) —
+and counts its instructions by opcode, and the blocks inside it that a forward branch skips (the mask, run only on
+tiles that cross the diagonal or the end of K): the instructions of an unmasked step are the loop's less those.
+Against the step's tensor and MUFU cycles this says which unit a config could be bound by (docs/PERF.md v22:
+436 instructions a step at d=64 (192, 128), 479 at d=128 (128, 128); neither issue nor MUFU saturated).
+
+    python scripts/sass_step_mix.py --kernel fwd --head-dim 64 --config 192,128,4,2,1,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass
+
+from sass_wgmma_operands import compile_sass, parse
+
+# a branch and its target; sm_90 writes some conditional branches with a second predicate ("@!P2 BRA P1, 0x5a70")
+_TARGET = re.compile(r"^BRA(?:\.\S+)?\s+(?:!?U?P\d+,\s*)?(0x[0-9a-f]+)")
+
+
+@dataclass(frozen=True)
+class StepLoop:
+    start: int
+    end: int
+    opcodes: Counter  # every instruction of the loop body by opcode (HGMMA, MUFU, FSEL, ...)
+    skipped: tuple[tuple[int, int, Counter], ...]  # (branch, target, its opcodes) of each block a branch jumps over
+
+    @property
+    def instructions(self) -> int:
+        return sum(self.opcodes.values())
+
+    @property
+    def unmasked(self) -> int:
+        """Instructions a step issues when every skippable block is skipped."""
+        return self.instructions - sum(sum(ops.values()) for _, _, ops in self.skipped)
+
+
+def _opcode(instruction: str) -> str:
+    return instruction.split()[0].split(".")[0]
+
+
+def step_loop(instructions: list[tuple[int, str]], min_block: int = 16, min_exp2: int = 16) -> StepLoop | None:
+    """The innermost loop (backward branch) whose body issues HGMMAs and at least min_exp2 MUFU.EX2 — a softmax's
+    worth: a step exponentiates 64·B_c/128 >= 32 scores a thread; a loop with one or two (a rescale factor, an
+    epilogue) is not the step —, or None. Forward branches within it over at least min_block instructions are its
+    skippable blocks (shorter ones are the loop's own control)."""
+    branches = [(a, int(m.group(1), 16)) for a, x in instructions if (m := _TARGET.match(x))]
+    loops = sorted(((t, a) for a, t in branches if t < a), key=lambda loop: loop[1] - loop[0])
+    for start, end in loops:
+        body = [(a, x) for a, x in instructions if start <= a <= end]
+        opcodes = Counter(_opcode(x) for _, x in body)
+        if opcodes["HGMMA"] and sum(x.startswith("MUFU.EX2") for _, x in body) >= min_exp2:
+            spans = [(b, t) for b, t in branches if start <= b < t <= end]
+            outermost = [(b, t) for b, t in spans if not any(o <= b and t <= p and (o, p) != (b, t) for o, p in spans)]
+            skipped = []
+            for branch, target in outermost:  # a block inside a skippable one is skipped with it: counted once
+                inside = [x for a, x in body if branch < a < target]
+                if len(inside) >= min_block:
+                    skipped.append((branch, target, Counter(map(_opcode, inside))))
+            return StepLoop(start, end, opcodes, tuple(skipped))
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernel", default="fwd", choices=("fwd", "bwd_dkdv", "bwd_dq"))
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--config", default="192,128,4,2,1,1", help="block_m,block_n,warps,stages,warpspec,persistent")
+    args = parser.parse_args()
+    loop = step_loop(parse(compile_sass(args.kernel, args.config, args.head_dim, args.causal)))
+    if loop is None:
+        sys.exit("no loop issues both HGMMAs and a softmax's MUFU.EX2")
+    common = ", ".join(f"{op} {n}" for op, n in loop.opcodes.most_common(12))
+    print(f"step loop {loop.start:#06x}-{loop.end:#06x}: {loop.instructions} instructions ({common})")
+    for branch, target, ops in loop.skipped:
+        print(f"  skipped by the branch at {branch:#06x} to {target:#06x}: {sum(ops.values())} "
+              f"({', '.join(f'{op} {n}' for op, n in ops.most_common(5))})")  # fmt: skip
+    print(f"an unmasked step: {loop.unmasked} instructions, {loop.opcodes['MUFU']} MUFU, {loop.opcodes['HGMMA']} HGMMA")
+
+
+if __name__ == "__main__":
+    main()
