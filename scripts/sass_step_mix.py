@@ -19,7 +19,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 
-from sass_wgmma_operands import compile_sass, parse
+from sass_wgmma_operands import add_compile_arguments, compile_sass, parse
 
 # a branch and its target; sm_90 writes some conditional branches with a second predicate ("@!P2 BRA P1, 0x5a70")
 _TARGET = re.compile(r"^BRA(?:\.\S+)?\s+(?:!?U?P\d+,\s*)?(0x[0-9a-f]+)")
@@ -70,10 +70,7 @@ def step_loop(instructions: list[tuple[int, str]], min_block: int = 16, min_exp2
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", default="fwd", choices=("fwd", "bwd_dkdv", "bwd_dq"))
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--config", default="192,128,4,2,1,1", help="block_m,block_n,warps,stages,warpspec,persistent")
+    add_compile_arguments(parser, "fwd", "192,128,4,2,1,1")
     args = parser.parse_args()
     loop = step_loop(parse(compile_sass(args.kernel, args.config, args.head_dim, args.causal)))
     if loop is None:

@@ -116,12 +116,17 @@ def compile_sass(kernel: str, config: str, head_dim: int, causal: bool) -> str:
     return probe.cuobjdump(report.cubin, "-sass")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", default="bwd_dkdv", choices=("fwd", "bwd_dkdv", "bwd_dq"))
+def add_compile_arguments(parser: argparse.ArgumentParser, kernel: str, config: str) -> None:
+    """The options that name one config to compile (compile_sass's arguments), with these defaults."""
+    parser.add_argument("--kernel", default=kernel, choices=("fwd", "bwd_dkdv", "bwd_dq"))
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--config", default="64,128,4,3,1,0", help="block_m,block_n,warps,stages,warpspec,persistent")
+    parser.add_argument("--config", default=config, help="block_m,block_n,warps,stages,warpspec,persistent")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_compile_arguments(parser, "bwd_dkdv", "64,128,4,3,1,0")
     parser.add_argument("--sass", default=None, help="read this cuobjdump -sass output instead of compiling")
     args = parser.parse_args()
     if args.sass:
