@@ -80,13 +80,20 @@ def _on_cuda(t: Any) -> bool:
     return (t.base if hasattr(t, "block_shape") else t).is_cuda
 
 
+_runtime_knobs: Any = None  # triton.knobs.runtime, imported on the first launch (importing fa2tune imports no Triton)
+
+
 def _hooks_installed() -> bool:
     """True when a launch hook is registered. Triton 3.6's hooks are HookChains, empty rather than None when unused;
-    older versions use None or a callable."""
-    from triton import knobs
+    older versions use None or a callable. Asked on every launch, hence no import statement and no generator here
+    (they were ~13 µs of a launch's host time on the H200's host, cProfiled; docs/PERF.md v23)."""
+    global _runtime_knobs
+    if _runtime_knobs is None:
+        from triton import knobs
 
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-    return any(bool(getattr(hook, "calls", hook is not None)) for hook in hooks)
+        _runtime_knobs = knobs.runtime
+    enter, leave = _runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook
+    return bool(getattr(enter, "calls", enter is not None)) or bool(getattr(leave, "calls", leave is not None))
 
 
 def launch(kernel: Any, grid: tuple[int, ...], tensors: tuple, scalars: tuple, **kwargs: Any) -> None:
@@ -134,6 +141,48 @@ def _turn_off(exc: Exception) -> None:
     clear()
     warnings.warn(f"fa2tune: launching compiled kernels directly failed ({exc}); using Triton's launch path",
                   RuntimeWarning, stacklevel=3)  # fmt: skip
+
+
+class Launcher:
+    """launch(kernel, grid, tensors, scalars, **kwargs) for one call signature — kernel, grid, scalars and options
+    fixed, the tensors' dtypes too —, called with the tensors alone: Launcher(kernel, grid, scalars, kwargs)(*tensors).
+
+    launch() works out a key of ~40 values for every call (each tensor, each scalar, each option) and looks the
+    binary up by it; a launch plan (fa2tune.launcher) has fixed all but the tensors' addresses, so this keeps the
+    binary by the one thing a call can still change — which tensors are 16-byte aligned — and calls it directly.
+    The first call of each alignment goes through launch() (JIT, compile or cache), which also decides whether a
+    direct launch is possible at all; hooks, the interpreter and a switched-off fastlaunch take launch()'s path."""
+
+    __slots__ = ("_binaries", "grid", "kernel", "kwargs", "scalars", "xyz")
+
+    def __init__(self, kernel: Any, grid: tuple[int, ...], scalars: tuple, kwargs: dict[str, Any]):
+        self.kernel, self.grid, self.scalars, self.kwargs = kernel, grid, scalars, kwargs
+        self.xyz = (*grid, 1, 1)[:3]
+        self._binaries: dict[tuple, tuple[Any, tuple]] = {}  # alignments -> (compiled, constexpr values)
+
+    def __call__(self, *tensors: Any) -> None:
+        global direct_launches
+        alignments = tuple([None if t is None else t.data_ptr() & 15 for t in tensors])
+        hit = self._binaries.get(alignments)
+        if hit is not None and _enabled and not _hooks_installed():
+            compiled, constexprs = hit
+            x, y, z = self.xyz
+            try:
+                compiled.run(x, y, z, torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()),
+                             compiled.function, compiled.packed_metadata, None, None, None, *tensors, *self.scalars,
+                             *constexprs)  # fmt: skip
+                direct_launches += 1
+                return
+            except (TypeError, AttributeError) as exc:  # Triton's launcher changed: launch() from now on
+                _turn_off(exc)
+        launch(self.kernel, self.grid, tensors, self.scalars, **self.kwargs)
+        if _enabled and _on_cuda(tensors[0]) and hit is None:
+            key = (id(self.kernel), torch.cuda.current_device(), _key(tensors, self.scalars),
+                   tuple(self.kwargs.items()))  # fmt: skip
+            kept = _compiled.get(key)
+            if kept:  # launch() kept a binary it can call directly: so can we, for this alignment
+                _, compiled, names = kept
+                self._binaries[alignments] = (compiled, tuple(self.kwargs[n] for n in names))
 
 
 # ---- kernels whose leading parameters are TMA descriptors (the Gluon kernels of fa2tune.warpspec) ----------------
@@ -193,7 +242,17 @@ class _TmaPlan:
                     self.encoded.clear()
                 encoded = self.encoded[key] = self.encode(describe(t, block), self.metas[index])
             flat += encoded
-        x, y, z = (*grid, 1, 1)[:3]
+        self.launch_encoded((*grid, 1, 1)[:3], stream, flat, pointers, scalars)
+
+    def encode_all(self, tma, describe) -> list:
+        """The flat launcher arguments of every descriptor of `tma` ((tensor, block) pairs), encoded now."""
+        flat = []
+        for index, (t, block) in enumerate(tma):
+            flat += self.encode(describe(t, block), self.metas[index])
+        return flat
+
+    def launch_encoded(self, xyz: tuple, stream: int, flat: list, pointers: tuple, scalars: tuple) -> None:
+        x, y, z = xyz
         self.launcher(x, y, z, stream, self.function, *self.options, None, None, self.packed, None, None, None,
                       *flat, *pointers, *scalars, *self.constexprs)  # fmt: skip
 
@@ -235,6 +294,58 @@ def launch_tma(kernel: Any, grid: tuple[int, ...], tma, describe, pointers: tupl
     except (TypeError, AttributeError) as exc:  # Triton's launcher changed: never try again in this process
         _turn_off(exc)
         kernel[grid](*[describe(t, block) for t, block in tma], *pointers, *scalars, **kwargs)
+
+
+class TmaLauncher:
+    """launch_tma for one call signature, called with the tensors alone: `TmaLauncher(kernel, grid, blocks, describe,
+    scalars, kwargs)(*tensors)` launches `kernel[grid](*descriptors, *pointers, *scalars, **kwargs)`, descriptors =
+    [describe(t, block) for t, block in zip(tensors, blocks)], pointers the tensors after those.
+
+    The contract that makes it cheap: every call passes tensors of the shapes, strides and dtypes of the first (a
+    launch plan's signature fixes them; fa2tune.launcher builds one per signature). So an encoding is kept by the
+    descriptors' addresses alone (one dict lookup a launch, not a key of address, shape and strides per descriptor),
+    and the launcher plan by the pointers' alignment (launch_tma's key of ~40 values is worked out once). The first
+    call of each alignment goes through launch_tma, which decides whether a direct launch is possible at all."""
+
+    __slots__ = ("_encoded", "_plans", "blocks", "describe", "grid", "kernel", "kwargs", "scalars", "xyz")
+
+    def __init__(self, kernel: Any, grid: tuple[int, ...], blocks: tuple, describe, scalars: tuple, kwargs: dict):
+        self.kernel, self.grid, self.blocks, self.describe = kernel, grid, blocks, describe
+        self.scalars, self.kwargs = scalars, kwargs
+        self.xyz = (*grid, 1, 1)[:3]
+        self._plans: dict[tuple, _TmaPlan] = {}  # the pointers' alignments -> launch_tma's plan
+        self._encoded: dict[tuple, list] = {}  # the descriptors' addresses -> their encodings, flat
+
+    def __call__(self, *tensors: Any) -> None:
+        global direct_launches
+        count = len(self.blocks)
+        pointers = tensors[count:]
+        alignments = tuple([None if t is None else t.data_ptr() & 15 for t in pointers])
+        plan = self._plans.get(alignments)
+        if plan is not None and _enabled and not _hooks_installed():
+            addresses = tuple([t.data_ptr() for t in tensors[:count]])
+            try:
+                flat = self._encoded.get(addresses)
+                if flat is None:
+                    if len(self._encoded) >= _MAX_ENCODED:
+                        self._encoded.clear()
+                    flat = self._encoded[addresses] = plan.encode_all(
+                        zip(tensors[:count], self.blocks, strict=True), self.describe
+                    )
+                plan.launch_encoded(self.xyz, torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()), flat,
+                                    pointers, self.scalars)  # fmt: skip
+                direct_launches += 1
+                return
+            except (TypeError, AttributeError) as exc:  # Triton's launcher changed: launch_tma from now on
+                _turn_off(exc)
+        tma = list(zip(tensors[:count], self.blocks, strict=True))
+        launch_tma(self.kernel, self.grid, tma, self.describe, pointers, self.scalars, **self.kwargs)
+        if _enabled and tensors[0].is_cuda and plan is None:
+            key = (id(self.kernel), torch.cuda.current_device(), tuple([(t.dtype, block) for t, block in tma]),
+                   tuple([_tensor_key(t) for t in pointers]), self.scalars, tuple(self.kwargs.items()))  # fmt: skip
+            kept = _tma_plans.get(key)
+            if kept:
+                self._plans[alignments] = kept
 
 
 def clear() -> None:

@@ -281,10 +281,8 @@ def _forward_launcher(q, k, v, o, lse, mask: Mask, scale: float, config: KernelC
                    BLOCK_N=config.block_n, INPUT_PRECISION=_input_precision(q.dtype), num_warps=config.num_warps,
                    num_stages=config.num_stages)  # fmt: skip
 
-    def launch(q, k, v, o, lse):
-        fastlaunch.launch(kernel, grid, (q, k, v, o, lse, cu_q, cu_k), scalars, **options)
-
-    return launch
+    launch = fastlaunch.Launcher(kernel, grid, scalars, options)
+    return lambda q, k, v, o, lse: launch(q, k, v, o, lse, cu_q, cu_k)
 
 
 def _as_mask(causal: bool | Mask) -> Mask:
@@ -383,8 +381,11 @@ def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config
     pre_rows, pre_batch = (q.shape[0], 1) if varlen else (seqlen_q, batch)
     pre = _kernel("bwd", "_attn_bwd_preprocess", mask, seqlen_q, seqlen_k, dq_config, varlen)
     pre_grid = (_cdiv(pre_rows, dq_config.block_m) * pre_batch * heads_q,)
-    pre_scalars = (*strides(o), *strides(do), heads_q, pre_rows)
-    pre_options = dict(**common, BLOCK_M=dq_config.block_m)
+    fused_dq = dkdv_config.warpspec == 2  # the dK/dV kernel also adds scale·dS·K into an fp32 dQ
+    # with dQ fused in, the preprocess also zeroes the fp32 dQ: q's shape, contiguous (a meta tensor's strides)
+    dq_acc_strides = strides(torch.empty(q.shape, device="meta")) if fused_dq else (0, 0, 0)
+    pre_scalars = (*strides(o), *strides(do), *dq_acc_strides, heads_q, pre_rows)
+    pre_options = dict(**common, BLOCK_M=dq_config.block_m, ZERO_DQ=fused_dq)
     cu_q, cu_k, bounds = _mask_args(mask, seqlen_q, seqlen_k, packing)
     inputs = (*strides(q), *strides(k), *strides(v), *strides(do), *_lse_strides(lse, packing))
     sizes = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds)
@@ -399,10 +400,8 @@ def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config
         dkdv_options = dict(**common, BLOCK_M=dkdv_config.block_m, BLOCK_N=dkdv_config.block_n,
                             INPUT_PRECISION=precision, num_warps=dkdv_config.num_warps,
                             num_stages=dkdv_config.num_stages)  # fmt: skip
-        dkdv = lambda q, k, v, do, dk, dv, lse, delta: fastlaunch.launch(
-            dkdv_kernel, dkdv_grid, (q, k, v, do, lse, delta, dk, dv, cu_q, cu_k), dkdv_scalars, **dkdv_options
-        )
-    fused_dq = dkdv_config.warpspec == 2  # the dK/dV kernel also adds scale·dS·K into an fp32 dQ
+        dkdv_launch = fastlaunch.Launcher(dkdv_kernel, dkdv_grid, dkdv_scalars, dkdv_options)
+        dkdv = lambda q, k, v, do, dk, dv, lse, delta: dkdv_launch(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k)
     if fused_dq:
         dq_launch = None
     elif dq_config.warpspec:  # backward() checked that this call can take it
@@ -413,16 +412,20 @@ def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config
         dq_scalars = (*inputs, *strides(dq), *sizes)
         dq_options = dict(**common, BLOCK_M=dq_config.block_m, BLOCK_N=dq_config.block_n, INPUT_PRECISION=precision,
                           num_warps=dq_config.num_warps, num_stages=dq_config.num_stages)  # fmt: skip
-        dq_launch = lambda q, k, v, do, dq, lse, delta: fastlaunch.launch(
-            dq_kernel, dq_grid, (q, k, v, do, lse, delta, dq, cu_q, cu_k), dq_scalars, **dq_options
-        )
+        dq_kernel_launch = fastlaunch.Launcher(dq_kernel, dq_grid, dq_scalars, dq_options)
+        dq_launch = lambda q, k, v, do, dq, lse, delta: dq_kernel_launch(q, k, v, do, lse, delta, dq, cu_q, cu_k)
+
+    pre_launch = fastlaunch.Launcher(pre, pre_grid, pre_scalars, pre_options)
 
     def launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse):
-        fastlaunch.launch(pre, pre_grid, (o, do, delta), pre_scalars, **pre_options)
+        if fused_dq:
+            dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by the preprocess
+            pre_launch(o, do, delta, dq_acc)
+        else:
+            pre_launch(o, do, delta, delta)  # DQ_ACC unused (ZERO_DQ off): any pointer
         if dlse is not None:
             delta.sub_(dlse)  # same layout as lse, hence as δ
         if fused_dq:
-            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             dkdv(q, k, v, do, dk, dv, dq_acc, lse, delta)
             dq.copy_(dq_acc)
         else:

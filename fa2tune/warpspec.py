@@ -151,14 +151,7 @@ def _launcher(
     Everything but the tensors is worked out here, once per call signature (launcher's plans keep the function)."""
     fn, q_block, kv_block, kwargs = compiled_form(kernel, config, head_dim, causal)
     by_side = {"q": q_block, "kv": kv_block, "dq_partial": dq_partial_block(q_block, kwargs["CONSUMERS"])}
-    blocks = tuple(by_side[side] for side in sides)
-    count = len(sides)
-
-    def launch(*tensors: torch.Tensor) -> None:
-        tma = list(zip(tensors[:count], blocks, strict=True))
-        fastlaunch.launch_tma(fn, grid, tma, _describe, tensors[count:], scalars, **kwargs)
-
-    return launch
+    return fastlaunch.TmaLauncher(fn, grid, tuple(by_side[side] for side in sides), _describe, scalars, kwargs)
 
 
 def _describe(t: torch.Tensor, block: tuple[int, ...]):

@@ -98,6 +98,36 @@ def test_backward_is_deterministic(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("zero_dq", [False, True], ids=["delta-only", "zeroes-dq"])
+def test_the_preprocess_zeroes_exactly_the_fp32_dq_rows_when_asked(zero_dq, device):
+    # With dQ fused into the dK/dV kernel the preprocess also zeroes the fp32 dQ it adds into (on the GPU only:
+    # that kernel is a Gluon one). Here the preprocess alone: ragged rows (37 of blocks of 16), head_dim 48 padded
+    # to 64, and the fp32 dQ a window into a NaN-poisoned buffer, whose other elements must stay as they were.
+    from fa2tune import planner
+    from fa2tune.types import Mask
+
+    batch, heads, n, d, block_m = 2, 3, 37, 48, 16
+    o, do = (torch.randn(batch, heads, n, d, device=device).to(torch.bfloat16) for _ in range(2))
+    delta = torch.full((batch, heads, n), float("nan"), device=device)
+    buffer = torch.full((batch, heads, n + 5, d + 8), float("nan"), device=device)
+    dq_acc = buffer[:, :, 2 : n + 2, 4 : d + 4]
+    kernel = launcher._kernel("bwd", "_attn_bwd_preprocess", Mask(), n, n, KernelConfig(block_m, 16, 4, 1), False)
+    strides = dq_acc.stride()[:3] if zero_dq else (0, 0, 0)
+    kernel[(launcher._cdiv(n, block_m) * batch * heads,)](
+        o, do, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], *strides, heads, n, HEAD_DIM=d,
+        HEAD_DIM_PAD=planner.head_dim_padded(d), BLOCK_M=block_m, ZERO_DQ=zero_dq,
+    )  # fmt: skip
+    expected = (o.float() * do.float()).sum(-1)
+    assert torch.allclose(delta, expected, rtol=1e-5, atol=1e-5)
+    window = torch.zeros_like(buffer, dtype=torch.bool)
+    window[:, :, 2 : n + 2, 4 : d + 4] = True
+    assert buffer[~window].isnan().all(), "the preprocess wrote outside the fp32 dQ"
+    if zero_dq:
+        assert (dq_acc == 0).all(), f"{int((dq_acc != 0).sum())} elements of the fp32 dQ not zeroed"
+    else:
+        assert dq_acc.isnan().all(), "ZERO_DQ off, yet the fp32 dQ was written"
+
+
 def test_sum_backward_with_a_stride_zero_gradient(device):
     q, k, v, _ = _random((1, 2, 2, 20, 20, 16), torch.float32, device, seed=5)
     q.requires_grad_()

@@ -133,6 +133,46 @@ def test_cpu_tensors_and_a_jit_without_binaries_always_use_the_jit(fake_cuda):
     assert len(kernel.jit_calls) == 5
 
 
+@pytest.fixture
+def fake_device(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+
+
+def test_a_launcher_launches_as_launch_would_and_keeps_a_binary_per_alignment(fake_device):
+    kernel = _Kernel()
+    launch = fastlaunch.Launcher(kernel, (4,), (32, 5, 0.5), dict(BLOCK=64, MODE="tf32", num_warps=4))
+    launch(_CudaTensor(4096))  # the JIT's
+    start = fastlaunch.direct_launches
+    tensor = _CudaTensor(8192)
+    launch(tensor)
+    assert len(kernel.jit_calls) == 1 and fastlaunch.direct_launches == start + 1
+    assert kernel.compiled[0].runs == [(4, 1, 1, 1234, "fn-handle", "meta", None, None, None, tensor, 32, 5, 0.5, 64,
+                                        "tf32")]  # fmt: skip
+    launch(_CudaTensor(4098))  # misaligned: another binary, through the JIT once, then kept too
+    launch(_CudaTensor(4098 + 64))
+    assert len(kernel.jit_calls) == 2 and len(kernel.compiled[1].runs) == 1
+
+
+def test_a_launcher_takes_the_jit_path_for_hooks_cpu_tensors_and_when_switched_off(fake_device, monkeypatch):
+    kernel = _Kernel()
+    launch = fastlaunch.Launcher(kernel, (1,), (32, 5, 0.5), dict(BLOCK=64, MODE="x"))
+    for _ in range(2):
+        launch(torch.zeros(2))  # the interpreter
+    assert len(kernel.jit_calls) == 2
+    launch(_CudaTensor(4096))
+    monkeypatch.setattr(fastlaunch, "_hooks_installed", lambda: True)
+    launch(_CudaTensor(4096))
+    monkeypatch.setattr(fastlaunch, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(fastlaunch, "_enabled", False)
+    launch(_CudaTensor(4096))
+    assert len(kernel.jit_calls) == 5 and kernel.compiled[2].runs == []
+    monkeypatch.setattr(fastlaunch, "_enabled", True)
+    kernel.compiled[2].run = None  # a Triton whose compiled kernels launch differently
+    with pytest.warns(RuntimeWarning, match="launching compiled kernels directly failed"):
+        launch(_CudaTensor(4096))
+    assert len(kernel.jit_calls) == 6 and not fastlaunch._enabled
+
+
 def test_the_kept_binaries_are_bounded(fake_cuda, monkeypatch):
     monkeypatch.setattr(fastlaunch, "_MAX_KEPT", 3)
     kernel = _Kernel()
@@ -271,6 +311,31 @@ def test_launch_tma_encodes_a_descriptor_once_per_address(fake_cuda, monkeypatch
     monkeypatch.setattr(fastlaunch, "_MAX_ENCODED", 2)
     _launch_tma(kernel, _TmaTensor(12288), k, lse)
     assert len(plan.encoded) <= 2
+
+
+@ON_WS_TRITON
+def test_a_tma_launcher_launches_as_launch_tma_would_and_encodes_once_per_addresses(fake_device, monkeypatch):
+    kernel, q, k, lse = _TmaKernel(), _TmaTensor(4096), _TmaTensor(1 << 20), _CudaTensor(1 << 24, torch.float32)
+    blocks = ((1, 1, 64, 128), (1, 1, 128, 128))
+    launch = fastlaunch.TmaLauncher(kernel, (132,), blocks, _describe, (64,), dict(BLOCK=64, num_warps=4))
+    launch(q, k, lse)  # the JIT's
+    plan = next(iter(fastlaunch._tma_plans.values()))
+    encoded = []
+    real = plan.encode
+    plan.encode = lambda desc, meta: encoded.append(desc.base) or real(desc, meta)
+    for _ in range(3):
+        launch(q, k, lse)
+    assert len(kernel.jit_calls) == 1 and encoded == [q, k]  # encoded once for these addresses, launched 3 times
+    compiled = kernel.compiled[0]
+    assert len(compiled.launches) == 3
+    _launch_tma(kernel, q, k, lse)  # launch_tma's own direct path (its plan) gives the same arguments
+    assert compiled.launches[-1] == compiled.launches[0]
+    moved = _TmaTensor(8192)
+    launch(moved, k, lse)
+    assert encoded[-2:] == [moved, k] and compiled.launches[-1][13] is moved
+    monkeypatch.setattr(fastlaunch, "_hooks_installed", lambda: True)
+    launch(q, k, lse)
+    assert len(kernel.jit_calls) == 2
 
 
 @ON_WS_TRITON
