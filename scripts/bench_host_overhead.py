@@ -20,7 +20,8 @@ descriptors, fastlaunch.launch_tma and its plan (the compiled launcher called wi
 address), v13's path (descriptor objects through fastlaunch.launch and Triton's CompiledKernel.run, which encodes a
 CUtensorMap per descriptor per call) — beside the Triton template's forward: a warpspec launch took ~64 µs more
 host time than a Triton one (docs/PERF.md v12), which decides single calls at N <= 1k (v13); launch_tma took the
-warpspec forward's launch from 35 to 23 µs, the Triton forward's being 17 (v14).
+warpspec forward's launch from 35 to 23 µs, the Triton forward's being 17 (v14); "TmaLauncher (v23)" is what a launch
+plan calls now: launch_tma's key and the per-descriptor lookups worked out once per call signature.
 """
 
 from __future__ import annotations
@@ -188,6 +189,9 @@ def _split(repeats: int) -> int:
             driver.make_tensordesc_arg(d, m) for d, m in zip(descriptors, metas, strict=True)
         ],
     }
+    tma_launcher = warpspec.forward_launcher(q, k, lse, causal=True, scale=0.088, config=config)
+    tma_launcher(q, k, v, o, lse)  # through launch_tma once: it finds the plan and keeps it
+    pieces["TmaLauncher (v23)"] = lambda: tma_launcher(q, k, v, o, lse)
     triton_config = KernelConfig(64, 64, 4, 2)
     pieces["attention(), Triton fwd"] = lambda: fa2tune.attention(q, k, v, causal=True, config=triton_config)
     (tk, tgrid, ttensors, tscalars), tkwargs = _captured(pieces["attention(), Triton fwd"])
