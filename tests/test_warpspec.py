@@ -365,6 +365,38 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
     assert unmasked == {n + 8 for n in causal}, (causal, unmasked)
 
 
+_MASK_PROBE = """
+import json, sys
+sys.path.insert(0, "scripts")
+import sass_step_mix as mix
+from sass_wgmma_operands import compile_sass, parse
+out = []
+for kernel, head_dim, causal, config in json.loads(sys.argv[1]):
+    loop = mix.step_loop(parse(compile_sass(kernel, config, head_dim, causal)))
+    out.append([dict(ops) for _, _, ops in loop.skipped])
+print(json.dumps(out))
+"""
+
+
+@ON_WS_TRITON
+def test_the_causal_forward_masks_a_score_with_one_compare_and_one_select():
+    # A query row i < N_Q sees keys j <= i + N_K − N_Q <= N_K − 1: the diagonal bound implies the end of K, so the
+    # forward's mask block (the block of a step loop that an unmasked step branches over) needs one ISETP and one
+    # FSEL a score (docs/PERF.md v23: it issued 96 ISETP + 128 FSEL for 64 scores a thread at d=64 (64, 128) before).
+    # Scores a thread: block_m·block_n / 128 threads of a consumer warpgroup.
+    rows = [("fwd", 64, True, "64,128,4,3,1,2"), ("fwd", 128, True, "128,128,4,2,2,1")]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _MASK_PROBE, json.dumps(rows)], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=str(codegen.templates_dir().parent))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    for row, blocks in zip(rows, json.loads(out.stdout.splitlines()[-1]), strict=True):
+        assert blocks, (row, "no mask block under a branch")
+        mask = max(blocks, key=lambda ops: sum(ops.values()))
+        scores = 64 * int(row[3].split(",")[1]) // 128  # one consumer's 64 rows × block_n over its 128 threads
+        assert scores <= mask.get("FSEL", 0) <= scores + 4, (row, mask)
+        assert mask.get("ISETP", 0) <= scores + 4, (row, mask)
+
+
 def test_a_fused_dq_config_gives_way_to_its_twin_under_deterministic_algorithms(monkeypatch, device):
     # dQ fused into the dK/dV kernel (warpspec 2) sums dQ by TMA reductions in arrival order: not bit-reproducible.
     # torch's default allows that; under torch.use_deterministic_algorithms(True) a resolved fused config runs its
