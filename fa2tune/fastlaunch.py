@@ -96,6 +96,20 @@ def _hooks_installed() -> bool:
     return bool(getattr(enter, "calls", enter is not None)) or bool(getattr(leave, "calls", leave is not None))
 
 
+def _launch_key(kernel: Any, tensors: tuple, scalars: tuple, kwargs: dict) -> tuple:
+    """What launch() keeps a binary by: the kernel, the current device, _key's classes of tensors and scalars, the
+    options. One definition for launch() and Launcher, which looks up what launch() kept."""
+    return (id(kernel), torch.cuda.current_device(), _key(tensors, scalars), tuple(kwargs.items()))
+
+
+def _run(compiled: Any, xyz: tuple, device: int, tensors: tuple, scalars: tuple, constexprs) -> None:
+    """Calls a compiled kernel's launcher as Triton 3.6's CompiledKernel.run does for kernel[grid](...): the grid,
+    the device's current stream, the binary, no launch hooks, then every parameter in signature order."""
+    x, y, z = xyz
+    compiled.run(x, y, z, torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
+                 None, None, None, *tensors, *scalars, *constexprs)  # fmt: skip
+
+
 def launch(kernel: Any, grid: tuple[int, ...], tensors: tuple, scalars: tuple, **kwargs: Any) -> None:
     """Launches `kernel[grid](*tensors, *scalars, **kwargs)` on the current CUDA device and stream, directly when
     it can.
@@ -108,8 +122,7 @@ def launch(kernel: Any, grid: tuple[int, ...], tensors: tuple, scalars: tuple, *
     if not _enabled or not _on_cuda(tensors[0]):  # off, or the interpreter
         kernel[grid](*tensors, *scalars, **kwargs)
         return
-    device = torch.cuda.current_device()
-    key = (id(kernel), device, _key(tensors, scalars), tuple(kwargs.items()))
+    key = _launch_key(kernel, tensors, scalars, kwargs)
     hit = _compiled.get(key, False)
     if hit is False:  # first call with this key: the JIT compiles or loads the binary, and launches it
         compiled = kernel[grid](*tensors, *scalars, **kwargs)
@@ -123,10 +136,8 @@ def launch(kernel: Any, grid: tuple[int, ...], tensors: tuple, scalars: tuple, *
         kernel[grid](*tensors, *scalars, **kwargs)
         return
     _, compiled, names = hit
-    x, y, z = (*grid, 1, 1)[:3]
     try:
-        compiled.run(x, y, z, torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
-                     None, None, None, *tensors, *scalars, *(kwargs[n] for n in names))  # fmt: skip
+        _run(compiled, (*grid, 1, 1)[:3], key[1], tensors, scalars, [kwargs[n] for n in names])
         direct_launches += 1
     except (TypeError, AttributeError) as exc:  # Triton's launcher changed: never try again in this process
         _turn_off(exc)
@@ -166,20 +177,15 @@ class Launcher:
         hit = self._binaries.get(alignments)
         if hit is not None and _enabled and not _hooks_installed():
             compiled, constexprs = hit
-            x, y, z = self.xyz
             try:
-                compiled.run(x, y, z, torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()),
-                             compiled.function, compiled.packed_metadata, None, None, None, *tensors, *self.scalars,
-                             *constexprs)  # fmt: skip
+                _run(compiled, self.xyz, torch._C._cuda_getDevice(), tensors, self.scalars, constexprs)
                 direct_launches += 1
                 return
             except (TypeError, AttributeError) as exc:  # Triton's launcher changed: launch() from now on
                 _turn_off(exc)
         launch(self.kernel, self.grid, tensors, self.scalars, **self.kwargs)
         if _enabled and _on_cuda(tensors[0]) and hit is None:
-            key = (id(self.kernel), torch.cuda.current_device(), _key(tensors, self.scalars),
-                   tuple(self.kwargs.items()))  # fmt: skip
-            kept = _compiled.get(key)
+            kept = _compiled.get(_launch_key(self.kernel, tensors, self.scalars, self.kwargs))
             if kept:  # launch() kept a binary it can call directly: so can we, for this alignment
                 _, compiled, names = kept
                 self._binaries[alignments] = (compiled, tuple(self.kwargs[n] for n in names))
@@ -257,6 +263,13 @@ class _TmaPlan:
                       *flat, *pointers, *scalars, *self.constexprs)  # fmt: skip
 
 
+def _tma_key(kernel: Any, tma, pointers: tuple, scalars: tuple, kwargs: dict) -> tuple:
+    """What launch_tma keeps a plan by: launch()'s key with each descriptor's dtype and block shape for its tensors.
+    One definition for launch_tma and TmaLauncher, which looks up what launch_tma kept."""
+    return (id(kernel), torch.cuda.current_device(), tuple([(t.dtype, block) for t, block in tma]),
+            tuple([_tensor_key(t) for t in pointers]), scalars, tuple(kwargs.items()))  # fmt: skip
+
+
 def launch_tma(kernel: Any, grid: tuple[int, ...], tma, describe, pointers: tuple, scalars: tuple, **kwargs) -> None:
     """launch() for a kernel whose leading parameters are TMA descriptors: `kernel[grid](*descriptors, *pointers,
     *scalars, **kwargs)` with descriptors = [describe(t, block) for t, block in tma].
@@ -269,9 +282,7 @@ def launch_tma(kernel: Any, grid: tuple[int, ...], tma, describe, pointers: tupl
     if not _enabled or not tma[0][0].is_cuda:
         kernel[grid](*[describe(t, block) for t, block in tma], *pointers, *scalars, **kwargs)
         return
-    device = torch.cuda.current_device()
-    key = (id(kernel), device, tuple([(t.dtype, block) for t, block in tma]), tuple([_tensor_key(t) for t in pointers]),
-           scalars, tuple(kwargs.items()))  # fmt: skip
+    key = _tma_key(kernel, tma, pointers, scalars, kwargs)
     plan = _tma_plans.get(key, False)
     if plan is False:
         compiled = kernel[grid](*[describe(t, block) for t, block in tma], *pointers, *scalars, **kwargs)
@@ -289,7 +300,7 @@ def launch_tma(kernel: Any, grid: tuple[int, ...], tma, describe, pointers: tupl
         kernel[grid](*[describe(t, block) for t, block in tma], *pointers, *scalars, **kwargs)
         return
     try:
-        plan.launch(grid, torch._C._cuda_getCurrentRawStream(device), tma, describe, pointers, scalars)
+        plan.launch(grid, torch._C._cuda_getCurrentRawStream(key[1]), tma, describe, pointers, scalars)
         direct_launches += 1
     except (TypeError, AttributeError) as exc:  # Triton's launcher changed: never try again in this process
         _turn_off(exc)
@@ -341,9 +352,7 @@ class TmaLauncher:
         tma = list(zip(tensors[:count], self.blocks, strict=True))
         launch_tma(self.kernel, self.grid, tma, self.describe, pointers, self.scalars, **self.kwargs)
         if _enabled and tensors[0].is_cuda and plan is None:
-            key = (id(self.kernel), torch.cuda.current_device(), tuple([(t.dtype, block) for t, block in tma]),
-                   tuple([_tensor_key(t) for t in pointers]), self.scalars, tuple(self.kwargs.items()))  # fmt: skip
-            kept = _tma_plans.get(key)
+            kept = _tma_plans.get(_tma_key(self.kernel, tma, pointers, self.scalars, self.kwargs))
             if kept:
                 self._plans[alignments] = kept
 
