@@ -14,6 +14,7 @@ launched the next kernel waits (docs/PERF.md v6 "host time", v7).
     python scripts/bench_host_overhead.py --split    # where one warp-specialized forward launch's host time goes
     python scripts/bench_host_overhead.py --autograd-split   # a fwd+bwd call: forward, into the backward, its body, out
     python scripts/bench_host_overhead.py --threads  # fwd+bwd with the backward on autograd's thread, pinned, or not
+    python scripts/bench_host_overhead.py --waits    # real shapes: does a training call wait for the GPU? (no: v23)
 
 --split (GPU) replays one launch of the shipped d=128 causal forward piece by piece — fa2tune's wrapper, the TMA
 descriptors, fastlaunch.launch_tma and its plan (the compiled launcher called with descriptors encoded once per
@@ -27,11 +28,12 @@ plan calls now: launch_tma's key and the per-descriptor lookups worked out once 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
 
-if not {"--gpu", "--split", "--autograd-split", "--threads"} & set(sys.argv):
+if not {"--gpu", "--split", "--autograd-split", "--threads", "--waits"} & set(sys.argv):
     os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU needed: nothing is launched
 
 import torch
@@ -266,6 +268,83 @@ def _autograd_split(repeats: int) -> int:
     return 0
 
 
+_SLEEP_CYCLES_PER_MS = 1_980_000  # torch.cuda._sleep counts GPU clock cycles: ~1 ms at the H200's 1.98 GHz
+
+
+def _host_us(call, calls: int, rounds: int, busy_ms: float = 0) -> float:
+    """Median over `rounds` of the host µs a call takes in a burst of `calls`, timed without synchronising inside it;
+    busy_ms: that much GPU work (a sleep kernel) queued first, so nothing the calls launch can run yet."""
+    readings = []
+    for _ in range(rounds):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if busy_ms:
+            torch.cuda._sleep(int(busy_ms * _SLEEP_CYCLES_PER_MS))
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        readings.append((time.perf_counter() - start) / calls * 1e6)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return sorted(readings)[len(readings) // 2]
+
+
+def _gpu_us(call, calls: int = 20) -> float:
+    """GPU µs a call: events around `calls` calls queued behind a sleep kernel, so the host is ahead of the GPU."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(20 * _SLEEP_CYCLES_PER_MS)
+    start.record()
+    for _ in range(calls):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls * 1e3
+
+
+def _training_call(attend, q, k, v, causal: bool, do):
+    return torch.autograd.grad(attend(q, k, v, causal), (q, k, v), do)
+
+
+def _waits(calls: int = 10, rounds: int = 5) -> int:
+    """Real shapes (bf16, batch·N = 16k tokens, heads·d = 2048): host µs of a fwd+bwd call with an idle GPU and with
+    ~60 ms of GPU work queued ahead of the burst — if anything in the call waited for the GPU, the second would read
+    milliseconds a call —, with the backward on autograd's device thread and on the calling thread, fa2tune beside
+    SDPA's cuDNN backend, and each call's GPU µs. docs/PERF.md v23: nothing waits; on autograd's thread fa2tune's
+    call took 826 µs of host against 574 of GPU on one H200 host (258 on the calling thread)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fa2tune.bench import random_qkv
+
+    if not torch.cuda.is_available():
+        print("--waits needs a CUDA GPU; none is visible", file=sys.stderr)
+        return 2
+
+    def cudnn(q, k, v, causal):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    providers = {"fa2tune": lambda q, k, v, causal: fa2tune.attention(q, k, v, causal=causal), "SDPA cuDNN": cudnn}
+    print(f"# host µs per fwd+bwd call (median of {rounds} bursts of {calls}), {torch.cuda.get_device_name()}: "
+          "idle GPU / ~60 ms of GPU work queued first")  # fmt: skip
+    print(f"{'shape':>22} {'provider':>11} {'GPU µs':>7} {'device thread':>15} {'calling thread':>15}")
+    for head_dim, seqlen, causal in ((64, 512, True), (64, 512, False), (128, 512, True), (64, 1024, True)):
+        q, k, v = random_qkv(16384 // seqlen, 2048 // head_dim, seqlen, head_dim, requires_grad=True)
+        do = torch.randn_like(q)
+        for name, attend in providers.items():
+            call = functools.partial(_training_call, attend, q, k, v, causal, do)
+            for _ in range(5):
+                call()
+            cells = []
+            for threaded in (True, False):
+                with torch.autograd.set_multithreading_enabled(threaded):
+                    cells.append(" / ".join(f"{_host_us(call, calls, rounds, busy):.0f}" for busy in (0, 60)))
+            shape = f"d={head_dim} N={seqlen}{' causal' if causal else ''}"
+            print(f"{shape:>22} {name:>11} {_gpu_us(call):7.0f} {cells[0]:>15} {cells[1]:>15}")
+    return 0
+
+
 def _threads(rounds: int, repeats: int = 1000) -> int:
     """Host µs of fwd+bwd calls (fa2tune, SDPA flash, a kernel-less autograd.Function) and of fa2tune's launchers,
     with the backward where PyTorch puts it (autograd's thread for the GPU, on whichever core), with that thread and
@@ -371,7 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--split", action="store_true", help="one warpspec launch's host time, piece by piece (GPU)")
     parser.add_argument("--autograd-split", action="store_true", help="a fwd+bwd call's host time in stretches")
     parser.add_argument("--threads", action="store_true", help="fwd+bwd host time by where the backward runs (GPU)")
+    parser.add_argument("--waits", action="store_true", help="real shapes: host time with an idle and a busy GPU")
     args = parser.parse_args(argv)
+    if args.waits:
+        return _waits()
     if args.threads:
         return _threads(3)
     if args.autograd_split:

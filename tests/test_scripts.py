@@ -99,6 +99,26 @@ def test_autograd_split_times_each_stretch_and_puts_the_launchers_back(capsys):
     assert len(spans) == 7 and all(us > 0 for us in spans.values())  # every stamp taken, each after the one before
 
 
+def test_host_time_of_a_burst_is_the_median_bursts_per_call_time(monkeypatch):
+    # bench_host_overhead.py --waits: host µs a call = a burst's time over its calls, the median of the bursts — here
+    # with a call whose cost the test sets (a fake clock), so the reading is known: bursts of 4 calls at 10, 30 and
+    # 20 µs a call read 20. Without a GPU no sleep kernel is queued, and --waits says it needs one.
+    script = load_script("bench_host_overhead")
+    clock = {"now": 0.0}
+    costs = iter([10e-6] * 4 + [30e-6] * 4 + [20e-6] * 4)
+    made = []
+
+    def call():
+        made.append(1)
+        clock["now"] += next(costs)
+
+    monkeypatch.setattr(script.time, "perf_counter", lambda: clock["now"])
+    assert script._host_us(call, calls=4, rounds=3) == pytest.approx(20.0)
+    assert len(made) == 12
+    if not torch.cuda.is_available():
+        assert script._waits() == 2
+
+
 def test_fused_dq_benchmark_times_what_the_planner_accepts():
     # scripts/bench_fused_dq.py (docs/PERF.md v18's A/B): at d=128 only the 2-stage one-tile-a-program fused config
     # (3 stages spill, persistent does not fit); at d=64 all four.
