@@ -273,15 +273,23 @@ print(json.dumps([[kind, seen[0].attrs.get((index,))] for index, kind in enumera
 """
 
 
+def _probe(script: str, *args: str, timeout: int = 600):
+    """Runs a compile probe (one of the scripts below) in a fresh Python without the interpreter — an offline sm_90
+    compile needs real Triton, and these tests run under TRITON_INTERPRET=1 — from the repository root (the scripts
+    import scripts/); returns the JSON it prints last."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                         timeout=timeout, cwd=str(codegen.templates_dir().parent))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 @ON_WS_TRITON
 def test_offline_compiles_specialize_pointers_as_a_launch_does():
     # Triton's JIT marks a 16-byte-aligned tensor argument tt.divisibility=16, which lets the compiler vectorize its
     # loads; an offline compile (probe, hence the register and SASS checks here) must too, or it reads other code
     # than runs (an in-kernel dQ cast compiled so showed scalar loads and more stack: docs/PERF.md v21).
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _ATTRS_PROBE], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    pointers = json.loads(out.stdout.splitlines()[-1])
+    pointers = _probe(_ATTRS_PROBE, timeout=300)
     assert [kind for kind, _ in pointers] == ["*fp32", "*fp32"]  # LSE, DELTA
     assert all(attrs == [["tt.divisibility", 16]] for _, attrs in pointers)
 
@@ -313,11 +321,7 @@ def test_planner_model_and_registers_match_the_compiler():
             ("bwd_dq", 128, KernelConfig(64, 128, 4, 2, warpspec=1).to_dict(), False),
             ("bwd_dq", 128, KernelConfig(128, 128, 4, 2, warpspec=1).to_dict(), True),
             ("fwd", 128, KernelConfig(192, 128, 4, 2, warpspec=1).to_dict(), False)]  # fmt: skip
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(rows)], env=env, capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    reports = json.loads(out.stdout.splitlines()[-1])
+    reports = _probe(_PROBE, json.dumps(rows))
     for (kernel, head_dim, fields, _), (shared, error, stack) in zip(rows, reports, strict=True):
         cfg = KernelConfig(**fields)
         assert error is None
@@ -350,11 +354,7 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
     rows = [("bwd_dkdv", 64, True, "64,128,4,3,2,1"), ("bwd_dkdv", 64, False, "64,128,4,3,2,1"),
             ("bwd_dkdv", 128, True, "64,128,4,2,1,1"), ("bwd_dkdv", 128, False, "64,128,4,2,2,0"),
             ("fwd", 128, True, "128,128,4,2,2,1"), ("bwd_dq", 128, True, "128,64,4,3,1,1")]  # fmt: skip
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _SASS_PROBE, json.dumps(rows)], env=env, capture_output=True,
-                         text=True, timeout=600, cwd=str(codegen.templates_dir().parent))  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    found = json.loads(out.stdout.splitlines()[-1])
+    found = _probe(_SASS_PROBE, json.dumps(rows))
     for row, loops in zip(rows, found, strict=True):
         assert any(operands > 0 for _, operands, _ in loops), (row, loops)  # the check has something to check
         assert all(clobbers == 0 for _, _, clobbers in loops), (row, loops)
@@ -385,11 +385,7 @@ def test_the_causal_forward_masks_a_score_with_one_compare_and_one_select():
     # FSEL a score (docs/PERF.md v23: it issued 96 ISETP + 128 FSEL for 64 scores a thread at d=64 (64, 128) before).
     # Scores a thread: block_m·block_n / 128 threads of a consumer warpgroup.
     rows = [("fwd", 64, True, "64,128,4,3,1,2"), ("fwd", 128, True, "128,128,4,2,2,1")]
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _MASK_PROBE, json.dumps(rows)], env=env, capture_output=True,
-                         text=True, timeout=600, cwd=str(codegen.templates_dir().parent))  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    for row, blocks in zip(rows, json.loads(out.stdout.splitlines()[-1]), strict=True):
+    for row, blocks in zip(rows, _probe(_MASK_PROBE, json.dumps(rows)), strict=True):
         assert blocks, (row, "no mask block under a branch")
         mask = max(blocks, key=lambda ops: sum(ops.values()))
         scores = 64 * int(row[3].split(",")[1]) // 128  # one consumer's 64 rows × block_n over its 128 threads
