@@ -12,7 +12,9 @@ writes docs/bench/<gpu>.csv's columns; --plots writes one PNG per (head_dim, mod
 --processes N runs the whole measurement in N fresh processes, one after another, and takes each row's median:
 training calls at N <= 512 wait for their host and read up to 35 % apart between processes (docs/PERF.md v19, v22).
 --merge-into CSV replaces that file's rows for the shapes and providers measured (the rest stay) — how part of
-the grid is re-measured after a change.
+the grid is re-measured after a change; --causal yes (or no) measures one mask's rows only:
+
+    python scripts/bench_vs_sdpa.py --causal yes --processes 3 --merge-into docs/bench/nvidia-h200.csv
 """
 
 from __future__ import annotations
@@ -128,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=16384, help="batch·N")
     parser.add_argument("--width", type=int, default=2048, help="heads·d")
     parser.add_argument("--modes", default="fwd,fwd+bwd", help="fwd, fwd+bwd or both, comma-separated")
+    parser.add_argument(
+        "--causal",
+        default="both",
+        choices=("no", "yes", "both"),
+        help="the masks to measure (a re-measure of the causal rows after a change to them)",
+    )
     parser.add_argument("--csv", default=None)
     parser.add_argument("--plots", default=None, help="folder for one PNG per (head_dim, mode)")
     parser.add_argument("--from-csv", default=None, help="report and plot an earlier run's CSV; measure nothing")
@@ -170,12 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+_CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
+
+
 def _measure_grid(args, providers: list[str]) -> list[dict]:
     rows = []
     for mode in args.modes.split(","):
         for head_dim in map(int, args.head_dims.split(",")):
             for seqlen in map(int, args.seqlens.split(",")):
-                for causal in (False, True):
+                for causal in _CAUSAL[args.causal]:
                     rows += _measure(providers, mode, head_dim, seqlen, causal, args.tokens, args.width)
     return rows
 
@@ -186,7 +197,7 @@ def _run_in_process(args, index: int) -> list[dict]:
         path = os.path.join(folder, "rows.csv")
         command = [sys.executable, os.path.abspath(__file__), "--head-dims", args.head_dims, "--seqlens", args.seqlens,
                    "--providers", args.providers, "--tokens", str(args.tokens), "--width", str(args.width), "--modes",
-                   args.modes, "--csv", path]  # fmt: skip
+                   args.modes, "--causal", args.causal, "--csv", path]  # fmt: skip
         print(f"# process {index + 1} of {args.processes}", flush=True)
         subprocess.run(command, check=True)
         return benchreport.read_rows(path)

@@ -213,6 +213,26 @@ def test_grid_benchmark_takes_each_rows_median_over_fresh_processes_and_merges_i
     assert script.main([*argv[:-4], "--processes", "0"]) == 2
 
 
+def test_grid_benchmark_measures_the_masks_asked_for_and_hands_them_to_its_processes(monkeypatch):
+    # --causal yes re-measures the causal rows only (a change to the causal kernels), in this process and in each
+    # fresh one --processes starts; the default measures both masks.
+    script = load_script("bench_vs_sdpa")
+    measured = []
+    monkeypatch.setattr(script, "_measure", lambda providers, mode, d, n, causal, *rest: measured.append(causal) or [])
+    args = script.argparse.Namespace(modes="fwd,fwd+bwd", head_dims="64", seqlens="512,1024", causal="yes",
+                                     providers="fa2tune", tokens=16384, width=2048, processes=2)  # fmt: skip
+    script._measure_grid(args, ["fa2tune"])
+    assert measured == [True] * 4
+    measured.clear()
+    script._measure_grid(script.argparse.Namespace(**{**vars(args), "causal": "both"}), ["fa2tune"])
+    assert measured == [False, True] * 4
+    commands = []
+    monkeypatch.setattr(script.subprocess, "run", lambda command, check: commands.append(command))
+    monkeypatch.setattr(script.benchreport, "read_rows", lambda path: [])
+    script._run_in_process(args, 0)
+    assert commands[0][commands[0].index("--causal") + 1] == "yes"
+
+
 _SASS_STEP = """
         /*0100*/                   MOV R1, R2 ;                                          /* 0x0 */
         /*0200*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR20], RZ, !UPT ; /* 0x0 */
