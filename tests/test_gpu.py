@@ -259,7 +259,8 @@ def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype, m
     # other or the Triton one: all three gradients against float64 autograd, GQA (dK/dV summed over two query heads
     # each), lengths across tiles, N_Q ≠ N_K, rows that see no key (causal, N_Q > N_K). Persistent: three programs
     # walk every tile, as in the forward's test. Fused dQ (bwd_dkdv warpspec 2): no dQ kernel runs, dQ is the sum of
-    # the dK/dV programs' TMA reductions — over query heads' GQA groups, ragged tiles and rows past N_Q.
+    # the dK/dV programs' TMA reductions — over query heads' GQA groups, ragged tiles and rows past N_Q. Causal dQ of
+    # two consumers with B_c = 64: the first releases, unread, the program's K/V tiles past its rows' diagonal.
     dkdv_config, dq_config = configs
     if any(c is not None and c.persistent for c in configs):
         monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
