@@ -263,3 +263,34 @@ def test_step_mix_counts_a_step_and_the_mask_block_a_branch_skips():
     without_exp2 = _SASS_STEP.replace("MUFU.EX2 R41, R40", "FADD R41, R40, R40")
     assert script.step_loop(script.parse(without_exp2.format(target="0400", mask=mask)), min_exp2=1) is None
     assert script.step_loop(script.parse(_SASS_STEP.format(target="0400", mask=mask))) is None  # 1 exp2: not a softmax
+
+
+def test_restamp_lists_stale_entries_and_rewrites_only_their_hash_lines(tmp_path, capsys):
+    # scripts/restamp_configs.py: an entry whose template_hash is not the current code's is listed; --write gives it
+    # the current hash and changes no other line of the file (comments, order, the fresh entry); then none is stale.
+    from fa2tune import codegen, store
+    from fa2tune.types import KernelConfig
+
+    script = load_script("restamp_configs")
+    cfg = KernelConfig(64, 64, 4, 2)
+
+    def entry(causal, template_hash):
+        return store.Entry(key=store.EntryKey(head_dim=64, dtype="fp16", causal=causal, kernel="fwd"), config=cfg,
+                           ms=1.0, tflops=1.0, baseline=None, trials=1, spread=0.0, triton_version="3.6.0",
+                           torch_version="2.13.0", template_hash=template_hash, date="2026-11-30")  # fmt: skip
+
+    path = tmp_path / "gpu.yaml"
+    fresh = codegen.entry_code_hash(entry(False, "x").key, cfg)
+    store.write_entries(path, {"name": "gpu"}, [entry(False, fresh), entry(True, "00000000deadbeef")])
+    path.write_text("# shipped configs\n" + path.read_text())
+    before = path.read_text()
+    assert script.main([str(path)]) == 0
+    assert path.read_text() == before
+    assert "stale fwd d=64 fp16 causal=True all: 64x64 w4 s2" in capsys.readouterr().out
+    assert script.main([str(path), "--write"]) == 0
+    after = path.read_text()
+    changed = [(a, b) for a, b in zip(before.splitlines(), after.splitlines(), strict=True) if a != b]
+    current = codegen.entry_code_hash(entry(True, "x").key, cfg)
+    assert changed == [("  template_hash: 00000000deadbeef", f"  template_hash: {current}")]
+    assert after.startswith("# shipped configs\n")
+    assert script.restamp(path, write=False) == []
