@@ -142,11 +142,11 @@ _WS_DIMS = pytest.mark.parametrize(
 )
 
 
-def _ws_inputs(head_dim: int, dtype: torch.dtype):
-    """(q, k, v) at each of _WS_LENGTHS: 2 batches, 4 query heads over 2 K/V heads (GQA)."""
+def _ws_inputs(head_dim: int, dtype: torch.dtype, kv_heads: int = 2):
+    """(q, k, v) at each of _WS_LENGTHS: 2 batches, 4 query heads over kv_heads K/V heads (2: GQA)."""
     for seqlen_q, seqlen_k in _WS_LENGTHS:
         q = torch.randn(2, 4, seqlen_q, head_dim, dtype=dtype, device="cuda")
-        yield q, *(torch.randn(2, 2, seqlen_k, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+        yield q, *(torch.randn(2, kv_heads, seqlen_k, head_dim, dtype=dtype, device="cuda") for _ in range(2))
 
 
 @_HOPPER
@@ -267,7 +267,9 @@ def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype, m
     if any(c is not None and c.persistent for c in configs):
         monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
     torch.manual_seed(head_dim + sum(c.block_n for c in configs if c is not None))
-    for q, k, v in _ws_inputs(head_dim, dtype):
+    # GQA and not: causal dK/dV programs of two consumers skip the second's Q tiles before its diagonal only when
+    # every query head has its own K/V head
+    for q, k, v in (*_ws_inputs(head_dim, dtype), *_ws_inputs(head_dim, dtype, kv_heads=4)):
         seqlen_q, seqlen_k = q.shape[2], k.shape[2]
         do = torch.randn_like(q)
         o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5)
