@@ -26,8 +26,11 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def write_rows(rows: Iterable[dict], path: str | Path) -> None:
+    """COLUMNS, and a gqa column (query heads per K/V head) when the rows measured grouped-query attention."""
+    rows = list(rows)
+    columns = COLUMNS + (("gqa",) if any("gqa" in row for row in rows) else ())
     with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
 

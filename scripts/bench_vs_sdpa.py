@@ -15,6 +15,12 @@ training calls at N <= 512 wait for their host and read up to 35 % apart between
 the grid is re-measured after a change; --causal yes (or no) measures one mask's rows only:
 
     python scripts/bench_vs_sdpa.py --causal yes --processes 3 --merge-into docs/bench/nvidia-h200.csv
+
+--gqa G gives every K/V head G query heads (grouped-query attention; the heads·d width is the query heads'):
+SDPA and FlexAttention run with enable_gqa, the accuracy check's reference on K/V repeated G times; FLOPs are the
+query heads'. Its rows carry a gqa column and never go into the MHA grid (--merge-into is refused):
+
+    python scripts/bench_vs_sdpa.py --gqa 4 --modes fwd+bwd --providers fa2tune,sdpa_flash,sdpa_cudnn --csv gqa4.csv
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ SDPA_BACKENDS = {
 }
 
 
-def _flex(causal: bool):
+def _flex(causal: bool, gqa: bool):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     compiled = torch.compile(flex_attention)
@@ -48,27 +54,37 @@ def _flex(causal: bool):
 
     def run(q, k, v):
         if not causal:
-            return compiled(q, k, v)
+            return compiled(q, k, v, enable_gqa=gqa)
         n = q.shape[-2]
         if n not in masks:  # built once per length, outside the timed region after the first call
             masks[n] = create_block_mask(lambda b, h, i, j: j <= i, None, None, n, n, device=q.device)
-        return compiled(q, k, v, block_mask=masks[n])
+        return compiled(q, k, v, block_mask=masks[n], enable_gqa=gqa)
 
     return run
 
 
-def _provider(name: str, causal: bool):
+def _provider(name: str, causal: bool, gqa: bool = False):
+    """The call `name` times; gqa: K/V have fewer heads than Q (fa2tune takes that as it is)."""
     if name == "fa2tune":
         return lambda q, k, v: fa2tune.attention(q, k, v, causal=causal)
     if name == "flex":
-        return _flex(causal)
+        return _flex(causal, gqa)
     backend = SDPA_BACKENDS[name]
 
     def run(q, k, v):
         with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
     return run
+
+
+def _reference(causal: bool, group: int):
+    """SDPA flash, the accuracy check's reference: under GQA on K/V repeated `group` times (autograd sums their
+    gradients back), so it does not depend on a backend's own GQA support."""
+    flash = _provider("sdpa_flash", causal)
+    if group == 1:
+        return flash
+    return lambda q, k, v: flash(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
 
 
 def _with_backward(fn, do):
@@ -81,18 +97,18 @@ def _with_backward(fn, do):
     return run
 
 
-def _measure(providers, mode, head_dim, seqlen, causal, tokens, width) -> list[dict]:
+def _measure(providers, mode, head_dim, seqlen, causal, tokens, width, gqa=1) -> list[dict]:
     batch, heads = max(1, tokens // seqlen), width // head_dim
-    q, k, v = random_qkv(batch, heads, seqlen, head_dim, requires_grad=mode != "fwd")
+    q, k, v = random_qkv(batch, heads, seqlen, head_dim, heads_kv=heads // gqa, requires_grad=mode != "fwd")
     do = torch.randn_like(q)
     flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal=causal, mode=mode)
-    reference = _provider("sdpa_flash", causal)
+    reference = _reference(causal, gqa)
     if mode != "fwd":
         reference = _with_backward(reference, do)
     ref = torch.cat([t.flatten().float() for t in _as_tuple(reference(q, k, v))])
     rows = []
     for name in providers:
-        fn = _provider(name, causal)
+        fn = _provider(name, causal, gqa > 1)
         if mode != "fwd":
             fn = _with_backward(fn, do)
         try:
@@ -113,6 +129,7 @@ def _measure(providers, mode, head_dim, seqlen, causal, tokens, width) -> list[d
                 mode=mode,
                 tflops=round(tflops, 1),
                 rel_err_vs_flash=f"{err:.1e}",
+                **({"gqa": gqa} if gqa > 1 else {}),
             )
         )
     return rows
@@ -136,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("no", "yes", "both"),
         help="the masks to measure (a re-measure of the causal rows after a change to them)",
     )
+    parser.add_argument("--gqa", type=int, default=1, help="query heads per K/V head (1: standard multi-head)")
     parser.add_argument("--csv", default=None)
     parser.add_argument("--plots", default=None, help="folder for one PNG per (head_dim, mode)")
     parser.add_argument("--from-csv", default=None, help="report and plot an earlier run's CSV; measure nothing")
@@ -151,11 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.processes < 1:
         print(f"--processes must be at least 1, got {args.processes}", file=sys.stderr)
         return 2
+    problem = _gqa_problem(args)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_vs_sdpa.py needs a CUDA GPU; none is visible", file=sys.stderr)
         return 2
     providers = args.providers.split(",")
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {__import__('triton').__version__}")
+    if args.gqa > 1:
+        print(f"# GQA: {args.gqa} query heads per K/V head")
     if args.processes > 1:
         runs = [_run_in_process(args, i) for i in range(args.processes)]
         rows = benchreport.median_of_runs(runs)
@@ -181,13 +205,26 @@ def main(argv: list[str] | None = None) -> int:
 _CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
 
 
+def _gqa_problem(args) -> str | None:
+    """Why --gqa cannot run with these arguments, or None."""
+    if args.gqa < 1:
+        return f"--gqa must be at least 1, got {args.gqa}"
+    if args.gqa > 1 and args.merge_into:
+        return "--merge-into takes the multi-head grid's rows; with --gqa write them with --csv"
+    for head_dim in map(int, args.head_dims.split(",")):
+        heads = args.width // head_dim
+        if heads % args.gqa:
+            return f"--gqa {args.gqa} must divide the query heads, {heads} at d={head_dim} (--width {args.width})"
+    return None
+
+
 def _measure_grid(args, providers: list[str]) -> list[dict]:
     rows = []
     for mode in args.modes.split(","):
         for head_dim in map(int, args.head_dims.split(",")):
             for seqlen in map(int, args.seqlens.split(",")):
                 for causal in _CAUSAL[args.causal]:
-                    rows += _measure(providers, mode, head_dim, seqlen, causal, args.tokens, args.width)
+                    rows += _measure(providers, mode, head_dim, seqlen, causal, args.tokens, args.width, args.gqa)
     return rows
 
 
@@ -197,7 +234,7 @@ def _run_in_process(args, index: int) -> list[dict]:
         path = os.path.join(folder, "rows.csv")
         command = [sys.executable, os.path.abspath(__file__), "--head-dims", args.head_dims, "--seqlens", args.seqlens,
                    "--providers", args.providers, "--tokens", str(args.tokens), "--width", str(args.width), "--modes",
-                   args.modes, "--causal", args.causal, "--csv", path]  # fmt: skip
+                   args.modes, "--causal", args.causal, "--gqa", str(args.gqa), "--csv", path]  # fmt: skip
         print(f"# process {index + 1} of {args.processes}", flush=True)
         subprocess.run(command, check=True)
         return benchreport.read_rows(path)

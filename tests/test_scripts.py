@@ -220,7 +220,7 @@ def test_grid_benchmark_measures_the_masks_asked_for_and_hands_them_to_its_proce
     measured = []
     monkeypatch.setattr(script, "_measure", lambda providers, mode, d, n, causal, *rest: measured.append(causal) or [])
     args = script.argparse.Namespace(modes="fwd,fwd+bwd", head_dims="64", seqlens="512,1024", causal="yes",
-                                     providers="fa2tune", tokens=16384, width=2048, processes=2)  # fmt: skip
+                                     providers="fa2tune", tokens=16384, width=2048, processes=2, gqa=1)  # fmt: skip
     script._measure_grid(args, ["fa2tune"])
     assert measured == [True] * 4
     measured.clear()
@@ -231,6 +231,48 @@ def test_grid_benchmark_measures_the_masks_asked_for_and_hands_them_to_its_proce
     monkeypatch.setattr(script.benchreport, "read_rows", lambda path: [])
     script._run_in_process(args, 0)
     assert commands[0][commands[0].index("--causal") + 1] == "yes"
+
+
+def test_grid_benchmark_runs_grouped_query_attention_against_a_reference_of_its_own(monkeypatch, tmp_path, capsys):
+    # --gqa G: K/V get heads/G heads. SDPA's backends run with enable_gqa; the accuracy check's reference repeats
+    # K/V G times, so it needs no backend's GQA support (here: SDPA on the CPU, against its math on repeated K/V,
+    # gradients summed back over each group). Rows carry a gqa column; the MHA grid never takes them; G must divide
+    # the query heads; children get --gqa.
+    from fa2tune import benchreport
+
+    script = load_script("bench_vs_sdpa")
+    q, do = torch.randn(2, 4, 33, 16), torch.randn(2, 4, 33, 16)
+    k, v = (torch.randn(2, 2, 33, 16, requires_grad=True) for _ in range(2))
+    out = script._reference(True, 2)(q, k, v)
+    grads = torch.autograd.grad(out, (k, v), do)
+    kr, vr = (t.detach().repeat_interleave(2, 1).requires_grad_() for t in (k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+    want_grads = [g.view(2, 2, 2, 33, 16).sum(2) for g in torch.autograd.grad(want, (kr, vr), do)]
+    torch.testing.assert_close(out, want)
+    for got, expected in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, expected)
+    native = script._provider("sdpa_flash", True, gqa=True)(q, k, v)
+    torch.testing.assert_close(native, want)
+
+    rows = [dict(provider="fa2tune", head_dim=64, seqlen=512, causal=True, mode="fwd", tflops=300.0, gqa=4)]
+    benchreport.write_rows(rows, tmp_path / "gqa.csv")
+    assert benchreport.read_rows(tmp_path / "gqa.csv")[0]["gqa"] == "4"
+    benchreport.write_rows([{key: x for key, x in rows[0].items() if key != "gqa"}], tmp_path / "mha.csv")
+    assert "gqa" not in benchreport.read_rows(tmp_path / "mha.csv")[0]
+
+    grid = str(tmp_path / "grid.csv")
+    assert script.main(["--gqa", "4", "--merge-into", grid]) == 2
+    assert script.main(["--gqa", "3", "--head-dims", "64"]) == 2
+    assert script.main(["--gqa", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--merge-into" in err and "--gqa 3 must divide the query heads, 32 at d=64" in err and "--gqa must" in err
+    commands = []
+    monkeypatch.setattr(script.subprocess, "run", lambda command, check: commands.append(command))
+    monkeypatch.setattr(script.benchreport, "read_rows", lambda path: [])
+    args = script.argparse.Namespace(modes="fwd", head_dims="64", seqlens="512", causal="both", providers="fa2tune",
+                                     tokens=16384, width=2048, processes=2, gqa=4)  # fmt: skip
+    script._run_in_process(args, 0)
+    assert commands[0][commands[0].index("--gqa") + 1] == "4"
 
 
 _SASS_STEP = """
