@@ -1,44 +1,52 @@
-# Model of the dK/dV kernel's (producer, consumer) step order with the counter form and the GQA skip:
-# every consumer must compute exactly the (head, Q tile) pairs in which some query row sees one of its keys
-# (plus possibly fully-masked ones), and consume the producer's sequence in order.
-import itertools
-def cdiv(a,b): return -(-a//b)
-ROWS=64
-def check(NQ,NK,BM,CONS,GROUP):
-    off=NK-NQ
-    n_kv=cdiv(NK,ROWS*CONS)
-    for r in range(n_kv):
-        n0=r*ROWS*CONS
-        i_start=max(n0-off,0)//BM
-        n_tiles=max(cdiv(NQ,BM)-i_start,0)
-        prod=[(g,i_start+t) for t in range(n_tiles) for g in range(GROUP)]  # producer: tile-major
-        for wg in range(CONS):
-            row0=n0+wg*ROWS
-            n_iters=GROUP*n_tiles; c=0; ist=i_start
-            skip=0
-            if wg>0:
-                skip=min(max(row0-off,0)//BM-ist, n_tiles)*GROUP
-                assert skip>=0
-                c+=skip; ist+=skip//GROUP; n_iters-=skip
-            i=ist; g=0; computed=[]
+"""A Python model of the dK/dV kernel's step order in bwd-dkdv-tile-major-counters-draft-session25.patch.
+
+The producer loads (query head, Q tile) pairs tile by tile; each consumer skips the leading tiles that see none of
+its keys (for every head of the GQA group), then walks the rest with (tile, head) counters. Checked: each consumer
+takes the producer's sequence in order, computes every pair in which one of its keys is visible, and skips only
+pairs in which none is. `python docs/bench/logs/bwd-dkdv-tile-major-order-model-session25.py` prints "ok 144".
+"""
+
+ROWS = 64  # K/V rows a consumer
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def visible(q_tile: int, block_m: int, n_q: int, keys: range, off: int) -> bool:
+    """Does a query row of the tile see one of the keys (bottom-right causal alignment)?"""
+    return any(k <= q + off for q in range(q_tile * block_m, min((q_tile + 1) * block_m, n_q)) for k in keys)
+
+
+def check(n_q: int, n_k: int, block_m: int, consumers: int, group: int) -> None:
+    off = n_k - n_q
+    for r in range(cdiv(n_k, ROWS * consumers)):
+        n0 = r * ROWS * consumers
+        i_start = max(n0 - off, 0) // block_m
+        n_tiles = max(cdiv(n_q, block_m) - i_start, 0)
+        produced = [(g, i_start + t) for t in range(n_tiles) for g in range(group)]
+        for wg in range(consumers):
+            row0 = n0 + wg * ROWS
+            c, first, n_iters, skip = 0, i_start, group * n_tiles, 0
+            if wg > 0:
+                skip = min(max(row0 - off, 0) // block_m - first, n_tiles) * group
+                assert skip >= 0
+                c, first, n_iters = c + skip, first + skip // group, n_iters - skip
+            i, g, computed = first, 0, []
             for it in range(n_iters):
-                assert prod[c+it]==(g,i),(prod[c+it],(g,i))
-                computed.append((g,i))
-                gn=g+1; inx=i+(gn==GROUP); gn=0 if gn==GROUP else gn
-                i,g=inx,gn
-            skipped=prod[:skip]
-            assert prod[:skip]+computed==prod
-            # every skipped pair sees none of this wg's keys; every pair with a visible key is computed
-            keys=range(row0,min(row0+ROWS,NK))
-            for (gg,ii) in prod:
-                vis=any(k<=q+off for q in range(ii*BM,min((ii+1)*BM,NQ)) for k in keys)
-                if vis: assert (gg,ii) in computed
-            for (gg,ii) in skipped:
-                assert not any(k<=q+off for q in range(ii*BM,min((ii+1)*BM,NQ)) for k in keys)
-n=0
-for NQ,NK in [(512,512),(1000,1537),(1,5),(257,257),(300,1000),(1000,300),(129,64),(64,200)]:
-    for BM in (64,128):
-        for CONS in (1,2,3):
-            for GROUP in (1,2,4):
-                check(NQ,NK,BM,CONS,GROUP); n+=1
-print("ok",n)
+                assert produced[c + it] == (g, i)
+                computed.append((g, i))
+                g_next = g + 1
+                i, g = i + (g_next == group), 0 if g_next == group else g_next
+            assert produced[:skip] + computed == produced
+            keys = range(row0, min(row0 + ROWS, n_k))
+            assert all(pair in computed for pair in produced if visible(pair[1], block_m, n_q, keys, off))
+            assert not any(visible(i, block_m, n_q, keys, off) for _, i in produced[:skip])
+
+
+if __name__ == "__main__":
+    lengths = [(512, 512), (1000, 1537), (1, 5), (257, 257), (300, 1000), (1000, 300), (129, 64), (64, 200)]
+    cases = [(nq, nk, bm, c, g) for nq, nk in lengths for bm in (64, 128) for c in (1, 2, 3) for g in (1, 2, 4)]
+    for case in cases:
+        check(*case)
+    print("ok", len(cases))
