@@ -8,24 +8,21 @@ every pair in which one of its keys is visible is computed, and only pairs in wh
 `python docs/bench/logs/bwd-dkdv-head-major-counters-model-session26.py` prints "ok 144".
 """
 
-ROWS = 64  # K/V rows a consumer
+import importlib.util
+from pathlib import Path
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def visible(q_tile: int, block_m: int, n_q: int, keys: range, off: int) -> bool:
-    """Does a query row of the tile see one of the keys (bottom-right causal alignment)?"""
-    return any(k <= q + off for q in range(q_tile * block_m, min((q_tile + 1) * block_m, n_q)) for k in keys)
+# v25's model of the tile-by-tile order: the programs' geometry and the final checks, shared
+_spec = importlib.util.spec_from_file_location(
+    "tile_major_model", Path(__file__).with_name("bwd-dkdv-tile-major-order-model-session25.py")
+)
+_tile_major = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_tile_major)
+ROWS = _tile_major.ROWS
 
 
 def check(n_q: int, n_k: int, block_m: int, consumers: int, group: int) -> None:
     off = n_k - n_q
-    for r in range(cdiv(n_k, ROWS * consumers)):
-        n0 = r * ROWS * consumers
-        i_start = max(n0 - off, 0) // block_m
-        n_tiles = max(cdiv(n_q, block_m) - i_start, 0)
+    for n0, i_start, n_tiles in _tile_major.programs(n_q, n_k, block_m, consumers):
         produced = [(g, i_start + t) for g in range(group) for t in range(n_tiles)]
         for wg in range(consumers):
             row0 = n0 + wg * ROWS
@@ -46,15 +43,10 @@ def check(n_q: int, n_k: int, block_m: int, consumers: int, group: int) -> None:
                 if it + 1 < n_iters:  # the statistics loaded for the next step are that step's
                     assert produced[c + it + 1] == (g_next, i_next)
                 i, g = i_next, g_next
-            assert produced[:skip] + computed == produced
-            keys = range(row0, min(row0 + ROWS, n_k))
-            assert all(pair in computed for pair in produced if visible(pair[1], block_m, n_q, keys, off))
-            assert not any(visible(i, block_m, n_q, keys, off) for _, i in produced[:skip])
+            _tile_major.verify(produced, skip, computed, range(row0, min(row0 + ROWS, n_k)), block_m, n_q, off)
 
 
 if __name__ == "__main__":
-    lengths = [(512, 512), (1000, 1537), (1, 5), (257, 257), (300, 1000), (1000, 300), (129, 64), (64, 200)]
-    cases = [(nq, nk, bm, c, g) for nq, nk in lengths for bm in (64, 128) for c in (1, 2, 3) for g in (1, 2, 4)]
-    for case in cases:
+    for case in _tile_major.CASES:
         check(*case)
-    print("ok", len(cases))
+    print("ok", len(_tile_major.CASES))
