@@ -75,14 +75,13 @@ def code_hash(
     pipeline_qk: bool = False,
     warpspec: int = 0,
     persistent: bool = False,
-    kv_tail: int = 0,
 ) -> str:
     """Hash of the Triton code a tuned entry for this kernel and mask runs: the rendered modules of its variants
     (each combination of even and ragged tails), provenance comments left out. A stored entry records it and goes
     stale exactly when that code changes — not when another kernel's template does, nor when a template gains a
     switch that is off for this entry — so performance work on one variant does not void every shipped config.
-    pipeline_qk, warpspec, persistent, kv_tail: the entry's config switches and fields of those names
-    (KernelConfig), which select other code.
+    pipeline_qk, warpspec, persistent: the entry's config switches of those names (KernelConfig), which select other
+    code.
     """
     from .types import Variant
 
@@ -94,7 +93,6 @@ def code_hash(
         variant = Variant.for_template(
             template, causal=causal, banded=window, varlen=varlen, even_m=even_m, even_n=even_n,
             pipeline_qk=pipeline_qk, pingpong=warpspec == 2, persistent=persistent, fused_dq=warpspec == 2,
-            kv_tail=kv_tail,
         )  # fmt: skip
         code = [line for line in render(template, variant).splitlines() if not line.startswith(_PROVENANCE)]
         digest.update("\n".join(code).encode())
@@ -107,7 +105,7 @@ def entry_code_hash(key, config) -> str:
     test share."""
     return code_hash(key.kernel, causal=key.causal, window=key.window, varlen=key.varlen,
                      pipeline_qk=bool(config.pipeline_qk), warpspec=config.warpspec,
-                     persistent=bool(config.persistent), kv_tail=config.kv_tail)  # fmt: skip
+                     persistent=bool(config.persistent))  # fmt: skip
 
 
 _PROVENANCE = ("# template_hash:", "# variant:")  # header lines that name, not make, the code

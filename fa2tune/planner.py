@@ -23,8 +23,7 @@ S buffers of K_j and of V_j, and mbarriers (checked against compiles: ~300–400
 
 On the wgmma path the seed's B_r·B_c term lives in the register file, with the other fp32 accumulators:
     fwd       B_r·(d + B_c)          Õ_i and S_ij (and S_i,j+1 with pipeline_qk)
-    fwd_ws    64·(d + 1.5·B_c)       per consumer warpgroup (128 threads), which owns 64 rows: Õ, S, and P_j-1
-                                     (16-bit, half a register a value) for the P·V wgmma in flight
+    fwd_ws    64·(d + B_c)           per consumer warpgroup (128 threads), which owns 64 rows
     dkdv_ws   64·(2·d + 3·B_r)       per consumer: dK, dV, Sᵀ, dPᵀ, and Pᵀ, dSᵀ (16-bit, half a register each);
               + 64·d at d <= 64      K and V as 16-bit operands (kv_in_registers; counted for both masks)
     dq_ws     64·(d + 2.5·B_c)       per consumer: dQ, S (then P), dP, and the in-flight wgmma's dS_j-1 (16-bit)
@@ -44,15 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from .device import INTERPRETER, inspect_cached, known_gpu
-from .types import (
-    MAX_HEAD_DIM,
-    PERSISTENT_KERNELS,
-    WS_BACKWARD_TILES,
-    WS_BLOCK_M,
-    WS_SPLIT_BLOCK_N,
-    DeviceInfo,
-    KernelConfig,
-)
+from .types import MAX_HEAD_DIM, PERSISTENT_KERNELS, WS_BACKWARD_TILES, WS_BLOCK_M, DeviceInfo, KernelConfig
 
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -66,8 +57,7 @@ WS_DTYPES = (torch.float16, torch.bfloat16)
 # tma.async_copy_shared_to_global, and the kernels no longer compile): they run on the Triton they were written and
 # measured on, and elsewhere every call takes the Triton template.
 WS_TRITON = "3.6."
-# the forward's K/V tiles: 160 and 192 in two pieces (types.WS_SPLIT_BLOCK_N); 256 fits registers at d=64 only
-WS_BLOCK_N = (64, 128, *WS_SPLIT_BLOCK_N, 256)
+WS_BLOCK_N = (64, 128)
 WS_STAGES = (2, 3, 4)
 _WS_SMEM_OVERHEAD = 512  # mbarriers and alignment; compiles measured 284–392 B
 # (maxnreg of the kernel, registers of each worker consumer, of the producer warp) by consumer count. A program is
@@ -79,12 +69,10 @@ WS_REGISTERS = {1: (None, 255, 24), 2: (None, 240, 24), 3: (128, 160, 24)}
 # and d=128 (64, 64), the fused dK/dV kernel's d=64 (64, 64), the dQ kernel's d=128 (64, 64);
 # tests/test_warpspec.py).
 WS_TWO_AN_SM_REGISTERS = (128, 232, 24)
-# A consumer spills once its accumulators (accumulators_per_thread) pass its registers less this. The forward's
-# count Õ, S and the in-flight P as a 16-bit operand, 64·(d + 1.5·B_c) / 128: compiled for sm_90, (d, B_r, B_c) =
-# (256, 64, 128) with 224 of 255, (256, 128, 128) 224 of 240, (128, 192, 128) 160 of 160 and (64, 128, 256) 224
-# of 240 spill (cuobjdump STACK 40, 96, 248 B; 30-40 LDL/STL a step); (256, 64, 64) 176 of 255, (128, 128, 192)
-# 208 of 240 and (64, 192, 128) 128 of 160 do not (tests/test_warpspec.py).
-_WS_REGISTERS_BESIDE_ACCUMULATORS = {"fwd": 32, "bwd_dkdv": 16, "bwd_dq": 24}
+# A consumer spills once its fp32 accumulators (64·(d + B_c) / 128) pass its registers less this: compiled for
+# sm_90, (d, B_r, B_c) = (256, 64, 128) with 192 of 255, (256, 128, 128) 192 of 240 and (128, 192, 128) 128 of
+# 160 spill (cuobjdump STACK 40, 96, 248 B); 160 of 255, 160 of 240 and 96 of 160 do not (tests/test_warpspec.py).
+_WS_REGISTERS_BESIDE_ACCUMULATORS = {"fwd": 64, "bwd_dkdv": 16, "bwd_dq": 24}
 # dK/dV: (d, B_r, B_c) = (128, 64, 128) holds 224 of 240 and keeps a 32 B stack, measured 17 % faster than the Triton
 # template's dK/dV all the same (docs/PERF.md v10); (64, 128, 128) holds 256 and spills 264 B. dQ: (d, B_r, B_c) =
 # (128, 64, 128) holds 224 of 255 and does not spill; (128, 128, 128), 224 of 240, spills 48 B (causal 72).
@@ -210,7 +198,7 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
         # each consumer warpgroup: its 64 rows of dQ, S (then P) and dP (64 × B_c), the in-flight dS_j-1 (16-bit)
         return 64 * (d + 2.5 * n) / 128
     if cfg.warpspec:
-        return 64 * (d + 1.5 * n) / 128  # each consumer warpgroup: its 64 rows of Õ and S, and P_j-1 (16-bit)
+        return 64 * (d + n) / 128  # each consumer warpgroup: its 64 rows of Õ and S
     values = {"fwd": m * (d + n * (1 + cfg.pipeline_qk)), "bwd_dkdv": n * (2 * d + 2 * m), "bwd_dq": m * (d + 2 * n)}[
         kernel
     ]
@@ -296,12 +284,11 @@ def _model_terms(cfg: KernelConfig, kernel: str) -> str:
 def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     """The search space of `kernel`: block_m, block_n in {16..256}, num_warps in {4, 8}, num_stages in {1..5};
     the forward also pipeline_qk in {0, 1}, and the warp-specialized template: block_m in {64, 128, 192}, block_n
-    in {64, 128, 160, 192, 256} (160 and 192 in two pieces), num_stages in {2, 3, 4}, persistent or not (at
-    block_m = 64 also two programs an SM), with ping-pong too at block_m = 128; bwd_dkdv and bwd_dq their
-    warp-specialized templates, persistent or not: bwd_dkdv at block_m 64, block_n in {64, 128}, with dQ fused in
-    or not (warpspec 2 or 1), bwd_dq at block_m and block_n in {64, 128}, num_stages in {2, 3, 4}, and their
-    one-consumer programs (bwd_dkdv block_n = 64, bwd_dq block_m = 64) also two an SM (check() drops them off
-    Hopper)."""
+    in {64, 128}, num_stages in {2, 3, 4}, persistent or not (at block_m = 64 also two programs an SM), with
+    ping-pong too at block_m = 128; bwd_dkdv and bwd_dq their warp-specialized templates, persistent or not:
+    bwd_dkdv at block_m 64, block_n in {64, 128}, with dQ fused in or not (warpspec 2 or 1), bwd_dq at block_m and
+    block_n in {64, 128}, num_stages in {2, 3, 4}, and their one-consumer programs (bwd_dkdv block_n = 64, bwd_dq
+    block_m = 64) also two an SM (check() drops them off Hopper)."""
     _check_kernel(kernel)
     switches = (0, 1) if kernel == "fwd" else (0,)
     grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES, switches)

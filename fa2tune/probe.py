@@ -160,18 +160,14 @@ def _compile_warpspec(
 
     from . import warpspec
 
-    fn, blocks, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal)
+    fn, q_block, kv_block, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal)
     x = torch.empty(2, 16, 8192, head_dim, dtype=dtype)
-    # bwd_dkdv with dQ fused in adds its partials into an fp32 dQ (dqacc_desc); a split K/V tile's second pieces
-    # have descriptors of their own (kb_desc, vb_desc)
-    sides = {"q_desc": "q", "o_desc": "q", "do_desc": "q", "dq_desc": "q", "k_desc": "kv", "v_desc": "kv",
-             "dk_desc": "kv", "dv_desc": "kv", "kb_desc": "kv_tail", "vb_desc": "kv_tail",
-             "dqacc_desc": "dq_partial"}  # fmt: skip
-    descriptors = {
-        arg: warpspec._descriptor(x if side != "dq_partial" else x.float(), blocks[side])
-        for arg, side in sides.items()
-        if arg in fn.arg_names
-    }
+    q_desc, kv_desc = warpspec._descriptor(x, q_block), warpspec._descriptor(x, kv_block)
+    descriptors = {"q_desc": q_desc, "o_desc": q_desc, "do_desc": q_desc, "k_desc": kv_desc, "v_desc": kv_desc,
+                   "dk_desc": kv_desc, "dv_desc": kv_desc, "dq_desc": q_desc}  # fmt: skip
+    if "dqacc_desc" in fn.arg_names:  # bwd_dkdv with dQ fused in: the fp32 dQ its partials are added into
+        block = warpspec.dq_partial_block(q_block, kwargs["CONSUMERS"])
+        descriptors["dqacc_desc"] = warpspec._descriptor(torch.empty_like(x, dtype=torch.float32), block)
     scalars = {"LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "scale": "fp32", "GROUP": "i32"}
     signature, constexprs, attrs = {}, {}, {}
     for index, (arg, param) in enumerate(zip(fn.arg_names, fn.params, strict=True)):

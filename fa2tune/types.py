@@ -6,10 +6,6 @@ from dataclasses import asdict, dataclass, fields
 
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
 WS_BLOCK_M = (64, 128, 192)  # warpspec forward programs: 1, 2 or 3 consumer warpgroups of 64 query rows
-# warpspec forward K/V tiles wider than 128 rows but not a power of two (Gluon's tensors and TMA boxes are): two
-# pieces, 128 rows and a tail (KernelConfig.kv_tail, templates/fwd_ws.py.jinja's kv_tail)
-WS_SPLIT_BLOCK_N = (160, 192)
-_SPLIT_HEAD = 128  # a split K/V tile's first piece
 WS_DKDV_BLOCK_N = (64, 128)  # warpspec dK/dV programs: 1 or 2 consumer warpgroups of 64 K/V rows
 WS_DKDV_BLOCK_M = (64,)  # the Q rows a dK/dV step streams (128 spills: 264 B of stack at d=64, 720 at d=128)
 WS_DQ_BLOCK_M = (64, 128)  # warpspec dQ programs: 1 or 2 consumer warpgroups of 64 query rows
@@ -74,7 +70,7 @@ class KernelConfig:
         return " ".join([f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}", *switches])
 
     def __post_init__(self) -> None:
-        for name, allowed in (("block_m", _BLOCK_SIZES + WS_BLOCK_M[2:]), ("block_n", _BLOCK_SIZES + WS_SPLIT_BLOCK_N)):
+        for name, allowed in (("block_m", _BLOCK_SIZES + WS_BLOCK_M[2:]), ("block_n", _BLOCK_SIZES)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
@@ -104,11 +100,6 @@ class KernelConfig:
                 f"the dQ kernel's (warpspec=1, block_m=64) and the dK/dV kernel's (block_n=64), got "
                 f"warpspec={self.warpspec}, block_m={self.block_m}, block_n={self.block_n} for {kernel}"
             )
-        if self.kv_tail and (kernel != "fwd" or not self.warpspec):
-            return (
-                f"block_n={self.block_n} (a K/V tile in two pieces) is a size of the warpspec forward only, got "
-                f"warpspec={self.warpspec} for {kernel}; other kernels take {_BLOCK_SIZES}"
-            )
         if not self.warpspec:
             if self.block_m not in _BLOCK_SIZES:
                 return (
@@ -136,11 +127,6 @@ class KernelConfig:
         if self.warpspec == 2 and self.block_m != 128:
             return f"warpspec=2 (ping-pong of two consumers) needs block_m=128, got {self.block_m}"
         return None
-
-    @property
-    def kv_tail(self) -> int:
-        """Rows of a K/V tile's second piece: block_n - 128 for the split sizes (WS_SPLIT_BLOCK_N), else 0."""
-        return self.block_n - _SPLIT_HEAD if self.block_n in WS_SPLIT_BLOCK_N else 0
 
     def two_an_sm_shape(self, kernel: str = "fwd") -> bool:
         """Whether persistent=2 may run this config of `kernel`: a one-consumer program — of the forward or the
@@ -194,7 +180,6 @@ class Variant:
         persistent: fwd_ws only: one program per SM walks the tiles (KernelConfig.persistent).
         fused_dq: bwd_ws only: the dK/dV kernel also adds each step's dQ share, scale·dS·K, into an fp32 dQ by TMA
             reductions, and no dQ kernel runs (KernelConfig.warpspec 2 of bwd_dkdv).
-        kv_tail: fwd_ws only: 0, or the rows of a K/V tile's second piece (KernelConfig.kv_tail).
     """
 
     causal: bool
@@ -207,7 +192,6 @@ class Variant:
     pingpong: bool = False
     persistent: bool = False
     fused_dq: bool = False
-    kv_tail: int = 0
 
     @classmethod
     def for_template(
@@ -224,19 +208,18 @@ class Variant:
         pingpong: bool = False,
         persistent: int | bool = False,
         fused_dq: bool = False,
-        kv_tail: int = 0,
     ) -> Variant:
         """The variant `template` (codegen.TEMPLATES) renders for a call: the rules the launcher, codegen.code_hash
         and the probe must agree on, or a stored entry's hash would not name the code it runs. A band mask carries
         causality itself; packed sequences have no even tails; pipeline_qk exists in the forward template only.
-        fwd_ws has four switches only (causal, pingpong, persistent, kv_tail), bwd_ws and bwd_dq_ws one (causal):
-        TMA bounds every tile, so tails need no code of their own, and they take neither band masks nor packed
-        sequences (the launcher routes those to the Triton templates)."""
+        fwd_ws has three switches only (causal, pingpong, persistent), bwd_ws and bwd_dq_ws one (causal): TMA bounds
+        every tile, so tails need no code of their own, and they take neither band masks nor packed sequences (the
+        launcher routes those to the Triton templates)."""
         if template.endswith("_ws"):
             forward = template == "fwd_ws"
             return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
                        persistent=bool(persistent) and template in PERSISTENT_TEMPLATES,
-                       fused_dq=fused_dq and template == "bwd_ws", kv_tail=kv_tail if forward else 0)  # fmt: skip
+                       fused_dq=fused_dq and template == "bwd_ws")  # fmt: skip
         return cls(
             causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,
             dot_fp32=dot_fp32, banded=banded, varlen=varlen, pipeline_qk=bool(pipeline_qk) and template == "fwd",

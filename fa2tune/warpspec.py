@@ -100,19 +100,17 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...], checked: bool = True):
 
 @functools.lru_cache(maxsize=256)
 def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool):
-    """(Gluon kernel, TMA blocks by side, keyword arguments) that a warpspec config of `kernel` ("fwd", "bwd_dkdv",
-    "bwd_dq") runs. Sides: "q" the query-side tensors' block (Q, O, dO, dQ), "kv" the key-side ones' (K, V, dK,
-    dV), "kv_tail" the second piece of a split K/V tile (KernelConfig.kv_tail; the forward's kb_desc, vb_desc),
-    "dq_partial" a fused-dQ kernel's fp32 dQ (dq_partial_block). The keywords are its constexprs and launch options
-    (a shared dict: read it, do not change it). One definition for the launches below and for
-    probe.compile_config; cached, as every launch asks (7 µs uncached)."""
+    """(Gluon kernel, TMA block of the query-side tensors, of the key-side ones, keyword arguments) that a warpspec
+    config of `kernel` ("fwd", "bwd_dkdv", "bwd_dq") runs: query side Q, O, dO, dQ; key side K, V, dK, dV; the
+    keywords are its constexprs and launch options (a shared dict: read it, do not change it). One definition for
+    the launches below and for probe.compile_config; cached, as every launch asks (7 µs uncached)."""
     template = codegen.template_for(kernel, config.warpspec)
     variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
                                    pingpong=config.warpspec == 2, persistent=config.persistent,
-                                   fused_dq=config.warpspec == 2, kv_tail=config.kv_tail)  # fmt: skip
+                                   fused_dq=config.warpspec == 2)  # fmt: skip
     module = codegen.load(template, variant)
-    if kernel == "fwd":  # consumers own query rows; K/V stream in block_n rows (two pieces with a kv_tail)
-        fn, q_rows, kv_rows = module._attn_fwd_ws, ROWS_PER_CONSUMER, config.block_n - config.kv_tail
+    if kernel == "fwd":  # consumers own query rows; K/V stream in block_n rows
+        fn, q_rows, kv_rows = module._attn_fwd_ws, ROWS_PER_CONSUMER, config.block_n
     elif kernel == "bwd_dq":  # likewise
         fn, q_rows, kv_rows = module._attn_bwd_dq_ws, ROWS_PER_CONSUMER, config.block_n
     else:  # consumers own K/V rows; Q and dO stream in block_m rows
@@ -123,12 +121,7 @@ def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool
                   CONSUMER_REGS=consumer_regs, num_warps=4)  # fmt: skip
     if maxnreg is not None:
         kwargs["maxnreg"] = maxnreg
-    blocks = {"q": (1, 1, q_rows, head_dim), "kv": (1, 1, kv_rows, head_dim)}
-    if kernel == "bwd_dkdv" and config.warpspec == 2:
-        blocks["dq_partial"] = dq_partial_block(blocks["q"], consumers)
-    if config.kv_tail:
-        blocks["kv_tail"] = (1, 1, config.kv_tail, head_dim)
-    return fn, blocks, kwargs
+    return fn, (1, 1, q_rows, head_dim), (1, 1, kv_rows, head_dim), kwargs
 
 
 def _grid(config: KernelConfig, row_tiles: int, batch_heads: int, device_index: int | None):
@@ -153,11 +146,12 @@ def _launcher(
 ):
     """A function of the call's tensors that launches a warpspec config of `kernel` on `grid`: its arguments are the
     tensors the kernel reads through TMA descriptors, in the kernel's order — sides names each one's block, "q" the
-    query-side one, "kv" the key-side one, "kv_tail" a split K/V tile's second piece, "dq_partial" a fused-dQ
-    partial's (compiled_form) —, then its pointer parameters; scalars are the rest.
+    query-side one, "kv" the key-side one (compiled_form), "dq_partial" a fused-dQ partial's (dq_partial_block) —,
+    then its pointer parameters; scalars are the rest.
     Everything but the tensors is worked out here, once per call signature (launcher's plans keep the function)."""
-    fn, blocks, kwargs = compiled_form(kernel, config, head_dim, causal)
-    return fastlaunch.TmaLauncher(fn, grid, tuple(blocks[side] for side in sides), _describe, scalars, kwargs)
+    fn, q_block, kv_block, kwargs = compiled_form(kernel, config, head_dim, causal)
+    by_side = {"q": q_block, "kv": kv_block, "dq_partial": dq_partial_block(q_block, kwargs["CONSUMERS"])}
+    return fastlaunch.TmaLauncher(fn, grid, tuple(by_side[side] for side in sides), _describe, scalars, kwargs)
 
 
 def _describe(t: torch.Tensor, block: tuple[int, ...]):
@@ -177,14 +171,10 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
     warpspec config, for calls of these shapes and strides; the call must have passed `unsupported`."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     grid, tiles = _grid(config, -(-seqlen_q // config.block_m), batch * heads_q, q.device.index)
-    split = bool(config.kv_tail)
-    launch = _launcher(
-        "fwd", config, causal, head_dim, grid, ("q", "kv", "kv") + ("kv_tail", "kv_tail") * split + ("q",),
+    return _launcher(
+        "fwd", config, causal, head_dim, grid, ("q", "kv", "kv", "q"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, tiles),
     )  # fmt: skip
-    if split:  # K and V once more, for the descriptors of their tiles' second pieces
-        return lambda q, k, v, o, lse: launch(q, k, v, k, v, o, lse)
-    return launch
 
 
 def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,

@@ -158,7 +158,7 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
         == planner.WS_TWO_AN_SM_REGISTERS
         != planner.ws_registers(replace(two_an_sm, persistent=1))
     )
-    assert warpspec.compiled_form("fwd", two_an_sm, 64, True)[2]["maxnreg"] == 128
+    assert warpspec.compiled_form("fwd", two_an_sm, 64, True)[3]["maxnreg"] == 128
     # persistent stages O apart from Q: 2·128·(128 + 128 + 4·128) + 512 B fits, with 3 stages 256.5 KiB does not
     assert planner.sram_bytes(KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1), 128, torch.bfloat16) == (
         planner.sram_bytes(WS, 128, torch.bfloat16) + 2 * 128 * 128
