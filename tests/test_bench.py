@@ -1,0 +1,24 @@
+"""fa2tune.bench's timer discards a process's first timing (no GPU needed: do_bench is stood in for)."""
+
+import pytest
+import triton.testing
+
+from fa2tune import bench
+
+
+def test_a_process_s_first_timing_is_discarded_and_later_ones_are_not(monkeypatch):
+    # On the H200 the first timing a process made read 3-8 % high (docs/PERF.md v27): the first call returns its
+    # second reading; later calls time once.
+    readings = iter([[0.9, 0.95, 1.0], [1.9, 2.0, 2.1], [2.9, 3.0, 3.1]])
+    calls = []
+
+    def do_bench(fn, warmup, rep, quantiles):
+        calls.append(fn)
+        return next(readings)
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(bench, "_timed_before", False)
+    first = bench.time_cuda(lambda: None)
+    assert len(calls) == 2 and (first.p20_ms, first.median_ms, first.p80_ms) == (1.9, 2.0, 2.1)
+    second = bench.time_cuda(lambda: None)
+    assert len(calls) == 3 and second.median_ms == pytest.approx(3.0)
