@@ -5,6 +5,9 @@ Configs are compiled first in a pool of processes (bench.precompile; Triton's di
 then timed one at a time in this process (bench.make_measure, the tuner's own objective). A config that fails
 to compile is reported with its reason, never stops the sweep.
 For a backward kernel the other backward kernel keeps its default config, and the time is the whole backward.
+--rounds R times every config R times, round by round, each round starting one config further on, and reports the
+median: on the H200 a config's reading moved 3–10 % with its place in the order (the first timed read high, the
+clock dips every ~1.3 s under load: docs/PERF.md v27), which a single pass in a fixed order turns into rankings.
 
     python scripts/sweep_configs.py --kernel fwd --head-dims 64,128 --seqlen 8192 --csv $OUT/sweep_fwd.csv
     python scripts/sweep_configs.py --kernel fwd --head-dims 128 --seqlen 1024 --block-m 128 --block-n 64,128 \
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import itertools
+import statistics
 import sys
 import time
 from dataclasses import asdict, fields
@@ -61,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         "points that break the kernel's rules (num_warps 4, block sizes of 64 rows per consumer) are left out",
     )
     parser.add_argument("--persistent", default="0", help="warpspec kernels: 0, 1 or 0,1 (KernelConfig.persistent)")
+    parser.add_argument("--rounds", type=int, default=1, help="time each config this many times, in rotated orders")
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=16384, help="batch·N (heads·d stays 2048)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 (a smoke test)")
@@ -84,9 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         failures.update({(kernel, head_dim, causal, cfg): reason for cfg, reason in failed.items()})
         progress(f"compiled {len(group)} configs of {kernel} d={head_dim} causal={causal}")
     mode = "fwd" if args.kernel == "fwd" else "bwd"
-    rows, measures = [], {}
-    for kernel, head_dim, causal, cfg, seqlen in jobs:
-        batch, heads = max(1, args.tokens // seqlen), 2048 // head_dim  # as make_measure lays them out
+    rows, measures, readings = [], {}, {}
+    for index, (kernel, head_dim, causal, cfg, seqlen) in enumerate(jobs):
         row = dict(kernel=kernel, head_dim=head_dim, causal=causal, **asdict(cfg), tflops=float("nan"))
         row["error"] = failures.get((kernel, head_dim, causal, cfg), "")
         if not row["error"]:
@@ -94,16 +98,29 @@ def main(argv: list[str] | None = None) -> int:
                 measures[head_dim, causal] = bench.make_measure(
                     kernel, head_dim, torch.bfloat16, causal, seqlens=(seqlen,), device=args.device, tokens=args.tokens
                 )
-            measure = measures[head_dim, causal]
-            ref, out = _outputs(kernel, cfg, measure.inputs[0], causal)
+            ref, out = _outputs(kernel, cfg, measures[head_dim, causal].inputs[0], causal)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             if not err < 2e-2:
                 row["error"] = f"wrong result: rel err {err:.2e}"
             else:
-                flops = bench.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal=causal, mode=mode)
-                row["tflops"] = round(flops / (measure(cfg) * 1e-3) / 1e12, 1)
+                readings[index] = []
         rows.append(row)
-        progress(f"{_label(row)} d={head_dim} causal={causal}: {row['tflops']} {row['error']}")
+    # Round r times the configs that ran right from the r-th on (wrapping), so none is always first or last.
+    timed = sorted(readings)
+    for round_ in range(max(1, args.rounds)):
+        start = round_ % max(1, len(timed))
+        for index in timed[start:] + timed[:start]:
+            kernel, head_dim, causal, cfg, seqlen = jobs[index]
+            batch, heads = max(1, args.tokens // seqlen), 2048 // head_dim  # as make_measure lays them out
+            flops = bench.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal=causal, mode=mode)
+            readings[index].append(round(flops / (measures[head_dim, causal](cfg) * 1e-3) / 1e12, 1))
+            progress(f"round {round_ + 1} {_label(rows[index])} d={head_dim} causal={causal}: {readings[index][-1]}")
+    for index, row in enumerate(rows):
+        if index in readings:
+            row["tflops"] = statistics.median(readings[index])
+        row["readings"] = " ".join(map(str, readings.get(index, [])))
+        if row["error"]:
+            progress(f"{_label(row)} d={row['head_dim']} causal={row['causal']}: {row['error']}")
     if args.csv:
         with open(args.csv, "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(rows[0]))

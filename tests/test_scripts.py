@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import math
 
 import pytest
@@ -336,3 +337,33 @@ def test_restamp_lists_stale_entries_and_rewrites_only_their_hash_lines(tmp_path
     assert changed == [("  template_hash: 00000000deadbeef", f"  template_hash: {current}")]
     assert after.startswith("# shipped configs\n")
     assert script.restamp(path, write=False) == []
+
+
+def test_sweep_rounds_rotate_the_order_and_report_each_config_s_median(monkeypatch, tmp_path):
+    # scripts/sweep_configs.py --rounds R (docs/PERF.md v27: a reading moved with its place in the order): every config
+    # that ran right is timed R times, round r starting r configs further on, and its row is the median.
+    sweep = load_script("sweep_configs")
+    order, times = [], iter([4.0, 2.0, 1.0, 3.0, 5.0, 6.0, 2.5, 1.5, 3.5, 2.0, 2.2, 2.4] * 2)
+
+    def make_measure(kernel, head_dim, dtype, causal, *, seqlens, device, tokens):
+        def measure(cfg):
+            order.append((causal, cfg.block_n))
+            return next(times)
+
+        measure.inputs = [None]
+        return measure
+
+    monkeypatch.setattr(sweep.bench, "make_measure", make_measure)
+    monkeypatch.setattr(sweep.bench, "precompile", lambda *args, **kwargs: {})
+    monkeypatch.setattr(sweep, "_outputs", lambda kernel, cfg, x, causal: (torch.ones(4), torch.ones(4)))
+    csv_path = tmp_path / "sweep.csv"
+    assert sweep.main(["--kernel", "fwd", "--head-dims", "64", "--seqlen", "256", "--block-m", "64",
+                       "--block-n", "16,32,64", "--warps", "4", "--stages", "2", "--rounds", "2",
+                       "--device", "cpu", "--csv", str(csv_path)]) == 0  # fmt: skip
+    n_order = [n for causal, n in order]
+    assert n_order == [16, 32, 64, 16, 32, 64, 32, 64, 16, 32, 64, 16]  # round 2 starts one config further on
+    rows = list(csv.DictReader(open(csv_path)))
+    assert [row["readings"].count(" ") for row in rows] == [1] * 6  # two readings each
+    for row in rows:
+        first, second = map(float, row["readings"].split())
+        assert float(row["tflops"]) == pytest.approx((first + second) / 2)  # the median of two
