@@ -7,6 +7,9 @@ and counts its instructions by opcode, and the blocks inside it that a forward b
 tiles that cross the diagonal or the end of K): the instructions of an unmasked step are the loop's less those.
 Against the step's tensor and MUFU cycles this says which unit a config could be bound by (docs/PERF.md v22:
 436 instructions a step at d=64 (192, 128), 479 at d=128 (128, 128); neither issue nor MUFU saturated).
+It also says where the step waits for its wgmmas (WARPGROUP.DEPBAR.LE gsb0, N: until at most N groups are in
+flight) against its exponentials: a softmax meant to run under the previous P·V must come before the wait for none
+in flight — in v27's SASS ptxas had scheduled that wait ahead of it in every shipped forward (docs/PERF.md v27).
 
     python scripts/sass_step_mix.py --kernel fwd --head-dim 64 --config 192,128,4,2,1,1
 """
@@ -68,11 +71,23 @@ def step_loop(instructions: list[tuple[int, str]], min_block: int = 16, min_exp2
     return None
 
 
+_WAIT = re.compile(r"^WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)")
+
+
+def wait_placement(instructions: list[tuple[int, str]], loop: StepLoop) -> tuple[list[tuple[int, int]], int, int]:
+    """([(address, groups left in flight) of each wgmma wait in the loop], first and last MUFU.EX2 address)."""
+    body = [(a, x) for a, x in instructions if loop.start <= a <= loop.end]
+    waits = [(a, int(m.group(1), 16)) for a, x in body if (m := _WAIT.match(x))]
+    exp2 = [a for a, x in body if x.startswith("MUFU.EX2")]
+    return waits, exp2[0], exp2[-1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_compile_arguments(parser, "fwd", "192,128,4,2,1,1")
     args = parser.parse_args()
-    loop = step_loop(parse(compile_sass(args.kernel, args.config, args.head_dim, args.causal)))
+    instructions = parse(compile_sass(args.kernel, args.config, args.head_dim, args.causal))
+    loop = step_loop(instructions)
     if loop is None:
         sys.exit("no loop issues both HGMMAs and a softmax's MUFU.EX2")
     common = ", ".join(f"{op} {n}" for op, n in loop.opcodes.most_common(12))
@@ -81,6 +96,13 @@ def main() -> None:
         print(f"  skipped by the branch at {branch:#06x} to {target:#06x}: {sum(ops.values())} "
               f"({', '.join(f'{op} {n}' for op, n in ops.most_common(5))})")  # fmt: skip
     print(f"an unmasked step: {loop.unmasked} instructions, {loop.opcodes['MUFU']} MUFU, {loop.opcodes['HGMMA']} HGMMA")
+    waits, first_exp2, last_exp2 = wait_placement(instructions, loop)
+    print(
+        f"wgmma waits (address: groups left in flight) {', '.join(f'{a:#06x}: {n}' for a, n in waits)}; "
+        f"MUFU.EX2 {first_exp2:#06x}-{last_exp2:#06x}"
+    )
+    if any(n == 0 and a < first_exp2 for a, n in waits):
+        print("  a wait for no wgmma in flight precedes every exponential: none runs under this consumer's wgmmas")
 
 
 if __name__ == "__main__":

@@ -308,6 +308,24 @@ def test_step_mix_counts_a_step_and_the_mask_block_a_branch_skips():
     assert script.step_loop(script.parse(_SASS_STEP.format(target="0400", mask=mask))) is None  # 1 exp2: not a softmax
 
 
+def test_step_mix_says_where_the_step_waits_for_its_wgmmas_against_its_exponentials():
+    # docs/PERF.md v27: ptxas had put the forward's wait for no wgmma in flight ahead of the softmax. The report gives
+    # each wait's address and groups left in flight, and the exponentials' span.
+    script = load_script("sass_step_mix")
+    waits = (
+        "        /*03e0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;                     /* 0x0 */\n"
+        "        /*03f0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                     /* 0x0 */"
+    )
+    instructions = script.parse(_SASS_STEP.format(target="03e0", mask=waits))
+    loop = script.step_loop(instructions, min_exp2=1)
+    assert script.wait_placement(instructions, loop) == ([(0x3E0, 1), (0x3F0, 0)], 0x410, 0x410)
+    wait_after = "        /*0428*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;  /* 0x0 */\n"
+    after = _SASS_STEP.replace("        /*0430*/", wait_after + "        /*0430*/")
+    instructions = script.parse(after.format(target="0400", mask=""))
+    loop = script.step_loop(instructions, min_exp2=1)
+    assert script.wait_placement(instructions, loop) == ([(0x428, 0)], 0x410, 0x410)
+
+
 def test_restamp_lists_stale_entries_and_rewrites_only_their_hash_lines(tmp_path, capsys):
     # scripts/restamp_configs.py: an entry whose template_hash is not the current code's is listed; --write gives it
     # the current hash and changes no other line of the file (comments, order, the fresh entry); then none is stale.
