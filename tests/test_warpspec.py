@@ -393,6 +393,33 @@ def test_the_causal_forward_masks_a_score_with_one_compare_and_one_select():
         assert mask.get("ISETP", 0) <= scores + 4, (row, mask)
 
 
+_WAIT_PROBE = """
+import json, sys
+sys.path.insert(0, "scripts")
+import sass_step_mix as mix
+from sass_wgmma_operands import compile_sass, parse
+out = []
+for kernel, head_dim, causal, config in json.loads(sys.argv[1]):
+    instructions = parse(compile_sass(kernel, config, head_dim, causal))
+    out.append(mix.wait_placement(instructions, mix.step_loop(instructions)))
+print(json.dumps(out))
+"""
+
+
+@ON_WS_TRITON
+def test_the_exponentials_run_before_the_waits_for_the_wgmmas_issued_under_them():
+    # The forward issues QKᵀ_j and P_j-1·V_j-1, waits for QKᵀ_j, computes the softmax, then waits for P·V; dQ issues
+    # S_j, dP_j and dQ, waits for S_j, computes P_j, then waits for dP_j. ptxas hoisted the later wait above the
+    # exponentials when they shared its basic block, so nothing ran under the wgmmas (docs/PERF.md v27-v28). In the
+    # compiled step loop only the wait for the scores may precede the first MUFU.EX2; every later one follows the last.
+    rows = [("fwd", 128, False, "128,128,4,2,1,1"), ("fwd", 64, False, "128,128,4,4,1,1"),
+            ("bwd_dq", 128, True, "128,64,4,3,1,1")]  # fmt: skip
+    for row, (waits, first_exp2, last_exp2) in zip(rows, _probe(_WAIT_PROBE, json.dumps(rows)), strict=True):
+        before = [address for address, _ in waits if address < first_exp2]
+        after = [address for address, _ in waits if address > last_exp2]
+        assert len(before) == 1 and len(after) == len(waits) - 1 >= 1, (row, waits, first_exp2, last_exp2)
+
+
 def test_a_fused_dq_config_gives_way_to_its_twin_under_deterministic_algorithms(monkeypatch, device):
     # dQ fused into the dK/dV kernel (warpspec 2) sums dQ by TMA reductions in arrival order: not bit-reproducible.
     # torch's default allows that; under torch.use_deterministic_algorithms(True) a resolved fused config runs its
