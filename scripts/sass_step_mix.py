@@ -4,7 +4,8 @@
 Finds the step loop — the innermost loop that issues both HGMMAs and a softmax's MUFU.EX2 (a consumer's QKᵀ,
 softmax and P·V) —
 and counts its instructions by opcode, and the blocks inside it that a forward branch skips (the mask, run only on
-tiles that cross the diagonal or the end of K): the instructions of an unmasked step are the loop's less those.
+tiles that cross the diagonal or the end of K): the instructions of an unmasked step are the loop's less those (of
+an if/else's two blocks — a masked and an unmasked copy of the softmax — less the larger).
 Against the step's tensor and MUFU cycles this says which unit a config could be bound by (docs/PERF.md v22:
 436 instructions a step at d=64 (192, 128), 479 at d=128 (128, 128); neither issue nor MUFU saturated).
 It also says where the step waits for its wgmmas (WARPGROUP.DEPBAR.LE gsb0, N: until at most N groups are in
@@ -40,9 +41,31 @@ class StepLoop:
         return sum(self.opcodes.values())
 
     @property
+    def unmasked_opcodes(self) -> Counter:
+        """What a step issues on its shortest path: every skippable block skipped, except that of two alternatives —
+        an if/else, whose first block ends with a branch over the second, so their spans overlap — a step skips only
+        one, the larger (v28's forward computes its softmax in a masked and an unmasked copy)."""
+        ops = Counter(self.opcodes)
+        for group in _alternatives(self.skipped):
+            ops.subtract(max((block for _, _, block in group), key=lambda block: sum(block.values())))
+        return +ops
+
+    @property
     def unmasked(self) -> int:
-        """Instructions a step issues when every skippable block is skipped."""
-        return self.instructions - sum(sum(ops.values()) for _, _, ops in self.skipped)
+        """Instructions a step issues on its shortest path (unmasked_opcodes)."""
+        return sum(self.unmasked_opcodes.values())
+
+
+def _alternatives(skipped: tuple[tuple[int, int, Counter], ...]) -> list[list[tuple[int, int, Counter]]]:
+    """The skippable blocks grouped by overlapping spans: a group of one is a block a step may skip; a group of two
+    is an if/else, of which a step runs one."""
+    groups: list[list[tuple[int, int, Counter]]] = []
+    for block in sorted(skipped, key=lambda block: block[0]):
+        if groups and block[0] < max(target for _, target, _ in groups[-1]):
+            groups[-1].append(block)
+        else:
+            groups.append([block])
+    return groups
 
 
 def _opcode(instruction: str) -> str:
@@ -95,7 +118,8 @@ def main() -> None:
     for branch, target, ops in loop.skipped:
         print(f"  skipped by the branch at {branch:#06x} to {target:#06x}: {sum(ops.values())} "
               f"({', '.join(f'{op} {n}' for op, n in ops.most_common(5))})")  # fmt: skip
-    print(f"an unmasked step: {loop.unmasked} instructions, {loop.opcodes['MUFU']} MUFU, {loop.opcodes['HGMMA']} HGMMA")
+    ops = loop.unmasked_opcodes
+    print(f"an unmasked step: {loop.unmasked} instructions, {ops['MUFU']} MUFU, {ops['HGMMA']} HGMMA")
     waits, first_exp2, last_exp2 = wait_placement(instructions, loop)
     print(
         f"wgmma waits (address: groups left in flight) {', '.join(f'{a:#06x}: {n}' for a, n in waits)}; "

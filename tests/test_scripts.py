@@ -308,6 +308,22 @@ def test_step_mix_counts_a_step_and_the_mask_block_a_branch_skips():
     assert script.step_loop(script.parse(_SASS_STEP.format(target="0400", mask=mask))) is None  # 1 exp2: not a softmax
 
 
+def test_step_mix_counts_one_block_of_an_if_else_as_skipped():
+    # docs/PERF.md v28: the forward computes its softmax in a masked and an unmasked copy — an if/else, whose first
+    # block ends with a branch over the second. A step runs one of them, so an unmasked step is the loop less the
+    # larger (the masked copy), not less both.
+    script = load_script("sass_step_mix")
+    lines = ["/*0200*/ HGMMA.64x128x16.F32.BF16 R24, gdesc[UR20], RZ, !UPT ;", "/*0210*/ @!P2 BRA 0x0400 ;"]
+    lines += [f"/*{0x220 + 16 * i:04x}*/ FSEL R{24 + i}, R{24 + i}, -INF , !P4 ;" for i in range(29)]
+    lines += ["/*03f0*/ BRA 0x0500 ;"]
+    lines += [f"/*{0x400 + 16 * i:04x}*/ FMUL R{24 + i}, R{24 + i}, R2 ;" for i in range(16)]
+    lines += ["/*0500*/ MUFU.EX2 R41, R40 ;", "/*0510*/ @P3 BRA 0x200 ;"]
+    loop = script.step_loop(script.parse("\n".join(f"        {x}  /* 0x0 */" for x in lines)), min_exp2=1)
+    assert [(b, t) for b, t, _ in loop.skipped] == [(0x210, 0x400), (0x3F0, 0x500)]
+    assert loop.instructions == 50 and loop.unmasked == 50 - 30  # the FSEL block and its branch over the FMULs
+    assert loop.unmasked_opcodes["FMUL"] == 16 and loop.unmasked_opcodes["FSEL"] == 0
+
+
 def test_step_mix_says_where_the_step_waits_for_its_wgmmas_against_its_exponentials():
     # docs/PERF.md v27: ptxas had put the forward's wait for no wgmma in flight ahead of the softmax. The report gives
     # each wait's address and groups left in flight, and the exponentials' span.
