@@ -365,15 +365,17 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
     assert unmasked == {n + 8 for n in causal}, (causal, unmasked)
 
 
-_MASK_PROBE = """
+# each config's step loop (scripts/sass_step_mix.py): the blocks a branch skips, and where it waits for its wgmmas
+_STEP_PROBE = """
 import json, sys
 sys.path.insert(0, "scripts")
 import sass_step_mix as mix
 from sass_wgmma_operands import compile_sass, parse
 out = []
 for kernel, head_dim, causal, config in json.loads(sys.argv[1]):
-    loop = mix.step_loop(parse(compile_sass(kernel, config, head_dim, causal)))
-    out.append([dict(ops) for _, _, ops in loop.skipped])
+    instructions = parse(compile_sass(kernel, config, head_dim, causal))
+    loop = mix.step_loop(instructions)
+    out.append({"skipped": [dict(ops) for _, _, ops in loop.skipped], "waits": mix.wait_placement(instructions, loop)})
 print(json.dumps(out))
 """
 
@@ -385,25 +387,13 @@ def test_the_causal_forward_masks_a_score_with_one_compare_and_one_select():
     # FSEL a score (docs/PERF.md v23: it issued 96 ISETP + 128 FSEL for 64 scores a thread at d=64 (64, 128) before).
     # Scores a thread: block_m·block_n / 128 threads of a consumer warpgroup.
     rows = [("fwd", 64, True, "64,128,4,3,1,2"), ("fwd", 128, True, "128,128,4,2,2,1")]
-    for row, blocks in zip(rows, _probe(_MASK_PROBE, json.dumps(rows)), strict=True):
+    for row, found in zip(rows, _probe(_STEP_PROBE, json.dumps(rows)), strict=True):
+        blocks = found["skipped"]
         assert blocks, (row, "no mask block under a branch")
         mask = max(blocks, key=lambda ops: sum(ops.values()))
         scores = 64 * int(row[3].split(",")[1]) // 128  # one consumer's 64 rows × block_n over its 128 threads
         assert scores <= mask.get("FSEL", 0) <= scores + 4, (row, mask)
         assert mask.get("ISETP", 0) <= scores + 4, (row, mask)
-
-
-_WAIT_PROBE = """
-import json, sys
-sys.path.insert(0, "scripts")
-import sass_step_mix as mix
-from sass_wgmma_operands import compile_sass, parse
-out = []
-for kernel, head_dim, causal, config in json.loads(sys.argv[1]):
-    instructions = parse(compile_sass(kernel, config, head_dim, causal))
-    out.append(mix.wait_placement(instructions, mix.step_loop(instructions)))
-print(json.dumps(out))
-"""
 
 
 @ON_WS_TRITON
@@ -414,7 +404,8 @@ def test_the_exponentials_run_before_the_waits_for_the_wgmmas_issued_under_them(
     # compiled step loop only the wait for the scores may precede the first MUFU.EX2; every later one follows the last.
     rows = [("fwd", 128, False, "128,128,4,2,1,1"), ("fwd", 64, False, "128,128,4,4,1,1"),
             ("bwd_dq", 128, True, "128,64,4,3,1,1")]  # fmt: skip
-    for row, (waits, first_exp2, last_exp2) in zip(rows, _probe(_WAIT_PROBE, json.dumps(rows)), strict=True):
+    for row, found in zip(rows, _probe(_STEP_PROBE, json.dumps(rows)), strict=True):
+        waits, first_exp2, last_exp2 = found["waits"]
         before = [address for address, _ in waits if address < first_exp2]
         after = [address for address, _ in waits if address > last_exp2]
         assert len(before) == 1 and len(after) == len(waits) - 1 >= 1, (row, waits, first_exp2, last_exp2)
