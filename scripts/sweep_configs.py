@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         "points that break the kernel's rules (num_warps 4, block sizes of 64 rows per consumer) are left out",
     )
     parser.add_argument("--persistent", default="0", help="warpspec kernels: 0, 1 or 0,1 (KernelConfig.persistent)")
+    parser.add_argument("--causal", default="both", choices=["no", "yes", "both"],
+                        help="which masks to sweep (a change that touches one mask's code need not time the other)")
     parser.add_argument("--rounds", type=int, default=1, help="time each config this many times, in rotated orders")
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=16384, help="batch·N (heads·d stays 2048)")
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         ints(args.warpspec), ints(args.persistent),
     )  # fmt: skip
     configs = [cfg for cfg in (KernelConfig(*values) for values in grid) if cfg.combination_error(args.kernel) is None]
-    cases = itertools.product(ints(args.head_dims), (False, True), configs)
+    masks = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
+    cases = itertools.product(ints(args.head_dims), masks, configs)
     jobs = [(args.kernel, d, causal, cfg, args.seqlen) for d, causal, cfg in cases]
     failures = {}
     started = time.time()
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             writer.writeheader()
             writer.writerows(rows)
     for head_dim in ints(args.head_dims):
-        for causal in (False, True):
+        for causal in masks:
             group = [r for r in rows if r["head_dim"] == head_dim and r["causal"] == causal]
             ok = sorted((r for r in group if r["tflops"] == r["tflops"]), key=lambda r: -r["tflops"])
             bad = [r for r in group if r["tflops"] != r["tflops"]]

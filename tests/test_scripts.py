@@ -401,3 +401,29 @@ def test_sweep_rounds_rotate_the_order_and_report_each_config_s_median(monkeypat
     for row in rows:
         first, second = map(float, row["readings"].split())
         assert float(row["tflops"]) == pytest.approx((first + second) / 2)  # the median of two
+
+
+def test_sweep_causal_option_times_only_the_masks_asked_for(monkeypatch, tmp_path):
+    # --causal no: a change to the unmasked code path (docs/PERF.md v30) is swept without timing causal configs
+    sweep = load_script("sweep_configs")
+    masks = []
+
+    def make_measure(kernel, head_dim, dtype, causal, *, seqlens, device, tokens):
+        def measure(cfg):
+            masks.append(causal)
+            return 1.0
+
+        measure.inputs = [None]
+        return measure
+
+    monkeypatch.setattr(sweep.bench, "make_measure", make_measure)
+    monkeypatch.setattr(sweep.bench, "precompile", lambda *args, **kwargs: {})
+    monkeypatch.setattr(sweep, "_outputs", lambda kernel, cfg, x, causal: (torch.ones(4), torch.ones(4)))
+    csv_path = tmp_path / "sweep.csv"
+    for option, expected in (("no", {False}), ("yes", {True}), ("both", {False, True})):
+        masks.clear()
+        assert sweep.main(["--kernel", "fwd", "--head-dims", "64", "--seqlen", "256", "--block-m", "64",
+                           "--block-n", "16,32", "--warps", "4", "--stages", "2", "--causal", option,
+                           "--device", "cpu", "--csv", str(csv_path)]) == 0  # fmt: skip
+        assert set(masks) == expected and len(masks) == 2 * len(expected)
+        assert {row["causal"] for row in csv.DictReader(open(csv_path))} == {str(c) for c in expected}
