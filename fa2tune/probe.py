@@ -168,7 +168,8 @@ def _compile_warpspec(
     if "dqacc_desc" in fn.arg_names:  # bwd_dkdv with dQ fused in: the fp32 dQ its partials are added into
         block = warpspec.dq_partial_block(q_block, kwargs["CONSUMERS"])
         descriptors["dqacc_desc"] = warpspec._descriptor(torch.empty_like(x, dtype=torch.float32), block)
-    scalars = {"LSE": "*fp32", "DELTA": "*fp32", "qk_scale": "fp32", "scale": "fp32", "GROUP": "i32"}
+    scalars = {"LSE": "*fp32", "DELTA": "*fp32", "PART_O": "*fp32", "PART_LSE": "*fp32", "qk_scale": "fp32",
+               "scale": "fp32", "GROUP": "i32"}  # fmt: skip
     signature, constexprs, attrs = {}, {}, {}
     for index, (arg, param) in enumerate(zip(fn.arg_names, fn.params, strict=True)):
         if param.is_constexpr:

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from . import codegen, fastlaunch, planner
+from . import codegen, fastlaunch, planner, split_tail
 from .inputs import interpreting
 from .types import KernelConfig, Mask, Variant
 
@@ -124,29 +124,15 @@ def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool
     return fn, (1, 1, q_rows, head_dim), (1, 1, kv_rows, head_dim), kwargs
 
 
-def _grid(config: KernelConfig, row_tiles: int, batch_heads: int, device_index: int | None, causal: bool):
-    """(grid, tiles): one program per tile of rows, (row_tiles, batch·heads); or, persistent, up to one per SM (a
-    program of these configs takes most of an SM's shared memory: planner.sram_bytes) — two with persistent = 2,
-    which planner.check lets only configs fitting twice have —, each walking work units first, first + programs, ...
-    of the row_tiles · batch·heads tiles (causal: pairs of them, _unit_size in the templates), as many programs as
-    balanced_programs gives."""
+def _grid(config: KernelConfig, row_tiles: int, batch_heads: int, device_index: int | None):
+    """(grid, tiles): one program per tile of rows, (row_tiles, batch·heads); or, persistent, one per SM (a program
+    of these configs takes most of an SM's shared memory: planner.sram_bytes) — two with persistent = 2, which
+    planner.check lets only configs fitting twice have —, each walking tiles first, first + programs, ... of the
+    row_tiles · batch·heads."""
     tiles = row_tiles * batch_heads
     if not config.persistent:
         return (row_tiles, batch_heads), tiles
-    units = batch_heads * ((row_tiles + 1) // 2) if causal else tiles
-    return (balanced_programs(units, planner.programs_per_sm(config) * _sm_count(device_index)),), tiles
-
-
-def balanced_programs(units: int, slots: int) -> int:
-    """The fewest programs that walk `units` equal work units in as few rounds as `slots` programs would.
-
-    A launch lasts its busiest program's rounds, ceil(units / programs). The grid's unit counts are powers of two
-    against 132 SMs: 132 programs leave the last round part empty (2,048 tiles: 15.5 rounds of work in 16), and as
-    many programs as make every count equal — 128 there — take the same 16 rounds with no program idle in the last
-    one. On the H200 that measured within the noise (+0.3 % median over 9 shapes × 2 processes, timed interleaved;
-    docs/PERF.md v30): what the part-empty round costs (~3 %) only a finer split of the last round's work recovers."""
-    rounds = -(-units // slots)
-    return max(1, -(-units // max(1, rounds)))
+    return (min(tiles, planner.programs_per_sm(config) * _sm_count(device_index)),), tiles
 
 
 def _launcher(
@@ -182,13 +168,30 @@ def _sizes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int, i
 def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
                      config: KernelConfig):  # fmt: skip
     """launch(q, k, v, o, lse): writes O and the logsumexp (batch, heads_q, seqlen_q) of attention(q, k, v) with a
-    warpspec config, for calls of these shapes and strides; the call must have passed `unsupported`."""
+    warpspec config, for calls of these shapes and strides; the call must have passed `unsupported`. A persistent
+    forward without a mask whose last round would be part empty cuts that round's tiles into pieces
+    (fa2tune.split_tail): one program an SM, and a merge launch after the kernel."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
-    grid, tiles = _grid(config, -(-seqlen_q // config.block_m), batch * heads_q, q.device.index, causal)
-    return _launcher(
+    row_tiles = -(-seqlen_q // config.block_m)
+    grid, tiles = _grid(config, row_tiles, batch * heads_q, q.device.index)
+    main, split = tiles, 1
+    if config.persistent == 1 and not causal and split_tail.enabled():
+        main, split = split_tail.plan(tiles, grid[0], -(-seqlen_k // config.block_n))
+    launch = _launcher(
         "fwd", config, causal, head_dim, grid, ("q", "kv", "kv", "q"),
-        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, tiles),
+        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, tiles, main,
+         split),
     )  # fmt: skip
+    if split == 1:
+        return lambda q, k, v, o, lse: launch(q, k, v, o, lse, lse, lse)  # no pieces: lse stands in for PART_O/LSE
+
+    def launch_split(q, k, v, o, lse):
+        part_o, part_lse = split_tail.workspace(tiles, main, split, config.block_m, head_dim, q.device)
+        launch(q, k, v, o, lse, part_o, part_lse)
+        split_tail.merge(part_o, part_lse, o, lse, tiles=tiles, main=main, split=split, n_m=row_tiles,
+                         heads_q=heads_q, seqlen_q=seqlen_q)  # fmt: skip
+
+    return launch_split
 
 
 def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
@@ -200,7 +203,7 @@ def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, 
     With config.warpspec 2 (dQ fused in) it is launch(q, k, v, do, dk, dv, dq_acc, lse, delta), and also adds dQ
     into dq_acc, a zeroed fp32 tensor of q's shape."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
-    grid, tiles = _grid(config, -(-seqlen_k // config.block_n), batch * heads_kv, q.device.index, causal)
+    grid, tiles = _grid(config, -(-seqlen_k // config.block_n), batch * heads_kv, q.device.index)
     sides = ("q", "kv", "kv", "q", "kv", "kv") + (("dq_partial",) if config.warpspec == 2 else ())
     return _launcher(
         "bwd_dkdv", config, causal, head_dim, grid, sides,
@@ -214,7 +217,7 @@ def backward_dq_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
     """launch(q, k, v, do, dq, lse, delta): writes dQ (batch, heads_q, seqlen_q, head_dim) with a warpspec bwd_dq
     config; δ as for backward_dkdv_launcher. The call must have passed `unsupported`."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
-    grid, tiles = _grid(config, -(-seqlen_q // config.block_m), batch * heads_q, q.device.index, causal)
+    grid, tiles = _grid(config, -(-seqlen_q // config.block_m), batch * heads_q, q.device.index)
     return _launcher(
         "bwd_dq", config, causal, head_dim, grid, ("q", "kv", "kv", "q", "q"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, scale,

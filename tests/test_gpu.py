@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune import launcher, warpspec
+from fa2tune import launcher, split_tail, warpspec
 from fa2tune.reference import naive_attention
 from fa2tune.types import KernelConfig
 
@@ -171,6 +171,30 @@ def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype, mon
         seen = torch.isfinite(ref_lse)
         assert_close(lse[seen], ref_lse[seen], torch.float32, what="lse")
         assert (lse[~seen] == float("-inf")).all()  # a row that sees no key: O = 0, lse = -inf
+
+
+@_HOPPER
+@pytest.mark.parametrize("config", [c for c in _WS_CONFIGS if c.persistent == 1],
+                         ids=lambda c: f"{c.block_m}x{c.block_n}s{c.num_stages}ws{c.warpspec}")  # fmt: skip
+@_WS_DIMS
+def test_warpspec_forward_with_a_split_tail_matches_reference(config, head_dim, dtype, monkeypatch):
+    # a persistent forward whose last round is part empty cuts its tiles into pieces of their K/V tiles, merged
+    # after the kernel (fa2tune/split_tail.py): here on as few programs as make the plan cut a small problem
+    torch.manual_seed(head_dim + config.block_n)
+    monkeypatch.setattr(split_tail, "MIN_KV_STEPS", 2)
+    splits, merge = [], split_tail.merge
+    monkeypatch.setattr(split_tail, "merge", lambda *args, **kw: (splits.append(kw["split"]), merge(*args, **kw)))
+    q = torch.randn(2, 4, 1000, head_dim, dtype=dtype, device="cuda")
+    k, v = (torch.randn(2, 2, 1537, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+    tiles, kv_steps = 2 * 4 * -(-1000 // config.block_m), -(-1537 // config.block_n)
+    programs = next(p for p in range(3, 64) if split_tail.plan(tiles, p, kv_steps)[1] > 1)
+    monkeypatch.setattr(warpspec, "_sm_count", lambda index: programs)
+    out = torch.full_like(q, float("nan"))  # poisoned: the whole tiles and the merged ones must all be written
+    o, lse = launcher.forward(q, k, v, causal=False, scale=head_dim**-0.5, config=config, out=out)
+    assert splits == [split_tail.plan(tiles, programs, kv_steps)[1]]  # the launch cut its tail
+    ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double())
+    assert_close(o, ref_o, dtype)
+    assert_close(lse, ref_lse, torch.float32, what="lse")
 
 
 @_HOPPER

@@ -186,29 +186,13 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     assert planner.check(dkdv[0], h200, 256, torch.bfloat16, "bwd_dkdv").startswith("registers")
 
 
-def test_persistent_grids_hold_a_program_an_sm_or_two_and_no_more_than_their_rounds_need(monkeypatch):
+def test_persistent_grids_hold_a_program_an_sm_or_two(monkeypatch):
     monkeypatch.setattr(warpspec, "_sm_count", lambda index: 132)
     one, two = (KernelConfig(64, 64, 4, 3, warpspec=1, persistent=p) for p in (1, 2))
-    # d=128 N=8k, 16 heads, 2 batches: 2,048 tiles take 16 rounds on 132 programs, and on 128 (docs/PERF.md v30)
-    assert warpspec._grid(one, 64, 32, 0, False) == ((128,), 2048)
-    assert warpspec._grid(one, 64, 33, 0, False) == ((132,), 2112)  # 16 rounds of 132, none part empty
-    assert warpspec._grid(one, 8, 1024, 0, False) == ((131,), 8192)  # 63 rounds
-    assert warpspec._grid(two, 8, 1024, 0, False) == ((256,), 8192)  # 32 rounds of two an SM
-    # causal units are pairs of tiles (the middle tile alone when a head has an odd count): 64 tiles, 32 units a head
-    assert warpspec._grid(one, 64, 32, 0, True) == ((128,), 2048)
-    assert warpspec._grid(one, 5, 100, 0, True) == ((100,), 500)  # 300 units: 3 rounds
-    assert warpspec._grid(two, 2, 3, 0, False) == ((6,), 6)  # never more programs than units
-    assert warpspec._grid(two, 2, 3, 0, True) == ((3,), 6)
-    assert warpspec._grid(replace(two, persistent=0), 8, 1024, 0, False) == ((8, 1024), 8192)
-
-
-@pytest.mark.parametrize("slots", [1, 3, 132, 264])
-def test_balanced_programs_keep_the_rounds_and_even_out_the_last_one(slots):
-    for units in range(1, 3000):
-        programs = warpspec.balanced_programs(units, slots)
-        assert 1 <= programs <= min(units, slots)
-        assert -(-units // programs) == -(-units // slots)  # as few rounds as every slot would take
-        assert programs == 1 or -(-units // (programs - 1)) > -(-units // slots)  # and no program to spare
+    assert warpspec._grid(one, 8, 1024, 0) == ((132,), 8192)
+    assert warpspec._grid(two, 8, 1024, 0) == ((264,), 8192)
+    assert warpspec._grid(two, 2, 3, 0) == ((6,), 6)  # never more programs than tiles
+    assert warpspec._grid(replace(two, persistent=0), 8, 1024, 0) == ((8, 1024), 8192)
 
 
 def test_the_unchecked_descriptor_is_the_checked_one():
