@@ -373,15 +373,14 @@ def test_restamp_lists_stale_entries_and_rewrites_only_their_hash_lines(tmp_path
     assert script.restamp(path, write=False) == []
 
 
-def test_sweep_rounds_rotate_the_order_and_report_each_config_s_median(monkeypatch, tmp_path):
-    # scripts/sweep_configs.py --rounds R (docs/PERF.md v27: a reading moved with its place in the order): every config
-    # that ran right is timed R times, round r starting r configs further on, and its row is the median.
-    sweep = load_script("sweep_configs")
-    order, times = [], iter([4.0, 2.0, 1.0, 3.0, 5.0, 6.0, 2.5, 1.5, 3.5, 2.0, 2.2, 2.4] * 2)
+def _stubbed_sweep(monkeypatch, times):
+    """scripts/sweep_configs.py with no compiling, checks or GPU: each timing returns the next of `times` and is
+    recorded as (causal, block_n) in the list returned beside the module."""
+    sweep, calls, times = load_script("sweep_configs"), [], iter(times)
 
     def make_measure(kernel, head_dim, dtype, causal, *, seqlens, device, tokens):
         def measure(cfg):
-            order.append((causal, cfg.block_n))
+            calls.append((causal, cfg.block_n))
             return next(times)
 
         measure.inputs = [None]
@@ -390,6 +389,13 @@ def test_sweep_rounds_rotate_the_order_and_report_each_config_s_median(monkeypat
     monkeypatch.setattr(sweep.bench, "make_measure", make_measure)
     monkeypatch.setattr(sweep.bench, "precompile", lambda *args, **kwargs: {})
     monkeypatch.setattr(sweep, "_outputs", lambda kernel, cfg, x, causal: (torch.ones(4), torch.ones(4)))
+    return sweep, calls
+
+
+def test_sweep_rounds_rotate_the_order_and_report_each_config_s_median(monkeypatch, tmp_path):
+    # scripts/sweep_configs.py --rounds R (docs/PERF.md v27: a reading moved with its place in the order): every config
+    # that ran right is timed R times, round r starting r configs further on, and its row is the median.
+    sweep, order = _stubbed_sweep(monkeypatch, [4.0, 2.0, 1.0, 3.0, 5.0, 6.0, 2.5, 1.5, 3.5, 2.0, 2.2, 2.4] * 2)
     csv_path = tmp_path / "sweep.csv"
     assert sweep.main(["--kernel", "fwd", "--head-dims", "64", "--seqlen", "256", "--block-m", "64",
                        "--block-n", "16,32,64", "--warps", "4", "--stages", "2", "--rounds", "2",
@@ -405,25 +411,12 @@ def test_sweep_rounds_rotate_the_order_and_report_each_config_s_median(monkeypat
 
 def test_sweep_causal_option_times_only_the_masks_asked_for(monkeypatch, tmp_path):
     # --causal no: a change to the unmasked code path (docs/PERF.md v30) is swept without timing causal configs
-    sweep = load_script("sweep_configs")
-    masks = []
-
-    def make_measure(kernel, head_dim, dtype, causal, *, seqlens, device, tokens):
-        def measure(cfg):
-            masks.append(causal)
-            return 1.0
-
-        measure.inputs = [None]
-        return measure
-
-    monkeypatch.setattr(sweep.bench, "make_measure", make_measure)
-    monkeypatch.setattr(sweep.bench, "precompile", lambda *args, **kwargs: {})
-    monkeypatch.setattr(sweep, "_outputs", lambda kernel, cfg, x, causal: (torch.ones(4), torch.ones(4)))
+    sweep, calls = _stubbed_sweep(monkeypatch, [1.0] * 100)
     csv_path = tmp_path / "sweep.csv"
     for option, expected in (("no", {False}), ("yes", {True}), ("both", {False, True})):
-        masks.clear()
+        calls.clear()
         assert sweep.main(["--kernel", "fwd", "--head-dims", "64", "--seqlen", "256", "--block-m", "64",
                            "--block-n", "16,32", "--warps", "4", "--stages", "2", "--causal", option,
                            "--device", "cpu", "--csv", str(csv_path)]) == 0  # fmt: skip
-        assert set(masks) == expected and len(masks) == 2 * len(expected)
+        assert {causal for causal, _ in calls} == expected and len(calls) == 2 * len(expected)
         assert {row["causal"] for row in csv.DictReader(open(csv_path))} == {str(c) for c in expected}
