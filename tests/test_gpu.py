@@ -422,3 +422,35 @@ def test_cuda_graph_replays_give_what_eager_calls_give(training):
         want = step(*leaves, values[3])
         for got, expected in zip(captured, want, strict=True):
             assert torch.equal(got, expected)
+
+
+@_HOPPER
+def test_a_split_tail_is_capturable_in_a_cuda_graph(monkeypatch):
+    # the split tail allocates its pieces' workspace and launches the merge on each call (fa2tune/split_tail.py):
+    # captured, replays on new values equal eager calls bit for bit, as the test above asks of every launch
+    torch.manual_seed(12)
+    config = KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1)
+    monkeypatch.setattr(split_tail, "MIN_KV_STEPS", 2)
+    tiles, kv_steps = 2 * 4 * -(-1000 // 128), -(-1000 // 128)
+    programs = next(p for p in range(3, 64) if split_tail.plan(tiles, p, kv_steps)[1] > 1)
+    monkeypatch.setattr(warpspec, "_sm_count", lambda index: programs)
+    splits, merge = [], split_tail.merge
+    monkeypatch.setattr(split_tail, "merge", lambda *args, **kw: (splits.append(kw["split"]), merge(*args, **kw)))
+    inputs = [torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    step = lambda q, k, v: fa2tune.attention(q, k, v, config=config)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(*inputs)
+    assert splits and all(split > 1 for split in splits)
+    for _ in range(2):
+        values = [torch.randn_like(t) for t in inputs]
+        for static, value in zip(inputs, values, strict=True):
+            static.copy_(value)
+        graph.replay()
+        assert torch.equal(captured, step(*values))
