@@ -98,17 +98,22 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...], checked: bool = True):
     return desc
 
 
+def _module(kernel: str, config: KernelConfig, causal: bool):
+    """The rendered template module of a warpspec config of `kernel` (codegen keeps it per process)."""
+    template = codegen.template_for(kernel, config.warpspec)
+    variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
+                                   pingpong=config.warpspec == 2, persistent=config.persistent,
+                                   fused_dq=config.warpspec == 2)  # fmt: skip
+    return codegen.load(template, variant)
+
+
 @functools.lru_cache(maxsize=256)
 def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool):
     """(Gluon kernel, TMA block of the query-side tensors, of the key-side ones, keyword arguments) that a warpspec
     config of `kernel` ("fwd", "bwd_dkdv", "bwd_dq") runs: query side Q, O, dO, dQ; key side K, V, dK, dV; the
     keywords are its constexprs and launch options (a shared dict: read it, do not change it). One definition for
     the launches below and for probe.compile_config; cached, as every launch asks (7 µs uncached)."""
-    template = codegen.template_for(kernel, config.warpspec)
-    variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
-                                   pingpong=config.warpspec == 2, persistent=config.persistent,
-                                   fused_dq=config.warpspec == 2)  # fmt: skip
-    module = codegen.load(template, variant)
+    module = _module(kernel, config, causal)
     if kernel == "fwd":  # consumers own query rows; K/V stream in block_n rows
         fn, q_rows, kv_rows = module._attn_fwd_ws, ROWS_PER_CONSUMER, config.block_n
     elif kernel == "bwd_dq":  # likewise
@@ -185,10 +190,12 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
     if split == 1:
         return lambda q, k, v, o, lse: launch(q, k, v, o, lse, lse, lse)  # no pieces: lse stands in for PART_O/LSE
 
+    merge_pieces = _module("fwd", config, causal)._merge_pieces
+
     def launch_split(q, k, v, o, lse):
         part_o, part_lse = split_tail.workspace(tiles, main, split, config.block_m, head_dim, q.device)
         launch(q, k, v, o, lse, part_o, part_lse)
-        split_tail.merge(part_o, part_lse, o, lse, tiles=tiles, main=main, split=split, n_m=row_tiles,
+        split_tail.merge(merge_pieces, part_o, part_lse, o, lse, tiles=tiles, main=main, split=split, n_m=row_tiles,
                          heads_q=heads_q, seqlen_q=seqlen_q)  # fmt: skip
 
     return launch_split
