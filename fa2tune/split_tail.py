@@ -74,7 +74,7 @@ def pieces(tiles: int, main: int, split: int) -> int:
 
 def workspace(tiles: int, main: int, split: int, tile_m: int, head_dim: int, device) -> tuple[torch.Tensor, ...]:
     """(PART_O, PART_LSE) for the pieces of a launch: fp32 [pieces, tile_m, head_dim] and [pieces, tile_m]."""
-    count = max(1, pieces(tiles, main, split))
+    count = pieces(tiles, main, split)
     return (torch.empty((count, tile_m, head_dim), device=device, dtype=torch.float32),
             torch.empty((count, tile_m), device=device, dtype=torch.float32))  # fmt: skip
 
