@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from . import codegen, fastlaunch, planner, split_tail
+from . import causal_tail, codegen, fastlaunch, planner, split_tail
 from .inputs import interpreting
 from .types import KernelConfig, Mask, Variant
 
@@ -175,17 +175,23 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
     """launch(q, k, v, o, lse): writes O and the logsumexp (batch, heads_q, seqlen_q) of attention(q, k, v) with a
     warpspec config, for calls of these shapes and strides; the call must have passed `unsupported`. A persistent
     forward without a mask whose last round would be part empty cuts that round's tiles into pieces
-    (fa2tune.split_tail): one program an SM, and a merge launch after the kernel."""
+    (fa2tune.split_tail): one program an SM, and a merge launch after the kernel. A causal persistent one deals the
+    tiles of its last heads out one at a time instead of in pairs (fa2tune.causal_tail)."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     row_tiles = -(-seqlen_q // config.block_m)
     grid, tiles = _grid(config, row_tiles, batch * heads_q, q.device.index)
-    main, split = tiles, 1
-    if config.persistent == 1 and not causal and split_tail.enabled():
+    main, split, tail_heads = tiles, 1, 0
+    if config.persistent and causal:
+        main = batch * heads_q * ((row_tiles + 1) // 2)  # every tile in a pair: no tail
+        if causal_tail.enabled():
+            main, tail_heads = causal_tail.plan(batch * heads_q, row_tiles, grid[0], config.block_m, config.block_n,
+                                                seqlen_q, seqlen_k)  # fmt: skip
+    elif config.persistent == 1 and not causal and split_tail.enabled():
         main, split = split_tail.plan(tiles, grid[0], -(-seqlen_k // config.block_n))
     launch = _launcher(
         "fwd", config, causal, head_dim, grid, ("q", "kv", "kv", "q"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, tiles, main,
-         split),
+         split, tail_heads),
     )  # fmt: skip
     if split == 1:
         return lambda q, k, v, o, lse: launch(q, k, v, o, lse, lse, lse)  # no pieces: lse stands in for PART_O/LSE

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Does a persistent forward lose its last round? Times the shipped forward at grid shapes with the persistent grid
-at the SM count, at a number of programs of your choosing, or with a part-empty last round's tiles cut into pieces
-(fa2tune/split_tail.py), interleaved.
+at the SM count, at a number of programs of your choosing, with a part-empty last round's tiles cut into pieces
+(fa2tune/split_tail.py), or with a causal launch's last heads dealt out tile by tile (fa2tune/causal_tail.py),
+interleaved.
 
 A persistent program walks units p, p + P, ... (warpspec._tile): the launch lasts ceil(units / P) units, while the
 work is units / P. At the grid's shapes the units are powers of two — d=128: 2048 tiles of 128 rows without a mask,
@@ -12,6 +13,7 @@ processes move.
 
     python scripts/exp_persistent_waves.py --shapes 128:8192,128:8192:causal,64:1024:causal --programs sm,128
     python scripts/exp_persistent_waves.py --shapes 128:16384,64:4096 --programs sm,split --rounds 7
+    python scripts/exp_persistent_waves.py --shapes 128:8192:causal,64:512:causal --programs sm,tail
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from fa2tune.bench import attention_flops, random_qkv, time_cuda
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="128:8192,128:8192:causal", help="d:N[:causal], comma-separated")
-    parser.add_argument("--programs", default="sm,split", help="persistent grids: sm (one or two an SM, no cut), "
-                        "split (one an SM, a part-empty last round's tiles cut: fa2tune/split_tail.py) or a number "
-                        "(of SMs the grid is sized for, no cut)")  # fmt: skip
+    parser.add_argument("--programs", default="sm,split", help="persistent grids: sm (one or two an SM, no cut, "
+                        "causal in pairs only), split (one an SM, a part-empty last round's tiles cut: "
+                        "fa2tune/split_tail.py), tail (one or two an SM, causal: the last heads tile by tile, "
+                        "fa2tune/causal_tail.py) or a number (of SMs the grid is sized for, neither)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=16384, help="batch·N (heads·d stays 2048)")
     args = parser.parse_args(argv)
@@ -39,10 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     grids = args.programs.split(",")
 
     def use(grid: str) -> None:
-        """Sizes persistent grids by `grid`, cuts a last round's tiles only for "split"; launch plans keep their
-        grid, so none is kept."""
+        """Sizes persistent grids by `grid`, cuts a last round's tiles only for "split", deals a causal tail only
+        for "tail"; launch plans keep their grid, so none is kept."""
         os.environ["FA2TUNE_SPLIT_TAIL"] = "1" if grid == "split" else "0"
-        warpspec._sm_count = sm_count if grid in ("sm", "split") else (lambda index, n=int(grid): n)
+        os.environ["FA2TUNE_CAUSAL_TAIL"] = "1" if grid == "tail" else "0"
+        warpspec._sm_count = sm_count if grid in ("sm", "split", "tail") else (lambda index, n=int(grid): n)
         launcher.clear_plans()
 
     readings: dict[tuple[str, str], list[float]] = {}
@@ -67,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         del q, k, v, outputs, run
     warpspec._sm_count = sm_count
     os.environ.pop("FA2TUNE_SPLIT_TAIL", None)
+    os.environ.pop("FA2TUNE_CAUSAL_TAIL", None)
     print(f"SMs {slots}; TFLOP/s, median of {args.rounds} interleaved rounds (readings)")
     for shape in args.shapes.split(","):
         base = statistics.median(readings[shape, grids[0]])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune import launcher, split_tail, warpspec
+from fa2tune import causal_tail, launcher, split_tail, warpspec
 from fa2tune.reference import naive_attention
 from fa2tune.types import KernelConfig
 
@@ -171,6 +171,40 @@ def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype, mon
         seen = torch.isfinite(ref_lse)
         assert_close(lse[seen], ref_lse[seen], torch.float32, what="lse")
         assert (lse[~seen] == float("-inf")).all()  # a row that sees no key: O = 0, lse = -inf
+
+
+@_HOPPER
+@pytest.mark.parametrize(
+    "config", [c for c in _WS_CONFIGS if c.persistent],
+    ids=lambda c: f"{c.block_m}x{c.block_n}s{c.num_stages}ws{c.warpspec}p{c.persistent}",
+)
+@_WS_DIMS
+def test_warpspec_causal_forward_with_a_tail_matches_reference(config, head_dim, dtype, monkeypatch):
+    # a causal persistent forward deals the tiles of its last heads out one at a time, in a snake over the programs
+    # (fa2tune/causal_tail.py): here on a number of programs for which the plan keeps both pairs and a tail, with the
+    # keys longer than the queries, shorter (rows that see no key), and as long
+    torch.manual_seed(head_dim + config.block_m + 7)
+    monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "1")  # off by default until this has run on a GPU (causal_tail.enabled)
+    plans, plan = [], causal_tail.plan
+    monkeypatch.setattr(causal_tail, "plan", lambda *args: plans.append(plan(*args)) or plans[-1])
+    per_sm = config.persistent
+    for seqlen_q, seqlen_k in ((1000, 1537), (1000, 300), (777, 777)):
+        q = torch.randn(2, 4, seqlen_q, head_dim, dtype=dtype, device="cuda")
+        k, v = (torch.randn(2, 2, seqlen_k, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+        n_m = -(-seqlen_q // config.block_m)
+        shape = (n_m, config.block_m, config.block_n, seqlen_q, seqlen_k)
+        sms = next(p for p in range(2, 64) if 0 < plan(8, n_m, p * per_sm, *shape[1:])[1] < 8)
+        monkeypatch.setattr(warpspec, "_sm_count", lambda index, sms=sms: sms)
+        launcher.clear_plans()
+        out = torch.full_like(q, float("nan"))  # poisoned: every tile, paired or in the tail, must be written
+        o, lse = launcher.forward(q, k, v, causal=True, scale=head_dim**-0.5, config=config, out=out)
+        main, tail_heads = plans[-1]
+        assert (main, tail_heads) == plan(8, n_m, sms * per_sm, *shape[1:]) and main > 0 and tail_heads > 0
+        ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=True)
+        assert_close(o, ref_o.nan_to_num(0.0), dtype)
+        seen = torch.isfinite(ref_lse)
+        assert_close(lse[seen], ref_lse[seen], torch.float32, what="lse")
+        assert (lse[~seen] == float("-inf")).all()
 
 
 @_HOPPER
