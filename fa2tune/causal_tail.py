@@ -1,22 +1,22 @@
-"""The tail of a causal persistent forward: the tiles of the launch's last heads handed out one at a time, longest
-first, so that the launch does not end with a part-empty round of work.
+"""The tail of a causal persistent launch: the tiles of its last heads handed out one at a time, longest first, so
+that the launch does not end with a part-empty round of work. The forward, the dK/dV and the dQ kernels take it.
 
-A causal persistent program walks work units p, p + P, … (templates/fwd_ws.py.jinja): a unit pairs a head's j-th
-longest Q tile with its j-th shortest, so units take about equal time and programs that take units P apart get equal
+A causal persistent program walks work units p, p + P, … (templates/*_ws.py.jinja): a unit pairs a head's j-th
+longest tile with its j-th shortest, so units take about equal time and programs that take units P apart get equal
 work. The grid's unit counts are powers of two against 132 SMs, so the last round is part empty — d=128: 1,024 pairs,
-7 rounds and 100 pairs, which take an 8th round while 32 SMs wait — and a launch with a full last round ran 3.0 %
+7 rounds and 100 pairs, which take an 8th round while 32 SMs wait — and a forward with a full last round ran 3.0 %
 faster on the H200 (docs/PERF.md v30: N = 8448 against 8192, causal). A pair cannot be cut like the split tail's
 tiles (fa2tune/split_tail.py) without merging pieces; but it is two tiles of unequal length, and single tiles, longest
 first, fill the programs almost evenly.
 
 So the last `tail_heads` heads are not paired: the units before them run as ever, and their tiles, sorted by length
-(row tile n_m − 1 first, each length's tiles head by head), are dealt a round of the programs' slots at a time — the
-first round forward from the program after the last pair (those before it had one pair more), then backward, then
-forward: a snake, under which a program's long tile of one round meets a short one of the next. The kernel computes
-its slots from its program id (`_tail_item`): no table, and its counters stay in uniform registers. `plan` models
-each program's K/V steps for each tail_heads up to TAIL_ROUNDS_MAX rounds of work and keeps the shortest launch;
-for the grid's causal rows the model's longest program comes within 0.1–2.4 % of an even share, from 3.1–6.3 % over
-it with pairs alone (docs/PERF.md v31).
+(each head's longest first, each length's tiles head by head), are dealt a round of the programs' slots at a time —
+the first round forward from the program after the last pair (those before it had one pair more), then backward,
+then forward: a snake, under which a program's long tile of one round meets a short one of the next. The kernels
+compute their slots from the program id (`_tail_item`, templates/_ws_common.py.jinja): no table, and their counters
+stay in uniform registers. `plan` models each program's steps for tail sizes up to TAIL_ROUNDS_MAX rounds of work
+and keeps the shortest launch; for the grid's causal forward rows the model's longest program comes within 0.1–2.4 %
+of an even share, from 3.1–6.3 % over it with pairs alone (docs/PERF.md v31).
 """
 
 from __future__ import annotations
@@ -42,20 +42,33 @@ def enabled() -> bool:
     return os.environ.get("FA2TUNE_CAUSAL_TAIL", "0") not in ("", "0")
 
 
-def tile_costs(n_m: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
-    """Each row tile's cost in the model (float64, [n_m]): the K/V tiles it visits under the bottom-right aligned
-    causal mask (the kernel's _tile: up to its last row's diagonal, at least one) plus TILE_OVERHEAD_STEPS."""
-    r = torch.arange(n_m, dtype=torch.int64)
+def forward_costs(n_m: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int) -> tuple[float, ...]:
+    """The forward's (and the dQ kernel's) row tiles' costs by rank, longest first (rank k is row tile n_m − 1 − k):
+    the K/V tiles each visits under the bottom-right aligned causal mask — up to its last row's diagonal, at least
+    one (the forward's loop runs a step even for rows that see no key; the dQ kernel's runs none, a difference of a
+    step a tile that only rows before every key make) — plus TILE_OVERHEAD_STEPS."""
+    r = torch.arange(n_m - 1, -1, -1)
     kv_end = torch.clamp((r + 1) * block_m + seqlen_k - seqlen_q, max=seqlen_k)
-    return torch.clamp(-(-kv_end // block_n), min=1).double() + TILE_OVERHEAD_STEPS
+    return tuple((torch.clamp(-(-kv_end // block_n), min=1).double() + TILE_OVERHEAD_STEPS).tolist())
+
+
+def dkdv_costs(n_kv: int, block_n: int, block_m: int, seqlen_q: int, seqlen_k: int,
+               group: int) -> tuple[float, ...]:  # fmt: skip
+    """The dK/dV kernel's K/V tiles' costs by rank, longest first (rank k is K/V tile k: the first keys are seen by
+    the most queries): the Q tiles from the first that sees the tile's first key to the end, for each of the group's
+    query heads, plus TILE_OVERHEAD_STEPS (templates/bwd_ws.py.jinja's _tile)."""
+    r = torch.arange(n_kv)
+    i_start = torch.clamp(r * block_n - (seqlen_k - seqlen_q), min=0) // block_m
+    q_tiles = torch.clamp(-(-seqlen_q // block_m) - i_start, min=0)
+    return tuple((group * q_tiles.double() + TILE_OVERHEAD_STEPS).tolist())
 
 
 def _pair_costs(costs: torch.Tensor) -> torch.Tensor:
-    """Each of a head's pairs' cost ([half]): its j-th longest tile and its j-th shortest (the middle tile of an odd
-    n_m alone)."""
-    n_m = costs.numel()
-    j = torch.arange((n_m + 1) // 2)
-    return costs[n_m - 1 - j] + torch.where(n_m - 1 - j == j, 0.0, costs[j])
+    """Each of a head's pairs' cost ([half]): ranks j and n − 1 − j, its j-th longest tile and its j-th shortest
+    (the middle tile of an odd count alone)."""
+    n = costs.numel()
+    j = torch.arange((n + 1) // 2)
+    return costs[n - 1 - j] + torch.where(n - 1 - j == j, 0.0, costs[j])
 
 
 def _pair_loads(first: int, last: int, programs: int, pair_costs: torch.Tensor) -> torch.Tensor:
@@ -64,6 +77,7 @@ def _pair_loads(first: int, last: int, programs: int, pair_costs: torch.Tensor) 
     half = pair_costs.numel()
     period = math.lcm(programs, half)
     start = first + (last - first) // period * period if last - first >= 2 * period else first
+
     def loads(lo: int, hi: int) -> torch.Tensor:
         u = torch.arange(lo, hi)
         return torch.bincount(u % programs, weights=pair_costs[u % half], minlength=programs).double()
@@ -74,15 +88,14 @@ def _pair_loads(first: int, last: int, programs: int, pair_costs: torch.Tensor) 
 
 
 def _tail_loads(main: int, programs: int, tail_heads: int, costs: torch.Tensor) -> torch.Tensor:
-    """Each program's cost over the tail's slots from unit `main` on, as the kernel's _tail_item deals them: item i
-    is row tile n_m − 1 − i // tail_heads, in slot main + i of the rounds, forward in the first (partial) round,
+    """Each program's cost over the tail's slots from unit `main` on, as the kernels' _tail_item deals them: item i
+    is rank i // tail_heads of its head, in slot main + i of the rounds, forward in the first (partial) round,
     backward in the next, …"""
-    n_m = costs.numel()
-    item = torch.arange(tail_heads * n_m)
+    item = torch.arange(tail_heads * costs.numel())
     slot = main + item
     forward = (slot // programs - main // programs) % 2 == 0
     program = torch.where(forward, slot % programs, programs - 1 - slot % programs)
-    return torch.bincount(program, weights=costs[n_m - 1 - item // max(tail_heads, 1)], minlength=programs)
+    return torch.bincount(program, weights=costs[item // max(tail_heads, 1)], minlength=programs).double()
 
 
 def program_loads(batch_heads: int, programs: int, tail_heads: int, costs: torch.Tensor) -> torch.Tensor:
@@ -92,47 +105,51 @@ def program_loads(batch_heads: int, programs: int, tail_heads: int, costs: torch
     return _pair_loads(0, main, programs, _pair_costs(costs)) + _tail_loads(main, programs, tail_heads, costs)
 
 
+def candidate_lengths(batch_heads: int, programs: int, costs: torch.Tensor) -> list[tuple[int, float]]:
+    """[(tail_heads, the longest program's modelled work)] for up to MAX_CANDIDATES tail sizes, spread evenly up to
+    TAIL_ROUNDS_MAX rounds of pairs, all modelled at once (program_loads' model, vectorised over the sizes: a first
+    call of a shape waits for this, 0.3–2.5 ms for the grid's shapes on the development machine)."""
+    n = costs.numel()
+    half = (n + 1) // 2
+    pair_costs = _pair_costs(costs)
+    units = batch_heads * half
+    pairs = _pair_loads(0, units, programs, pair_costs)  # every head paired
+    count = min(batch_heads, max(1, TAIL_ROUNDS_MAX * programs // half))
+    sizes = torch.unique(torch.linspace(1, count, min(count, MAX_CANDIDATES)).round().long())
+    # the pairs of the last c heads, for every c: row c − 1 of a cumulative sum over heads from the last
+    u = torch.arange(units - count * half, units)
+    back = (units - 1 - u) // half
+    paired_in_tail = torch.bincount(back * programs + u % programs, weights=pair_costs[u % half],
+                                    minlength=count * programs).view(count, programs).cumsum(0)  # fmt: skip
+    # every size's tail items, one after another: size c's items are its tail's 0 … c·n − 1 (_tail_loads)
+    candidate = torch.repeat_interleave(torch.arange(sizes.numel()), sizes * n)
+    heads = sizes[candidate]
+    item = torch.arange(candidate.numel()) - (torch.cumsum(sizes * n, 0) - sizes * n)[candidate]
+    main = units - heads * half
+    slot = main + item
+    forward = (slot // programs - main // programs) % 2 == 0
+    program = torch.where(forward, slot % programs, programs - 1 - slot % programs)
+    tails = torch.bincount(candidate * programs + program, weights=costs[item // heads],
+                           minlength=sizes.numel() * programs).view(-1, programs)  # fmt: skip
+    lengths = (pairs - paired_in_tail[sizes - 1] + tails).max(1).values
+    return list(zip(sizes.tolist(), lengths.tolist(), strict=True))
+
+
 @functools.lru_cache(maxsize=256)
-def plan(batch_heads: int, n_m: int, programs: int, block_m: int, block_n: int, seqlen_q: int,
-         seqlen_k: int) -> tuple[int, int]:  # fmt: skip
+def plan(batch_heads: int, programs: int, tile_costs: tuple[float, ...]) -> tuple[int, int]:
     """(main, tail_heads): work units 0 … main − 1 are pairs (main = the pairs of the first batch_heads − tail_heads
     heads), the tiles of the last tail_heads heads the tail; (all pairs, 0) where no tail shortens the modelled
     launch by MIN_GAIN_STEPS. A larger tail is kept only if it beats the best smaller one by MIN_GAIN_STEPS too: a
     smaller one reads fewer heads' K/V together.
 
     Args:
-        batch_heads: batch · query heads (work is numbered head by head).
-        n_m: row tiles a head (cdiv(seqlen_q, block_m)).
+        batch_heads: batch · heads the kernel's tiles are numbered over (query heads; K/V heads for dK/dV).
         programs: the persistent grid's size.
-        block_m, block_n, seqlen_q, seqlen_k: for each tile's K/V steps (tile_costs).
+        tile_costs: a head's tiles' costs by rank, longest first (forward_costs, dkdv_costs).
     """
-    half = (n_m + 1) // 2
-    costs = tile_costs(n_m, block_m, block_n, seqlen_q, seqlen_k)
-    pair_costs = _pair_costs(costs)
-    units = batch_heads * half
-    pairs = _pair_loads(0, units, programs, pair_costs)  # every head paired
-    # tail sizes up to `count` heads, at most MAX_CANDIDATES of them, all modelled at once (a first call of a shape
-    # waits for this: 1–6 ms for the grid's shapes on the development machine)
-    count = min(batch_heads, max(1, TAIL_ROUNDS_MAX * programs // half))
-    sizes = torch.unique(torch.linspace(1, count, min(count, MAX_CANDIDATES)).round().long())
-    u = torch.arange(units - count * half, units)
-    back = (units - 1 - u) // half  # the unit's head, counted from the last
-    paired_in_tail = torch.bincount(back * programs + u % programs, weights=pair_costs[u % half],
-                                    minlength=count * programs).view(count, programs).cumsum(0)  # fmt: skip
-    # every candidate's tail items at once: candidate c (of size sizes[c]) has sizes[c]·n_m items
-    candidate = torch.repeat_interleave(torch.arange(sizes.numel()), sizes * n_m)
-    heads = sizes[candidate]
-    starts = torch.cumsum(sizes * n_m, 0) - sizes * n_m
-    item = torch.arange(candidate.numel()) - starts[candidate]  # the item's index in its tail
-    main = units - heads * half
-    slot = main + item
-    forward = (slot // programs - main // programs) % 2 == 0
-    program = torch.where(forward, slot % programs, programs - 1 - slot % programs)
-    tails = torch.bincount(candidate * programs + program, weights=costs[n_m - 1 - item // heads],
-                           minlength=sizes.numel() * programs).view(-1, programs)  # fmt: skip
-    lengths = (pairs - paired_in_tail[sizes - 1] + tails).max(1).values.tolist()
-    best_length, best = pairs.max().item(), 0
-    for tail_heads, length in zip(sizes.tolist(), lengths, strict=True):
+    costs = torch.tensor(tile_costs, dtype=torch.float64)
+    best_length, best = program_loads(batch_heads, programs, 0, costs).max().item(), 0
+    for tail_heads, length in candidate_lengths(batch_heads, programs, costs):
         if length < best_length - MIN_GAIN_STEPS:
             best_length, best = length, tail_heads
-    return units - best * half, best
+    return (batch_heads - best) * ((len(tile_costs) + 1) // 2), best

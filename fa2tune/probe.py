@@ -154,13 +154,15 @@ def _compile_warpspec(
 ) -> CompileReport:
     """A Gluon kernel (fwd_ws, bwd_ws for bwd_dkdv, bwd_dq_ws for bwd_dq) as warpspec.compiled_form launches it: its
     TMA descriptors' types come from CPU tensors of a (2, 16, 8192, head_dim) layout, which carry the shapes,
-    strides and block layouts a real launch specializes on."""
+    strides and block layouts a real launch specializes on. With FA2TUNE_CAUSAL_TAIL=1 a causal persistent config
+    compiles as a launch with a causal tail runs it (its causal_tail variant)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from . import warpspec
+    from . import causal_tail, warpspec
 
-    fn, q_block, kv_block, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal)
+    tail = causal and bool(config.persistent) and causal_tail.enabled()
+    fn, q_block, kv_block, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal, tail)
     x = torch.empty(2, 16, 8192, head_dim, dtype=dtype)
     q_desc, kv_desc = warpspec._descriptor(x, q_block), warpspec._descriptor(x, kv_block)
     descriptors = {"q_desc": q_desc, "o_desc": q_desc, "do_desc": q_desc, "k_desc": kv_desc, "v_desc": kv_desc,

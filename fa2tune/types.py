@@ -180,6 +180,9 @@ class Variant:
         persistent: fwd_ws only: one program per SM walks the tiles (KernelConfig.persistent).
         fused_dq: bwd_ws only: the dK/dV kernel also adds each step's dQ share, scale·dS·K, into an fp32 dQ by TMA
             reductions, and no dQ kernel runs (KernelConfig.warpspec 2 of bwd_dkdv).
+        causal_tail: the warpspec templates, causal and persistent: the launch's last heads' tiles may be dealt out
+            one at a time (fa2tune.causal_tail); off, the code is the pairs' alone. Not an entry's switch: a
+            launch's, by FA2TUNE_CAUSAL_TAIL.
     """
 
     causal: bool
@@ -192,6 +195,7 @@ class Variant:
     pingpong: bool = False
     persistent: bool = False
     fused_dq: bool = False
+    causal_tail: bool = False
 
     @classmethod
     def for_template(
@@ -208,18 +212,20 @@ class Variant:
         pingpong: bool = False,
         persistent: int | bool = False,
         fused_dq: bool = False,
+        causal_tail: bool = False,
     ) -> Variant:
         """The variant `template` (codegen.TEMPLATES) renders for a call: the rules the launcher, codegen.code_hash
         and the probe must agree on, or a stored entry's hash would not name the code it runs. A band mask carries
         causality itself; packed sequences have no even tails; pipeline_qk exists in the forward template only.
-        fwd_ws has three switches only (causal, pingpong, persistent), bwd_ws and bwd_dq_ws one (causal): TMA bounds
-        every tile, so tails need no code of their own, and they take neither band masks nor packed sequences (the
-        launcher routes those to the Triton templates)."""
+        The warpspec templates have causal, persistent and causal_tail (with both), fwd_ws pingpong, bwd_ws fused_dq:
+        TMA bounds every tile, so tails need no code of their own, and they take neither band masks nor packed
+        sequences (the launcher routes those to the Triton templates)."""
         if template.endswith("_ws"):
             forward = template == "fwd_ws"
+            persistent = bool(persistent) and template in PERSISTENT_TEMPLATES
             return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
-                       persistent=bool(persistent) and template in PERSISTENT_TEMPLATES,
-                       fused_dq=fused_dq and template == "bwd_ws")  # fmt: skip
+                       persistent=persistent, fused_dq=fused_dq and template == "bwd_ws",
+                       causal_tail=causal_tail and causal and persistent)  # fmt: skip
         return cls(
             causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,
             dot_fp32=dot_fp32, banded=banded, varlen=varlen, pipeline_qk=bool(pipeline_qk) and template == "fwd",

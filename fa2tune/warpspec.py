@@ -98,22 +98,24 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...], checked: bool = True):
     return desc
 
 
-def _module(kernel: str, config: KernelConfig, causal: bool):
-    """The rendered template module of a warpspec config of `kernel` (codegen keeps it per process)."""
+def _module(kernel: str, config: KernelConfig, causal: bool, tail: bool = False):
+    """The rendered template module of a warpspec config of `kernel` (codegen keeps it per process); tail: its
+    causal_tail variant (a causal persistent launch with a tail planned: fa2tune.causal_tail)."""
     template = codegen.template_for(kernel, config.warpspec)
     variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
                                    pingpong=config.warpspec == 2, persistent=config.persistent,
-                                   fused_dq=config.warpspec == 2)  # fmt: skip
+                                   fused_dq=config.warpspec == 2, causal_tail=tail)  # fmt: skip
     return codegen.load(template, variant)
 
 
 @functools.lru_cache(maxsize=256)
-def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool):
+def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool, tail: bool = False):
     """(Gluon kernel, TMA block of the query-side tensors, of the key-side ones, keyword arguments) that a warpspec
     config of `kernel` ("fwd", "bwd_dkdv", "bwd_dq") runs: query side Q, O, dO, dQ; key side K, V, dK, dV; the
     keywords are its constexprs and launch options (a shared dict: read it, do not change it). One definition for
-    the launches below and for probe.compile_config; cached, as every launch asks (7 µs uncached)."""
-    module = _module(kernel, config, causal)
+    the launches below and for probe.compile_config; cached, as every launch asks (7 µs uncached). tail: the causal
+    tail's variant (_module)."""
+    module = _module(kernel, config, causal, tail)
     if kernel == "fwd":  # consumers own query rows; K/V stream in block_n rows
         fn, q_rows, kv_rows = module._attn_fwd_ws, ROWS_PER_CONSUMER, config.block_n
     elif kernel == "bwd_dq":  # likewise
@@ -148,13 +150,15 @@ def _launcher(
     grid: tuple[int, ...],
     sides: tuple[str, ...],
     scalars: tuple,
+    tail: bool = False,
 ):
     """A function of the call's tensors that launches a warpspec config of `kernel` on `grid`: its arguments are the
     tensors the kernel reads through TMA descriptors, in the kernel's order — sides names each one's block, "q" the
     query-side one, "kv" the key-side one (compiled_form), "dq_partial" a fused-dQ partial's (dq_partial_block) —,
     then its pointer parameters; scalars are the rest.
-    Everything but the tensors is worked out here, once per call signature (launcher's plans keep the function)."""
-    fn, q_block, kv_block, kwargs = compiled_form(kernel, config, head_dim, causal)
+    Everything but the tensors is worked out here, once per call signature (launcher's plans keep the function).
+    tail: the causal tail's variant (_module), for a launch with one."""
+    fn, q_block, kv_block, kwargs = compiled_form(kernel, config, head_dim, causal, tail)
     by_side = {"q": q_block, "kv": kv_block, "dq_partial": dq_partial_block(q_block, kwargs["CONSUMERS"])}
     return fastlaunch.TmaLauncher(fn, grid, tuple(by_side[side] for side in sides), _describe, scalars, kwargs)
 
@@ -163,6 +167,15 @@ def _describe(t: torch.Tensor, block: tuple[int, ...]):
     """The descriptor fastlaunch.launch_tma passes the JIT or encodes: unchecked where fastlaunch is on (its
     Triton versions were checked against these fields), checked by the dataclass otherwise."""
     return _descriptor(t, block, checked=not fastlaunch.enabled())
+
+
+def _causal_schedule(batch_heads: int, n_tiles: int, programs: int, costs) -> tuple[int, int]:
+    """(MAIN, TAIL_HEADS) of a causal persistent launch over batch_heads heads of n_tiles tiles on `programs`
+    programs: every tile in a pair, or with the causal tail on, fa2tune.causal_tail's plan for the kernel's tile
+    costs (costs(): by rank, longest first)."""
+    if causal_tail.enabled():
+        return causal_tail.plan(batch_heads, programs, costs())
+    return batch_heads * ((n_tiles + 1) // 2), 0
 
 
 def _sizes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int, int]:
@@ -175,23 +188,22 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
     """launch(q, k, v, o, lse): writes O and the logsumexp (batch, heads_q, seqlen_q) of attention(q, k, v) with a
     warpspec config, for calls of these shapes and strides; the call must have passed `unsupported`. A persistent
     forward without a mask whose last round would be part empty cuts that round's tiles into pieces
-    (fa2tune.split_tail): one program an SM, and a merge launch after the kernel. A causal persistent one deals the
-    tiles of its last heads out one at a time instead of in pairs (fa2tune.causal_tail)."""
+    (fa2tune.split_tail): one program an SM, and a merge launch after the kernel. A causal persistent one may deal
+    the tiles of its last heads out one at a time instead of in pairs (fa2tune.causal_tail), as the backward's
+    kernels may."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     row_tiles = -(-seqlen_q // config.block_m)
     grid, tiles = _grid(config, row_tiles, batch * heads_q, q.device.index)
     main, split, tail_heads = tiles, 1, 0
     if config.persistent and causal:
-        main = batch * heads_q * ((row_tiles + 1) // 2)  # every tile in a pair: no tail
-        if causal_tail.enabled():
-            main, tail_heads = causal_tail.plan(batch * heads_q, row_tiles, grid[0], config.block_m, config.block_n,
-                                                seqlen_q, seqlen_k)  # fmt: skip
+        main, tail_heads = _causal_schedule(batch * heads_q, row_tiles, grid[0], lambda: causal_tail.forward_costs(
+            row_tiles, config.block_m, config.block_n, seqlen_q, seqlen_k))  # fmt: skip
     elif config.persistent == 1 and not causal and split_tail.enabled():
         main, split = split_tail.plan(tiles, grid[0], -(-seqlen_k // config.block_n))
     launch = _launcher(
         "fwd", config, causal, head_dim, grid, ("q", "kv", "kv", "q"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, tiles, main,
-         split, tail_heads),
+         split, tail_heads), tail=tail_heads > 0,
     )  # fmt: skip
     if split == 1:
         return lambda q, k, v, o, lse: launch(q, k, v, o, lse, lse, lse)  # no pieces: lse stands in for PART_O/LSE
@@ -216,12 +228,17 @@ def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, 
     With config.warpspec 2 (dQ fused in) it is launch(q, k, v, do, dk, dv, dq_acc, lse, delta), and also adds dQ
     into dq_acc, a zeroed fp32 tensor of q's shape."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
-    grid, tiles = _grid(config, -(-seqlen_k // config.block_n), batch * heads_kv, q.device.index)
+    n_kv = -(-seqlen_k // config.block_n)
+    grid, tiles = _grid(config, n_kv, batch * heads_kv, q.device.index)
+    main, tail_heads = tiles, 0
+    if config.persistent and causal:
+        main, tail_heads = _causal_schedule(batch * heads_kv, n_kv, grid[0], lambda: causal_tail.dkdv_costs(
+            n_kv, config.block_n, config.block_m, seqlen_q, seqlen_k, heads_q // heads_kv))  # fmt: skip
     sides = ("q", "kv", "kv", "q", "kv", "kv") + (("dq_partial",) if config.warpspec == 2 else ())
     return _launcher(
         "bwd_dkdv", config, causal, head_dim, grid, sides,
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale,
-         tiles),
+         tiles, main, tail_heads), tail=tail_heads > 0,
     )  # fmt: skip
 
 
@@ -230,11 +247,16 @@ def backward_dq_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
     """launch(q, k, v, do, dq, lse, delta): writes dQ (batch, heads_q, seqlen_q, head_dim) with a warpspec bwd_dq
     config; δ as for backward_dkdv_launcher. The call must have passed `unsupported`."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
-    grid, tiles = _grid(config, -(-seqlen_q // config.block_m), batch * heads_q, q.device.index)
+    row_tiles = -(-seqlen_q // config.block_m)
+    grid, tiles = _grid(config, row_tiles, batch * heads_q, q.device.index)
+    main, tail_heads = tiles, 0
+    if config.persistent and causal:
+        main, tail_heads = _causal_schedule(batch * heads_q, row_tiles, grid[0], lambda: causal_tail.forward_costs(
+            row_tiles, config.block_m, config.block_n, seqlen_q, seqlen_k))  # fmt: skip
     return _launcher(
         "bwd_dq", config, causal, head_dim, grid, ("q", "kv", "kv", "q", "q"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, scale,
-         tiles),
+         tiles, main, tail_heads), tail=tail_heads > 0,
     )  # fmt: skip
 
 

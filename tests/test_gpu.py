@@ -185,26 +185,73 @@ def test_warpspec_causal_forward_with_a_tail_matches_reference(config, head_dim,
     # keys longer than the queries, shorter (rows that see no key), and as long
     torch.manual_seed(head_dim + config.block_m + 7)
     monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "1")  # off by default until this has run on a GPU (causal_tail.enabled)
-    plans, plan = [], causal_tail.plan
-    monkeypatch.setattr(causal_tail, "plan", lambda *args: plans.append(plan(*args)) or plans[-1])
-    per_sm = config.persistent
+    plans = _recorded_causal_plans(monkeypatch)
     for seqlen_q, seqlen_k in ((1000, 1537), (1000, 300), (777, 777)):
         q = torch.randn(2, 4, seqlen_q, head_dim, dtype=dtype, device="cuda")
         k, v = (torch.randn(2, 2, seqlen_k, head_dim, dtype=dtype, device="cuda") for _ in range(2))
-        n_m = -(-seqlen_q // config.block_m)
-        shape = (n_m, config.block_m, config.block_n, seqlen_q, seqlen_k)
-        sms = next(p for p in range(2, 64) if 0 < plan(8, n_m, p * per_sm, *shape[1:])[1] < 8)
-        monkeypatch.setattr(warpspec, "_sm_count", lambda index, sms=sms: sms)
-        launcher.clear_plans()
+        costs = causal_tail.forward_costs(-(-seqlen_q // config.block_m), config.block_m, config.block_n, seqlen_q,
+                                          seqlen_k)  # fmt: skip
+        _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, 8, costs, config.persistent)
         out = torch.full_like(q, float("nan"))  # poisoned: every tile, paired or in the tail, must be written
         o, lse = launcher.forward(q, k, v, causal=True, scale=head_dim**-0.5, config=config, out=out)
-        main, tail_heads = plans[-1]
-        assert (main, tail_heads) == plan(8, n_m, sms * per_sm, *shape[1:]) and main > 0 and tail_heads > 0
+        main, tail_heads = plans[-1][1]
+        assert main > 0 and tail_heads > 0, plans
         ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=True)
         assert_close(o, ref_o.nan_to_num(0.0), dtype)
         seen = torch.isfinite(ref_lse)
         assert_close(lse[seen], ref_lse[seen], torch.float32, what="lse")
         assert (lse[~seen] == float("-inf")).all()
+
+
+def _recorded_causal_plans(monkeypatch) -> list[tuple[int, tuple[int, int]]]:
+    """(batch_heads, causal_tail.plan's answer) of every plan from here on, in call order."""
+    plans, plan = [], causal_tail.plan
+    monkeypatch.setattr(causal_tail, "plan", lambda *args: plans.append((args[0], plan(*args))) or plans[-1][1])
+    return plans
+
+
+def _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, batch_heads: int, costs, per_sm: int) -> None:
+    """Sizes persistent grids for the fewest SMs (two or more) on which causal_tail.plan keeps both pairs and a
+    tail for batch_heads heads of tiles of these costs; launch plans are dropped, as they keep their grid."""
+    sms = next(p for p in range(2, 64) if 0 < causal_tail.plan(batch_heads, p * per_sm, costs)[1] < batch_heads)
+    monkeypatch.setattr(warpspec, "_sm_count", lambda index: sms)
+    launcher.clear_plans()
+
+
+@_HOPPER
+@pytest.mark.parametrize(
+    "dkdv_config, dq_config",
+    [(KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(128, 64, 4, 3, warpspec=1, persistent=1)),
+     (KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1), None),
+     (KernelConfig(64, 64, 4, 3, warpspec=2, persistent=2), None),
+     (KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(64, 64, 4, 2, warpspec=1, persistent=2))],
+    ids=["dkdv-dq", "fused-dq", "fused-dq-two-an-sm", "dq-two-an-sm"],
+)  # fmt: skip
+@_WS_DIMS
+def test_warpspec_causal_backward_with_a_tail_matches_reference(dkdv_config, dq_config, head_dim, dtype, monkeypatch):
+    # the dK/dV and dQ kernels deal the tiles of their last heads out as the forward does (K/V heads for dK/dV,
+    # its longest tiles the first): all three gradients against float64 autograd with the tail forced, GQA, keys
+    # longer and shorter than the queries; with dQ fused in (warpspec 2), dQ is the dK/dV programs' reductions
+    torch.manual_seed(head_dim + dkdv_config.block_n + 3)
+    monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "1")
+    plans = _recorded_causal_plans(monkeypatch)
+    for seqlen_q, seqlen_k in ((1000, 1537), (1000, 300), (777, 777)):
+        q, do = (torch.randn(2, 8, seqlen_q, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+        k, v = (torch.randn(2, 4, seqlen_k, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+        o, lse = launcher.forward(q, k, v, causal=True, scale=head_dim**-0.5)
+        costs = causal_tail.dkdv_costs(-(-seqlen_k // dkdv_config.block_n), dkdv_config.block_n, dkdv_config.block_m,
+                                       seqlen_q, seqlen_k, 2)  # fmt: skip
+        _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, 8, costs, dkdv_config.persistent)
+        del plans[:]
+        grads = launcher.backward(do, q, k, v, o, lse, causal=True, scale=head_dim**-0.5, dkdv_config=dkdv_config,
+                                  dq_config=dq_config)  # fmt: skip
+        dkdv = [plan for batch_heads, plan in plans if batch_heads == 8]  # batch · K/V heads: the dK/dV launch's
+        assert dkdv and dkdv[0][0] > 0 and dkdv[0][1] > 0, plans  # it had pairs and a tail
+        qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+        ref, _ = naive_attention(qd, kd, vd, causal=True)
+        ref_grads = torch.autograd.grad(ref.nan_to_num(0.0), (qd, kd, vd), do.double())
+        for got, want, name in zip(grads, ref_grads, "qkv", strict=True):
+            assert_close(got, want, dtype, what=f"d{name} at N_Q={seqlen_q} N_K={seqlen_k}")
 
 
 @_HOPPER
