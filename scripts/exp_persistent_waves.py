@@ -14,6 +14,7 @@ processes move.
     python scripts/exp_persistent_waves.py --shapes 128:8192,128:8192:causal,64:1024:causal --programs sm,128
     python scripts/exp_persistent_waves.py --shapes 128:16384,64:4096 --programs sm,split --rounds 7
     python scripts/exp_persistent_waves.py --shapes 128:8192:causal,64:512:causal --programs sm,tail
+    python scripts/exp_persistent_waves.py --shapes 128:4096:causal --programs sm,tail --mode fwd+bwd
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import argparse
 import os
 import statistics
 import sys
+
+import torch
 
 import fa2tune
 from fa2tune import launcher, warpspec
@@ -37,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
                         "fa2tune/causal_tail.py) or a number (of SMs the grid is sized for, neither)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=16384, help="batch·N (heads·d stays 2048)")
+    parser.add_argument("--mode", choices=("fwd", "fwd+bwd"), default="fwd",
+                        help="fwd+bwd: the training call, forward then backward (the tail is in both)")  # fmt: skip
     args = parser.parse_args(argv)
     sm_count, slots = warpspec._sm_count, warpspec._sm_count(0)
     grids = args.programs.split(",")
@@ -54,15 +59,22 @@ def main(argv: list[str] | None = None) -> int:
         d, n, *mask = shape.split(":")
         head_dim, seqlen, causal = int(d), int(n), mask == ["causal"]
         batch, heads = max(1, args.tokens // seqlen), 2048 // head_dim
-        q, k, v = random_qkv(batch, heads, seqlen, head_dim)
-        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal=causal, mode="fwd")
-        run = lambda q=q, k=k, v=v, causal=causal: fa2tune.attention(q, k, v, causal=causal)
+        training = args.mode == "fwd+bwd"
+        q, k, v = random_qkv(batch, heads, seqlen, head_dim, requires_grad=training)
+        flops = attention_flops(batch, heads, seqlen, seqlen, head_dim, causal=causal, mode=args.mode)
+        if training:
+            do = torch.randn_like(q)
+            run = lambda q=q, k=k, v=v, do=do, causal=causal: torch.autograd.grad(
+                fa2tune.attention(q, k, v, causal=causal), (q, k, v), do)[0]  # fmt: skip
+        else:
+            run = lambda q=q, k=k, v=v, causal=causal: fa2tune.attention(q, k, v, causal=causal)
         outputs = []
-        for grid in grids:  # compile and run each grid's launch once, outside the timing: the same O (a split tail
-            use(grid)        # merges its pieces: equal up to rounding)
+        for grid in grids:  # compile and run each grid's launch once, outside the timing: the same O or dQ (a split
+            use(grid)        # tail merges its pieces, a fused dQ adds in arrival order: equal up to rounding)
             outputs.append(run())
             error = (outputs[-1].float() - outputs[0].float()).abs().max().item()
-            assert error < 1e-2, f"{shape}: grid {grid} gives another output (max |difference| {error:.3g})"
+            scale = max(1.0, outputs[0].float().abs().max().item())
+            assert error < 1e-2 * scale, f"{shape}: grid {grid} gives another output (max |difference| {error:.3g})"
         for round_ in range(args.rounds):
             for grid in grids[round_ % len(grids):] + grids[: round_ % len(grids)]:
                 use(grid)
@@ -72,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     warpspec._sm_count = sm_count
     os.environ.pop("FA2TUNE_SPLIT_TAIL", None)
     os.environ.pop("FA2TUNE_CAUSAL_TAIL", None)
-    print(f"SMs {slots}; TFLOP/s, median of {args.rounds} interleaved rounds (readings)")
+    print(f"SMs {slots}; {args.mode} TFLOP/s, median of {args.rounds} interleaved rounds (readings)")
     for shape in args.shapes.split(","):
         base = statistics.median(readings[shape, grids[0]])
         for grid in grids:
