@@ -28,8 +28,9 @@ import os
 import torch
 
 TILE_OVERHEAD_STEPS = 1.2  # a tile's fixed cost in K/V steps, as fitted to the grid (docs/PERF.md v29)
-TAIL_ROUNDS_MAX = 4  # the tail's largest size, in rounds of the programs' pairs: beyond it the heads that the tail
-# reads together no longer fit L2 (d=128 N=8k: 4 MB of K/V a head)
+TAIL_ROUNDS_MAX = 4  # the tail's largest size, in rounds of the programs' pairs. Its heads' K/V are read together
+# (d=128 N=8k: 4 MB a head, 16 heads in 4 rounds: past the H200's 50 MB of L2), which the model leaves out; the
+# grid's plans stay within a round at d=128 (4–16 MB) and take 3.7 at d=64 N=8k (22 heads of 2 MB)
 MIN_GAIN_STEPS = 0.5  # K/V steps of the longest program a tail, or a larger one, must save to be taken
 MAX_CANDIDATES = 48  # tail sizes modelled a plan, spread evenly up to TAIL_ROUNDS_MAX rounds: the host time of a
 # shape's first call
