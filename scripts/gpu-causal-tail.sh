@@ -14,5 +14,7 @@ python3 -m pytest -q "${workers[@]}" -p no:cacheprovider tests/test_gpu.py \
 echo "tests: $(( $(date +%s) - start )) s"
 shapes=128:512:causal,128:1024:causal,128:2048:causal,128:4096:causal,128:8192:causal,128:16384:causal
 shapes=$shapes,64:512:causal,64:1024:causal,64:2048:causal,64:4096:causal,64:8192:causal,64:16384:causal
+# lengths off the grid, where pairs alone leave the most (modelled 10 % at d=128 N=3000 and 5000, 5 % at 12000)
+shapes=$shapes,128:3000:causal,128:5000:causal,128:12000:causal,64:3000:causal
 python3 scripts/exp_persistent_waves.py --programs sm,tail --rounds "${ROUNDS:-5}" --shapes "$shapes"
 python3 scripts/exp_persistent_waves.py --programs sm,tail --rounds "${ROUNDS:-3}" --mode fwd+bwd --shapes "$shapes"
