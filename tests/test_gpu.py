@@ -247,11 +247,7 @@ def test_warpspec_causal_backward_with_a_tail_matches_reference(dkdv_config, dq_
                                   dq_config=dq_config)  # fmt: skip
         dkdv = [plan for batch_heads, plan in plans if batch_heads == 8]  # batch · K/V heads: the dK/dV launch's
         assert dkdv and dkdv[0][0] > 0 and dkdv[0][1] > 0, plans  # it had pairs and a tail
-        qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
-        ref, _ = naive_attention(qd, kd, vd, causal=True)
-        ref_grads = torch.autograd.grad(ref.nan_to_num(0.0), (qd, kd, vd), do.double())
-        for got, want, name in zip(grads, ref_grads, "qkv", strict=True):
-            assert_close(got, want, dtype, what=f"d{name} at N_Q={seqlen_q} N_K={seqlen_k}")
+        _assert_gradients_match_reference(grads, q, k, v, do, causal=True)
 
 
 @_HOPPER
@@ -375,16 +371,20 @@ def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype, m
     # GQA and not: causal dK/dV programs of two consumers skip the second's Q tiles before its diagonal only when
     # every query head has its own K/V head
     for q, k, v in (*_ws_inputs(head_dim, dtype), *_ws_inputs(head_dim, dtype, kv_heads=4)):
-        seqlen_q, seqlen_k = q.shape[2], k.shape[2]
         do = torch.randn_like(q)
         o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5)
         grads = launcher.backward(do, q, k, v, o, lse, causal=causal, scale=head_dim**-0.5, dkdv_config=dkdv_config,
                                   dq_config=dq_config)  # fmt: skip
-        qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
-        ref, _ = naive_attention(qd, kd, vd, causal=causal)
-        ref_grads = torch.autograd.grad(ref.nan_to_num(0.0), (qd, kd, vd), do.double())
-        for got, want, name in zip(grads, ref_grads, "qkv", strict=True):
-            assert_close(got, want, dtype, what=f"d{name} at N_Q={seqlen_q} N_K={seqlen_k}")
+        _assert_gradients_match_reference(grads, q, k, v, do, causal=causal)
+
+
+def _assert_gradients_match_reference(grads, q, k, v, do, *, causal: bool) -> None:
+    """dQ, dK, dV (grads) against float64 autograd through naive attention, at q's dtype's tolerance."""
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref, _ = naive_attention(qd, kd, vd, causal=causal)
+    ref_grads = torch.autograd.grad(ref.nan_to_num(0.0), (qd, kd, vd), do.double())
+    for got, want, name in zip(grads, ref_grads, "qkv", strict=True):
+        assert_close(got, want, q.dtype, what=f"d{name} at N_Q={q.shape[2]} N_K={k.shape[2]}")
 
 
 @_HOPPER
