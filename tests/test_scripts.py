@@ -420,3 +420,15 @@ def test_sweep_causal_option_times_only_the_masks_asked_for(monkeypatch, tmp_pat
                            "--device", "cpu", "--csv", str(csv_path)]) == 0  # fmt: skip
         assert {causal for causal, _ in calls} == expected and len(calls) == 2 * len(expected)
         assert {row["causal"] for row in csv.DictReader(open(csv_path))} == {str(c) for c in expected}
+
+
+def test_the_causal_tail_model_rows_never_lengthen_a_launch(capsys):
+    # scripts/model_causal_tail.py (docs/PERF.md v31's tables): every row of a causal persistent shipped entry, the
+    # tail's modelled launch no longer than pairs alone; a row for each such kernel at the grid's d=128 N=4k
+    script = load_script("model_causal_tail")
+    assert script.main(["--head-dims", "128", "--seqlens", "4096,3000"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert {line.split()[0] for line in rows} == {"fwd", "bwd_dkdv", "bwd_dq"} and len(rows) == 6
+    for line in rows:
+        alone, tail = float(line.split("pairs alone")[1].split()[0]), float(line.split("heads")[1].split()[0])
+        assert 1.0 <= tail <= alone, line
