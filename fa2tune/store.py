@@ -17,20 +17,28 @@ File layout (schema 1)::
       template_hash: b42404956400aab5   # codegen.code_hash: the rendered kernel code this entry runs
       date: '2026-11-29'
 
-Writes are atomic (temporary file + rename) under an inter-process lock, and merge: an entry replaces only the
-entry with the same key. Reads never raise: a missing, unreadable, corrupt or stale file or entry is skipped with
-one warning per cause, and lookup moves on down the search path.
+Writes are atomic (temporary file, flushed to disk, then renamed over the old one) under an inter-process lock, and
+merge: an entry replaces only the entry with the same key. Reads never raise: a missing, unreadable, corrupt or
+stale file is skipped with one warning per cause, and lookup moves on down the search path; a malformed entry is
+skipped with one warning per file and the file's other entries are used. A file is parsed once per content (the
+safe C loader where PyYAML has libyaml): lookups of many shapes re-read its bytes, never re-parse them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
+import hashlib
+import itertools
 import os
+import reprlib
+import stat
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
 import yaml
@@ -51,6 +59,15 @@ SHORT_SEQLEN = 1024
 MEDIUM_SEQLEN = 4096
 # The lengths each bucket serves, lowest excluded: (lowest, highest].
 BUCKET_RANGES = {"short": (0, SHORT_SEQLEN), "medium": (SHORT_SEQLEN, MEDIUM_SEQLEN)}
+
+# Bounds on what a file may hold before it is parsed or walked, so that no file (hand-edited, truncated, hostile)
+# costs more than a moment or breaks attention(). A file of every key a GPU can have tuned in practice is ~1 MiB and
+# ~100k values, nested 6 deep (entries > entry > baseline > config > value).
+MAX_FILE_BYTES = 8 * 2**20
+MAX_NODES = 1_000_000  # values in a file, counting an alias as a copy: a "billion laughs" file stops here
+MAX_ENTRY_NODES = 10_000  # values in one entry (a tuned one holds ~40); past it the entry alone is skipped
+MAX_DEPTH = 16  # nesting levels; deeper would make later recursive walks (asdict, repr, the dumper) overflow
+TOP_LEVEL_KEYS = ("schema_version", "device", "entries")
 
 
 def bucket_of(seqlen: int | None) -> str:
@@ -82,17 +99,15 @@ class EntryKey:
 
     def __post_init__(self) -> None:
         # A hand-edited or foreign file must fail here (and be skipped with a warning), not at launch time.
-        if not isinstance(self.head_dim, int) or not 1 <= self.head_dim <= 256:
-            raise ValueError(f"head_dim must be an int in 1..256, got {self.head_dim!r}")
-        if self.dtype not in DTYPE_NAMES:
-            raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        # A bool is an int to Python; `head_dim: true` is not head_dim 1.
+        if not _is_int(self.head_dim) or not 1 <= self.head_dim <= 256:
+            raise ValueError(f"head_dim must be an int in 1..256, got {_shown(self.head_dim)}")
+        for name, allowed in (("dtype", DTYPE_NAMES), ("kernel", KERNEL_NAMES), ("seqlen_bucket", SEQLEN_BUCKETS)):
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {_shown(getattr(self, name))}")
         for name in ("causal", "window", "varlen"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.kernel not in KERNEL_NAMES:
-            raise ValueError(f"kernel must be one of {KERNEL_NAMES}, got {self.kernel!r}")
-        if self.seqlen_bucket not in SEQLEN_BUCKETS:
-            raise ValueError(f"seqlen_bucket must be one of {SEQLEN_BUCKETS}, got {self.seqlen_bucket!r}")
+                raise ValueError(f"{name} must be true or false, got {_shown(getattr(self, name))}")
 
 
 @dataclass(frozen=True)
@@ -118,10 +133,78 @@ class Entry:
 
     @classmethod
     def from_dict(cls, data: dict) -> Entry:
-        fields = dict(data)
-        fields["key"] = EntryKey(**fields["key"])
-        fields["config"] = KernelConfig.from_dict(fields["config"])
-        return cls(**fields)
+        """Builds an entry from a YAML mapping, checking every field's type. Raises ValueError saying which is wrong."""
+        data = _fields_of(data, cls, "entry")
+        record = {}
+        for name, value in data.items():
+            if name in ("key", "config"):
+                continue
+            if name == "date" and isinstance(value, datetime.date):  # a hand-edited file's unquoted date
+                value = value.isoformat()
+            allowed = _RECORD_TYPES[name]
+            if not isinstance(value, allowed) or isinstance(value, bool):  # no field takes a bool
+                names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+                raise ValueError(f"{name} must be {names}, got {_shown(value)}")
+            record[name] = value
+        key_fields = _fields_of(data["key"], EntryKey, "key")
+        try:
+            key = EntryKey(**key_fields)
+        except ValueError as exc:  # its checks name the field, not where it sits
+            raise ValueError(f"key {exc}") from None
+        return cls(key=key, config=_config_from_yaml(data["config"]), **record)
+
+
+# The YAML types of an entry's record fields (null: an unmeasured spread, a CPU run's TFLOP/s, no baseline).
+_NUMBER = (int, float)
+_RECORD_TYPES = {"ms": _NUMBER, "tflops": (*_NUMBER, type(None)), "baseline": (dict, type(None)), "trials": (int,),
+                 "spread": (*_NUMBER, type(None)), "triton_version": (str,), "torch_version": (str,),
+                 "template_hash": (str,), "date": (str,)}  # fmt: skip
+assert set(_RECORD_TYPES) == {f.name for f in fields(Entry)} - {"key", "config"}, "an Entry field without a YAML type"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 40, 40
+
+
+def _shown(value: object) -> str:
+    """A short repr for messages: a file's value may be huge, or an alias bomb."""
+    if _is_int(value) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        return _REPR.repr(value)
+    except ValueError:  # an int inside, past Python's digit limit for str()
+        return f"a {type(value).__name__}"
+
+
+def _fields_of(data: object, cls: type, what: str) -> dict:
+    """`data` as the keyword arguments of dataclass `cls`: a mapping of string keys, none unknown, none missing."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} must be a mapping, got {_shown(data)}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = [k for k in data if k not in known]
+    if unknown:
+        raise ValueError(f"{what} has unknown keys {_shown(unknown)}")
+    missing = [n for n, f in known.items() if n not in data and MISSING is f.default is f.default_factory]
+    if missing:
+        raise ValueError(f"{what} lacks {missing}")
+    return data
+
+
+def _config_from_yaml(data: object) -> KernelConfig:
+    """A KernelConfig from YAML: every field an integer (not a bool, a float or a string: KernelConfig.from_dict
+    would coerce those), then KernelConfig's own range checks."""
+    data = _fields_of(data, KernelConfig, "config")
+    for name, value in data.items():
+        if not _is_int(value) or value.bit_length() > 64:
+            raise ValueError(f"config {name} must be an integer, got {_shown(value)}")
+    try:
+        return KernelConfig.from_dict(data)
+    except ValueError as exc:
+        raise ValueError(f"config {exc}") from None
 
 
 def config_dirs() -> list[Path]:
@@ -154,24 +237,166 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def read_file(path: Path) -> tuple[dict, list[Entry]]:
-    """Parses one YAML file strictly. Raises ValueError (or OSError) saying what is wrong."""
-    with open(path) as handle:
-        data = yaml.safe_load(handle)
+class _UniqueKeys:
+    """A safe loader's mixin that refuses a mapping with a key twice: YAML forbids it, and PyYAML would keep the
+    last one silently, so a hand-edit's duplicate is an error rather than a guess."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # a merge key (<<) may repeat what it merges; a collection key fails as unhashable
+            if (key_node.tag, key_node.value) in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {_shown(key_node.value)}",
+                                                        key_node.start_mark)  # fmt: skip
+            seen.add((key_node.tag, key_node.value))
+        return super().construct_mapping(node, deep)
+
+
+# Safe loading only (YAML tags never build Python objects), by libyaml's parser where PyYAML was built with it: ~6x
+# the pure-Python one's speed (0.015 s against 0.09 s for the shipped file).
+_Loader = type("_Loader", (_UniqueKeys, getattr(yaml, "CSafeLoader", yaml.SafeLoader)), {})
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    """One file's contents: its top-level mapping, its well-formed entries and why the rest were left out."""
+
+    data: dict
+    entries: tuple[Entry, ...]
+    problems: tuple[str, ...]
+
+
+# Each file's last parse, by path: (sha256 of its bytes, what they parse to, or why they do not). Keyed by content,
+# not by stat: an in-place edit within the file system's timestamp granularity changes neither size nor mtime.
+_parsed: dict[str, tuple[bytes, _Parsed | str]] = {}
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The bytes of the regular file at `path` (a symlink is followed). Raises OSError, or ValueError for a
+    directory, FIFO, device or socket (opened without blocking: a FIFO with no writer would wait forever) and for a
+    file over MAX_FILE_BYTES."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, device or socket"
+            raise ValueError(f"not a regular file: {kind}")
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            raw = handle.read(MAX_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_FILE_BYTES:
+        raise ValueError(f"larger than {MAX_FILE_BYTES:,} bytes, more than any tuned-config file holds")
+    return raw
+
+
+def _measure(value: object, depth: int, limit: int) -> tuple[int, int]:
+    """(values, deepest level) in `value` at nesting level `depth`, counting an alias as a copy; stops counting past
+    `limit` values and descending past MAX_DEPTH. Iterative: deep or self-referencing data cannot overflow it."""
+    count, deepest, todo = 0, depth, [(value, depth)]
+    while todo and count <= limit:
+        value, level = todo.pop()
+        count += 1
+        deepest = max(deepest, level)
+        if level > MAX_DEPTH:
+            continue
+        if isinstance(value, dict):
+            todo.extend((v, level + 1) for pair in value.items() for v in pair)
+        elif isinstance(value, (list, tuple, set)):
+            todo.extend((v, level + 1) for v in value)
+    return count, deepest
+
+
+def _shape_error(count: int, deepest: int, limit: int) -> str | None:
+    if count > limit:
+        return f"more than {limit:,} values (counting each alias as a copy)"
+    if deepest > MAX_DEPTH:
+        return f"nested more than {MAX_DEPTH} levels deep"
+    return None
+
+
+def _parse(raw: bytes) -> _Parsed:
+    """Parses one file's bytes. Raises ValueError saying what is wrong with the file as a whole."""
+    try:
+        data = yaml.load(raw.decode("utf-8-sig"), Loader=_Loader)  # _Loader is a safe loader
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text: {exc}") from None
+    except RecursionError:  # the pure-Python parser on deep nesting (libyaml stops at 1000 levels itself)
+        raise ValueError("nested too deep to parse") from None
+    except (yaml.YAMLError, ValueError, TypeError, OverflowError) as exc:  # a constructor's: a date of month 13
+        message = " ".join(str(exc).split()).replace('in "<unicode string>", ', "at ")  # YAML errors span lines
+        raise ValueError(message) from None
     if not isinstance(data, dict):
         raise ValueError("not a mapping at the top level")
-    if data.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(f"schema_version {data.get('schema_version')!r}, this fa2tune reads {SCHEMA_VERSION}")
-    raw = data.get("entries") or []
-    if not isinstance(raw, list):
-        raise ValueError("'entries' is not a list")
-    entries = []
-    for i, item in enumerate(raw):
+    raw_entries = data.get("entries")
+    head = {k: v for k, v in data.items() if k != "entries"}
+    total, deepest = _measure(head, 1, MAX_NODES)
+    problem = _shape_error(total, deepest, MAX_NODES)
+    if problem is not None:
+        raise ValueError(problem)
+    version = data.get("schema_version")
+    if not _is_int(version) or version != SCHEMA_VERSION:
+        raise ValueError(f"schema_version {_shown(version)}, this fa2tune reads {SCHEMA_VERSION}")
+    if raw_entries is None:
+        raw_entries = []
+    if not isinstance(raw_entries, list):
+        raise ValueError(f"'entries' must be a list, got {_shown(raw_entries)}")
+    problems = [f"unknown top-level key {_shown(k)} ignored" for k in data if k not in TOP_LEVEL_KEYS]
+    if not isinstance(data.get("device", {}), dict):
+        problems.append(f"'device' must be a mapping, got {_shown(data['device'])}")
+    entries: dict[EntryKey, Entry] = {}
+    first_of: dict[EntryKey, int] = {}
+    for i, item in enumerate(raw_entries):
+        count, deepest = _measure(item, 3, MAX_ENTRY_NODES)
+        total += count
+        if total > MAX_NODES:
+            raise ValueError(_shape_error(total, deepest, MAX_NODES))
         try:
-            entries.append(Entry.from_dict(item))
-        except (TypeError, ValueError, KeyError) as exc:
-            raise ValueError(f"entry {i} is malformed: {exc}") from None
-    return data, entries
+            problem = _shape_error(count, deepest, MAX_ENTRY_NODES)
+            if problem is not None:
+                raise ValueError(problem)
+            entry = Entry.from_dict(item)
+        except (TypeError, ValueError) as exc:
+            problems.append(f"entry {i}: {' '.join(str(exc).split())}")
+            continue
+        if entry.key in entries:
+            problems.append(f"entry {i}: the key of entry {first_of[entry.key]} again (that one is used)")
+            continue
+        entries[entry.key], first_of[entry.key] = entry, i
+    return _Parsed(data, tuple(entries.values()), tuple(problems))
+
+
+def _load(path: Path) -> _Parsed:
+    """The parse of the file at `path`, from _parsed while its bytes are unchanged. Raises OSError, or ValueError
+    saying what is wrong with the file as a whole."""
+    raw = _read_bytes(path)
+    digest = hashlib.sha256(raw).digest()
+    cached = _parsed.get(str(path))
+    if cached is None or cached[0] != digest:
+        try:
+            result: _Parsed | str = _parse(raw)
+        except ValueError as exc:
+            result = str(exc)
+        cached = _parsed[str(path)] = (digest, result)
+    if isinstance(cached[1], str):
+        raise ValueError(cached[1])
+    return cached[1]
+
+
+def _problems_summary(problems: tuple[str, ...], shown: int = 3) -> str:
+    more = f"; and {len(problems) - shown} more" if len(problems) > shown else ""
+    return "; ".join(problems[:shown]) + more
+
+
+def read_file(path: Path) -> tuple[dict, list[Entry]]:
+    """(top-level mapping, well-formed entries) of one file. Raises OSError, or ValueError saying what is wrong with
+    the file as a whole; malformed entries are left out with one warning per file."""
+    parsed = _load(Path(path))
+    if parsed.problems:
+        _warn_once(f"fa2tune: {path}: skipped what is malformed ({_problems_summary(parsed.problems)}); "
+                   "using its other entries")  # fmt: skip
+    return dict(parsed.data), list(parsed.entries)
 
 
 def lookup(
@@ -184,13 +409,16 @@ def lookup(
     """
     for directory in config_dirs():
         path = directory / f"{slug}.yaml"
-        if not path.is_file():
-            continue
         try:
             _, entries = read_file(path)
-        except (OSError, ValueError, yaml.YAMLError) as exc:
-            reason = " ".join(str(exc).split())  # YAML errors span lines; a warning should not
-            _warn_once(f"fa2tune: ignoring tuned configs in {path}: {reason}; using the next source")
+        except FileNotFoundError:
+            if os.path.lexists(path):  # a link to nothing: someone meant a file here
+                _warn_once(
+                    f"fa2tune: ignoring tuned configs in {path}: a link to a missing file; using the next source"
+                )
+            continue
+        except (OSError, ValueError) as exc:  # ValueError also for a path with a NUL byte from the environment
+            _warn_once(f"fa2tune: ignoring tuned configs in {path}: {exc}; using the next source")
             continue
         for entry in entries:
             if entry.key != key:
@@ -209,27 +437,57 @@ def lookup(
 
 @contextlib.contextmanager
 def _locked(path: Path):
+    """Holds an exclusive lock on `<path>.lock` (a file of its own: the data file is replaced, not rewritten)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(path.suffix + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield
 
 
+def _keep_aside(path: Path) -> Path:
+    """Keeps the file at `path` as `<name>.corrupt-<UTC time>[-n]` beside it, never over an earlier one: a hard
+    link, so readers see the old file until the new one replaces it; moved where links are not supported."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for n in itertools.count():
+        backup = path.with_name(f"{path.name}.corrupt-{stamp}" + (f"-{n}" if n else ""))
+        if os.path.lexists(backup):
+            continue
+        try:
+            os.link(path, backup)
+        except FileExistsError:
+            continue
+        except OSError:
+            os.replace(path, backup)  # under the lock no writer takes the name; lexists just said it is free
+        return backup
+
+
 def write_entries(path: Path, device: dict, new_entries: list[Entry]) -> None:
     """Merges entries into the file at `path` (created if missing): same key replaced, every other key kept.
 
-    A corrupt existing file is kept aside as `<name>.corrupt` rather than silently overwritten.
+    A file this fa2tune cannot use as a whole (corrupt, another schema) or with malformed entries is first kept
+    aside as `<name>.corrupt-<time>` (one per occasion, none overwritten), with a warning; the rewritten file holds
+    its well-formed entries. A file that cannot be read (permissions, I/O) raises: merging nothing into it would
+    lose its entries.
     """
     path = Path(path)
     with _locked(path):
         entries: dict[EntryKey, Entry] = {}
-        if path.is_file():
-            try:
-                _, old = read_file(path)
-                entries = {e.key: e for e in old}
-            except (OSError, ValueError, yaml.YAMLError) as exc:
-                os.replace(path, path.with_suffix(path.suffix + ".corrupt"))
-                _warn_once(f"fa2tune: {path} was unreadable ({exc}); moved aside to {path.name}.corrupt")
+        try:
+            parsed = _load(path)
+        except FileNotFoundError:
+            parsed = None
+        except ValueError as exc:
+            if not path.is_file():
+                raise ValueError(f"cannot write tuned configs to {path}: {exc}") from None
+            backup = _keep_aside(path)
+            _warn_once(f"fa2tune: {path} is not a file this fa2tune reads ({exc}); kept aside as {backup.name}")
+            parsed = None
+        if parsed is not None and parsed.problems:
+            backup = _keep_aside(path)
+            _warn_once(f"fa2tune: {path} had malformed parts ({_problems_summary(parsed.problems)}); left out of "
+                       f"the rewritten file, the original kept aside as {backup.name}")  # fmt: skip
+        if parsed is not None:
+            entries = {e.key: e for e in parsed.entries}
         for entry in new_entries:
             entries[entry.key] = entry
         ordered = sorted(entries.values(), key=lambda e: tuple(asdict(e.key).values()))
@@ -238,6 +496,8 @@ def write_entries(path: Path, device: dict, new_entries: list[Entry]) -> None:
         try:
             with os.fdopen(fd, "w") as handle:
                 yaml.safe_dump(document, handle, sort_keys=False)
+                handle.flush()
+                os.fsync(handle.fileno())  # on disk before the rename: a crash leaves the old file or the new
             os.chmod(tmp, 0o644)  # mkstemp makes 0600; shipped files must be readable by everyone
             os.replace(tmp, path)
         except BaseException:

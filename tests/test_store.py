@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import warnings
 
 import pytest
 import torch
+import yaml
 
 import fa2tune
 from fa2tune import codegen, runtime, selection, store
@@ -67,6 +69,111 @@ def test_processes_writing_different_keys_at_once_lose_nothing(tmp_path):
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".shared.yaml.*"))
 
 
+_BACKUP = r"cpu-interpreter\.yaml\.corrupt-\d{8}T\d{6}Z"  # store._keep_aside's names
+
+
+def test_each_corrupt_file_is_kept_aside_under_its_own_name(config_dir):
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    path.parent.mkdir()
+    contents = ["{first: [", "{second: ["]
+    for text in contents:
+        path.write_text(text)
+        with pytest.warns(
+            RuntimeWarning, match=rf"{path} is not a file this fa2tune reads .*; kept aside as {_BACKUP}"
+        ):
+            store.write_entries(path, DEVICE, [_entry(64)])
+    backups = sorted(path.parent.glob("cpu-interpreter.yaml.corrupt-*"))
+    assert sorted(b.read_text() for b in backups) == contents  # the first is not overwritten by the second
+    assert [e.key.head_dim for e in store.read_file(path)[1]] == [64]
+
+
+@pytest.mark.parametrize("edit", [("num_stages: 2", "num_stages: .inf"), ("block_m: 64", "block_m: 17")])
+def test_a_rewrite_keeps_the_well_formed_entries_and_the_original_aside(config_dir, edit):
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    store.write_entries(path, DEVICE, [_entry(64), _entry(128)])
+    text = path.read_text().replace(*edit, 1)  # the head_dim 64 entry's config
+    path.write_text(text)
+    with pytest.warns(RuntimeWarning, match=rf"had malformed parts \(entry 0: config .*kept aside as {_BACKUP}"):
+        store.write_entries(path, DEVICE, [_entry(32)])
+    assert sorted(e.key.head_dim for e in store.read_file(path)[1]) == [32, 128]
+    (backup,) = path.parent.glob("cpu-interpreter.yaml.corrupt-*")
+    assert backup.read_text() == text
+
+
+def test_a_write_reaches_the_disk_before_it_replaces_the_file(config_dir, monkeypatch):
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    store.write_entries(path, DEVICE, [_entry(64)])
+    before = path.read_text()
+    events = []
+    for name in ("fsync", "replace"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, real=real, name=name: events.append(name) or real(*a))
+    store.write_entries(path, DEVICE, [_entry(128)])
+    assert events == ["fsync", "replace"]  # else a crash can leave an empty file where the entries were
+    # A failed write leaves the old file whole and no temporary file behind.
+    monkeypatch.setattr(store.yaml, "safe_dump", lambda *a, **k: 1 / 0)
+    after = path.read_text()
+    with pytest.raises(ZeroDivisionError):
+        store.write_entries(path, DEVICE, [_entry(32)])
+    assert path.read_text() == after != before and sorted(p.name for p in path.parent.iterdir()) == [
+        "cpu-interpreter.yaml", "cpu-interpreter.yaml.lock"]  # fmt: skip
+
+
+def test_a_write_over_a_directory_or_an_unreadable_file_fails_and_moves_nothing(config_dir):
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    (path / "inside").mkdir(parents=True)
+    with pytest.raises(ValueError, match=rf"cannot write tuned configs to {path}: not a regular file: a directory"):
+        store.write_entries(path, DEVICE, [_entry(64)])
+    assert (path / "inside").is_dir()
+    if os.path.exists("/proc/self/mem"):  # a regular file whose read fails (EIO), for root too
+        path = path.with_name("unreadable.yaml")
+        path.symlink_to("/proc/self/mem")
+        with pytest.raises(OSError):  # merging nothing into it would drop its entries
+            store.write_entries(path, DEVICE, [_entry(64)])
+        assert path.is_symlink() and not list(path.parent.glob("unreadable.yaml.corrupt*"))
+
+
+def test_a_file_is_parsed_once_per_content(config_dir, monkeypatch):
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    store.write_entries(path, DEVICE, [_entry(64), _entry(64, kernel="bwd_dq")])
+    parses = []
+    real_load = yaml.load
+    monkeypatch.setattr(yaml, "load", lambda *a, **k: parses.append(a) or real_load(*a, **k))
+
+    def resolve_many():  # shapes a model could call with, each a new lookup
+        runtime.clear_cache()
+        return {(kernel, head_dim, causal, n): selection.resolve(kernel, head_dim, torch.float32, causal, "cpu",
+                                                                 seqlen=n)
+                for kernel in store.KERNEL_NAMES for head_dim in (16, 32, 64, 128) for causal in (False, True)
+                for n in (100, 2000, None)}  # fmt: skip
+
+    assert resolve_many()[("fwd", 64, False, None)] == (_CFG, str(path))
+    assert len(parses) == 1
+    os.utime(path)  # touched: the same bytes, nothing to parse again
+    resolve_many()
+    assert len(parses) == 1
+    store.write_entries(path, DEVICE, [_entry(128)])  # rewritten: parsed once more
+    assert resolve_many()[("fwd", 128, False, None)] == (_CFG, str(path))
+    assert len(parses) == 2
+    # Edited in place to the same size, inode and mtime: a cache keyed on stat() alone would keep the old parse.
+    stat, text = path.stat(), path.read_text()
+    path.write_text(text.replace("num_stages: 2", "num_stages: 1", 1))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size and path.stat().st_ino == stat.st_ino
+    changed = resolve_many()
+    assert len(parses) == 3 and any(c.num_stages == 1 for c, source in changed.values() if source == str(path))
+    # What read_file hands out is the caller's to change; the cached parse stays whole.
+    data, entries = store.read_file(path)
+    data.clear()
+    entries.clear()
+    assert len(store.read_file(path)[1]) == 3 and store.read_file(path)[0]["schema_version"] == 1
+
+
+def test_the_store_parses_with_a_safe_loader_in_c_where_pyyaml_has_it():
+    assert issubclass(store._Loader, yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader)
+    assert issubclass(store._Loader, yaml.constructor.SafeConstructor)
+
+
 def test_lookup_order_env_then_user_then_shipped(config_dir, monkeypatch):
     key = store.EntryKey(head_dim=64, dtype="fp32", causal=False, kernel="fwd")
     user = store.user_config_dir() / "cpu-interpreter.yaml"
@@ -89,19 +196,24 @@ def test_lookup_order_env_then_user_then_shipped(config_dir, monkeypatch):
     assert found.config == KernelConfig(64, 64, 4, 1) and path.parent == shipped
 
 
+_IGNORED = r"ignoring tuned configs in .*; using the next source"  # the file as a whole
+_SKIPPED = r"skipped what is malformed \(entry 0: .*\); using its other entries"  # one entry
+
+
 @pytest.mark.parametrize(
-    "content",
-    ["{not: [valid yaml", "- just\n- a list\n", "schema_version: 99\nentries: []\n",
-     "schema_version: 1\nentries:\n- key: {head_dim: 64}\n",
-     "schema_version: 1\nentries:\n- {key: {head_dim: 64, dtype: fp8, causal: false, kernel: fwd}, config: {}}\n"],
+    "content, warning",
+    [("{not: [valid yaml", _IGNORED), ("- just\n- a list\n", _IGNORED), ("schema_version: 99\nentries: []\n", _IGNORED),
+     ("schema_version: 1\nentries:\n- key: {head_dim: 64}\n", _SKIPPED),
+     ("schema_version: 1\nentries:\n- {key: {head_dim: 64, dtype: fp8, causal: false, kernel: fwd}, config: {}}\n",
+      _SKIPPED)],
     ids=["unparsable", "not-a-mapping", "future-schema", "malformed-entry", "unknown-dtype"],
 )  # fmt: skip
-def test_a_bad_file_warns_once_and_falls_back(config_dir, content, device):
+def test_a_bad_file_warns_once_and_falls_back(config_dir, content, warning, device):
     bad = config_dir / "env" / f"{selection.device_info(device).slug}.yaml"
     bad.parent.mkdir(parents=True)
     bad.write_text(content)
     q = torch.randn(1, 2, 40, 64, device=device)
-    with pytest.warns(RuntimeWarning, match=r"ignoring tuned configs in .*; using the next source"):
+    with pytest.warns(RuntimeWarning, match=warning):
         out = fa2tune.attention(q, q, q)
     kernel = fa2tune.get_kernel(64, device=device, dtype=torch.float32)
     assert kernel.source == "planner-default"
