@@ -86,8 +86,8 @@ def _params(cfg: KernelConfig) -> dict[str, int]:
 
 
 def _completed(study: optuna.Study) -> dict[KernelConfig, float]:
-    """Each config the study timed, with its best reading: two workers proposing one config at the same instant can
-    both time it (nothing locks a shared study between ask and tell), and the winner's ms is its best reading."""
+    """Each config the study timed, with its best reading: a study stored before processes claimed a config before
+    timing it (_claim) can hold two readings of one, and the winner's ms is its best reading."""
     best: dict[KernelConfig, float] = {}
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
         cfg = KernelConfig(**trial.params)
@@ -112,12 +112,27 @@ def _built(wait: Wait, cfg: KernelConfig) -> bool:
     return ready is None or ready(cfg)
 
 
-def timed_in(study: optuna.Study, run: str) -> int:
-    """Configs timed, or being timed, for the study by every process of `run`: each marks a trial timed_in=run
-    before it times it (and timed_by=its pid); a failed one is told FAIL and no longer counts. A process that
-    dies while timing leaves its trial RUNNING: `fail_abandoned` tells it FAIL, so it stops counting."""
+def timed_configs(study: optuna.Study, but: int | None = None) -> set[KernelConfig]:
+    """The distinct configs the study has timed (a COMPLETE trial) or is timing (a RUNNING trial its process marked
+    timed_by before timing it), by any process; but: leave out the trial of this number. This is what `trials`
+    counts: a config is timed once and counted once, whoever proposes it again. A process that dies while timing
+    leaves its trial RUNNING until it is failed (`fail_abandoned`, or as stale by the storage's heartbeat,
+    tunejob._Heartbeats): then it stops counting, and its config can be timed again."""
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
-    return sum(t.user_attrs.get("timed_in") == run for t in study.get_trials(deepcopy=False, states=states))
+    return {cfg for t in study.get_trials(deepcopy=False, states=states)
+            if t.number != but and (t.state == optuna.trial.TrialState.COMPLETE or "timed_by" in t.user_attrs)
+            and (cfg := _proposed(t)) is not None}  # fmt: skip
+
+
+def _claim(study: optuna.Study, trial: optuna.trial.Trial, cfg: KernelConfig, run: str | None) -> bool:
+    """Marks the trial as timing cfg (timed_by=this pid, timed_in=run), then whether it is this process's to time:
+    no other trial holds cfg timed or marked. Of processes that mark one config at once at most one goes on — each
+    looks after marking, so the later ones see the first one's mark (both may see each other's and leave it: the
+    config is then timed when it is proposed again); nothing locks a shared study between ask and tell."""
+    if run is not None:
+        trial.set_user_attr("timed_in", run)  # for fail_abandoned, if this process dies
+    trial.set_user_attr("timed_by", os.getpid())
+    return cfg not in timed_configs(study, but=trial.number)
 
 
 def fail_abandoned(storage, run: str, pid: int) -> int:
@@ -225,7 +240,10 @@ def tune(
     """Runs (or resumes, with a persistent `storage`) the study and returns the winner.
 
     Args:
-        trials: distinct configs to time in this run (pruned trials and repeats do not count).
+        trials: distinct configs the study is to hold timed, by every process sharing it (timed_configs; pruned
+            and failed trials and repeats do not count): a resumed study times only what it still lacks, and a
+            config another process timed or is timing is not timed again. The tune also stops once every config
+            of the space is timed or failed.
         timeout_s: stop asking for new trials after this many seconds.
         space: candidate configs; default: every planner candidate (rejected ones are pruned with their reason).
         storage: an Optuna storage URL (sqlite:///tune.db, a journal file, an RDB server) shared by workers.
@@ -245,11 +263,11 @@ def tune(
         batch_size: new configs asked of Optuna before each prepare + timing round. With more than one, the
             sampler is told of pending trials (constant liar), so a batch spreads out instead of repeating itself;
             compiling batch_size configs at once is what makes this worth it.
-        run: several processes tuning one shared study together (multi-GPU, tunejob.run_parallel_many): `trials`
-            is then their budget together. Each marks a trial it times with the user attribute timed_in=run,
-            counts every process's, and stops — before its next timing — once the run has timed (or is timing)
-            `trials`: the processes end within one timing of each other, whatever their speed. None: `trials`
-            is this process's own.
+        run: several processes of one tune sharing the study (multi-GPU, tunejob.run_parallel_many): each marks a
+            trial it times with the user attribute timed_in=run (and timed_by=its pid, as every process on a
+            shared storage does), so the tune can fail a dead worker's trial at once (fail_abandoned). Every
+            process stops — before its next timing — once the study holds `trials` timed or being timed: the
+            processes end within one timing of each other, whatever their speed.
         on_timed: called once the trials are timed, before the finish (the best re-timed and verified): where a
             caller lets its compile processes go (CompilePool.release).
     """
@@ -287,7 +305,6 @@ def tune(
 
     history: list[TrialRecord] = []
     asked = 0
-    timed = 0  # the budget counts configs this process timed: repeats and other workers' trials are free
     repeats = 0
     rng = random.Random(seed)
     failures: dict[KernelConfig, str] = {}  # configs that failed to compile or run: never tried again
@@ -305,8 +322,8 @@ def tune(
         return {cfg for batch, _ in in_flight for _, cfg in batch}
 
     def spent() -> int:
-        """Configs timed against the budget: by this process, or by every process of the run."""
-        return timed if run is None else timed_in(study, run)
+        """Configs timed against the budget: the study's, by any process (timed_configs)."""
+        return len(timed_configs(study))
 
     def ask_batch() -> list[tuple[optuna.trial.Trial, KernelConfig]]:
         """Asks until the batch holds batch_size configs, or the budget (counting batches in flight) is spent."""
@@ -317,8 +334,11 @@ def tune(
             return in_flight_configs() | {cfg for _, cfg in batch}
 
         while len({cfg for _, cfg in batch}) < batch_size and asked < 20 * trials + 50:
-            if spent() + len(planned() - measured.keys()) >= trials:
+            timed_or_planned = timed_configs(study) | planned()
+            if len(timed_or_planned) >= trials:
                 break
+            if all(c in timed_or_planned or c in failures for c in feasible):
+                break  # the whole space is timed or failed: asking again would only repeat configs
             if timeout_s is not None and time.time() - start > timeout_s:
                 break
             trial = study.ask()
@@ -355,12 +375,11 @@ def tune(
         return prepare(new) if prepare is not None and new else lambda cfg: None
 
     def run_batch(batch, wait: Wait):
-        nonlocal timed
         for trial, cfg in batch:
-            if run is not None and cfg not in measured:
+            if storage is not None and cfg not in measured:
                 measured.update(_completed(study))  # another process may have timed it meanwhile
-                if cfg not in measured and spent() >= trials:  # the others spent the run's budget
-                    trial.set_user_attr("reason", "the run's budget was spent by other processes")
+                if cfg not in measured and spent() >= trials:  # other processes spent the study's budget
+                    trial.set_user_attr("reason", "the budget was spent by other processes")
                     study.tell(trial, state=optuna.trial.TrialState.PRUNED)
                     continue
             wait_start = time.time()
@@ -371,10 +390,13 @@ def tune(
             if cfg in failures:
                 fail(trial, cfg, failures[cfg])
                 continue
+            if cfg not in measured and storage is not None and not _claim(study, trial, cfg, run):
+                measured.update(_completed(study))
+                if cfg not in measured:  # another process is timing it: its reading will be the study's
+                    trial.set_user_attr("reason", "timed by another process")
+                    study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    continue
             if cfg not in measured:  # a config asked twice is timed once
-                if run is not None:  # counted against the run's budget from now on, by every process
-                    trial.set_user_attr("timed_in", run)
-                    trial.set_user_attr("timed_by", os.getpid())  # for fail_abandoned, if this process dies
                 measuring = time.time()
                 try:
                     measured[cfg] = float(measure(cfg))
@@ -382,7 +404,6 @@ def tune(
                     failures[cfg] = failure_reason(exc)
                     fail(trial, cfg, failures[cfg])
                     continue
-                timed += 1
                 # Where a trial's time went, kept in the storage for scripts/tune_timeline.py: waiting for the
                 # compile processes, and measuring (which includes building the config if built_here).
                 trial.set_user_attr("timing", {"pid": os.getpid(), "start": round(wait_start, 3),

@@ -8,7 +8,8 @@ import optuna
 import pytest
 import torch
 
-from fa2tune import store, tunejob
+from fa2tune import processes, store, tunejob, tuner
+from fa2tune.types import KernelConfig
 
 
 @pytest.fixture
@@ -18,9 +19,16 @@ def interpreter_only():
 
 
 def _study(path, spec):
-    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+    """The study as a plain Optuna storage reads it (no heartbeats: reading it here fails no stale trial)."""
+    path, journal = str(path), optuna.storages.journal.JournalFileBackend
+    storage = path if "://" in path else optuna.storages.JournalStorage(journal(path))
     name = f"cpu-interpreter/{spec.kernel}/d{spec.head_dim}/bfloat16/{'causal' if spec.causal else 'full'}"
     return optuna.load_study(study_name=name, storage=storage)
+
+
+def _timed(study) -> list[KernelConfig]:
+    """The configs the study's trials timed (each timing keeps where its time went), once per timing."""
+    return [KernelConfig(**t.params) for t in study.trials if "timing" in t.user_attrs]
 
 
 def test_two_workers_share_one_journal_and_lose_nothing(tmp_path, interpreter_only):
@@ -28,12 +36,11 @@ def test_two_workers_share_one_journal_and_lose_nothing(tmp_path, interpreter_on
     spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=True, trials=4, storage=str(journal))
     result, entry, codes = tunejob.run_parallel(spec, ["cpu", "cpu"])
     assert codes == {"0:cpu": 0, "1:cpu": 0}
-    completed = [t for t in _study(journal, spec).trials if t.state == optuna.trial.TrialState.COMPLETE]
-    configs = {tuple(t.params.values()) for t in completed}
-    # Four configs between the two workers (the budget is theirs together); a config another worker finished is
-    # never timed again (only two workers proposing one config at the same instant can both time it).
-    assert len(configs) >= 3
-    assert result.measured == len(configs) and entry.config in {tunejob.planner.KernelConfig(*c) for c in configs}
+    # Four configs between the two workers (the budget is theirs together), none timed twice: a config another
+    # worker timed, or is timing (even one proposed to both at the same instant), is not timed again.
+    timed = _timed(_study(journal, spec))
+    assert len(timed) == len(set(timed)) == 4
+    assert result.measured == 4 and entry.config in timed
     # the entry records the winner's second reading (the re-timing the ranking uses: tuner.tune), not its first
     assert entry.ms == round(result.best_ms, 4) and result.best == entry.config
     path = tunejob.write(entry, "cpu", tmp_path / "configs")
@@ -203,8 +210,10 @@ def test_a_worker_answers_a_share_of_a_spent_budget_without_starting_the_study(t
     assert not tunejob._spent(spec, "cpu")  # no worker has opened the study yet
     tunejob.run_study(spec, "cpu", finalize=False)
     assert tunejob._spent(spec, "cpu")
-    assert not tunejob._spent(replace(spec, run="run-2"), "cpu")  # another run has a budget of its own
-    assert not tunejob._spent(replace(spec, run=None), "cpu")  # a lone process counts its own trials
+    # The budget is the study's distinct configs timed: another run (a resumed tune) finds it spent, a larger
+    # budget does not.
+    assert tunejob._spent(replace(spec, run="run-2"), "cpu")
+    assert not tunejob._spent(replace(spec, trials=3), "cpu")
 
 
 def _stopped_worker_with_a_busy_child(outbox):
@@ -309,3 +318,161 @@ def test_an_all_study_beside_bucket_entries_is_tuned_at_the_lengths_it_serves(tm
     assert tunejob.unserved_lengths(short, path) == (512, 1024)
     path.write_text("{not yaml")  # an unreadable file leaves the lengths as they are
     assert tunejob.unserved_lengths(spec, path) == (1024, 4096, 16384)
+
+
+# Storages shared by processes (fa2tune tune --storage): opened at once, a process killed while timing, resumed.
+
+_AT_ONCE = 5  # processes opening one fresh storage together
+
+
+def _open_at_once(url, barrier, answers):
+    barrier.wait(timeout=120)
+    try:
+        optuna.create_study(study_name="s", storage=tunejob._storage(url), load_if_exists=True)
+        answers.put(None)
+    except Exception as exc:
+        answers.put(f"{type(exc).__name__}: {exc}"[:300])
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_processes_opening_one_fresh_storage_at_once_all_open_it(tmp_path, kind):
+    # Two `fa2tune tune --storage sqlite:///x.db` starting together on a fresh file crashed about 1 run in 3: both
+    # created its tables ("table ... already exists", or the schema version stamped twice); four processes opening
+    # one at the same instant failed 11 times in 12. Five open a fresh storage together, three times: all open it.
+    context = processes.context()
+    for attempt in range(3):
+        url = f"sqlite:///{tmp_path}/{attempt}.db" if kind == "sqlite" else str(tmp_path / f"{attempt}.journal")
+        barrier, answers = context.Barrier(_AT_ONCE), context.Queue()
+        children = [context.Process(target=_open_at_once, args=(url, barrier, answers)) for _ in range(_AT_ONCE)]
+        for child in children:
+            child.start()
+        problems = [answers.get(timeout=120) for _ in children]
+        for child in children:
+            child.join(timeout=60)
+        assert problems == [None] * _AT_ONCE, f"attempt {attempt}"
+
+
+def _tune(spec):
+    tunejob.run_study(spec, "cpu", finalize=False)
+
+
+def _kill_while_timing(context, spec, url) -> int:
+    """Starts a process tuning spec alone and SIGKILLs it while it times a config; returns that trial's number."""
+    import os
+    import signal
+    import time
+
+    child = context.Process(target=_tune, args=(spec,))
+    child.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and child.is_alive():
+        if timing := _timing(url, spec):
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(timeout=60)
+            return timing[0]
+        time.sleep(0.01)
+    child.kill()
+    raise AssertionError("the tune ended, or never timed a config, before it could be killed")
+
+
+def _timing(url, spec) -> list[int]:
+    """The numbers of the study's trials being timed (RUNNING, their config chosen); [] before the study exists."""
+    import sqlalchemy.exc
+
+    try:
+        trials = _study(url, spec).trials
+    except (KeyError, sqlalchemy.exc.SQLAlchemyError):  # not created yet, or its tables being created now
+        return []
+    running = optuna.trial.TrialState.RUNNING
+    return [t.number for t in trials if t.state == running and tuner._proposed(t) is not None]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["journal", "sqlite"])
+def test_a_killed_tune_s_trial_is_failed_and_its_resume_times_only_what_the_budget_lacks(
+    tmp_path, monkeypatch, interpreter_only, kind
+):
+    # A process killed while it timed a config left its trial RUNNING forever; resumed, the tune timed --trials
+    # configs more, re-proposing the timed ones until it had asked 20x the budget (113 trials for --trials 3).
+    # Now each trial it holds has a heartbeat: once stale, the next process to open the study fails it, and
+    # --trials counts distinct configs in the study, so the resume times what the budget still lacks.
+    import time
+
+    monkeypatch.setenv(tunejob.STALE_AFTER_ENV, "2")
+    url = f"sqlite:///{tmp_path}/tune.db" if kind == "sqlite" else str(tmp_path / "tune.journal")
+    spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=4, storage=url)
+    killed = _kill_while_timing(processes.context(), spec, url)
+    assert _study(url, spec).trials[killed].state == optuna.trial.TrialState.RUNNING
+    time.sleep(tunejob.stale_after_s() + 1)  # resumed after the killed trial's heartbeat went stale
+    result, entry = tunejob.run_study(spec, "cpu")
+    study = _study(url, spec)
+    trial = study.trials[killed]
+    assert trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs["reason"] == tunejob.STALE_REASON
+    assert not [t.number for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
+    timed = _timed(study)
+    assert len(timed) == len(set(timed)) == spec.trials  # the budget, each config timed once
+    assert result.measured == spec.trials and entry.config in timed
+    assert len(study.trials) <= 3 * spec.trials
+
+
+def test_a_config_another_process_is_timing_is_not_timed_again(tmp_path):
+    # Two processes tuning one study (independent tunes sharing --storage, or hosts): a config one of them is
+    # timing counts against the budget and is never timed by the other. The second process runs inside the
+    # first one's first timing, so the interleaving is fixed.
+    space = [KernelConfig(m, n, 4, 1) for m in (16, 32) for n in (16, 32)]
+    storage = tunejob._storage(str(tmp_path / "tune.journal"))
+    kwargs = dict(device=tunejob.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
+                  causal=False, space=space, storage=storage, default=space[0], remeasure_top=1)  # fmt: skip
+    calls, other_calls = [], []
+
+    def measure(cfg):
+        calls.append(cfg)
+        if len(calls) == 1:
+            tuner.tune(measure=lambda c: other_calls.append(c) or 1.0 + c.block_m, seed=1, trials=3, **kwargs)
+        return 1.0 + cfg.block_n
+
+    tuner.tune(measure=measure, trials=3, **kwargs)
+    assert calls[0] == space[0] and space[0] not in other_calls
+    assert len(calls + other_calls) == len(set(calls + other_calls)) == 3
+
+
+def test_a_config_a_process_timed_while_another_waited_for_its_compile_is_not_timed_again(tmp_path):
+    # A process asks a config, then waits for its compile (prepare's wait) before it marks the config as being
+    # timed: meanwhile another process times the same config. Marking it after, the first finds it timed and
+    # takes its stored reading instead of timing it again.
+    a, b = KernelConfig(16, 16, 4, 1), KernelConfig(32, 32, 4, 1)
+    url = f"sqlite:///{tmp_path / 'tune.db'}"
+    calls = []
+
+    def other_process_times_a():
+        study = optuna.load_study(study_name="cpu-interpreter/fwd/d16/bfloat16/full", storage=url)
+        choices = {dim: optuna.distributions.CategoricalDistribution(sorted({getattr(c, dim) for c in (a, b)}))
+                   for dim in tuner._DIMS}  # fmt: skip
+        study.add_trial(optuna.trial.create_trial(params=tuner._params(a), distributions=choices, value=2.0,
+                                                  user_attrs={"timed_by": 1, "timing": {}}))  # fmt: skip
+
+    def prepare(configs):
+        return lambda cfg: other_process_times_a() if cfg == a else None
+
+    cpu = tunejob.selection.device_info("cpu")
+    result = tuner.tune(device=cpu, kernel="fwd", head_dim=16, dtype=torch.bfloat16, causal=False, space=[a, b],
+                        default=a, storage=tunejob._storage(url), remeasure_top=1, trials=2, prepare=prepare,
+                        batch_size=1, measure=lambda cfg: calls.append(cfg) or 3.0)  # fmt: skip
+    assert calls == [b]
+    assert result.measured == 2 and result.best == a and result.best_ms == 2.0  # a's stored reading
+
+
+def test_a_study_asks_nothing_past_its_space_or_its_budget(tmp_path):
+    # A budget larger than the space (or a resumed study whose budget is spent) kept asking: every proposal a repeat
+    # told again from its stored value, until 20x the budget had been asked.
+    space = [KernelConfig(m, n, 4, 1) for m in (16, 32) for n in (16, 32)]
+    url = f"sqlite:///{tmp_path / 'tune.db'}"
+    kwargs = dict(device=tunejob.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
+                  causal=False, space=space, storage=tunejob._storage(url), default=space[0], remeasure_top=1,
+                  measure=lambda cfg: 1.0 + cfg.block_m + cfg.block_n / 100)  # fmt: skip
+    result = tuner.tune(trials=10, **kwargs)
+    study = optuna.load_study(study_name=result.study_name, storage=url)
+    assert result.measured == len(space) and len(study.trials) <= 2 * len(space)
+    stored = len(study.trials)
+    assert tuner.tune(trials=len(space), **kwargs).best == result.best
+    assert len(optuna.load_study(study_name=result.study_name, storage=url).trials) == stored

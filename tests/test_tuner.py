@@ -154,12 +154,14 @@ def test_processes_of_one_run_share_its_budget_and_stop_when_it_is_spent(tmp_pat
     tuner.tune(measure=measure, run="run-1", **kwargs)
     assert (len(calls), len(other_calls)) == (2, 5)
     assert not set(calls) & set(other_calls)  # nothing timed twice
-    # The run's budget is spent for any later process of it; another run has a budget of its own.
+    # The budget is the study's distinct configs timed: spent for any later process, of this run or another (a
+    # resumed tune); a larger one times only the difference, none of the configs timed already.
     late, late_calls = _replay(table)
     tuner.tune(measure=late, run="run-1", seed=2, **kwargs)
-    assert late_calls == []
     tuner.tune(measure=late, run="run-2", seed=2, **kwargs)
-    assert len(late_calls) == 7
+    assert late_calls == []
+    tuner.tune(measure=late, run="run-2", seed=2, **{**kwargs, "trials": 10})
+    assert len(late_calls) == 3 and not set(late_calls) & (set(calls) | set(other_calls))
 
 
 def test_a_config_two_workers_both_timed_keeps_its_best_reading():
@@ -356,19 +358,21 @@ def test_a_dead_process_s_trial_in_timing_stops_counting_against_the_run_s_budge
 
     storage = f"sqlite:///{tmp_path / 'tune.db'}"
     study = optuna.create_study(study_name="s", storage=storage)
-    dead, alive = study.ask(), study.ask()
-    for trial, pid in ((dead, 111), (alive, 222)):
-        trial.set_user_attr("timed_in", "run-1")
+
+    def timing(run, pid, block_m):  # a trial of config (block_m, 64, 4, 2), marked as its process marks it
+        study.enqueue_trial(tuner._params(KernelConfig(block_m, 64, 4, 2)))
+        trial = study.ask()
+        trial.set_user_attr("timed_in", run)
         trial.set_user_attr("timed_by", pid)
-    other_run = study.ask()
-    other_run.set_user_attr("timed_in", "run-2")
-    other_run.set_user_attr("timed_by", 111)
-    assert tuner.timed_in(study, "run-1") == 2
+        return trial
+
+    dead, alive, other_run = timing("run-1", 111, 16), timing("run-1", 222, 32), timing("run-2", 111, 64)
+    assert len(tuner.timed_configs(study)) == 3
     assert tuner.fail_abandoned(storage, "run-1", 111) == 1
     states = {t.number: t.state for t in study.get_trials()}
     assert states[dead.number] == optuna.trial.TrialState.FAIL
     assert states[alive.number] == states[other_run.number] == optuna.trial.TrialState.RUNNING
-    assert tuner.timed_in(study, "run-1") == 1
+    assert len(tuner.timed_configs(study)) == 2
     assert tuner.fail_abandoned(storage, "run-1", 111) == 0  # once
 
 
