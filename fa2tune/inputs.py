@@ -137,18 +137,22 @@ def check_varlen(
 
 def check_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, total_q: int, total_k: int):
     """The values of packed sequences' offsets: start at 0, never decrease, end at the token count, no sequence
-    longer than its max_seqlen. A wrong cu_seqlens would otherwise read and write out of bounds with no error.
+    longer than its max_seqlen. The kernels only keep offsets in bounds: without this a wrong cu_seqlens would give
+    wrong results with no error.
 
-    Reads the offsets back to the host (a small copy and a sync) — once per offsets tensor: a tensor checked before
-    with the same totals and maxima, not modified since (its version counter unchanged), is not read again, so a
-    model whose layers share one cu_seqlens pays one host sync per step, not one per layer. Called inside the
-    fa2tune::fwd op, which runs eagerly even in a torch.compile graph, where a host read would break the graph.
+    Reads the offsets back to the host (a small copy and a sync) — once per offsets tensor: one checked before with
+    the same totals and maxima, on the same memory and not modified since (its version counter unchanged), is not
+    read again, so a model whose layers share one cu_seqlens pays one host sync per step, not one per layer. A write
+    the version counter does not see (`cu.data[i] = ...`, a NumPy or DLPack view) escapes this check, not the
+    kernels' bounds: they clamp every offset to the tensor's rows (templates/_common.py.jinja, _sequence_rows), so
+    such offsets give a defined result, never a read or write outside a tensor. Called inside the fa2tune::fwd op,
+    which runs eagerly even in a torch.compile graph, where a host read would break the graph.
     """
     for name, cu, total, max_name, max_len in (
         ("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k),
     ):
-        stamp = (cu._version, total, max_len)
+        stamp = (cu._version, cu.data_ptr(), total, max_len)  # data_ptr: `cu.data = other` keeps the version
         seen = _checked_offsets.get(id(cu))
         if seen is not None and seen[0]() is cu and seen[1] == stamp:
             continue
@@ -167,8 +171,8 @@ def check_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: i
         _checked_offsets[id(cu)] = (weakref.ref(cu), stamp)
 
 
-# id(offsets tensor) -> (weak reference to it, (version, total, max_len) it was checked with)
-_checked_offsets: dict[int, tuple[weakref.ref, tuple[int, int, int]]] = {}
+# id(offsets tensor) -> (weak reference to it, (version, data_ptr, total, max_len) it was checked with)
+_checked_offsets: dict[int, tuple[weakref.ref, tuple[int, int, int, int]]] = {}
 
 
 def check_window(window: object) -> tuple[int, int]:

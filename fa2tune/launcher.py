@@ -117,6 +117,11 @@ def _lse_strides(lse: torch.Tensor, packing: Packing | None) -> tuple[int, int]:
     return lse.stride()[:2] if packing is None else (0, lse.stride(0))
 
 
+def _totals(q: torch.Tensor, k: torch.Tensor, packing: Packing | None) -> tuple[int, ...]:
+    # packed: the rows of q and of k/v, the kernels' TOTAL_Q, TOTAL_K, which bound what cu_seqlens may address
+    return (q.shape[0], k.shape[0]) if packing is not None else ()
+
+
 def _mask_args(mask: Mask, seqlen_q: int, seqlen_k: int, packing: Packing | None):
     cu_q, cu_k = (packing.cu_seqlens_q, packing.cu_seqlens_k) if packing is not None else (None, None)
     return cu_q, cu_k, mask.bounds(seqlen_q, seqlen_k)
@@ -276,7 +281,8 @@ def _forward_launcher(q, k, v, o, lse, mask: Mask, scale: float, config: KernelC
     cu_q, cu_k, (left, right, prefix) = _mask_args(mask, seqlen_q, seqlen_k, packing)
     grid = fwd_grid(_cdiv(seqlen_q, config.block_m), batch * heads_q)
     scalars = (*strides(q), *strides(k), *strides(v), *strides(o), *_lse_strides(lse, packing), batch, heads_q,
-               heads_q // heads_kv, seqlen_q, seqlen_k, scale * LOG2E, left, right, prefix)  # fmt: skip
+               heads_q // heads_kv, seqlen_q, seqlen_k, scale * LOG2E, left, right, prefix,
+               *_totals(q, k, packing))  # fmt: skip
     options = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim), BLOCK_M=config.block_m,
                    BLOCK_N=config.block_n, INPUT_PRECISION=_input_precision(q.dtype), num_warps=config.num_warps,
                    num_stages=config.num_stages)  # fmt: skip
@@ -388,7 +394,7 @@ def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config
     pre_options = dict(**common, BLOCK_M=dq_config.block_m, ZERO_DQ=fused_dq)
     cu_q, cu_k, bounds = _mask_args(mask, seqlen_q, seqlen_k, packing)
     inputs = (*strides(q), *strides(k), *strides(v), *strides(do), *_lse_strides(lse, packing))
-    sizes = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds)
+    sizes = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds, *_totals(q, k, packing))
 
     if dkdv_config.warpspec:  # backward() checked that this call can take it
         # the warpspec launchers take the TMA-read tensors first: the Triton ones below take the same order

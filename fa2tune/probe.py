@@ -122,7 +122,7 @@ def compile_config(
         elif arg in ("CU_Q", "CU_K"):
             signature[arg] = "constexpr"  # a dense launch passes None for the packed-sequence offsets
             constexprs[arg] = None
-        elif arg in ("BATCH", "N_Q", "N_K", "window_left", "window_right", "prefix_len"):
+        elif arg in ("BATCH", "N_Q", "N_K", "window_left", "window_right", "prefix_len", "TOTAL_Q", "TOTAL_K"):
             signature[arg] = "i32"  # do_not_specialize in the templates
         else:
             # stride_qm / stride_kn / ... are row strides; stride_*b and stride_*h batch and head strides.

@@ -29,7 +29,7 @@ def test_every_variant_renders_valid_python(variant):
     assert f"template_hash: {codegen.template_hash('fwd')}" in source
     assert ("Bottom-right causal" in source) == variant.causal
     assert ("lo, full_lo, full_hi, hi = _tile_ranges(" in source) == variant.banded
-    assert ("N_Q = tl.load(CU_Q + off_b + 1) - q_start" in source) == variant.varlen
+    assert ("q_start, N_Q = _sequence_rows(CU_Q, off_b, TOTAL_Q, N_Q)" in source) == variant.varlen
     assert ("a.to(tl.float32)" in source) == variant.dot_fp32
     assert "{{" not in source and "{%" not in source
 
@@ -48,7 +48,8 @@ def test_every_backward_variant_renders_valid_python(variant):
     source = codegen.render("bwd", variant)
     compile(source, f"<bwd {variant}>", "exec")
     assert "{{" not in source and "{%" not in source
-    assert ("N_K = tl.load(CU_K + off_b + 1) - key_start" in source) == variant.varlen
+    # packed: both kernels bound the offsets (_sequence_rows) by the totals they take
+    assert source.count("key_start, N_K = _sequence_rows(CU_K, off_b, TOTAL_K, N_K)") == 2 * variant.varlen
 
 
 def test_bad_arguments():
