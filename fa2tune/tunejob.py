@@ -328,6 +328,12 @@ def run_study(
                                        varlen=spec.varlen, **{key: cfg})  # fmt: skip
         return None if err <= 2 * selfcheck.REL_TOLERANCE[dtype] else f"gradient relative error {err:.1e}"
 
+    def timed():  # the trials are timed, before the finish
+        if pool is not None and (own_pool or release_pool):
+            pool.release()
+        if finalize:
+            _await_others(spec, info)
+
     try:
         result = tuner.tune(
             device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype, causal=spec.causal,
@@ -335,7 +341,7 @@ def run_study(
             verify=verify if finalize else None, remeasure_top=3 if finalize else 1, on_trial=on_trial,
             seed=spec.seed, variant=spec.variant, prepare=prepare if pool is not None else None,
             batch_size=BATCH if pool is not None else 1, default=default, incumbent=spec.incumbent, run=spec.run,
-            on_timed=pool.release if pool is not None and (own_pool or release_pool) else None,
+            on_timed=timed,
         )  # fmt: skip
     finally:
         if own_pool:
@@ -561,16 +567,40 @@ def _leave_now(outbox) -> None:
     os._exit(0)
 
 
+def _study_name(spec: StudySpec, info: DeviceInfo) -> str:
+    return tuner.study_name(info, spec.kernel, spec.head_dim, DTYPES_BY_NAME[spec.dtype], spec.causal, spec.variant)
+
+
+# The longest a finish waits for other processes' timings (_await_others): a process that still beats its heartbeat
+# but never tells its trial (hung) does not hold the others' finish for ever.
+AWAIT_OTHERS_S = 600.0
+
+
+def _await_others(spec: StudySpec, info: DeviceInfo, poll_s: float = 0.5) -> None:
+    """Waits while other processes sharing spec's study are timing configs of it (RUNNING trials marked timed_by),
+    so a finish ranks every config the budget holds: a tune on another host that is still timing when this one's
+    trials end would otherwise be left out of this host's choice. A dead process's trial ends as stale (each
+    opening of the study fails those), so the wait ends within STALE_AFTER_S of a crash; at most AWAIT_OTHERS_S."""
+    if spec.storage is None:
+        return
+    running, deadline = (optuna.trial.TrialState.RUNNING,), time.monotonic() + AWAIT_OTHERS_S
+    while time.monotonic() < deadline:
+        study = optuna.load_study(study_name=_study_name(spec, info), storage=_storage(spec.storage))
+        trials = study.get_trials(deepcopy=False, states=running)
+        if not any(t.user_attrs.get("timed_by", os.getpid()) != os.getpid() for t in trials):
+            return
+        time.sleep(poll_s)
+
+
 def _spent(spec: StudySpec, device_name: str) -> bool:
     """Whether the study holds its whole budget timed already (tuner.timed_configs: by the run's workers, or before
     the run) — read from the storage, without the inputs, planner and compile-ahead a study's start costs (1-2 s a
     job on the H200 host)."""
     if spec.storage is None:
         return False
-    name = tuner.study_name(selection.device_info(device_name), spec.kernel, spec.head_dim,
-                            DTYPES_BY_NAME[spec.dtype], spec.causal, spec.variant)  # fmt: skip
     try:
-        study = optuna.load_study(study_name=name, storage=_storage(spec.storage))
+        study = optuna.load_study(study_name=_study_name(spec, selection.device_info(device_name)),
+                                  storage=_storage(spec.storage))  # fmt: skip
     except KeyError:  # no worker has opened it yet
         return False
     return len(tuner.timed_configs(study)) >= spec.trials

@@ -269,7 +269,8 @@ def tune(
             process stops — before its next timing — once the study holds `trials` timed or being timed: the
             processes end within one timing of each other, whatever their speed.
         on_timed: called once the trials are timed, before the finish (the best re-timed and verified): where a
-            caller lets its compile processes go (CompilePool.release).
+            caller lets its compile processes go (CompilePool.release), and waits for other processes still timing
+            configs of a shared study (tunejob.run_study), whose readings the finish then ranks with its own.
     """
     start = time.time()
     name = study_name(device, kernel, head_dim, dtype, causal, variant)
@@ -423,6 +424,8 @@ def tune(
 
     if on_timed is not None:
         on_timed()
+    if storage is not None:  # ranked too: what other processes sharing the study timed by now (on_timed may wait)
+        measured.update(_completed(study))
     if not measured:
         raise RuntimeError(f"{name}: no config could be measured; reasons: {[r.reason for r in history][:5]}")
     # Re-measure the top few: a single timing can be lucky. The winner is the best second reading that verifies —

@@ -476,3 +476,30 @@ def test_a_study_asks_nothing_past_its_space_or_its_budget(tmp_path):
     stored = len(study.trials)
     assert tuner.tune(trials=len(space), **kwargs).best == result.best
     assert len(optuna.load_study(study_name=result.study_name, storage=url).trials) == stored
+
+
+def test_a_finish_waits_for_the_configs_other_processes_are_timing_and_ranks_them(tmp_path):
+    # Two hosts tune one study; this one's trials end while the other is still timing a config: the finish waits
+    # for its reading and ranks it with its own, so each host chooses among every config of the budget. The other
+    # host's trial is made here (marked by another pid, its heartbeat this process's) and told a second later.
+    import threading
+
+    a, b, other = KernelConfig(16, 16, 4, 1), KernelConfig(32, 32, 4, 1), KernelConfig(64, 16, 4, 1)
+    spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=2,
+                             storage=str(tmp_path / "tune.journal"))  # fmt: skip
+    cpu = tunejob.selection.device_info("cpu")
+    study = optuna.create_study(study_name=tunejob._study_name(spec, cpu), storage=tunejob._storage(spec.storage))
+    study.enqueue_trial(tuner._params(other))
+    trial = study.ask()
+    for dim, value in tuner._params(other).items():
+        assert trial.suggest_categorical(dim, sorted({getattr(c, dim) for c in (a, b, other)})) == value
+    trial.set_user_attr("timed_by", 1)
+    told = threading.Timer(1.0, lambda: study.tell(trial, 2.0))
+    told.start()
+    readings = {a: 1.0, b: 3.0, other: 0.5}  # the other host read 2.0 for it; here it is the fastest
+    result = tuner.tune(device=cpu, kernel="fwd", head_dim=16, dtype=torch.bfloat16, causal=False, space=[a, b, other],
+                        default=a, storage=tunejob._storage(spec.storage), trials=2, measure=readings.get,
+                        on_timed=lambda: tunejob._await_others(spec, cpu, poll_s=0.05))  # fmt: skip
+    told.join()
+    assert result.measured == 2
+    assert result.best == other and result.best_ms == 0.5  # ranked by its reading here, like this host's own
