@@ -539,9 +539,29 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to make and subtract
 
 
+# What a backward that autograd asks to differentiate says (_refuse_second_order).
+SECOND_ORDER_ERROR = (
+    "fa2tune's attention is differentiable once: a gradient through it taken with create_graph=True (a gradient "
+    "penalty, a Hessian-vector product, double backward) is not supported, as its backward kernels have no "
+    "gradient of their own and the second-order terms would be missing. For second-order gradients, run those "
+    "layers with torch.nn.functional.scaled_dot_product_attention under "
+    "torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH)"
+)
+
+
+def _refuse_second_order(*tensors: torch.Tensor | None) -> None:
+    """Raises when this backward is asked for a graph of its own. Autograd runs a backward with grad mode on exactly
+    when the gradient is taken with create_graph=True (torch.compile's tracing of the backward runs it with grad
+    mode off); the saved inputs then require grad. Its kernels' outputs would carry no graph, so the second
+    derivative would silently lack attention's terms: an error now, before any of it is computed."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(SECOND_ORDER_ERROR)
+
+
 def _backward(ctx, do, dlse):
     """O(N) saved state (q, k, v, O, logsumexp); S and P are recomputed. dlse: see backward()."""
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    _refuse_second_order(q, k, v, do, dlse)
     if do is None:  # only the logsumexp reached the loss
         do = torch.zeros_like(o)
     dq, dk, dv = torch.ops.fa2tune.bwd(do, q, k, v, o, lse, ctx.mask, ctx.scale, [], [], cu_q, cu_k,
@@ -575,6 +595,7 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
+        _refuse_second_order(q, k, v, do, dlse)
         if do is None:  # only the logsumexp reached the loss
             do = torch.zeros_like(o)
         dq, dk, dv = backward(do, q, k, v, o, lse, causal=ctx.mask, scale=ctx.scale, packing=ctx.packing, dlse=dlse)
