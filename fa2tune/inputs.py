@@ -4,19 +4,54 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import os
 import weakref
 from dataclasses import dataclass
 
 import torch
 
-from .types import DTYPE_CHOICES, MAX_HEAD_DIM
+from .types import DTYPE_CHOICES, MAX_HEAD_DIM, integer
 
 # The dtypes the kernels take, and the short names used in YAML, the CLI and Triton signatures.
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 SUPPORTED_DTYPES = tuple(DTYPE_NAMES)
 assert tuple(DTYPES_BY_NAME) == DTYPE_CHOICES, "types.DTYPE_CHOICES must name the dtypes above, in order"
+
+# A window side or prefix past any sequence reaches every key, as an unbounded one does (Mask.bounds): larger ones
+# are kept at this, within the int64 that the custom op's schema and Triton's scalar arguments take.
+MASK_EXTENT_MAX = 2**62
+# The kernels multiply the scores by scale·log2(e) in fp32: a larger scale would be inf there.
+SCALE_MAX = torch.finfo(torch.float32).max / math.log2(math.e)
+
+
+def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    """An integer argument as a Python int: an int, a NumPy integer or an integer 0-dim tensor, as PyTorch takes
+    them (types.integer); not a bool nor a float. TypeError for another type, ValueError outside minimum..maximum."""
+    number = integer(value)
+    if number is None and _integer_scalar_tensor(value):
+        number = int(value.item())  # type: ignore[union-attr]
+    if number is None:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if number < minimum or (maximum is not None and number > maximum):
+        expected = f"an int in {minimum}..{maximum}" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{name} must be {expected}, got {number}")
+    return number
+
+
+def _integer_scalar_tensor(value: object) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 0
+        and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    )
+
+
+def check_dtype(dtype: object) -> torch.dtype:
+    if not isinstance(dtype, torch.dtype) or dtype not in DTYPE_NAMES:
+        raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype!r}")
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -116,23 +151,27 @@ def check_varlen(
         raise ValueError(f"k and v must have the same number of tokens, got k={k.shape[0]}, v={v.shape[0]}")
     _check_heads(q.shape[1], k.shape[1], v.shape[1])
     _check_head_dim(q.shape[2], k.shape[2], v.shape[2])
-    for name, cu, max_name, max_len in (
-        ("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q),
-        ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k),
+    maxima = []
+    for name, cu, max_name, max_len, total in (
+        ("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, q.shape[0]),
+        ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, k.shape[0]),
     ):
         if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
             got = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
             raise TypeError(f"{name} must be a 1-D torch.int32 tensor of batch + 1 >= 2 offsets, got {got}")
         if cu.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 0:
-            raise TypeError(f"{max_name} must be a non-negative int, got {max_len!r}")
+        if cu.stride(0) != 1:  # the kernels read offset b at cu + b
+            raise ValueError(f"{name} must be contiguous, got stride {cu.stride(0)}; call .contiguous() on it")
+        # No sequence is longer than its tensor's rows: a larger maximum (a model's context length) is the same
+        # launch as that, and sizes the grid by rows that exist.
+        maxima.append(min(check_int(max_name, max_len, 0), total))
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             "cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
             f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
         )
-    return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    return cu_seqlens_q, cu_seqlens_k, *maxima
 
 
 def check_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, total_q: int, total_k: int):
@@ -179,34 +218,37 @@ def check_window(window: object) -> tuple[int, int]:
     """FlashAttention-2's window_size: (left, right) ints >= -1, -1 = unbounded; None = no window."""
     if window is None:
         return (-1, -1)
-    if (
-        not isinstance(window, (tuple, list))
-        or len(window) != 2
-        or any(isinstance(w, bool) or not isinstance(w, int) for w in window)
-    ):
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be None or a (left, right) pair of ints, got {window!r}")
-    if min(window) < -1:
-        raise ValueError(f"window sides must be >= -1 (-1 = unbounded), got {tuple(window)}")
-    return (int(window[0]), int(window[1]))
+    try:
+        sides = [min(check_int("window side", side, -1), MASK_EXTENT_MAX) for side in window]
+    except TypeError:
+        raise TypeError(f"window must be None or a (left, right) pair of ints, got {window!r}") from None
+    except ValueError:
+        raise ValueError(f"window sides must be >= -1 (-1 = unbounded), got {tuple(window)}") from None
+    return (sides[0], sides[1])
 
 
 def check_prefix_len(prefix_len: object) -> int:
-    if isinstance(prefix_len, bool) or not isinstance(prefix_len, int):
-        raise TypeError(f"prefix_len must be an int, got {type(prefix_len).__name__}")
-    if prefix_len < 0:
-        raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
-    return prefix_len
+    return min(check_int("prefix_len", prefix_len, 0), MASK_EXTENT_MAX)
 
 
 def check_scale(scale: object, head_dim: int) -> float:
-    """Returns the softmax scale: 1/sqrt(head_dim) when None, else a positive finite float."""
+    """Returns the softmax scale: 1/sqrt(head_dim) when None, else a positive finite float up to SCALE_MAX (a
+    Python or NumPy number). Not a tensor: a learnable scale would get no gradient through a float."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if isinstance(scale, torch.Tensor):
+        raise TypeError(
+            "scale must be a float or None, got a torch.Tensor; it is taken as a constant (no gradient reaches it): "
+            "pass float(scale), or for a learnable scale multiply q by it and pass scale=1.0"
+        )
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    return float(scale)
+    scale = float(scale)
+    if not (math.isfinite(scale) and 0 < scale <= SCALE_MAX):
+        raise ValueError(f"scale must be a positive finite number up to {SCALE_MAX:.3g} (fp32 scores), got {scale!r}")
+    return scale
 
 
 def check_flag(name: str, value: object) -> bool:

@@ -637,7 +637,21 @@ class FlashAttnFunction:
 
     @staticmethod
     def apply(q, k, v, mask, scale, config, packing=None):
-        return _apply(q, k, v, _as_mask(mask), scale, config, packing)
+        if packing is None:
+            check_qkv(q, k, v)
+        elif isinstance(packing, Packing):
+            packing = Packing(*check_varlen(q, k, v, packing.cu_seqlens_q, packing.cu_seqlens_k,
+                                            packing.max_seqlen_q, packing.max_seqlen_k))  # fmt: skip
+        else:
+            raise TypeError(f"packing must be a fa2tune.launcher.Packing or None, got {type(packing).__name__}")
+        if isinstance(mask, Mask):  # checked as attention() checks its parts
+            mask = Mask(causal=check_flag("causal", mask.causal), window=check_window(mask.window),
+                        prefix_len=check_prefix_len(mask.prefix_len))  # fmt: skip
+        elif isinstance(mask, bool):
+            mask = Mask(causal=mask)
+        else:
+            raise TypeError(f"mask must be True or False (causal) or a fa2tune.Mask, got {mask!r}")
+        return _apply(q, k, v, mask, check_scale(scale, q.shape[-1]), _check_config(config), packing)
 
 
 def attention(
@@ -715,7 +729,11 @@ def _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, confi
                 prefix_len=check_prefix_len(prefix_len))  # fmt: skip
     return_lse = check_flag("return_lse", return_lse)
     scale = check_scale(scale, q.shape[-1])
+    o, lse = _apply(q, k, v, mask, scale, _check_config(config), packing)
+    return (o, lse) if return_lse else o
+
+
+def _check_config(config: object) -> KernelConfig | None:
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a fa2tune.KernelConfig or None, got {type(config).__name__}")
-    o, lse = _apply(q, k, v, mask, scale, config, packing)
-    return (o, lse) if return_lse else o
+    return config

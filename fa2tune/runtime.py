@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from . import selection, store
-from .inputs import DTYPE_NAMES, check_prefix_len, check_window
+from .inputs import check_dtype, check_flag, check_int, check_prefix_len, check_qkv, check_varlen, check_window
 from .launcher import attention, attention_varlen
-from .types import MAX_HEAD_DIM, DeviceInfo, KernelConfig
+from .types import MAX_HEAD_DIM, DeviceInfo, KernelConfig, integer
 
 
 @dataclass(frozen=True)
@@ -61,23 +61,29 @@ class AttentionKernel:
     ):
         """attention(q, k, v) — or attention_varlen(q, k, v, *packing) for a varlen kernel — with this kernel's
         mask and configs (the backward's come from the same store)."""
-        if q.shape[-1] != self.head_dim or q.dtype != self.dtype:
-            raise ValueError(
-                f"this kernel was resolved for head_dim={self.head_dim}, dtype={self.dtype}; "
-                f"got q with head_dim={q.shape[-1]}, dtype={q.dtype}: call fa2tune.get_kernel for that"
-            )
-        if bool(packing) != self.varlen:
+        if len(packing) != (4 if self.varlen else 0):
             expected = (
                 "cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k after q, k, v"
                 if self.varlen
                 else ("only q, k, v (get_kernel(..., varlen=True) gives a kernel for packed sequences)")
             )
             raise TypeError(f"this kernel takes {expected}; got {len(packing)} more positional arguments")
-        mask = dict(causal=self.causal, window=self.window, prefix_len=self.prefix_len)
+        # q, k, v and the packing checked first: what the lines below read of them is then there
+        if self.varlen:
+            packing = check_varlen(q, k, v, *packing)
+            longest = max(packing[2:])
+        else:
+            shape = check_qkv(q, k, v)
+            longest = max(shape.seqlen_q, shape.seqlen_k)
+        if q.shape[-1] != self.head_dim or q.dtype != self.dtype:
+            raise ValueError(
+                f"this kernel was resolved for head_dim={self.head_dim}, dtype={self.dtype}; "
+                f"got q with head_dim={q.shape[-1]}, dtype={q.dtype}: call fa2tune.get_kernel for that"
+            )
         # The call's longer side picks the forward config, by the store's rule (what attention() does without one).
-        longest = max(packing[2:4]) if self.varlen and len(packing) >= 4 else max(q.shape[-2], k.shape[-2])
         bucket = store.bucket_of(longest)
         config = self.short_config if bucket == "short" else self.medium_config if bucket == "medium" else None
+        mask = dict(causal=self.causal, window=self.window, prefix_len=self.prefix_len)
         options = dict(scale=scale, return_lse=return_lse, config=config or self.config)
         if self.varlen:
             return attention_varlen(q, k, v, *packing, **mask, **options)
@@ -126,16 +132,22 @@ def get_kernel(
     """
     import os
 
-    if not isinstance(head_dim, int) or not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be an int in 1..{MAX_HEAD_DIM}, got {head_dim!r}")
-    if dtype not in DTYPE_NAMES:
-        raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dtype}")
-    for name, flag in (("causal", causal), ("varlen", varlen)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    head_dim, dtype = check_int("head_dim", head_dim, 1, MAX_HEAD_DIM), check_dtype(dtype)
+    causal, varlen = check_flag("causal", causal), check_flag("varlen", varlen)
     window, prefix_len = check_window(window), check_prefix_len(prefix_len)
-    device = str(torch.device(device))
-    return _resolved(head_dim, device, dtype, causal, os.environ.get("FA2TUNE_CONFIG_DIR"), window, prefix_len, varlen)
+    return _resolved(head_dim, _device_name(device), dtype, causal, os.environ.get("FA2TUNE_CONFIG_DIR"), window,
+                     prefix_len, varlen)  # fmt: skip
+
+
+def _device_name(device: object) -> str:
+    """get_kernel's device as torch.device names it: a str, a torch.device or a CUDA index, as torch.device takes."""
+    index = integer(device)
+    if index is None and not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str, a torch.device or an int, got {type(device).__name__} {device!r}")
+    try:
+        return str(torch.device(device if index is None else index))
+    except RuntimeError as exc:  # torch's own words say what a device string looks like
+        raise ValueError(f"device {device!r} is not a device: {exc}") from None
 
 
 def clear_cache() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass, fields
 
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -22,6 +23,14 @@ MAX_HEAD_DIM = 256  # the largest head dimension the templates take
 # The short names of the dtypes the kernels take, as YAML and the CLI spell them (torch-free, for the CLI's parser;
 # inputs.DTYPES_BY_NAME maps them to torch dtypes).
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
+
+
+def integer(value: object) -> int | None:
+    """`value` as a Python int if it is an integer — an int or a NumPy integer (numbers.Integral), as PyTorch takes
+    them —, else None: not a bool, whose True would pass as 1, nor a float, whose fraction would be dropped."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,11 @@ class KernelConfig:
         return " ".join([f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}", *switches])
 
     def __post_init__(self) -> None:
+        for field in fields(self):  # ints, as the kernels' compile-time constants and the custom op's int list take
+            value = getattr(self, field.name)
+            if integer(value) is None:
+                raise TypeError(f"KernelConfig.{field.name} must be an int, got {type(value).__name__} {value!r}")
+            object.__setattr__(self, field.name, integer(value))  # a NumPy integer becomes a Python int
         for name, allowed in (("block_m", _BLOCK_SIZES + WS_BLOCK_M[2:]), ("block_n", _BLOCK_SIZES)):
             value = getattr(self, name)
             if value not in allowed:
@@ -256,13 +270,13 @@ class Mask:
         return self.window != (-1, -1) or self.prefix_len > 0
 
     def bounds(self, seqlen_q: int, seqlen_k: int) -> tuple[int, int, int]:
-        """(left, right, prefix_len) as the kernels take them: -1 becomes a bound no position reaches."""
+        """(left, right, prefix_len) as the kernels take them: -1 becomes a bound no position reaches, and so does
+        any side past it (the kernels add a side to 32-bit positions: a side near 2^31 would wrap around)."""
         unbounded = seqlen_q + seqlen_k + 1
-        left, right = self.window
-        right = unbounded if right < 0 else right
+        left, right = (unbounded if side < 0 else min(side, unbounded) for side in self.window)
         if self.causal or self.prefix_len > 0:
             right = min(right, 0)
-        return (unbounded if left < 0 else left), right, min(self.prefix_len, seqlen_k)
+        return left, right, min(self.prefix_len, seqlen_k)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,11 @@ import torch
 
 import fa2tune
 from fa2tune import launcher
-from fa2tune.reference import naive_attention
-from fa2tune.types import Mask
+from fa2tune.inputs import check_window
+from fa2tune.reference import naive_attention, naive_attention_varlen
+from fa2tune.types import KernelConfig, Mask
+
+from .conftest import assert_close
 
 SECOND_ORDER = r"fa2tune's attention is differentiable once.*create_graph=True.*SDPBackend.MATH"
 F32 = torch.float32
@@ -89,3 +92,287 @@ def test_a_second_order_gradient_that_does_not_pass_through_attention_still_work
     (g,) = torch.autograd.grad(loss, w, create_graph=True)
     (g.square().sum() + loss).backward()
     assert q.grad is not None and w.grad is not None and torch.isfinite(w.grad).all()
+
+
+# ---- get_kernel's arguments ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "head_dim", [True, False, 64.0, float("nan"), "64", None, torch.tensor(True), torch.tensor(64.0)], ids=repr
+)
+def test_get_kernel_takes_only_integers_as_head_dim(head_dim):
+    # Before: True passed as head_dim 1 (bool is an int subclass); the others were ValueErrors.
+    with pytest.raises(TypeError, match=r"head_dim must be an int, got"):
+        fa2tune.get_kernel(head_dim, device="cpu", dtype=F32)
+
+
+@pytest.mark.parametrize("head_dim", [0, -1, 257, 2**40, np.int64(2**40)], ids=repr)
+def test_get_kernel_refuses_head_dims_out_of_range(head_dim):
+    with pytest.raises(ValueError, match=r"head_dim must be an int in 1..256, got"):
+        fa2tune.get_kernel(head_dim, device="cpu", dtype=F32)
+
+
+def test_get_kernel_takes_numpy_and_0_dim_tensor_integers_as_python_ints(device):
+    # Before: each of these was refused as not an int (PyTorch takes them as ints).
+    kernel = fa2tune.get_kernel(
+        np.int64(16), device=device, dtype=F32, window=(np.int32(4), torch.tensor(-1)), prefix_len=np.uint8(3)
+    )
+    assert (kernel.head_dim, kernel.window, kernel.prefix_len) == (16, (4, -1), 3)
+    assert all(type(x) is int for x in (kernel.head_dim, *kernel.window, kernel.prefix_len))
+    assert kernel is fa2tune.get_kernel(16, device=device, dtype=F32, window=(4, -1), prefix_len=3)  # one cache entry
+    q, k, v = _qkv(device)
+    assert_close(kernel(q, k, v), _reference(q, k, v, window=(4, -1), prefix_len=3), F32)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(dtype=[]), TypeError, r"dtype must be torch.bfloat16, torch.float16 or torch.float32, got \[\]"),
+        (dict(dtype="bf16"), TypeError, r"dtype must be .* got 'bf16'"),
+        (dict(device=None), TypeError, r"device must be a str, a torch.device or an int, got NoneType"),
+        (dict(device=True), TypeError, r"device must be a str, a torch.device or an int, got bool"),
+        (dict(device="foo"), ValueError, r"device 'foo' is not a device"),
+        (dict(causal=1), TypeError, r"causal must be True or False, got 1"),
+        (dict(varlen=np.True_), TypeError, r"varlen must be True or False"),
+        (dict(window=(True, 0)), TypeError, r"window must be None or a \(left, right\) pair of ints"),
+        (dict(window=(3.0, 0)), TypeError, r"window must be None or a \(left, right\) pair of ints"),
+        (dict(window=(torch.tensor(3.0), 0)), TypeError, r"window must be None or a \(left, right\) pair of ints"),
+        (dict(window=(1, 2, 3)), TypeError, r"window must be None or a \(left, right\) pair of ints"),
+        (dict(window=(np.int64(-2), 0)), ValueError, r"window sides must be >= -1"),
+        (dict(prefix_len=True), TypeError, r"prefix_len must be an int, got bool"),
+        (dict(prefix_len=2.0), TypeError, r"prefix_len must be an int, got float"),
+        (dict(prefix_len=np.int64(-1)), ValueError, r"prefix_len must be >= 0, got -1"),
+    ],
+    ids=lambda x: repr(x) if isinstance(x, dict) else "",
+)
+def test_get_kernel_argument_errors_name_the_argument(kwargs, error, match):
+    # Before: dtype=[] raised "unhashable type: 'list'", a device that is none torch's own long TypeError or
+    # RuntimeError; the rest were clear already.
+    with pytest.raises(error, match=match):
+        fa2tune.get_kernel(16, **{"device": "cpu", "dtype": F32, **kwargs})
+
+
+# ---- mask extents past any sequence ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "window, prefix_len, reference",
+    [
+        ((3, 2**31 - 1), 0, dict(window=(3, -1))),  # the kernels add the right side to int32 positions
+        ((2**31 - 1, 2**31 - 1), 0, dict()),
+        ((2**70, 0), 0, dict(causal=True)),  # past int64: Triton and the op's schema cannot take it
+        ((-1, -1), 2**70, dict(prefix_len=20)),
+    ],
+    ids=["right-2^31", "both-2^31", "left-2^70", "prefix-2^70"],
+)
+@pytest.mark.parametrize("path", ["eager", "op"])
+def test_window_and_prefix_past_any_sequence_reach_every_key(window, prefix_len, reference, path, device):
+    # Before: a right side near 2^31 wrapped around in the kernels and gave a wrong output with no error; a side of
+    # 2^70 raised OverflowError inside Triton (eager) or a schema error (op); a prefix of 2^70 a schema error (op).
+    q, k, v = _qkv(device, seed=1)
+    if path == "eager":
+        out = fa2tune.attention(q, k, v, window=window, prefix_len=prefix_len)
+    else:
+        mask = Mask(window=check_window(window), prefix_len=fa2tune.inputs.check_prefix_len(prefix_len))
+        out = launcher._apply_op(q, k, v, mask, 16**-0.5, None)[0]
+    assert_close(out, _reference(q, k, v, **reference), F32)
+
+
+# ---- scale -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.3), np.float64(0.3), np.int64(1)], ids=repr)
+def test_numpy_scales_are_taken_as_floats(scale, device):
+    # Before: np.float32 and np.int64 were refused (np.float64 subclasses float and passed).
+    q, k, v = _qkv(device, seed=2)
+    assert_close(fa2tune.attention(q, k, v, scale=scale), _reference(q, k, v, scale=float(scale)), F32)
+
+
+def test_a_tensor_scale_is_refused_as_it_would_get_no_gradient():
+    q, k, v = _qkv("cpu")
+    with pytest.raises(TypeError, match=r"scale must be a float or None, got a torch.Tensor.*learnable"):
+        fa2tune.attention(q, k, v, scale=torch.tensor(0.3, requires_grad=True))
+
+
+@pytest.mark.parametrize("scale", [1e39, 1e300], ids=repr)
+def test_a_scale_past_fp32s_range_is_refused(scale):
+    # Before: the kernels' fp32 scale·log2(e) was inf and the output all NaN, with no error.
+    q, k, v = _qkv("cpu")
+    with pytest.raises(ValueError, match=r"scale must be a positive finite number up to 2.36e\+38"):
+        fa2tune.attention(q, k, v, scale=scale)
+
+
+# ---- packed sequences: cu_seqlens and max_seqlen -----------------------------------------------------------
+
+
+def test_non_contiguous_offsets_are_refused(device):
+    # Before: check_offsets read the offsets through their strides ([0, 5, 20], valid) and the kernels read the
+    # memory under them as if contiguous ([0, 99, 5]): an output of ~1e34 with no error.
+    q, k, v, _ = _packed(device)
+    holder = torch.tensor([0, 99, 5, 99, 20], dtype=torch.int32, device=device)
+    cu = holder[::2]
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be contiguous, got stride 2; call .contiguous\(\)"):
+        fa2tune.attention_varlen(q, k, v, cu, cu.contiguous(), 15, 15)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must be contiguous, got stride 0"):
+        fa2tune.attention_varlen(q, k, v, cu.contiguous(), torch.zeros(1, dtype=torch.int32).expand(3), 15, 15)
+
+
+@pytest.mark.parametrize(
+    "max_seqlen", [np.int64(15), np.int32(15), torch.tensor(15), torch.tensor(15, dtype=torch.int32)], ids=repr
+)
+def test_numpy_and_0_dim_tensor_max_seqlens_are_taken_as_ints(max_seqlen, device):
+    # Before: refused as not an int (flash_attn callers often pass seqlens.max()).
+    q, k, v, cu = _packed(device, seed=3)
+    out = fa2tune.attention_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen)
+    assert torch.equal(out, fa2tune.attention_varlen(q, k, v, cu, cu, 15, 15))
+
+
+@pytest.mark.parametrize("max_seqlen", [2**40, 2**70], ids=["2^40", "2^70"])
+@pytest.mark.parametrize("path", ["eager", "op"])
+def test_a_max_seqlen_past_the_tokens_is_the_same_launch_as_the_tokens(max_seqlen, path, device):
+    # Before: 2^70 raised OverflowError inside Triton; 2^40 sized a grid of 2^36 programs (a hang in the
+    # interpreter; past CUDA's grid limit on a GPU).
+    q, k, v, cu = _packed(device, seed=4, requires_grad=True)
+    if path == "eager":
+        out = fa2tune.attention_varlen(q, k, v, cu, cu, max_seqlen, 15, scale=0.25)
+    else:  # attention_varlen's checks, then the op
+        packing = launcher.Packing(*fa2tune.inputs.check_varlen(q, k, v, cu, cu, max_seqlen, 15))
+        assert (packing.max_seqlen_q, packing.max_seqlen_k) == (20, 15)
+        out = launcher._apply_op(q, k, v, Mask(), 0.25, None, packing)[0]
+    ref = naive_attention_varlen(*(t.detach().double() for t in (q, k, v)), cu, cu, scale=0.25)[0]
+    assert_close(out, ref, F32)
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        ((True, 15), TypeError, r"max_seqlen_q must be an int, got bool True"),
+        ((15.0, 15), TypeError, r"max_seqlen_q must be an int, got float 15.0"),
+        ((torch.tensor(15.0), 15), TypeError, r"max_seqlen_q must be an int, got Tensor"),
+        ((15, "15"), TypeError, r"max_seqlen_k must be an int, got str '15'"),
+        ((-1, 15), ValueError, r"max_seqlen_q must be >= 0, got -1"),
+    ],
+    ids=lambda x: repr(x) if isinstance(x, tuple) else "",
+)
+def test_max_seqlen_errors_name_the_argument(args, error, match):
+    q, k, v, cu = _packed("cpu")
+    with pytest.raises(error, match=match):
+        fa2tune.attention_varlen(q, k, v, cu, cu, *args)
+
+
+@pytest.mark.parametrize(
+    "cu, error, match",
+    [
+        (lambda cu: cu.long(), TypeError, r"cu_seqlens_q must be a 1-D torch.int32 tensor .* got torch.int64"),
+        (lambda cu: cu[None], TypeError, r"cu_seqlens_q must be a 1-D torch.int32 tensor .* shape \(1, 3\)"),
+        (lambda cu: cu.tolist(), TypeError, r"cu_seqlens_q must be a 1-D torch.int32 tensor .* got list"),
+        (lambda cu: cu.to("meta"), ValueError, r"cu_seqlens_q must be on q's device cpu, got meta"),
+    ],
+    ids=["int64", "2-D", "list", "meta"],
+)
+def test_offsets_of_a_wrong_type_dtype_rank_or_device_are_refused(cu, error, match):
+    q, k, v, offsets = _packed("cpu")
+    with pytest.raises(error, match=match):
+        fa2tune.attention_varlen(q, k, v, cu(offsets), offsets, 15, 15)
+
+
+# ---- an AttentionKernel's call ---------------------------------------------------------------------------
+
+
+def test_a_kernel_call_checks_its_tensors_before_reading_them():
+    # Before: AttributeError ('str' object has no attribute 'shape') and IndexError (a 0-dim q).
+    q, k, v = _qkv("cpu")
+    kernel = fa2tune.get_kernel(16, device="cpu", dtype=F32)
+    with pytest.raises(TypeError, match=r"q must be a torch.Tensor, got str"):
+        kernel("q", k, v)
+    with pytest.raises(ValueError, match=r"q must be 4-D .* got shape \(\)"):
+        kernel(q[0, 0, 0, 0], k, v)
+    with pytest.raises(ValueError, match=r"resolved for head_dim=16.*got q with head_dim=8"):
+        kernel(q[..., :8], k[..., :8], v[..., :8])
+
+
+def test_a_varlen_kernel_call_checks_its_packing_before_reading_it(device):
+    # Before: max_seqlen_q="a" raised "'>' not supported between instances of 'int' and 'str'"; a fifth packing
+    # argument Python's "takes 7 positional arguments but 8 were given".
+    q, k, v, cu = _packed(device, seed=5)
+    kernel = fa2tune.get_kernel(16, device=device, dtype=F32, varlen=True)
+    with pytest.raises(TypeError, match=r"max_seqlen_q must be an int, got str 'a'"):
+        kernel(q, k, v, cu, cu, "a", 15)
+    with pytest.raises(TypeError, match=r"this kernel takes cu_seqlens_q, .* got 5 more positional arguments"):
+        kernel(q, k, v, cu, cu, 15, 15, 1)
+    out = kernel(q, k, v, cu, cu, torch.tensor(15), np.int64(2**40))
+    assert torch.equal(out, fa2tune.attention_varlen(q, k, v, cu, cu, 15, 15))
+
+
+# ---- FlashAttnFunction.apply ------------------------------------------------------------------------------
+
+
+def test_flash_attn_function_checks_its_arguments(device):
+    # Before: none were checked: a v of head_dim 8 under a q of 16 ran (reading past v's rows), a mask of 1 was
+    # taken as causal, a Mask with a side of 2^70 raised OverflowError inside Triton.
+    q, k, v = _qkv(device, seed=6)
+    with pytest.raises(ValueError, match=r"q, k and v must have the same head_dim, got q=16, k=16, v=8"):
+        fa2tune.FlashAttnFunction.apply(q, k, v[..., :8].contiguous(), False, 0.3, None)
+    with pytest.raises(TypeError, match=r"mask must be True or False \(causal\) or a fa2tune.Mask, got 1"):
+        fa2tune.FlashAttnFunction.apply(q, k, v, 1, 0.3, None)
+    with pytest.raises(TypeError, match=r"scale must be a float or None, got str"):
+        fa2tune.FlashAttnFunction.apply(q, k, v, False, "0.3", None)
+    with pytest.raises(TypeError, match=r"packing must be a fa2tune.launcher.Packing or None, got tuple"):
+        fa2tune.FlashAttnFunction.apply(q, k, v, False, 0.3, None, (None, None, 1, 1))
+    o, _ = fa2tune.FlashAttnFunction.apply(q, k, v, Mask(window=(2**70, 0)), 0.3, None)
+    assert_close(o, _reference(q, k, v, causal=True, scale=0.3), F32)
+
+
+# ---- KernelConfig ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(block_m=64.0),
+        dict(block_m=torch.tensor(16)),
+        dict(num_warps=4.0),
+        dict(num_stages=True),
+        dict(num_stages=2.5),
+        dict(num_stages=float("nan")),
+        dict(pipeline_qk=True),
+        dict(warpspec=False),
+        dict(persistent="0"),
+    ],
+    ids=repr,
+)
+def test_kernel_config_fields_are_integers(fields):
+    # Before: 64.0, a tensor or 4.0 passed the checks and crashed inside the Triton launch (InterpreterError);
+    # True, False and 2.5 ran as 1, 0 and 2.5 stages.
+    name = next(iter(fields))
+    with pytest.raises(TypeError, match=rf"KernelConfig.{name} must be an int, got"):
+        KernelConfig(**{"block_m": 16, "block_n": 16, **fields})
+
+
+def test_kernel_config_takes_numpy_integers_as_python_ints(device):
+    # Before: np.int64 block sizes passed the checks and crashed inside the Triton launch.
+    config = KernelConfig(np.int64(16), np.int32(32), num_warps=np.int64(4), num_stages=np.uint8(1))
+    assert config == KernelConfig(16, 32, 4, 1) and all(type(x) is int for x in launcher._to_ints(config))
+    q, k, v = _qkv(device, seed=7)
+    assert_close(fa2tune.attention(q, k, v, config=config), _reference(q, k, v), F32)
+
+
+# ---- tensors ---------------------------------------------------------------------------------------------
+
+
+def test_expanded_inputs_with_stride_0_give_the_right_output_and_gradients(device):
+    # k and v shared by every head through a stride-0 head dimension, q repeated over the batch: read in place.
+    gen = torch.Generator().manual_seed(8)
+    q_base = torch.randn(1, 2, 20, 16, generator=gen).to(device).requires_grad_()
+    kv_base = [torch.randn(1, 1, 20, 16, generator=gen).to(device).requires_grad_() for _ in range(2)]
+    q, k, v = q_base.expand(3, 2, 20, 16), *(t.expand(3, 2, 20, 16) for t in kv_base)
+    assert k.stride(1) == 0 and q.stride(0) == 0
+    out = fa2tune.attention(q, k, v, causal=True)
+    do = torch.randn(out.shape, generator=gen).to(device)
+    grads = torch.autograd.grad(out, (q_base, *kv_base), do)
+    leaves = [t.detach().double().requires_grad_() for t in (q_base, *kv_base)]
+    ref = naive_attention(*(t.expand(3, 2, 20, 16) for t in leaves), causal=True)[0]
+    for got, want in zip((out, *grads), (ref, *torch.autograd.grad(ref, leaves, do.double())), strict=True):
+        assert_close(got, want, F32)

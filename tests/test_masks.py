@@ -193,7 +193,7 @@ def _packed(device, lens=(4, 6)):
         (dict(max_seqlen_q=5), ValueError, "max_seqlen_q=5 is below the longest"),
         (dict(cu_seqlens_k="int64"), TypeError, "cu_seqlens_k must be a 1-D torch.int32"),
         (dict(cu_seqlens_k=[0, 10], max_seqlen_k=10), ValueError, "same number of sequences"),
-        (dict(max_seqlen_k=-1), TypeError, "max_seqlen_k must be a non-negative int"),
+        (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k must be >= 0, got -1"),
         (dict(q="4d"), ValueError, "q must be 3-D (total_tokens, heads, head_dim)"),
     ],
     ids=lambda x: x if isinstance(x, str) else None,
