@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -294,6 +295,7 @@ def _start_compiler(environment: dict[str, str], released=None) -> None:
 
     global _released
     processes.adopt(environment)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tuning process's: it lets the pool go
     _released = released
     try:
         # Compiles run while the tuning process times kernels: a timing process waiting for a core would launch

@@ -3,13 +3,66 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
+import re
 import sys
+import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from .types import DTYPE_CHOICES  # torch-free: `fa2tune tune` starts its helper processes before importing torch
+
+USAGE_ERROR = 2  # a bad argument, or a device or directory the command cannot use: nothing was done
+INTERRUPTED = 130  # Ctrl-C, as a shell reports a process ended by SIGINT
+# The shortest --timeout a study can use: its first config takes seconds to build and time on a GPU (~2 s to
+# compile, 1-2 s to time at the default lengths), so below this a study would time nothing but its default.
+MIN_TIMEOUT_S = 10.0
+# --storage: an Optuna database URL of one of these SQLAlchemy dialects (dialect+driver allowed), or a journal
+# file named by one of these suffixes. A bare word is neither: `--storage foo` silently made a journal file ./foo.
+STORAGE_DIALECTS = ("sqlite", "postgresql", "mysql", "mariadb", "oracle", "mssql")
+JOURNAL_SUFFIXES = (".journal", ".log")
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, exit code 2: argparse's default prints the whole usage above the error, seven
+    lines for `tune`, and the one that matters comes last."""
+
+    def error(self, message: str):
+        self.exit(USAGE_ERROR, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _fail(message: str):
+    """Ends the command with a one-line reason on stderr and the usage-error exit code."""
+    print(f"fa2tune: {message}", file=sys.stderr)
+    sys.exit(USAGE_ERROR)
+
+
+def _device_name(text: str) -> str:
+    """--device of check and show: cpu, cuda or cuda:N (whether it exists is _resolve_device's to say)."""
+    name = text.strip()
+    if not _DEVICE.fullmatch(name):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return name
+
+
+def _device_names(text: str) -> list[str]:
+    """--device of tune: 'all', or one device or several, comma-separated. Several are one worker each on one
+    study: the same GPU twice would time two configs at once on it (each reading slowed by the other), and cpu
+    beside a GPU would share one study between the interpreter's timings and the GPU's."""
+    if text.strip() == "all":
+        return ["all"]
+    names = [_device_name(part) for part in text.split(",")]
+    gpus = [int(name.partition(":")[2] or 0) for name in names if name != "cpu"]
+    if gpus and len(gpus) != len(names):
+        raise argparse.ArgumentTypeError(f"cpu and CUDA devices cannot share a tune, got {text!r}")
+    if len(set(gpus)) != len(gpus):
+        why = "two workers on one GPU slow each other's timings"
+        raise argparse.ArgumentTypeError(f"each GPU at most once ({why}), got {text!r}")
+    return names
 
 
 def _resolve_device(name: str) -> str:
@@ -20,27 +73,26 @@ def _resolve_device(name: str) -> str:
         # Triton reads TRITON_INTERPRET when it builds each @jit function, its own library's included, so the
         # choice must come before triton is imported; fa2tune itself imports triton only when a kernel runs.
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            sys.exit("fa2tune: --device cpu needs TRITON_INTERPRET=1 set before triton is imported")
+            _fail("--device cpu needs TRITON_INTERPRET=1 set before triton is imported")
         os.environ["TRITON_INTERPRET"] = "1"
-        print(
-            "note: --device cpu runs the kernels through Triton's interpreter: right answers, no speed.",
-            file=sys.stderr,
-        )
         return "cpu"
-    if not name.startswith("cuda"):
-        sys.exit(f"fa2tune: --device must be cpu or cuda[:N], got {name!r}")
     if not torch.cuda.is_available():
-        print(
-            f"fa2tune: no CUDA device is visible (asked for {name}); use --device cpu to run through Triton's "
-            "interpreter",
-            file=sys.stderr,
-        )
-        sys.exit(2)
+        _fail(f"no CUDA device is visible (asked for {name}); use --device cpu to run through Triton's interpreter")
+    count = torch.cuda.device_count()
+    if int(name.partition(":")[2] or 0) >= count:
+        _fail(f"--device {name} does not exist: {count} CUDA device(s) visible (cuda:0 to cuda:{count - 1})")
     return name
+
+
+def _note_interpreter(device: str) -> None:
+    if device == "cpu":
+        print("note: --device cpu runs the kernels through Triton's interpreter: right answers, no speed.",
+              file=sys.stderr)  # fmt: skip
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
     device = _resolve_device(args.device)
+    _note_interpreter(device)
 
     from . import selfcheck
     from .inputs import DTYPES_BY_NAME
@@ -210,28 +262,168 @@ def _worker_progress(specs, devices):
     return show
 
 
+def _positive_int(text: str) -> int:
+    """--trials, --tokens, --jobs: a count, at least one."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _timeout(text: str) -> float:
+    """--timeout: seconds per study, finite and at least MIN_TIMEOUT_S."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < MIN_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds >= {MIN_TIMEOUT_S:g} (a study's first config takes seconds to build and time), "
+            f"got {text!r}"
+        )
+    return value
+
+
+def _storage(text: str) -> str:
+    """--storage: a database URL (STORAGE_DIALECTS) or a journal file path (JOURNAL_SUFFIXES), nothing else."""
+    expected = (f"expected a database URL (sqlite:///PATH, postgresql://..., mysql://..., ...) or a journal file "
+                f"path ending in {' or '.join(JOURNAL_SUFFIXES)}, got {text!r}")  # fmt: skip
+    scheme, url, _ = text.partition("://")
+    if url:
+        if scheme.split("+")[0].lower() not in STORAGE_DIALECTS:
+            raise argparse.ArgumentTypeError(f"{expected}: unknown scheme {scheme!r}")
+        if scheme.startswith("sqlite") and _sqlite_path(text) is None:
+            raise argparse.ArgumentTypeError(f"{text!r} is an in-memory database, which keeps nothing: name a file")
+        return text
+    if re.match(r"[A-Za-z][\w+.-]+:", text):  # sqlite:/t.db: a URL without its "//" (a drive letter C: is a path)
+        raise argparse.ArgumentTypeError(f"{expected}: a URL needs '://'")
+    if not text.endswith(JOURNAL_SUFFIXES):
+        raise argparse.ArgumentTypeError(expected)
+    return text
+
+
+def _sqlite_path(url: str) -> Path | None:
+    """The file of a sqlite:///PATH URL (sqlite:////abs for an absolute one); None for an in-memory database."""
+    path = url.partition("://")[2][1:].partition("?")[0]
+    return Path(path) if path and path != ":memory:" else None
+
+
+def _write_problem(path: Path, created: list[Path]) -> str | None:
+    """Why the file at `path` cannot be written, or None; its directory is created if missing (each directory
+    made appended to `created`). Tried, not guessed: a directory under a file, a read-only or virtual file system
+    (/proc) or missing permissions show only when written to."""
+    directory = path.parent
+    missing = [p for p in (directory, *directory.parents) if not p.exists()]
+    if missing and missing[-1].parent.exists() and not missing[-1].parent.is_dir():
+        return f"{missing[-1].parent} is a file, not a directory"
+    if not missing and not directory.is_dir():
+        return f"{directory} is a file, not a directory"
+    try:
+        for made in reversed(missing):
+            made.mkdir()
+            created.append(made)
+        handle, probe = tempfile.mkstemp(dir=directory, prefix=".fa2tune-write-check-")
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"cannot create or write in {directory} ({exc.strerror or exc})"
+    if path.exists() and not path.is_file():
+        return f"{path} is a {'directory' if path.is_dir() else 'special file'}, not a file"
+    try:
+        path.open("rb").close() if path.exists() else None
+    except OSError as exc:  # a tune merges its entries into the file: one it cannot read would lose the others
+        return f"cannot read {path} ({exc.strerror or exc})"
+    return None
+
+
+def _check_writable(config_dir: Path, target: Path, storage: str | None) -> None:
+    """Exits with a one-line reason, before any timing, if the tune could not write its entries or its trials;
+    the directories the check made are removed then (nothing is left of a command that did nothing)."""
+    created: list[Path] = []
+    problem = _write_problem(target, created)
+    said = f"--config-dir {config_dir}: {problem}" if problem else None
+    local = _storage_file(storage) if storage is not None and not said else None
+    if local is not None and (problem := _write_problem(local, created)):
+        said = f"--storage {storage}: {problem}"
+    if said:
+        for made in reversed(created):
+            with contextlib.suppress(OSError):  # something else wrote in it meanwhile: it stays
+                made.rmdir()
+        _fail(said)
+
+
+def _storage_file(storage: str) -> Path | None:
+    """The local file a --storage value names (a journal file, a SQLite database), or None (a database server)."""
+    if "://" not in storage:
+        return Path(storage)
+    return _sqlite_path(storage) if storage.startswith("sqlite") else None
+
+
+def _trials_kept(storage: str | None, names: set[str]) -> int | None:
+    """How many timed trials of the studies `names` the storage holds; None if it cannot say."""
+    if storage is None or ((local := _storage_file(storage)) is not None and not local.exists()):
+        return 0  # opening a file that is not there would create it: nothing was kept
+    import optuna
+
+    from . import tunejob
+
+    try:
+        opened = tunejob._storage(storage)
+        complete = (optuna.trial.TrialState.COMPLETE,)
+        return sum(
+            len(optuna.load_study(study_name=s.study_name, storage=opened).get_trials(deepcopy=False, states=complete))
+            for s in optuna.get_all_study_summaries(opened, include_best_trial=False)
+            if s.study_name in names
+        )
+    except Exception:  # interrupted while it was written, a server gone: say less rather than fail here
+        return None
+
+
+def _interrupted(entries: int, path: Path | None, storage: str | None, names: set[str]) -> int:
+    """The one line Ctrl-C ends a tune with: what was written, and what its storage keeps."""
+    said = [f"{entries} entr{'y' if entries == 1 else 'ies'} written to {path}" if entries else "nothing written"]
+    kept = _trials_kept(storage, names)
+    if storage is not None and kept != 0:
+        trials = f"{kept} timed trial{'' if kept == 1 else 's'}" if kept is not None else "the trials timed so far"
+        said.append(f"{trials} kept in {storage} (the same command reuses them)")
+    lead = "\n" if sys.stdout.isatty() else ""  # after a progress line left open with \r
+    print(f"{lead}fa2tune: interrupted; {'; '.join(said)}", file=sys.stderr)
+    return INTERRUPTED
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
-    if all(d.strip().startswith("cuda") for d in args.device.split(",")) or args.device == "all":
+    if args.device[0] != "cpu":
         # Before this process imports torch: the fork server that starts the workers and compile processes imports
         # torch, triton and fa2tune meanwhile (fa2tune.processes), not after.
         from . import processes
 
         processes.start_early()
-    devices = [d.strip() for d in args.device.split(",")] if args.device != "all" else _all_cuda_devices()
-    devices = [_resolve_device(d) for d in devices]
-    from . import bench, planner, runtime, store, tunejob
-
-    if devices[0] == "cpu":
-        print("note: CPU timings (Triton's interpreter) say nothing about GPU speed; this run only exercises the "
-              "pipeline on tiny shapes.")  # fmt: skip
-    kernels = {"bwd": ["bwd_dkdv", "bwd_dq"], "all": list(planner.KERNELS)}.get(args.kernel, [args.kernel])
+    # Every argument is checked before anything is timed: a bad one ends the command with one line, exit code 2.
     seqlens = _tuning_lengths(args.seqlens, args.seqlen_bucket)
-    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    devices = args.device if args.device != ["all"] else _all_cuda_devices()
+    devices = [_resolve_device(d) for d in devices]
+    from . import bench, planner, runtime, selection, store, tunejob, tuner
+    from .inputs import DTYPES_BY_NAME
+
+    if len({selection.device_info(d).slug for d in devices}) > 1:
+        _fail(f"--device {','.join(devices)}: GPUs of different kinds cannot share a study; tune each kind alone")
     config_dir = Path(args.config_dir) if args.config_dir else store.user_config_dir()
     storage = args.storage
     if storage is None and len(devices) > 1:  # workers share one study through a journal file
         storage = str(config_dir / ".studies" / "tune.journal")
-    rows, path = [], None
+    target = tunejob.config_path(devices[0], config_dir)  # what the file holds now is timed beside the rest
+    _check_writable(config_dir, target, storage)
+
+    _note_interpreter(devices[0])
+    if devices[0] == "cpu":
+        print("note: CPU timings (Triton's interpreter) say nothing about GPU speed; this run only exercises the "
+              "pipeline on tiny shapes.")  # fmt: skip
+    kernels = {"bwd": ["bwd_dkdv", "bwd_dq"], "all": list(planner.KERNELS)}.get(args.kernel, [args.kernel])
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    rows, path, names = [], None, set()
     # One pool of compile processes for every study of a single-GPU tune (multi-GPU workers start their own).
     jobs = args.jobs or os.cpu_count() or 1
     pool = bench.CompilePool(jobs) if devices[0] != "cpu" and len(devices) == 1 else None
@@ -243,10 +435,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                               seqlen_bucket=args.seqlen_bucket)
             for kernel in kernels for causal in causals
         ]  # fmt: skip
-        target = tunejob.config_path(devices[0], config_dir)  # what the file holds now is timed beside the rest
         specs = [replace(spec, incumbent=tunejob.incumbent(spec, target)) for spec in specs]
         if args.seqlens is None:  # an "all" entry beside bucket entries is tuned at the lengths it serves
             specs = [_at_served_lengths(spec, target) for spec in specs]
+        info = selection.device_info(devices[0])
+        names = {tuner.study_name(info, spec.kernel, spec.head_dim, DTYPES_BY_NAME[spec.dtype], spec.causal,
+                                  spec.variant) for spec in specs}  # fmt: skip
         if len(devices) > 1:
             print(f"{len(specs)} studies shared by {len(devices)} workers ({storage})", flush=True)
             done = tunejob.run_parallel_many(specs, devices, progress=_worker_progress(specs, devices))
@@ -267,6 +461,13 @@ def _cmd_tune(args: argparse.Namespace) -> int:
             print()
             path = tunejob.write(entry, devices[0], config_dir)
             rows.append((spec.kernel, spec.causal, result))
+    except KeyboardInterrupt:
+        if pool is not None:
+            pool.release()  # compiles not begun are skipped: closing waits only for those under way
+            pool.close()
+            pool = None
+        _end_children()
+        return _interrupted(len(rows), path, storage, names)
     finally:
         if pool is not None:
             pool.close()
@@ -285,7 +486,20 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     for kernel, causal, r in rows:
         timed = sorted({t.config: t.ms for t in r.history if t.ms is not None}.items(), key=lambda item: item[1])
         print(f"  {kernel} causal={causal} timed: " + ", ".join(f"{cfg.label()} {ms:.3f}" for cfg, ms in timed))
+    for kernel, causal, r in rows:  # the config the file held for the key, kept or replaced, and why
+        if r.incumbent_note is not None:
+            print(f"  {kernel} causal={causal}: {r.incumbent_note}")
     return 0
+
+
+def _end_children() -> None:
+    """Ends this process's helper processes still running (a tune interrupted before its workers were told to
+    stop): multiprocessing would otherwise join them at exit, and a worker waiting for its next job never ends."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=10)
 
 
 def _all_cuda_devices() -> list[str]:
@@ -308,6 +522,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
         slug = info.slug
     else:
         device_name = _resolve_device(args.device)
+        _note_interpreter(device_name)
         slug = selection.device_info(device_name).slug
     rows = []
     seen = set()
@@ -363,10 +578,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fa2tune", description="Exact FlashAttention-2 in Triton, tuned per GPU.")
+    parser = _Parser(prog="fa2tune", description="Exact FlashAttention-2 in Triton, tuned per GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="run the kernels against a float64 reference on random odd shapes")
-    check.add_argument("--device", default="cuda:0", help="cuda[:N], or cpu for Triton's interpreter")
+    check.add_argument("--device", type=_device_name, default="cuda:0", help="cuda[:N], or cpu (Triton's interpreter)")
     check.add_argument("--dtype", default="bf16,fp16", help=f"comma-separated, from {sorted(DTYPE_CHOICES)}")
     check.set_defaults(func=_cmd_check)
 
@@ -389,9 +604,10 @@ def build_parser() -> argparse.ArgumentParser:
     tune = sub.add_parser("tune", help="time candidate configs with Optuna and store the fastest as YAML")
     tune.add_argument(
         "--device",
+        type=_device_names,
         default="cuda:0",
-        help="cuda[:N]; several (cuda:0,cuda:1) or 'all' run one worker per GPU on one study; "
-        "cpu exercises the pipeline (no speed)",
+        help="cuda[:N]; several (cuda:0,cuda:1; each GPU once, all of one kind) or 'all' run one worker per GPU "
+        "on one study; cpu exercises the pipeline (no speed)",
     )
     tune.add_argument("--head-dim", type=_head_dim, required=True)
     tune.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_CHOICES))
@@ -409,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="LEFT,RIGHT: tune the band-mask variant at this window, e.g. 1024,0 or -1,0 (-1: unbounded)",
     )
     tune.add_argument("--varlen", action="store_true", help="tune the packed-sequence (attention_varlen) variant")
-    tune.add_argument("--jobs", type=int, default=None, help="compile processes (default: one per CPU core)")
+    tune.add_argument("--jobs", type=_positive_int, default=None, help="compile processes (default: one per CPU core)")
     tune.add_argument("--seqlens", default=None,
                       help="tuning lengths, at batch·N = --tokens (default 1024,4096,16384 — less those the "
                            "file's short and medium entries for the key serve, 8192 added where fewer than two "
@@ -419,15 +635,24 @@ def build_parser() -> argparse.ArgumentParser:
                            "lengths (a backward kernel timed inside the whole training call, where the host can be "
                            "the bound); medium: the same for 1024 < max(seqlen_q, seqlen_k) <= 4096; all: the entry "
                            "for every other length")  # fmt: skip
-    tune.add_argument("--tokens", type=int, default=16384)
-    tune.add_argument("--trials", type=int, default=40, help="configs measured per study")
-    tune.add_argument("--timeout", type=float, default=None, help="seconds per study")
-    tune.add_argument("--storage", default=None, help="Optuna storage URL shared by workers (sqlite:///t.db, ...)")
-    tune.add_argument("--config-dir", default=None, help="where to write <gpu>.yaml (default: the user cache dir)")
+    tune.add_argument("--tokens", type=_positive_int, default=16384, help="batch·N of each tuning length")
+    tune.add_argument("--trials", type=_positive_int, default=40,
+                      help="configs timed per study (>= 1; the config the file holds for the key is timed beside "
+                           "them, whatever the budget)")  # fmt: skip
+    tune.add_argument("--timeout", type=_timeout, default=None,
+                      help=f"seconds per study (>= {MIN_TIMEOUT_S:g}): no new trial starts after it")  # fmt: skip
+    tune.add_argument("--storage", type=_storage, default=None,
+                      help="where the trials are kept, to resume or share between workers: a database URL of "
+                           f"{', '.join(STORAGE_DIALECTS)} (dialect+driver:// allowed), e.g. sqlite:///t.db, "
+                           "sqlite:////abs/t.db, postgresql://user@host/db; or an Optuna journal file whose name ends "
+                           f"in {' or '.join(JOURNAL_SUFFIXES)}; anything else is refused")  # fmt: skip
+    tune.add_argument("--config-dir", default=None,
+                      help="where to write <gpu>.yaml (default: the user cache dir); checked writable before any "
+                           "timing")  # fmt: skip
     tune.set_defaults(func=_cmd_tune)
 
     show = sub.add_parser("show", help="which configs the runtime uses, and from which file")
-    show.add_argument("--device", default="cuda:0")
+    show.add_argument("--device", type=_device_name, default="cuda:0")
     show.add_argument("--gpu", default=None, help="list the stored entries for a known GPU without the card")
     show.add_argument("--json", action="store_true")
     show.set_defaults(func=_cmd_show)
@@ -482,12 +707,15 @@ def main(argv: list[str] | None = None) -> int:
         bad = [d for d in args.dtype.split(",") if d not in DTYPE_CHOICES]
         if bad:
             print(f"fa2tune: --dtype must be from {sorted(DTYPE_CHOICES)}, got {bad}", file=sys.stderr)
-            return 2
+            return USAGE_ERROR
     try:
         return args.func(args)
     except BrokenPipeError:  # `fa2tune plan ... | head`: the reader left; not an error of ours
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:  # Ctrl-C outside a tune's studies (`tune` says more of its own): no traceback
+        print("fa2tune: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

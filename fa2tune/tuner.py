@@ -11,6 +11,7 @@ interpreter, or over a recorded table in tests.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -60,6 +61,7 @@ class TuneResult:
     within_2pct_at: int | None  # the first measured trial (1-based) within 2 % of the winner
     incumbent: KernelConfig | None = None  # the config the key ran before this tune (tune()'s incumbent), if timed
     incumbent_ms: float | None = None
+    incumbent_note: str | None = None  # what became of the incumbent, in words: kept, or replaced and why
     history: tuple[TrialRecord, ...] = field(repr=False, default=())
 
 
@@ -133,6 +135,48 @@ def _claim(study: optuna.Study, trial: optuna.trial.Trial, cfg: KernelConfig, ru
         trial.set_user_attr("timed_in", run)  # for fail_abandoned, if this process dies
     trial.set_user_attr("timed_by", os.getpid())
     return cfg not in timed_configs(study, but=trial.number)
+
+
+def _abandon(study: optuna.Study, trials: list[optuna.trial.Trial]) -> None:
+    """Tells FAIL each of `trials` not told yet (a tune interrupted by Ctrl-C), so none stays RUNNING in a storage
+    that outlives the process (and counts as a config being timed)."""
+    for trial in trials:
+        with contextlib.suppress(Exception):  # told already (set_user_attr refuses a finished trial), or no storage
+            trial.set_user_attr("reason", "interrupted")
+            study.tell(trial, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+
+
+def _time_outside_budget(study, cfg, measure, measured, failures, history, choices, storage) -> None:
+    """Times cfg once, as a trial of its own beside the budget's, unless another process sharing the study has."""
+    if storage is not None:
+        measured.update(_completed(study))
+        if cfg in measured:
+            return
+    try:
+        measured[cfg] = float(measure(cfg))
+    except Exception as exc:  # a config that no longer runs is replaced, as any failed config is never kept
+        failures[cfg] = failure_reason(exc)
+        history.append(TrialRecord(-1, cfg, None, failures[cfg]))
+        return
+    distributions = {dim: optuna.distributions.CategoricalDistribution(values) for dim, values in choices.items()}
+    study.add_trial(optuna.trial.create_trial(params=_params(cfg), distributions=distributions, value=measured[cfg]))
+    history.append(TrialRecord(-1, cfg, measured[cfg]))
+
+
+def _incumbent_note(
+    stored: KernelConfig | None, problem: str | None, best: KernelConfig, ms: dict[KernelConfig, float]
+) -> str | None:
+    """What became of the config the file held for the key, in words; ms: each config's deciding reading."""
+    if stored is None:
+        return None
+    if problem is not None:
+        return f"replaced the stored config {stored.label()}, which {problem}, by {best.label()} ({ms[best]:.3f} ms)"
+    if best == stored:
+        others = [cfg for cfg in ms if cfg != stored]
+        rival = min(others, key=ms.get) if others else None
+        beside = f"; the fastest other, {rival.label()}, {ms[rival]:.3f} ms" if rival is not None else ""
+        return f"kept the stored config {stored.label()} ({ms[stored]:.3f} ms{beside})"
+    return f"replaced the stored config {stored.label()} ({ms[stored]:.3f} ms) by {best.label()} ({ms[best]:.3f} ms)"
 
 
 def fail_abandoned(storage, run: str, pid: int) -> int:
@@ -244,15 +288,16 @@ def tune(
             and failed trials and repeats do not count): a resumed study times only what it still lacks, and a
             config another process timed or is timing is not timed again. The tune also stops once every config
             of the space is timed or failed.
-        timeout_s: stop asking for new trials after this many seconds.
+        timeout_s: stop asking for new trials after this many seconds (once a config is timed: a study always
+            times its first).
         space: candidate configs; default: every planner candidate (rejected ones are pruned with their reason).
         storage: an Optuna storage URL (sqlite:///tune.db, a journal file, an RDB server) shared by workers.
         verify: checks a winner's output; returns a reason to reject it, or None.
         default: the baseline enqueued first; default: planner.default_config for the device.
         incumbent: the config the file the tune writes holds for this key (stale or not), timed right after the
-            default and re-timed with the top few: a re-tune replaces it only by a config whose second reading is
-            more than INCUMBENT_MARGIN faster.
-            Ignored if the planner rejects it now.
+            default — or, where the budget ends first, after the trials, outside the budget — and re-timed with the
+            top few: a re-tune replaces it only by a config whose second reading is more than INCUMBENT_MARGIN
+            faster. Replaced, and not timed, if the planner rejects it now; replaced if it fails to run or to verify.
         on_trial: progress callback (measured so far, trials, best ms so far, elapsed s).
         variant: the template variant tuned beyond causal ("window", "varlen", "window+varlen"), in the study name.
         prepare: starts compiling a batch of configs (in parallel processes) and returns wait(config) for one
@@ -279,8 +324,10 @@ def tune(
     choices = {dim: sorted({getattr(c, dim) for c in candidates}) for dim in _DIMS}
     if default is None:
         default = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
-    if incumbent is not None and planner.check(incumbent, device, head_dim, dtype, kernel) is not None:
+    stored, stored_problem = incumbent, None  # the incumbent as given, and why it cannot be kept, for the note
+    if incumbent is not None and (unfit := planner.check(incumbent, device, head_dim, dtype, kernel)) is not None:
         incumbent = None  # the planner's rules changed since it was tuned: it is no longer a candidate
+        stored_problem = f"is no longer a candidate ({unfit})"
     for base in (default, incumbent):  # always candidates: tuned >= both by construction
         if base is not None and base not in allowed:
             candidates.append(base)
@@ -306,6 +353,7 @@ def tune(
 
     history: list[TrialRecord] = []
     asked = 0
+    opened: list[optuna.trial.Trial] = []  # every trial this process asked: told FAIL on Ctrl-C if still running
     repeats = 0
     rng = random.Random(seed)
     failures: dict[KernelConfig, str] = {}  # configs that failed to compile or run: never tried again
@@ -340,10 +388,11 @@ def tune(
                 break
             if all(c in timed_or_planned or c in failures for c in feasible):
                 break  # the whole space is timed or failed: asking again would only repeat configs
-            if timeout_s is not None and time.time() - start > timeout_s:
+            if timeout_s is not None and time.time() - start > timeout_s and (measured or failures):
                 break
             trial = study.ask()
             asked += 1
+            opened.append(trial)
             cfg = KernelConfig(**{dim: trial.suggest_categorical(dim, values) for dim, values in choices.items()})
             reason = planner.check(cfg, device, head_dim, dtype, kernel)
             if reason is None and cfg not in allowed:
@@ -415,17 +464,27 @@ def tune(
             if on_trial is not None:
                 on_trial(spent(), trials, min(measured.values()), time.time() - start)
 
-    while True:
-        while len(in_flight) < depth and (batch := ask_batch()):
-            in_flight.append((batch, launch(batch)))
-        if not in_flight:
-            break
-        run_batch(*in_flight.popleft())
+    try:
+        while True:
+            while len(in_flight) < depth and (batch := ask_batch()):
+                in_flight.append((batch, launch(batch)))
+            if not in_flight:
+                break
+            run_batch(*in_flight.popleft())
+    except KeyboardInterrupt:
+        _abandon(study, opened)
+        raise
 
     if on_timed is not None:
         on_timed()
     if storage is not None:  # ranked too: what other processes sharing the study timed by now (on_timed may wait)
         measured.update(_completed(study))
+    if incumbent is not None and incumbent not in measured and incumbent not in failures:
+        # The budget ended before the incumbent's turn: it is timed now, outside the budget, so it stays unless
+        # beaten (a 1-trial re-tune timed only the default and replaced a stored config 4x faster by it).
+        _time_outside_budget(study, incumbent, measure, measured, failures, history, choices, storage)
+    if incumbent is not None and incumbent in failures:
+        stored_problem = f"failed to run ({failures[incumbent]})"
     if not measured:
         raise RuntimeError(f"{name}: no config could be measured; reasons: {[r.reason for r in history][:5]}")
     # Re-measure the top few: a single timing can be lucky. The winner is the best second reading that verifies —
@@ -453,6 +512,8 @@ def tune(
             best, best_ms = cfg, second[cfg]
             break
         history.append(TrialRecord(-1, cfg, None, f"failed verification: {problem}"))
+        if cfg == incumbent:
+            stored_problem = f"failed verification ({problem})"
     if best is None:
         raise RuntimeError(f"{name}: no measured config passed verification")
     values = [r.ms for r in history if r.ms is not None]
@@ -468,6 +529,7 @@ def tune(
         default_ms=second.get(default, measured.get(default)),
         incumbent=incumbent,
         incumbent_ms=second.get(incumbent, measured.get(incumbent)) if incumbent is not None else None,
+        incumbent_note=_incumbent_note(stored, stored_problem, best, {**measured, **second}),
         median_ms=statistics.median(measured.values()),
         measured=len(measured),
         pruned=sum(1 for t in study.trials if t.state == optuna.trial.TrialState.PRUNED),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -288,3 +289,297 @@ def test_a_window_may_start_with_minus_one_without_the_equals_form():
     assert parse("tune", "--head-dim", "64", "--window", "128,0").window == (128, 0)
     with pytest.raises(SystemExit):  # an option after --window is still an option, not a window
         parse("tune", "--head-dim", "64", "--window", "--varlen")
+
+
+@pytest.fixture
+def fake_timing(monkeypatch):
+    """CPU tunes timed by a cost table instead of the interpreter's clock, so winners are deterministic:
+    costs[cfg] ms for a config in it, costs[None] for any other; timed: every config timed, in order. With
+    interrupt_at = (study, timing), that timing of that study (both counted from 1) raises KeyboardInterrupt."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
+    from types import SimpleNamespace
+
+    from fa2tune import bench
+
+    fake = SimpleNamespace(costs={None: 1.0}, timed=[], interrupt_at=None, studies=0)
+
+    def make_measure(*args, **kwargs):
+        fake.studies += 1  # one objective per study
+        study, timings = fake.studies, []
+
+        def measure(cfg):
+            fake.timed.append(cfg)
+            timings.append(cfg)
+            if fake.interrupt_at == (study, len(timings)):
+                raise KeyboardInterrupt
+            return fake.costs.get(cfg, fake.costs[None])
+
+        measure.spread = lambda cfg: None
+        return measure
+
+    monkeypatch.setattr(bench, "make_measure", make_measure)
+    return fake
+
+
+_CPU_TUNE = ["tune", "--device", "cpu", "--head-dim", "16", "--causal", "no", "--kernel", "fwd"]
+
+
+def test_a_small_re_tune_keeps_the_stored_winner_unless_it_times_a_faster_one(tmp_path, capsys, fake_timing):
+    # A `--trials 1` re-tune after a `--trials 3` one timed only the default and replaced the stored winner, 4x
+    # faster, by it. The stored config is timed in every re-tune, whatever its budget, and the faster one is kept.
+    from fa2tune import planner, store
+
+    default = planner.INTERPRETER_CONFIG  # the CPU's default config
+    fake_timing.costs.update({None: 1.0, default: 4.0})
+    args = [*_CPU_TUNE, "--config-dir", str(tmp_path)]
+    stored = lambda: store.read_file(tmp_path / "cpu-interpreter.yaml")[1][0].config
+    assert cli.main([*args, "--trials", "3"]) == 0
+    winner = stored()
+    assert winner != default
+    capsys.readouterr()
+    fake_timing.timed.clear()
+    assert cli.main([*args, "--trials", "1"]) == 0
+    assert winner in fake_timing.timed and stored() == winner
+    assert f"fwd causal=False: kept the stored config {winner.label()} (1.000 ms" in capsys.readouterr().out
+    fake_timing.costs[default] = 0.5  # now the default is faster: it replaces the stored winner
+    assert cli.main([*args, "--trials", "1"]) == 0
+    assert stored() == default
+    note = f"replaced the stored config {winner.label()} (1.000 ms) by {default.label()} (0.500 ms)"
+    assert note in capsys.readouterr().out
+
+
+def _exit_code(argv: list[str]) -> int:
+    """cli.main's exit code, whether it returns it or exits with it."""
+    try:
+        return cli.main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+@pytest.fixture
+def no_study(monkeypatch):
+    """Fails a test whose command starts a study: argument checks must come before any timing."""
+    from fa2tune import tunejob
+
+    def run_study(*args, **kwargs):
+        raise AssertionError("a study started")
+
+    monkeypatch.setattr(tunejob, "run_study", run_study)
+    monkeypatch.setattr(tunejob, "run_parallel_many", run_study)
+
+
+@pytest.mark.parametrize(
+    "where, says",
+    [
+        ("a-file", "a-file is a file, not a directory"),
+        ("a-file/configs", "a-file is a file, not a directory"),
+        ("yaml-is-a-dir", "cpu-interpreter.yaml is a directory, not a file"),
+        ("/proc/fa2tune-configs", "cannot create or write in /proc/fa2tune-configs"),
+    ],
+)
+def test_a_config_dir_that_cannot_be_written_stops_the_tune_before_any_timing(tmp_path, capsys, no_study, where,
+                                                                               says):  # fmt: skip
+    # It failed only after the whole tune, with a 18-34 line traceback.
+    if where.startswith("/proc") and not Path("/proc").is_dir():
+        pytest.skip("no /proc here")
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "yaml-is-a-dir" / "cpu-interpreter.yaml").mkdir(parents=True)
+    config_dir = where if where.startswith("/") else str(tmp_path / where)
+    assert _exit_code([*_CPU_TUNE, "--trials", "1", "--config-dir", config_dir]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"fa2tune: --config-dir {config_dir}: ") and says in line and captured.out == ""
+
+
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--trials", "0", "argument --trials: expected an integer >= 1, got '0'"),
+        ("--trials", "-3", "expected an integer >= 1, got '-3'"),
+        ("--timeout", "0", "argument --timeout: expected seconds >= 10"),
+        ("--timeout", "-1", "expected seconds >= 10"),
+        ("--timeout", "nan", "got 'nan'"),
+        ("--timeout", "5", "got '5'"),
+        ("--storage", "foo", "argument --storage: expected a database URL (sqlite:///PATH, postgresql://..."),
+        ("--storage", "sqlite:/t.db", "a URL needs '://'"),
+        ("--storage", "mysqlx://host/db", "unknown scheme 'mysqlx'"),
+        ("--storage", "sqlite://", "in-memory database"),
+        ("--storage", "", "or a journal file path ending in .journal or .log, got ''"),
+        ("--storage", "a-file/t.journal", "--storage a-file/t.journal: a-file is a file, not a directory"),
+        ("--tokens", "0", "argument --tokens: expected an integer >= 1"),
+        ("--jobs", "-1", "argument --jobs: expected an integer >= 1"),
+        ("--device", "gpu", "argument --device: expected cpu, cuda or cuda:N, got 'gpu'"),
+        ("--device", "cpu,", "expected cpu, cuda or cuda:N, got ''"),
+        ("--device", "cpu,cuda:0", "cpu and CUDA devices cannot share a tune"),
+        ("--device", "cuda:1,cuda:1", "each GPU at most once"),
+        ("--head-dim", "-8", "argument --head-dim: must be in 1..256, got -8"),
+        ("--head-dim", "300", "must be in 1..256, got 300"),
+        ("--head-dim", "sixteen", "must be an integer in 1..256, got 'sixteen'"),
+        ("--dtype", "float16", "argument --dtype: invalid choice: 'float16'"),
+        ("--kernel", "attn", "argument --kernel: invalid choice: 'attn'"),
+        ("--seqlens", "1,,2", "--seqlens must be comma-separated ints >= 1, got '1,,2'"),
+        ("--window", "5", "argument --window: expected LEFT,RIGHT"),
+    ],
+)
+def test_a_bad_tune_argument_is_one_line_and_exit_code_2_before_any_work(tmp_path, capsys, monkeypatch, no_study,
+                                                                         flag, value, says):  # fmt: skip
+    # `--trials 0` and a tiny `--timeout` failed after the study ("no config could be measured", 19 lines),
+    # `--storage foo` made a journal file ./foo, `--device gpu` exited 1, and argparse's errors took 8 lines.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    args = [*_CPU_TUNE, "--trials", "1", "--config-dir", str(tmp_path / "out"), flag, value]
+    assert _exit_code(args) == 2
+    captured = capsys.readouterr()
+    assert len(captured.err.splitlines()) == 1 and says in captured.err and captured.out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing created: no ./foo, no out/
+
+
+def test_the_storage_rule_takes_database_urls_and_journal_files():
+    parse = lambda value: cli.build_parser().parse_args(["tune", "--head-dim", "64", "--storage", value]).storage
+    for value in ("sqlite:///t.db", "sqlite:////abs/t.db", "postgresql+psycopg2://u:p@host:5432/db",
+                  "mysql://u@host/db", "t.journal", "runs/t.log", "/abs/t.journal"):  # fmt: skip
+        assert parse(value) == value
+    assert cli._storage_file("sqlite:////abs/t.db") == Path("/abs/t.db")
+    assert cli._storage_file("sqlite:///t.db?timeout=9") == Path("t.db")
+    assert cli._storage_file("postgresql://host/db") is None and cli._storage_file("t.log") == Path("t.log")
+
+
+def test_check_and_show_take_the_same_device_names(capsys):
+    for command in ("check", "show"):
+        assert _exit_code([command, "--device", "gpu"]) == 2  # was exit code 1
+        err = capsys.readouterr().err
+        said = f"fa2tune {command}: argument --device: expected cpu, cuda or cuda:N, got 'gpu'"
+        assert err == f"{said} (see fa2tune {command} --help)\n"
+
+
+def _running_and_failed(storage: str) -> tuple[int, list]:
+    import optuna
+
+    from fa2tune import tunejob
+
+    opened = tunejob._storage(storage)
+    (summary,) = optuna.get_all_study_summaries(opened)
+    trials = optuna.load_study(study_name=summary.study_name, storage=opened).get_trials()
+    running = sum(t.state == optuna.trial.TrialState.RUNNING for t in trials)
+    return running, [t.user_attrs.get("reason") for t in trials if t.state == optuna.trial.TrialState.FAIL]
+
+
+def test_ctrl_c_in_a_tune_is_one_line_exit_130_and_says_what_was_kept(tmp_path, capsys, fake_timing):
+    # Ctrl-C printed a 69-line traceback (170 with workers) and left the trial it interrupted RUNNING.
+    from fa2tune import store
+
+    journal = tmp_path / "studies" / "t.journal"
+    args = [*_CPU_TUNE, "--trials", "3", "--config-dir", str(tmp_path)]
+    fake_timing.interrupt_at = (1, 2)  # in the second config's timing
+    assert cli.main(args) == 130
+    assert capsys.readouterr().err.splitlines()[1:] == ["fa2tune: interrupted; nothing written"]
+    fake_timing.studies = 0
+    assert cli.main([*args, "--storage", str(journal)]) == 130
+    said = f"fa2tune: interrupted; nothing written; 1 timed trial kept in {journal} (the same command reuses them)"
+    assert capsys.readouterr().err.splitlines()[1:] == [said]
+    assert _running_and_failed(str(journal)) == (0, ["interrupted"])  # the interrupted trial told, not left RUNNING
+    # The second study interrupted: the first one's entry is written, and said so.
+    fake_timing.studies = 0
+    fake_timing.interrupt_at = (2, 1)  # the first timing of the second study
+    assert cli.main([*args, "--causal", "both"]) == 130
+    yaml = tmp_path / "cpu-interpreter.yaml"
+    assert capsys.readouterr().err.splitlines()[1:] == [f"fa2tune: interrupted; 1 entry written to {yaml}"]
+    assert len(store.read_file(yaml)[1]) == 1
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_workers_time_ends_every_process_of_the_tune_with_one_line(tmp_path):
+    # Ctrl-C at a terminal (SIGINT to the whole process group) during a two-worker tune printed 170 lines of
+    # tracebacks, from the main process and from each worker. Now: one line, exit code 130, no process left.
+    if torch.cuda.is_available():
+        pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
+    if not Path("/proc/self/environ").exists():
+        pytest.skip("finds the tune's processes through /proc")
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    mark = f"FA2TUNE_TEST_RUN={uuid.uuid4().hex}"  # in the environment of every process the tune starts
+    env = {**os.environ, mark.split("=")[0]: mark.split("=")[1]}
+    args = ["tune", "--device", "cpu,cpu", "--head-dim", "16", "--trials", "5", "--kernel", "all",
+            "--config-dir", str(tmp_path)]  # fmt: skip
+    tune = subprocess.Popen([sys.executable, "-m", "fa2tune", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, start_new_session=True)  # fmt: skip
+    out, deadline = b"", time.time() + 240
+    while b" best " not in out and time.time() < deadline:  # a worker has timed a trial: the workers are at work
+        out += os.read(tune.stdout.fileno(), 4096) or b""
+        assert tune.poll() is None, out
+    os.killpg(tune.pid, signal.SIGINT)
+    _, err = tune.communicate(timeout=120)
+    lines = err.decode().splitlines()
+    assert tune.returncode == 130, lines
+    assert lines[-1].startswith("fa2tune: interrupted; nothing written; ") and "timed trial" in lines[-1], lines
+    assert len(lines) == 2 and lines[0].startswith("note: --device cpu")  # no traceback from any process
+
+    def left() -> list[int]:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and mark.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+            except OSError:  # gone meanwhile, or not ours to read
+                continue
+        return pids
+
+    deadline = time.time() + 20  # the fork server sees its client gone and exits
+    while left() and time.time() < deadline:
+        time.sleep(0.2)
+    assert left() == []
+
+
+_POOL_INTERRUPTED = """
+import sys, time
+from fa2tune import bench, planner
+from fa2tune.types import KernelConfig, Mask
+import torch
+
+if __name__ == "__main__":
+    pool = bench.CompilePool(2)
+    configs = [KernelConfig(m, n, 4, 1) for m in (64, 128) for n in (64, 128)]
+    pool.start("fwd", 16, torch.bfloat16, Mask(), configs, seqlens=(64,), device="cpu")
+    print("compiling", flush=True)
+    try:
+        time.sleep(600)
+    except KeyboardInterrupt:  # what `fa2tune tune` does with its pool on Ctrl-C
+        pool.release()
+        pool.close()
+        sys.exit(130)
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_compile_pool_compiles_lets_it_go_without_a_traceback(tmp_path):
+    # A single-GPU tune's compile processes took Ctrl-C too: each died in its compile with a traceback, and the
+    # pool, left waiting for those compiles' results, never closed (the tune hung until killed).
+    if not Path("/proc/self/environ").exists():
+        pytest.skip("a POSIX process group")
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "pool.py"
+    script.write_text(_POOL_INTERRUPTED)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                             start_new_session=True)  # fmt: skip
+    assert child.stdout.readline() == b"compiling\n"
+    import time
+
+    time.sleep(3)  # the pool's processes are in their first compiles
+    os.killpg(child.pid, signal.SIGINT)
+    try:
+        _, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+    assert child.returncode == 130 and err == b""

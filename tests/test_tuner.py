@@ -491,3 +491,73 @@ def test_the_winner_is_ranked_by_its_second_reading_not_a_flattering_first():
                         trials=len(space), space=space, default=default, seed=0)  # fmt: skip
     assert calls[0] == default and calls.count(default) == 2  # timed first, then re-timed with the best
     assert result.best == challenger and result.best_ms == pytest.approx(table[challenger])
+
+
+def test_the_incumbent_is_timed_whatever_the_budget_and_the_note_says_what_became_of_it():
+    # A 1-trial re-tune timed only the default and replaced a stored config 4x faster by it, never timed beside it.
+    table = _recorded(128, True)
+    space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
+    h200 = known_gpu("h200")
+    feasible = sorted((c for c in table if planner.check(c, h200, 128, torch.bfloat16, "fwd") is None), key=table.get)
+    default, stored = feasible[len(feasible) // 2], feasible[-1]
+
+    def study(table, incumbent=stored, verify=None):
+        measure, calls = _replay(table)
+        result = tuner.tune(device=h200, kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=True,
+                            measure=measure, trials=1, space=space, default=default, incumbent=incumbent, seed=0,
+                            verify=verify)  # fmt: skip
+        return result, calls
+
+    fast = {**table, stored: table[default] / 4}
+    result, calls = study(fast)
+    assert calls[0] == default and stored in calls and result.best == stored
+    assert result.incumbent_note.startswith(f"kept the stored config {stored.label()} ({fast[stored]:.3f} ms")
+    # Beaten, it is replaced; and the note says so, with both readings.
+    result, _ = study({**table, stored: table[default] * 2})
+    assert result.best == default
+    assert result.incumbent_note == (f"replaced the stored config {stored.label()} ({2 * table[default]:.3f} ms) "
+                                     f"by {default.label()} ({table[default]:.3f} ms)")  # fmt: skip
+    # A stored config that no longer runs, verifies or fits is replaced, however fast it was.
+    result, _ = study({cfg: ms for cfg, ms in fast.items() if cfg != stored})
+    assert result.best == default and "which failed to run (RuntimeError: no recorded timing" in result.incumbent_note
+    result, _ = study(fast, verify=lambda cfg: "wrong output" if cfg == stored else None)
+    assert result.best == default and "which failed verification (wrong output)" in result.incumbent_note
+    rejected = next(c for c in table if planner.check(c, h200, 128, torch.bfloat16, "fwd") is not None)
+    result, calls = study({**fast, rejected: 0.001}, incumbent=rejected)
+    assert rejected not in calls and result.best == default
+    assert f"replaced the stored config {rejected.label()}, which is no longer a candidate (" in result.incumbent_note
+    assert study(table, incumbent=None)[0].incumbent_note is None  # nothing stored: nothing to say
+
+
+def test_a_timeout_shorter_than_the_first_timing_still_times_one_config():
+    # A study whose timeout had passed before its first ask timed nothing and raised "no config could be measured".
+    table = _recorded(128, False)
+    space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
+    measure, calls = _replay(table)
+    result = tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
+                        measure=measure, trials=8, timeout_s=0.0, space=space, default=_TRITON_DEFAULT)  # fmt: skip
+    assert result.best == _TRITON_DEFAULT and calls[0] == _TRITON_DEFAULT and result.measured == 1
+
+
+def test_an_interrupted_study_leaves_no_trial_running_in_its_storage(tmp_path):
+    # Ctrl-C during a timing left that trial RUNNING in the storage for good.
+    import optuna
+
+    table = _recorded(128, False)
+    space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
+    replay, calls = _replay(table)
+
+    def measure(cfg):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return replay(cfg)
+
+    storage = f"sqlite:///{tmp_path / 'tune.db'}"
+    with pytest.raises(KeyboardInterrupt):
+        tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
+                   measure=measure, trials=6, space=space, storage=storage, default=_TRITON_DEFAULT)  # fmt: skip
+    (summary,) = optuna.get_all_study_summaries(storage)
+    trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials()
+    states = [t.state for t in trials]
+    assert optuna.trial.TrialState.RUNNING not in states and states.count(optuna.trial.TrialState.COMPLETE) == 2
+    assert [t.user_attrs.get("reason") for t in trials if t.state == optuna.trial.TrialState.FAIL] == ["interrupted"]
