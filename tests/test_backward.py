@@ -271,3 +271,57 @@ def test_calls_with_nothing_to_differentiate_skip_autograd(device, monkeypatch):
         assert torch.equal(o, with_grad[0].detach()) and torch.equal(lse, with_grad[1].detach())
     fa2tune.attention(leaves[0], k, v, causal=True)  # one input with grad: the autograd.Function again
     assert len(calls) == 1
+
+
+def _large_scores(nq, nk, dtype, device, seed, *, all_negative):
+    """flash-attention's test_flash_attn_bwd_overflow inputs: 2 batches, 5 heads, d = 64, q = randn·5, k and
+    v = randn·3; all_negative: every query points away from one key direction (q ≈ −2·k₀, keys ≈ k₀), so every
+    score is about −144 and each logsumexp too — past fp32's range as an exponent, not only fp16's."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = lambda n: (2, 5, n, 64)
+    v, do = torch.randn(shape(nk), generator=gen) * 3, torch.randn(shape(nq), generator=gen)
+    if all_negative:
+        k0 = torch.randn(2, 5, 1, 64, generator=gen) * 3
+        k = k0 + 0.05 * torch.randn(shape(nk), generator=gen)
+        q = -2 * k0 + 0.05 * torch.randn(shape(nq), generator=gen)
+    else:
+        q, k = torch.randn(shape(nq), generator=gen) * 5, torch.randn(shape(nk), generator=gen) * 3
+    return (t.to(device, dtype) for t in (q, k, v, do))
+
+
+def _assert_grads_within_flash_attention_bound(grads, q, k, v, do, causal, scale=None):
+    """No NaN, and each gradient's largest error against float64 at most 5× that of the same attention computed by
+    PyTorch in the inputs' dtype, plus 1e-3: test_flash_attn_bwd_overflow's bound. Scores this large carry the
+    16-bit rounding of q·kᵀ into the exponent (bf16: a few % of a gradient, in PyTorch as here)."""
+    refs = _reference_grads(q, k, v, do, causal, scale)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    same_dtype = torch.autograd.grad(naive_attention(*leaves, causal=causal, scale=scale)[0], leaves, do)
+    for name, g, ref, pt in zip(("dq", "dk", "dv"), grads, refs, same_dtype, strict=True):
+        assert not torch.isnan(g).any(), f"{name}: {int(torch.isnan(g).sum())} NaN elements"
+        err, pt_err = ((t.double().cpu() - ref.cpu()).abs().max().item() for t in (g, pt))
+        assert err <= 5 * pt_err + 1e-3, f"{name}: largest error {err:.2e}, PyTorch's in {q.dtype} {pt_err:.2e}"
+
+
+# Lengths 1-3, one past a tile (32: the interpreter's tiles; 16, 64, 128 on a GPU: tests/test_gpu.py), and q ≠ k.
+@pytest.mark.parametrize(
+    "lengths", [(1, 1), (2, 2), (3, 3), (2, 33), (33, 2)], ids=lambda n: "x".join(map(str, n))
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_short_sequences_of_large_scores_give_finite_gradients(lengths, causal, dtype, device):
+    # A few keys with scores of large magnitude make a query's logsumexp very negative. A key past N_K — a zero row
+    # of a ragged tile, whose score is 0 — then has P = e^(−lse), past the 16-bit range (or fp32's): a kernel that
+    # lets it reach dS·K adds ±inf·0 = NaN to dQ. FlashAttention had this bug; so had fa2tune's dK/dV kernel with dQ
+    # fused in (the shipped d=64 entries on the H200: dq NaN at N = 1 and 2). On the GPU this runs the shipped
+    # entries; here the interpreter's Triton kernels.
+    for all_negative in (False, True):
+        q, k, v, do = _large_scores(*lengths, dtype, device, seed=sum(lengths), all_negative=all_negative)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        o, lse = fa2tune.attention(q, k, v, causal=causal, return_lse=True)
+        grads = torch.autograd.grad(o, (q, k, v), do)
+        ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+        seen = torch.isfinite(ref_lse)
+        assert_close(lse[seen], ref_lse[seen], torch.float32, what="lse")
+        assert (ref_lse[seen] < -100).all() or not all_negative  # the inputs do what they are for
+        assert_close(o, ref_o.nan_to_num(0.0), dtype)
+        _assert_grads_within_flash_attention_bound(grads, q, k, v, do, causal)

@@ -411,6 +411,48 @@ def test_fused_dq_backward_is_deterministic_when_torch_asks(monkeypatch):
     launcher.clear_plans()
 
 
+# Every backward kernel (Triton; warp-specialized dK/dV and dQ; dK/dV with dQ fused in, one and two programs an SM, at
+# d=64 with K and V as register operands and at d=128 from shared memory) on flash-attention's
+# test_flash_attn_bwd_overflow inputs (tests/test_backward.py): lengths 1-3, one past each tile (16, 32, 64, 128),
+# q ≠ k. A key past N_K of a ragged tile has P = e^(−lse), past the 16-bit range; the fused dQ added it as inf·0 = NaN.
+_OVERFLOW_LENGTHS = [(1, 1), (2, 2), (3, 3), (17, 17), (33, 33), (65, 65), (129, 129), (2, 129), (129, 2), (1, 65)]
+_OVERFLOW_CASES = [
+    (64, torch.float16, False, KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)),
+    (64, torch.bfloat16, True, KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)),
+    (64, torch.float16, False, KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(128, 64, 4, 3, warpspec=1)),
+    (64, torch.bfloat16, True, KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(128, 64, 4, 3, warpspec=1)),
+    *((64, dtype, causal, KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1), None)
+      for dtype in (torch.float16, torch.bfloat16) for causal in (False, True)),
+    *((64, dtype, causal, KernelConfig(64, 64, 4, 3, warpspec=2, persistent=2), None)
+      for dtype in (torch.float16, torch.bfloat16) for causal in (False, True)),
+    *((128, dtype, False, KernelConfig(64, 128, 4, 2, warpspec=2), None) for dtype in (torch.float16, torch.bfloat16)),
+]  # fmt: skip
+
+
+@_HOPPER
+@pytest.mark.parametrize(
+    "head_dim, dtype, causal, dkdv_config, dq_config", _OVERFLOW_CASES,
+    ids=lambda x: x.label() if isinstance(x, KernelConfig) else str(x),
+)  # fmt: skip
+def test_short_sequences_of_large_scores_give_finite_gradients_in_every_kernel(head_dim, dtype, causal, dkdv_config,
+                                                                                dq_config, monkeypatch):  # fmt: skip
+    from .test_backward import _assert_grads_within_flash_attention_bound, _large_scores
+
+    if dkdv_config.persistent:
+        monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)  # three programs walk every head's tiles
+    scale = 0.125  # d=64's: d=128 repeats each input's columns (scaled by 2^-0.5), for the same scores
+    for seqlen_q, seqlen_k in _OVERFLOW_LENGTHS:
+        for all_negative in (False, True):
+            q, k, v, do = _large_scores(seqlen_q, seqlen_k, dtype, "cuda", seed=seqlen_q + 7 * seqlen_k,
+                                        all_negative=all_negative)  # fmt: skip
+            if head_dim != 64:
+                q, k, v, do = (torch.cat([t, t], dim=-1) * 2**-0.5 for t in (q, k, v, do))
+            o, lse = launcher.forward(q, k, v, causal=causal, scale=scale)
+            grads = launcher.backward(do, q, k, v, o, lse, causal=causal, scale=scale, dkdv_config=dkdv_config,
+                                      dq_config=dq_config)  # fmt: skip
+            _assert_grads_within_flash_attention_bound(grads, q, k, v, do, causal, scale)
+
+
 @_HOPPER
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_warpspec_backward_direct_launches_give_what_the_jit_gives(causal, monkeypatch):
