@@ -303,9 +303,7 @@ def _assert_grads_within_flash_attention_bound(grads, q, k, v, do, causal, scale
 
 
 # Lengths 1-3, one past a tile (32: the interpreter's tiles; 16, 64, 128 on a GPU: tests/test_gpu.py), and q ≠ k.
-@pytest.mark.parametrize(
-    "lengths", [(1, 1), (2, 2), (3, 3), (2, 33), (33, 2)], ids=lambda n: "x".join(map(str, n))
-)
+@pytest.mark.parametrize("lengths", [(1, 1), (2, 2), (3, 3), (2, 33), (33, 2)], ids=lambda n: "x".join(map(str, n)))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_short_sequences_of_large_scores_give_finite_gradients(lengths, causal, dtype, device):
