@@ -187,6 +187,14 @@ def check_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: i
     such offsets give a defined result, never a read or write outside a tensor. Called inside the fa2tune::fwd op,
     which runs eagerly even in a torch.compile graph, where a host read would break the graph.
     """
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu.dtype != torch.int32 or (cu.dim() == 1 and cu.stride(0) != 1):  # `cu.data = ...` may change either
+            raise ValueError(f"{name} must be a contiguous torch.int32 tensor, got {cu.dtype}, strides {cu.stride()}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:  # the kernels read both at batch + 1
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must be 1-D and of one length (batch + 1), got shapes "
+            f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
+        )
     for name, cu, total, max_name, max_len in (
         ("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k),

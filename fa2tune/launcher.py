@@ -321,6 +321,9 @@ def backward(
     """
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if packing is not None:  # offsets given new memory since the forward (`cu.data = ...`) are checked again
+        check_offsets(packing.cu_seqlens_q, packing.cu_seqlens_k, packing.max_seqlen_q, packing.max_seqlen_k,
+                      q.shape[0], k.shape[0])  # fmt: skip
     if do.stride(-1) != 1:
         do = do.contiguous()  # e.g. the stride-0 gradient of out.sum()
     mask = _as_mask(causal)
@@ -587,14 +590,17 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, scale, config, packing):
         o, lse = _checked_forward(q, k, v, mask, scale, config, packing)
-        ctx.save_for_backward(q, k, v, o, lse)
+        # The offsets are saved like the tensors: an in-place write to them before the backward is then autograd's
+        # error ("modified by an inplace operation"), as on the op path, not gradients of other sequences.
+        cu = (packing.cu_seqlens_q, packing.cu_seqlens_k) if packing is not None else ()
+        ctx.save_for_backward(q, k, v, o, lse, *cu)
         ctx.mask, ctx.scale, ctx.packing = mask, scale, packing
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, *_ = ctx.saved_tensors
         _refuse_second_order(q, k, v, do, dlse)
         if do is None:  # only the logsumexp reached the loss
             do = torch.zeros_like(o)

@@ -172,3 +172,31 @@ def test_an_offsets_tensor_given_new_memory_is_checked_again(replace, device):
         cu.set_(other)
     with pytest.raises(ValueError, match="max_seqlen_q=4 is below the longest sequence in cu_seqlens_q \\(5\\)"):
         fa2tune.attention_varlen(q, k, v, cu, cu, MAX_LEN, MAX_LEN)
+
+
+@pytest.mark.parametrize("path", ["eager", "op"])
+def test_offsets_written_in_place_between_forward_and_backward_are_refused(path, device):
+    # The forward's offsets are saved for the backward on both paths: an in-place write (seen by the version counter)
+    # is autograd's error, not gradients of other sequences than the forward's.
+    q, k, v, do = _inputs(device, 2)
+    cu = torch.tensor(OFFSETS, dtype=torch.int32, device=device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    packing = launcher.Packing(cu, cu, MAX_LEN, MAX_LEN)
+    apply = launcher._EagerAttention.apply if path == "eager" else launcher._apply_op
+    o, _ = apply(*leaves, fa2tune.Mask(), 0.25, None, packing)
+    cu[1] = 2
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(o, leaves, do)
+
+
+def test_offsets_given_other_memory_between_forward_and_backward_are_checked_again(device):
+    # `cu.data = shorter` keeps the version counter; the backward checks the offsets again (its record names the
+    # memory), so the kernels never read past the shorter tensor.
+    q, k, v, do = _inputs(device, 3)
+    cu_q = torch.tensor(OFFSETS, dtype=torch.int32, device=device)
+    cu_k = torch.tensor(OFFSETS, dtype=torch.int32, device=device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = fa2tune.attention_varlen(*leaves, cu_q, cu_k, MAX_LEN, MAX_LEN)
+    cu_k.data = torch.tensor([0, 10], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="one length"):
+        torch.autograd.grad(o, leaves, do)
