@@ -100,16 +100,16 @@ def test_a_second_order_gradient_that_does_not_pass_through_attention_still_work
 @pytest.mark.parametrize(
     "head_dim", [True, False, 64.0, float("nan"), "64", None, torch.tensor(True), torch.tensor(64.0)], ids=repr
 )
-def test_get_kernel_takes_only_integers_as_head_dim(head_dim):
+def test_get_kernel_takes_only_integers_as_head_dim(head_dim, device):
     # Before: True passed as head_dim 1 (bool is an int subclass); the others were ValueErrors.
     with pytest.raises(TypeError, match=r"head_dim must be an int, got"):
-        fa2tune.get_kernel(head_dim, device="cpu", dtype=F32)
+        fa2tune.get_kernel(head_dim, device=device, dtype=F32)
 
 
 @pytest.mark.parametrize("head_dim", [0, -1, 257, 2**40, np.int64(2**40)], ids=repr)
-def test_get_kernel_refuses_head_dims_out_of_range(head_dim):
+def test_get_kernel_refuses_head_dims_out_of_range(head_dim, device):
     with pytest.raises(ValueError, match=r"head_dim must be an int in 1..256, got"):
-        fa2tune.get_kernel(head_dim, device="cpu", dtype=F32)
+        fa2tune.get_kernel(head_dim, device=device, dtype=F32)
 
 
 def test_get_kernel_takes_numpy_and_0_dim_tensor_integers_as_python_ints(device):
@@ -145,11 +145,11 @@ def test_get_kernel_takes_numpy_and_0_dim_tensor_integers_as_python_ints(device)
     ],
     ids=lambda x: repr(x) if isinstance(x, dict) else "",
 )
-def test_get_kernel_argument_errors_name_the_argument(kwargs, error, match):
+def test_get_kernel_argument_errors_name_the_argument(kwargs, error, match, device):
     # Before: dtype=[] raised "unhashable type: 'list'", a device that is none torch's own long TypeError or
     # RuntimeError; the rest were clear already.
     with pytest.raises(error, match=match):
-        fa2tune.get_kernel(16, **{"device": "cpu", "dtype": F32, **kwargs})
+        fa2tune.get_kernel(16, **{"device": device, "dtype": F32, **kwargs})
 
 
 # ---- mask extents past any sequence ------------------------------------------------------------------------
@@ -188,16 +188,16 @@ def test_numpy_scales_are_taken_as_floats(scale, device):
     assert_close(fa2tune.attention(q, k, v, scale=scale), _reference(q, k, v, scale=float(scale)), F32)
 
 
-def test_a_tensor_scale_is_refused_as_it_would_get_no_gradient():
-    q, k, v = _qkv("cpu")
+def test_a_tensor_scale_is_refused_as_it_would_get_no_gradient(device):
+    q, k, v = _qkv(device)
     with pytest.raises(TypeError, match=r"scale must be a float or None, got a torch.Tensor.*learnable"):
         fa2tune.attention(q, k, v, scale=torch.tensor(0.3, requires_grad=True))
 
 
 @pytest.mark.parametrize("scale", [1e39, 1e300], ids=repr)
-def test_a_scale_past_fp32s_range_is_refused(scale):
+def test_a_scale_past_fp32s_range_is_refused(scale, device):
     # Before: the kernels' fp32 scale·log2(e) was inf and the output all NaN, with no error.
-    q, k, v = _qkv("cpu")
+    q, k, v = _qkv(device)
     with pytest.raises(ValueError, match=r"scale must be a positive finite number up to 2.36e\+38"):
         fa2tune.attention(q, k, v, scale=scale)
 
@@ -256,8 +256,8 @@ def test_a_max_seqlen_past_the_tokens_is_the_same_launch_as_the_tokens(max_seqle
     ],
     ids=lambda x: repr(x) if isinstance(x, tuple) else "",
 )
-def test_max_seqlen_errors_name_the_argument(args, error, match):
-    q, k, v, cu = _packed("cpu")
+def test_max_seqlen_errors_name_the_argument(args, error, match, device):
+    q, k, v, cu = _packed(device)
     with pytest.raises(error, match=match):
         fa2tune.attention_varlen(q, k, v, cu, cu, *args)
 
@@ -268,12 +268,12 @@ def test_max_seqlen_errors_name_the_argument(args, error, match):
         (lambda cu: cu.long(), TypeError, r"cu_seqlens_q must be a 1-D torch.int32 tensor .* got torch.int64"),
         (lambda cu: cu[None], TypeError, r"cu_seqlens_q must be a 1-D torch.int32 tensor .* shape \(1, 3\)"),
         (lambda cu: cu.tolist(), TypeError, r"cu_seqlens_q must be a 1-D torch.int32 tensor .* got list"),
-        (lambda cu: cu.to("meta"), ValueError, r"cu_seqlens_q must be on q's device cpu, got meta"),
+        (lambda cu: cu.to("meta"), ValueError, r"cu_seqlens_q must be on q's device \S+, got meta"),
     ],
     ids=["int64", "2-D", "list", "meta"],
 )
-def test_offsets_of_a_wrong_type_dtype_rank_or_device_are_refused(cu, error, match):
-    q, k, v, offsets = _packed("cpu")
+def test_offsets_of_a_wrong_type_dtype_rank_or_device_are_refused(cu, error, match, device):
+    q, k, v, offsets = _packed(device)
     with pytest.raises(error, match=match):
         fa2tune.attention_varlen(q, k, v, cu(offsets), offsets, 15, 15)
 
@@ -281,10 +281,10 @@ def test_offsets_of_a_wrong_type_dtype_rank_or_device_are_refused(cu, error, mat
 # ---- an AttentionKernel's call ---------------------------------------------------------------------------
 
 
-def test_a_kernel_call_checks_its_tensors_before_reading_them():
+def test_a_kernel_call_checks_its_tensors_before_reading_them(device):
     # Before: AttributeError ('str' object has no attribute 'shape') and IndexError (a 0-dim q).
-    q, k, v = _qkv("cpu")
-    kernel = fa2tune.get_kernel(16, device="cpu", dtype=F32)
+    q, k, v = _qkv(device)
+    kernel = fa2tune.get_kernel(16, device=device, dtype=F32)
     with pytest.raises(TypeError, match=r"q must be a torch.Tensor, got str"):
         kernel("q", k, v)
     with pytest.raises(ValueError, match=r"q must be 4-D .* got shape \(\)"):
