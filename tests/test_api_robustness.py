@@ -214,7 +214,9 @@ def test_non_contiguous_offsets_are_refused(device):
     with pytest.raises(ValueError, match=r"cu_seqlens_q must be contiguous, got stride 2; call .contiguous\(\)"):
         fa2tune.attention_varlen(q, k, v, cu, cu.contiguous(), 15, 15)
     with pytest.raises(ValueError, match=r"cu_seqlens_k must be contiguous, got stride 0"):
-        fa2tune.attention_varlen(q, k, v, cu.contiguous(), torch.zeros(1, dtype=torch.int32).expand(3), 15, 15)
+        fa2tune.attention_varlen(
+            q, k, v, cu.contiguous(), torch.zeros(1, dtype=torch.int32, device=device).expand(3), 15, 15
+        )
 
 
 @pytest.mark.parametrize(
