@@ -584,10 +584,11 @@ def _await_others(spec: StudySpec, info: DeviceInfo, poll_s: float = 0.5) -> Non
     if spec.storage is None:
         return
     running, deadline = (optuna.trial.TrialState.RUNNING,), time.monotonic() + AWAIT_OTHERS_S
+    me = tuner.process_tag()
     while time.monotonic() < deadline:
         study = optuna.load_study(study_name=_study_name(spec, info), storage=_storage(spec.storage))
         trials = study.get_trials(deepcopy=False, states=running)
-        if not any(t.user_attrs.get("timed_by", os.getpid()) != os.getpid() for t in trials):
+        if not any(t.user_attrs.get("timed_by", me) != me for t in trials):
             return
         time.sleep(poll_s)
 

@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import random
+import socket
 import statistics
 import time
 from collections import deque
@@ -28,6 +29,8 @@ import torch
 from . import planner
 from .bench import failure_reason
 from .types import DeviceInfo, KernelConfig
+
+_log = logging.getLogger(__name__)
 
 Measure = Callable[[KernelConfig], float]
 Verify = Callable[[KernelConfig], str | None]
@@ -126,15 +129,32 @@ def timed_configs(study: optuna.Study, but: int | None = None) -> set[KernelConf
             and (cfg := _proposed(t)) is not None}  # fmt: skip
 
 
+def process_tag(pid: int | None = None) -> str:
+    """Who times a trial (its timed_by): host and process id, as processes of several hosts share one study and
+    containers on different hosts often run with the same pid."""
+    return f"{socket.gethostname()}:{os.getpid() if pid is None else pid}"
+
+
 def _claim(study: optuna.Study, trial: optuna.trial.Trial, cfg: KernelConfig, run: str | None) -> bool:
-    """Marks the trial as timing cfg (timed_by=this pid, timed_in=run), then whether it is this process's to time:
+    """Marks the trial as timing cfg (timed_by=process_tag(), timed_in=run), then whether it is this process's to time:
     no other trial holds cfg timed or marked. Of processes that mark one config at once at most one goes on — each
     looks after marking, so the later ones see the first one's mark (both may see each other's and leave it: the
     config is then timed when it is proposed again); nothing locks a shared study between ask and tell."""
     if run is not None:
         trial.set_user_attr("timed_in", run)  # for fail_abandoned, if this process dies
-    trial.set_user_attr("timed_by", os.getpid())
+    trial.set_user_attr("timed_by", process_tag())
     return cfg not in timed_configs(study, but=trial.number)
+
+
+@contextlib.contextmanager
+def _unless_failed_as_stale(trial: optuna.trial.Trial):
+    """Writing a trial another process has failed as stale (this one's heartbeat was late: a starved thread, hosts'
+    clocks apart) raises UpdateFinishedTrialError: the reading stays this process's own (its ranking has it) and
+    the tune goes on, where it would have ended with a traceback."""
+    try:
+        yield
+    except optuna.exceptions.UpdateFinishedTrialError:
+        _log.warning("trial %d was failed as stale by another process; its reading is kept here only", trial.number)
 
 
 def _abandon(study: optuna.Study, trials: list[optuna.trial.Trial]) -> None:
@@ -188,7 +208,7 @@ def fail_abandoned(storage, run: str, pid: int) -> int:
     for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
         study = optuna.load_study(study_name=summary.study_name, storage=storage)
         for trial in study.get_trials(deepcopy=False, states=running):
-            if trial.user_attrs.get("timed_in") == run and trial.user_attrs.get("timed_by") == pid:
+            if trial.user_attrs.get("timed_in") == run and trial.user_attrs.get("timed_by") == process_tag(pid):
                 study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
                 abandoned += 1
     return abandoned
@@ -363,8 +383,9 @@ def tune(
     depth = 2 if prepare is not None else 1
 
     def fail(trial, cfg, reason):
-        trial.set_user_attr("reason", reason)
-        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        with _unless_failed_as_stale(trial):
+            trial.set_user_attr("reason", reason)
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
         history.append(TrialRecord(trial.number, cfg, None, reason))
 
     def in_flight_configs() -> set[KernelConfig]:
@@ -456,10 +477,14 @@ def tune(
                     continue
                 # Where a trial's time went, kept in the storage for scripts/tune_timeline.py: waiting for the
                 # compile processes, and measuring (which includes building the config if built_here).
-                trial.set_user_attr("timing", {"pid": os.getpid(), "start": round(wait_start, 3),
-                                               "wait_s": round(waited, 3), "built_here": built_here,
-                                               "measure_s": round(time.time() - measuring, 3)})  # fmt: skip
-            study.tell(trial, measured[cfg])
+                timing = {"pid": os.getpid(), "start": round(wait_start, 3), "wait_s": round(waited, 3),
+                          "built_here": built_here, "measure_s": round(time.time() - measuring, 3)}  # fmt: skip
+            else:
+                timing = None
+            with _unless_failed_as_stale(trial):
+                if timing is not None:
+                    trial.set_user_attr("timing", timing)
+                study.tell(trial, measured[cfg])
             history.append(TrialRecord(trial.number, cfg, measured[cfg]))
             if on_trial is not None:
                 on_trial(spent(), trials, min(measured.values()), time.time() - start)

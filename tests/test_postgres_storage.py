@@ -18,7 +18,7 @@ import uuid
 import optuna
 import pytest
 
-from fa2tune import store, tunejob
+from fa2tune import store, tunejob, tuner
 from fa2tune.types import KernelConfig
 
 URL_ENV = "FA2TUNE_TEST_POSTGRES_URL"
@@ -72,7 +72,8 @@ def _trials(url: str) -> list[optuna.trial.FrozenTrial]:
 
 def _timing(url: str, pid: int) -> list[int]:
     running = optuna.trial.TrialState.RUNNING
-    return [t.number for t in _trials(url) if t.state == running and t.user_attrs.get("timed_by") == pid]
+    tag = tuner.process_tag(pid)
+    return [t.number for t in _trials(url) if t.state == running and t.user_attrs.get("timed_by") == tag]
 
 
 def _kill_the_first_timing(url: str, workers: dict[str, subprocess.Popen]) -> tuple[str, int]:

@@ -505,3 +505,25 @@ def test_a_finish_waits_for_the_configs_other_processes_are_timing_and_ranks_the
     told.join()
     assert result.measured == 2
     assert result.best == other and result.best_ms == 0.5  # ranked by its reading here, like this host's own
+
+
+def test_a_trial_failed_as_stale_while_its_process_times_it_does_not_end_the_tune(tmp_path, caplog):
+    # A live process whose heartbeat was late (a starved thread, hosts' clocks apart) finds its trial failed as
+    # stale by another process: telling it raised UpdateFinishedTrialError and ended the tune with a traceback.
+    space = [KernelConfig(m, n, 4, 1) for m in (16, 32) for n in (16, 32)]
+    url = f"sqlite:///{tmp_path / 'tune.db'}"
+    calls = []
+
+    def measure(cfg):
+        calls.append(cfg)
+        if len(calls) == 1:  # another process fails this trial as stale while it is timed here
+            study = optuna.load_study(study_name=optuna.get_all_study_names(url)[0], storage=url)
+            (running,) = study.get_trials(states=(optuna.trial.TrialState.RUNNING,))
+            study.tell(running.number, state=optuna.trial.TrialState.FAIL)
+        return 1.0 + cfg.block_n + cfg.block_m / 100
+
+    result = tuner.tune(device=tunejob.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
+                        causal=False, space=space, storage=tunejob._storage(url), default=space[0], remeasure_top=1,
+                        measure=measure, trials=3)  # fmt: skip
+    assert result.best is not None and result.measured >= 2
+    assert "failed as stale by another process" in caplog.text

@@ -363,7 +363,7 @@ def test_a_dead_process_s_trial_in_timing_stops_counting_against_the_run_s_budge
         study.enqueue_trial(tuner._params(KernelConfig(block_m, 64, 4, 2)))
         trial = study.ask()
         trial.set_user_attr("timed_in", run)
-        trial.set_user_attr("timed_by", pid)
+        trial.set_user_attr("timed_by", tuner.process_tag(pid))
         return trial
 
     dead, alive, other_run = timing("run-1", 111, 16), timing("run-1", 222, 32), timing("run-2", 111, 64)
