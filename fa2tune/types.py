@@ -81,6 +81,8 @@ class KernelConfig:
     def __post_init__(self) -> None:
         for field in fields(self):  # ints, as the kernels' compile-time constants and the custom op's int list take
             value = getattr(self, field.name)
+            if type(value) is int:  # the common case first: the op path builds a config every call
+                continue
             if integer(value) is None:
                 raise TypeError(f"KernelConfig.{field.name} must be an int, got {type(value).__name__} {value!r}")
             object.__setattr__(self, field.name, integer(value))  # a NumPy integer becomes a Python int
