@@ -253,9 +253,11 @@ class _JournalStorage(_Heartbeats, optuna.storages.JournalStorage, optuna.storag
         self.set_trial_system_attr(trial_id, HEARTBEAT_ATTR, time.time())
 
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        # A trial with no heartbeat yet counts from its start: one written before heartbeats existed (or by a
+        # process that died before its first) would otherwise stay RUNNING, and count as being timed, for ever.
         now = time.time()
         running = self.get_all_trials(study_id, deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-        return [t._trial_id for t in running if now - t.system_attrs.get(HEARTBEAT_ATTR, now) > self._stale_after]
+        return [t._trial_id for t in running if now - _last_sign_of_life(t, now) > self._stale_after]
 
     def create_new_trial(self, study_id, template_trial=None) -> int:
         self.fail_stale(study_id)
@@ -263,6 +265,13 @@ class _JournalStorage(_Heartbeats, optuna.storages.JournalStorage, optuna.storag
         if template_trial is None or template_trial.state == optuna.trial.TrialState.RUNNING:
             self._hold(trial_id)
         return trial_id
+
+
+def _last_sign_of_life(trial: optuna.trial.FrozenTrial, now: float) -> float:
+    beat = trial.system_attrs.get(HEARTBEAT_ATTR)
+    if beat is not None:
+        return beat
+    return trial.datetime_start.timestamp() if trial.datetime_start is not None else now
 
 
 def _interpreted(device_name: str) -> bool:

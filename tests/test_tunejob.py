@@ -527,3 +527,20 @@ def test_a_trial_failed_as_stale_while_its_process_times_it_does_not_end_the_tun
                         measure=measure, trials=3)  # fmt: skip
     assert result.best is not None and result.measured >= 2
     assert "failed as stale by another process" in caplog.text
+
+
+def test_a_running_trial_without_any_heartbeat_goes_stale_from_its_start(tmp_path, monkeypatch):
+    # A journal written before heartbeats existed (or a process that died before its first beat) left RUNNING
+    # trials with no heartbeat: they were never failed, and counted against --trials for ever.
+    import time
+
+    path = str(tmp_path / "tune.journal")
+    old = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
+    study = optuna.create_study(study_name="s", storage=old)
+    trial = study.ask()
+    trial.set_user_attr("timed_by", "another-host:1")
+    monkeypatch.setenv(tunejob.STALE_AFTER_ENV, "2")
+    time.sleep(tunejob.stale_after_s() + 1)
+    study = optuna.load_study(study_name="s", storage=tunejob._storage(path))
+    (frozen,) = study.get_trials()
+    assert frozen.state == optuna.trial.TrialState.FAIL and frozen.user_attrs["reason"] == tunejob.STALE_REASON
