@@ -2,7 +2,7 @@
 
 The public names are imported on first use (PEP 562), not with the package: `import fa2tune` costs nothing, so the
 `fa2tune tune` command can start its helper processes before this process spends seconds importing torch
-(fa2tune.processes). `from fa2tune import attention` and `fa2tune.attention` work as usual.
+(fa2tune.tune.processes). `from fa2tune import attention` and `fa2tune.attention` work as usual.
 """
 
 from __future__ import annotations
@@ -11,19 +11,19 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what static tools see; at run time __getattr__ below imports on first use
-    from .launcher import FlashAttnFunction, attention, attention_varlen
-    from .runtime import AttentionKernel, get_kernel
-    from .types import KernelConfig, Mask, Variant
+    from .api.attention_kernel import AttentionKernel, get_kernel
+    from .config.types import KernelConfig, Mask, Variant
+    from .launch.launcher import FlashAttnFunction, attention, attention_varlen
 
 _HOMES = {
-    "FlashAttnFunction": "launcher",
-    "attention": "launcher",
-    "attention_varlen": "launcher",
-    "AttentionKernel": "runtime",
-    "get_kernel": "runtime",
-    "KernelConfig": "types",
-    "Mask": "types",
-    "Variant": "types",
+    "FlashAttnFunction": "launch.launcher",
+    "attention": "launch.launcher",
+    "attention_varlen": "launch.launcher",
+    "AttentionKernel": "api.attention_kernel",
+    "get_kernel": "api.attention_kernel",
+    "KernelConfig": "config.types",
+    "Mask": "config.types",
+    "Variant": "config.types",
 }
 __all__ = [
     "AttentionKernel",

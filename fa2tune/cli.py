@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from .types import DTYPE_CHOICES  # torch-free: `fa2tune tune` starts its helper processes before importing torch
+from .config.types import DTYPE_CHOICES  # torch-free: `fa2tune tune` starts its helper processes before importing torch
 
 USAGE_ERROR = 2  # a bad argument, or a device or directory the command cannot use: nothing was done
 INTERRUPTED = 130  # Ctrl-C, as a shell reports a process ended by SIGINT
@@ -94,21 +94,21 @@ def _cmd_check(args: argparse.Namespace) -> int:
     device = _resolve_device(args.device)
     _note_interpreter(device)
 
-    from . import selfcheck
-    from .inputs import DTYPES_BY_NAME
-    from .types import Mask
+    from .config.inputs import DTYPES_BY_NAME
+    from .config.types import Mask
+    from .tune import verification
 
     dtypes = [DTYPES_BY_NAME[d] for d in args.dtype.split(",")]
     print(f"{'batch,hq,hkv,nq,nk,d':>24} {'dtype':>9} {'mask':>14} {'rel err O':>10} {'rel err lse':>11}  result")
     failed = 0
-    for shape in selfcheck.default_shapes(on_gpu=device != "cpu"):
+    for shape in verification.default_shapes(on_gpu=device != "cpu"):
         left = max(8, shape[4] // 4)  # a window that leaves whole K tiles out at the larger lengths
         masks = [("full", Mask(), False), ("causal", Mask(causal=True), False),
                  (f"window {left},0", Mask(causal=True, window=(left, -1)), False),
                  ("causal varlen", Mask(causal=True), True)]  # fmt: skip
         for dtype in dtypes:
             for name, mask, varlen in masks:
-                r = selfcheck.check_forward(shape, dtype=dtype, causal=mask, device=device, varlen=varlen)
+                r = verification.check_forward(shape, dtype=dtype, causal=mask, device=device, varlen=varlen)
                 failed += not r.passed
                 print(
                     f"{','.join(map(str, r.shape)):>24} {str(dtype).replace('torch.', ''):>9} {name:>14} "
@@ -120,7 +120,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _device_info(args: argparse.Namespace):
     """The DeviceInfo for --gpu NAME (the known-GPU table) or --device cuda:N (the card); exits 2 without one."""
-    from . import device
+    from .config import device
 
     if getattr(args, "gpu", None):
         try:
@@ -150,8 +150,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
 
-    from . import planner
-    from .inputs import DTYPES_BY_NAME
+    from .config import planner
+    from .config.inputs import DTYPES_BY_NAME
 
     info = _device_info(args)
     dtype = DTYPES_BY_NAME[args.dtype]
@@ -195,8 +195,8 @@ def _switches(cfg) -> str:
 
 
 def _cmd_codegen(args: argparse.Namespace) -> int:
-    from . import codegen
-    from .types import Variant
+    from .config.types import Variant
+    from .kernels import codegen
 
     variant = Variant.for_template(
         args.template, causal=args.causal, banded=False, varlen=False, even_m=not args.ragged,
@@ -207,7 +207,7 @@ def _cmd_codegen(args: argparse.Namespace) -> int:
 
 
 def _window(text: str) -> tuple[int, int]:
-    from .inputs import check_window
+    from .config.inputs import check_window
 
     try:
         return check_window(tuple(int(x) for x in text.split(",")))
@@ -217,7 +217,7 @@ def _window(text: str) -> tuple[int, int]:
 
 def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
     """--seqlens, or the bucket's default; a bucket tuned at a length it never serves would be wrong."""
-    from .store import BUCKET_RANGES
+    from .config.store import BUCKET_RANGES
 
     text = text or {"short": "512,1024", "medium": "2048,4096"}.get(bucket, "1024,4096,16384")
     try:
@@ -237,10 +237,10 @@ def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
 
 
 def _at_served_lengths(spec, target):
-    """spec, tuned at the lengths that the file's bucket entries leave to it (tunejob.unserved_lengths), and says so."""
-    from . import tunejob
+    """spec, tuned at the lengths that the file's bucket entries leave to it (job.unserved_lengths), and says so."""
+    from .tune import job
 
-    lengths = tunejob.unserved_lengths(spec, target)
+    lengths = job.unserved_lengths(spec, target)
     if lengths != spec.seqlens:
         print(f"note: {spec.kernel} causal={spec.causal}: {target.name} has length-bucket entries for this key, so "
               f"its \"all\" entry serves longer calls and is tuned at {','.join(map(str, lengths))} "
@@ -368,10 +368,10 @@ def _trials_kept(storage: str | None, names: set[str]) -> int | None:
         return 0  # opening a file that is not there would create it: nothing was kept
     import optuna
 
-    from . import tunejob
+    from .tune import job
 
     try:
-        opened = tunejob._storage(storage)
+        opened = job._storage(storage)
         complete = (optuna.trial.TrialState.COMPLETE,)
         return sum(
             len(optuna.load_study(study_name=s.study_name, storage=opened).get_trials(deepcopy=False, states=complete))
@@ -397,16 +397,18 @@ def _interrupted(entries: int, path: Path | None, storage: str | None, names: se
 def _cmd_tune(args: argparse.Namespace) -> int:
     if args.device[0] != "cpu":
         # Before this process imports torch: the fork server that starts the workers and compile processes imports
-        # torch, triton and fa2tune meanwhile (fa2tune.processes), not after.
-        from . import processes
+        # torch, triton and fa2tune meanwhile (fa2tune.tune.processes), not after.
+        from .tune import processes
 
         processes.start_early()
     # Every argument is checked before anything is timed: a bad one ends the command with one line, exit code 2.
     seqlens = _tuning_lengths(args.seqlens, args.seqlen_bucket)
     devices = args.device if args.device != ["all"] else _all_cuda_devices()
     devices = [_resolve_device(d) for d in devices]
-    from . import bench, planner, runtime, selection, store, tunejob, tuner
-    from .inputs import DTYPES_BY_NAME
+    from .api import attention_kernel, selection
+    from .config import planner, store
+    from .config.inputs import DTYPES_BY_NAME
+    from .tune import job, timing, tuner
 
     if len({selection.device_info(d).slug for d in devices}) > 1:
         _fail(f"--device {','.join(devices)}: GPUs of different kinds cannot share a study; tune each kind alone")
@@ -414,7 +416,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     storage = args.storage
     if storage is None and len(devices) > 1:  # workers share one study through a journal file
         storage = str(config_dir / ".studies" / "tune.journal")
-    target = tunejob.config_path(devices[0], config_dir)  # what the file holds now is timed beside the rest
+    target = job.config_path(devices[0], config_dir)  # what the file holds now is timed beside the rest
     _check_writable(config_dir, target, storage)
 
     _note_interpreter(devices[0])
@@ -426,16 +428,16 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     rows, path, names = [], None, set()
     # One pool of compile processes for every study of a single-GPU tune (multi-GPU workers start their own).
     jobs = args.jobs or os.cpu_count() or 1
-    pool = bench.CompilePool(jobs) if devices[0] != "cpu" and len(devices) == 1 else None
+    pool = timing.CompilePool(jobs) if devices[0] != "cpu" and len(devices) == 1 else None
     try:
         specs = [
-            tunejob.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
+            job.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
                               seqlens=seqlens, tokens=args.tokens, trials=args.trials, timeout_s=args.timeout,
                               storage=storage, window=args.window, varlen=args.varlen,
                               seqlen_bucket=args.seqlen_bucket)
             for kernel in kernels for causal in causals
         ]  # fmt: skip
-        specs = [replace(spec, incumbent=tunejob.incumbent(spec, target)) for spec in specs]
+        specs = [replace(spec, incumbent=job.incumbent(spec, target)) for spec in specs]
         if args.seqlens is None:  # an "all" entry beside bucket entries is tuned at the lengths it serves
             specs = [_at_served_lengths(spec, target) for spec in specs]
         info = selection.device_info(devices[0])
@@ -443,10 +445,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                                   spec.variant) for spec in specs}  # fmt: skip
         if len(devices) > 1:
             print(f"{len(specs)} studies shared by {len(devices)} workers ({storage})", flush=True)
-            done = tunejob.run_parallel_many(specs, devices, progress=_worker_progress(specs, devices))
+            done = job.run_parallel_many(specs, devices, progress=_worker_progress(specs, devices))
             print()
             for spec, (result, entry, _) in zip(specs, done, strict=True):
-                path = tunejob.write(entry, devices[0], config_dir)
+                path = job.write(entry, devices[0], config_dir)
                 rows.append((spec.kernel, spec.causal, result))
         for number, spec in enumerate(specs if len(devices) == 1 else []):
 
@@ -455,11 +457,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                       f"{elapsed:.0f} s", end="", flush=True)  # fmt: skip
 
             then = specs[number + 1] if number + 1 < len(specs) else None  # its first configs compile meanwhile
-            result, entry = tunejob.run_study(
+            result, entry = job.run_study(
                 spec, devices[0], on_trial=progress, compile_pool=pool, then=then, release_pool=then is None
             )
             print()
-            path = tunejob.write(entry, devices[0], config_dir)
+            path = job.write(entry, devices[0], config_dir)
             rows.append((spec.kernel, spec.causal, result))
     except KeyboardInterrupt:
         if pool is not None:
@@ -471,7 +473,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     finally:
         if pool is not None:
             pool.close()
-    runtime.clear_cache()
+    attention_kernel.clear_cache()
     print(f"\nwrote {path}")
     # "before ms": the config the file held for the key (tuner's incumbent), timed in this run; "-" if none
     print(f"{'kernel':>9} {'causal':>6} {'winner':>30} {'ms':>8} {'default ms':>10} {'before ms':>9} {'median ms':>9} "
@@ -515,7 +517,8 @@ def _all_cuda_devices() -> list[str]:
 def _cmd_show(args: argparse.Namespace) -> int:
     import torch
 
-    from . import runtime, selection, store
+    from .api import attention_kernel, selection
+    from .config import store
 
     if args.gpu:
         info = _device_info(args)
@@ -547,10 +550,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
                     "used": not shadowed,
                 }
             )
-    if not args.gpu:  # what the runtime resolves now, including planner defaults
+    if not args.gpu:  # what the attention_kernel resolves now, including planner defaults
         for head_dim in sorted({r["head_dim"] for r in rows if "head_dim" in r} | {64, 128}):
             for causal in (False, True):
-                k = runtime.get_kernel(head_dim, device=device_name, dtype=torch.bfloat16, causal=causal)
+                k = attention_kernel.get_kernel(head_dim, device=device_name, dtype=torch.bfloat16, causal=causal)
                 rows.append(
                     {
                         "resolved": True,
@@ -651,7 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "timing")  # fmt: skip
     tune.set_defaults(func=_cmd_tune)
 
-    show = sub.add_parser("show", help="which configs the runtime uses, and from which file")
+    show = sub.add_parser("show", help="which configs the attention_kernel uses, and from which file")
     show.add_argument("--device", type=_device_name, default="cuda:0")
     show.add_argument("--gpu", default=None, help="list the stored entries for a known GPU without the card")
     show.add_argument("--json", action="store_true")
@@ -671,13 +674,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _known_gpus() -> list[str]:
-    from .device import KNOWN_GPUS
+    from .config.device import KNOWN_GPUS
 
     return sorted(KNOWN_GPUS)
 
 
 def _head_dim(text: str) -> int:
-    from .types import MAX_HEAD_DIM
+    from .config.types import MAX_HEAD_DIM
 
     try:
         value = int(text)

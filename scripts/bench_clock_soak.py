@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from fa2tune import launcher
-from fa2tune.bench import attention_flops
-from fa2tune.types import KernelConfig
+from fa2tune.config.types import KernelConfig
+from fa2tune.launch import launcher
+from fa2tune.tune.timing import attention_flops
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fa2tune
-from fa2tune.bench import random_qkv, time_cuda
+from fa2tune.tune.timing import random_qkv, time_cuda
 
 
 def _sdpa(backend):

@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
-    from fa2tune import fastlaunch
-    from fa2tune.bench import attention_flops
+    from fa2tune.launch import fastlaunch
+    from fa2tune.tune.timing import attention_flops
 
     rows = []
     for head_dim in (128, 64):

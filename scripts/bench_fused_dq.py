@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from fa2tune import launcher, planner
-from fa2tune.device import known_gpu
-from fa2tune.types import KernelConfig
+from fa2tune.config import planner
+from fa2tune.config.device import known_gpu
+from fa2tune.config.types import KernelConfig
+from fa2tune.launch import launcher
 
 DTYPE = torch.bfloat16
 

@@ -4,7 +4,7 @@
 Without --gpu the kernel launches are replaced by no-ops, so the figure is fa2tune's own overhead (argument checks,
 config lookup, autograd), not Triton's launcher or the GPU; no GPU needed. With --gpu the kernels are launched for
 real on a shape so small (1×2×64×128) that the GPU is never the limit, through Triton's launch path and through
-fa2tune.fastlaunch's direct one (the default; FA2TUNE_DIRECT_LAUNCH=0 turns it off), in alternating rounds,
+fa2tune.launch.fastlaunch's direct one (the default; FA2TUNE_DIRECT_LAUNCH=0 turns it off), in alternating rounds,
 beside SDPA's flash backend. For a short sequence this decides the speed: a GPU that finishes before the host has
 launched the next kernel waits (docs/PERF.md v6 "host time", v7).
 
@@ -39,8 +39,8 @@ if not {"--gpu", "--split", "--autograd-split", "--threads", "--waits"} & set(sy
 import torch
 
 import fa2tune
-from fa2tune import launcher
-from fa2tune.types import KernelConfig, Mask
+from fa2tune.config.types import KernelConfig, Mask
+from fa2tune.launch import launcher
 
 
 class _NoLaunch:
@@ -91,7 +91,7 @@ def _gpu(rounds: int) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from fa2tune import fastlaunch
+    from fa2tune.launch import fastlaunch
 
     if not torch.cuda.is_available():
         print("--gpu needs a CUDA GPU; none is visible", file=sys.stderr)
@@ -121,7 +121,7 @@ def _gpu(rounds: int) -> int:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             for name, fn in sdpa.items():
                 readings.setdefault("SDPA flash", {}).setdefault(name, []).append(_time_us(fn))
-    from fa2tune import selection
+    from fa2tune.api import selection
 
     resolved = selection.resolve("fwd", 128, torch.bfloat16, True, "cuda", seqlen=64)[0]
     print(f"# host µs per call, {torch.cuda.get_device_name()}, 1x2x64x128 bf16 causal, median of {rounds} rounds "
@@ -137,7 +137,7 @@ def _gpu(rounds: int) -> int:
 
 def _captured(call, name: str = "launch") -> tuple:
     """The arguments of the one fastlaunch.<name> call that call() makes (the last if more): (positional, kwargs)."""
-    from fa2tune import fastlaunch
+    from fa2tune.launch import fastlaunch
 
     seen = []
     real = getattr(fastlaunch, name)
@@ -152,7 +152,8 @@ def _captured(call, name: str = "launch") -> tuple:
 def _split(repeats: int) -> int:
     from triton.backends.nvidia import driver
 
-    from fa2tune import fastlaunch, selection, warpspec
+    from fa2tune.api import selection
+    from fa2tune.launch import fastlaunch, warpspec
 
     if not torch.cuda.is_available():
         print("--split needs a CUDA GPU; none is visible", file=sys.stderr)
@@ -315,7 +316,7 @@ def _waits(calls: int = 10, rounds: int = 5) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from fa2tune.bench import random_qkv
+    from fa2tune.tune.timing import random_qkv
 
     if not torch.cuda.is_available():
         print("--waits needs a CUDA GPU; none is visible", file=sys.stderr)

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import fa2tune
-from fa2tune.bench import attention_flops, random_qkv, time_cuda
-from fa2tune.types import Mask
+from fa2tune.config.types import Mask
+from fa2tune.tune.timing import attention_flops, random_qkv, time_cuda
 
 
 def _flex(mask_mod, n_q, n_k, device):

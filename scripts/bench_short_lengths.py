@@ -37,7 +37,7 @@ def _case(head_dim: int, seqlen: int, causal: bool, tokens: int, width: int, pro
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import fa2tune
-    from fa2tune.bench import attention_flops
+    from fa2tune.tune.timing import attention_flops
 
     batch, heads = max(1, tokens // seqlen), width // head_dim
     q, k, v = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -112,7 +112,8 @@ def _threads_table(head_dims, seqlens, tokens: int, width: int, rounds: int) -> 
 
 def _use_bucket_entries(on: bool, real) -> None:
     """Bucket entries (short and medium) on, or every call resolved from the "all" entries."""
-    from fa2tune import selection, store
+    from fa2tune.api import selection
+    from fa2tune.config import store
 
     store.buckets_for = real if on else (lambda seqlen: ("all",))
     selection.clear_cache()
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
-    from fa2tune import store
+    from fa2tune.config import store
 
     real = store.buckets_for
     head_dims, seqlens = [int(d) for d in args.head_dims.split(",")], [int(n) for n in args.seqlens.split(",")]
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         _threads_table(head_dims, seqlens, args.tokens, args.width, args.rounds)
     if args.profile:
-        from fa2tune.bench import kernel_times_ms
+        from fa2tune.tune.timing import kernel_times_ms
 
         for head_dim in head_dims:
             fn, _ = _case(head_dim, 512, True, args.tokens, args.width)

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fa2tune
-from fa2tune import benchreport
-from fa2tune.bench import attention_flops, random_qkv, time_cuda
+from fa2tune.tune import benchreport
+from fa2tune.tune.timing import attention_flops, random_qkv, time_cuda
 
 SDPA_BACKENDS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,

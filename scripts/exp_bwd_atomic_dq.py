@@ -135,8 +135,8 @@ def backward_problem(d: int, seqlen: int):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from fa2tune import launcher
-    from fa2tune.bench import attention_flops, random_qkv, time_cuda
+    from fa2tune.launch import launcher
+    from fa2tune.tune.timing import attention_flops, random_qkv, time_cuda
 
     batch, heads = 16384 // seqlen, 2048 // d
     q, k, v = random_qkv(batch, heads, seqlen, d, requires_grad=True)
@@ -154,7 +154,7 @@ def backward_problem(d: int, seqlen: int):
 def time_cases(d: int, cases: dict, ref, flops: float, checked=lambda name: slice(0, 3)) -> list[tuple]:
     """(d, case, TFLOP/s of backward FLOPs, relative error against ref) for each case that runs; checked(name):
     which of (dq, dk, dv) that case computes. A case that cannot run is reported and skipped."""
-    from fa2tune.bench import time_cuda
+    from fa2tune.tune.timing import time_cuda
 
     rows = []
     for name, fn in cases.items():
@@ -179,7 +179,7 @@ def print_table(seqlen: int, rows: list[tuple]) -> None:
 
 def _rows(d: int, seqlen: int) -> list[tuple]:
     """cuDNN's backward, fa2tune's, and each fused case, for one head dim."""
-    from fa2tune import launcher
+    from fa2tune.launch import launcher
 
     (q, k, v, o, lse, do), ref, flops, cudnn_ms = backward_problem(d, seqlen)
     cases = {"fa2tune launcher.backward (tuned)": lambda: launcher.backward(do, q, k, v, o, lse, causal=False,

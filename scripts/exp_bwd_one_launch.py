@@ -129,7 +129,7 @@ LAYOUTS = ("two launches", "dkdv+dq", "dq+dkdv", "by head")
 
 def _rows(d: int, seqlen: int) -> list[tuple]:
     """fa2tune's backward and each (configs, layout) case, for one head dim."""
-    from fa2tune import launcher
+    from fa2tune.launch import launcher
 
     (q, k, v, o, lse, do), ref, flops, _ = backward_problem(d, seqlen)
     cases = {"fa2tune launcher.backward (tuned)": lambda: launcher.backward(do, q, k, v, o, lse, causal=False,

@@ -110,8 +110,8 @@ def _run_minimal(q, k, v, o, lse, config, switches) -> None:
 def _cases(q, k, v, o, lse, config) -> dict:
     """Each case as a callable that writes its output into o."""
     import fa2tune
-    from fa2tune import launcher
-    from fa2tune.types import KernelConfig, Mask
+    from fa2tune.config.types import KernelConfig, Mask
+    from fa2tune.launch import launcher
 
     fewer = (*config[:3], config[3] - 1)
     cases = {
@@ -184,8 +184,8 @@ def _compile_minimal(config, d: int, unroll: int):
 def loop_mix() -> None:
     """The sm_90 PTX of the inner loop, by opcode: fa2tune's kernel at (256, 64, 8, 4), d=128, against the minimal;
     then the minimal kernel's instructions per score with the loop unrolled x2, at d=128 and d=64."""
-    from fa2tune import probe
-    from fa2tune.types import KernelConfig
+    from fa2tune.config.types import KernelConfig
+    from fa2tune.kernels import probe
 
     compiled = {}
     compile_ = triton.compile

@@ -27,8 +27,8 @@ import sys
 import torch
 
 import fa2tune
-from fa2tune import launcher, warpspec
-from fa2tune.bench import attention_flops, random_qkv, time_cuda
+from fa2tune.launch import launcher, warpspec
+from fa2tune.tune.timing import attention_flops, random_qkv, time_cuda
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,9 +27,10 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from fa2tune import launcher, planner, warpspec
-from fa2tune.bench import attention_flops, random_qkv, time_cuda
-from fa2tune.types import KernelConfig
+from fa2tune.config import planner
+from fa2tune.config.types import KernelConfig
+from fa2tune.launch import launcher, warpspec
+from fa2tune.tune.timing import attention_flops, random_qkv, time_cuda
 
 DTYPE = torch.bfloat16
 # (maxnreg of the kernel, registers of the consumer, of the producer): what `two` runs one-consumer programs with

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from fa2tune import causal_tail, planner, store
+from fa2tune.config import planner, store
+from fa2tune.launch import causal_tail
 
 SHIPPED = Path(__file__).resolve().parents[1] / "tuned_configs" / "nvidia-h200.yaml"
 

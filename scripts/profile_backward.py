@@ -25,8 +25,8 @@ def _profile(d: int, n: int, causal: bool, configs: list) -> None:
     """Prints each backward kernel's time at each dK/dV config (None: the tuned one), for one head dim."""
     from dataclasses import astuple
 
-    from fa2tune import launcher
-    from fa2tune.bench import attention_flops, kernel_times_ms, random_qkv
+    from fa2tune.launch import launcher
+    from fa2tune.tune.timing import attention_flops, kernel_times_ms, random_qkv
 
     batch, heads = max(1, 16384 // n), 2048 // d
     q, k, v = random_qkv(batch, heads, n, d)
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("profile_backward.py needs a CUDA GPU; none is visible", file=sys.stderr)
         return 2
-    from fa2tune.types import KernelConfig
+    from fa2tune.config.types import KernelConfig
 
     configs = [None] + [KernelConfig(*map(int, c.split(","))) for c in args.dkdv]
     print(f"{'d':>4} {'dK/dV config':<22} {'kernel':<22} {'ms':>7} {'own TFLOP/s':>11}")

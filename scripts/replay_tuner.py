@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from fa2tune import tuner
-from fa2tune.bench import load_sweep
-from fa2tune.device import known_gpu
+from fa2tune.config.device import known_gpu
+from fa2tune.tune import tuner
+from fa2tune.tune.timing import load_sweep
 
 SWEEP = Path(__file__).resolve().parent.parent / "docs" / "bench" / "nvidia-h200-sweep-fwd-v1.csv"
 

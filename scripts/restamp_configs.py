@@ -25,7 +25,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # rendering the templates needs 
 
 import yaml
 
-from fa2tune import codegen, store
+from fa2tune.config import store
+from fa2tune.kernels import codegen
 
 _HASH_LINE = re.compile(r"^(\s*template_hash:\s*)(\S+)(\s*)$")
 

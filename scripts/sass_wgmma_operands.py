@@ -105,8 +105,8 @@ def compile_sass(kernel: str, config: str, head_dim: int, causal: bool) -> str:
     os.environ.pop("TRITON_INTERPRET", None)
     import torch
 
-    from fa2tune import probe
-    from fa2tune.types import KernelConfig
+    from fa2tune.config.types import KernelConfig
+    from fa2tune.kernels import probe
 
     m, n, warps, stages, warpspec, persistent = (int(x) for x in config.split(","))
     cfg = KernelConfig(m, n, warps, stages, warpspec=warpspec, persistent=persistent)

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import fa2tune
-from fa2tune.reference import InnerStep, naive_attention, tiled_attention
+from fa2tune.tune.reference import InnerStep, naive_attention, tiled_attention
 
 Q = [[2, -1], [-2, 5], [4, 1], [0, 2], [3, 0], [1, -3]]
 K_T = [[1, 0, 4, -1, 5, 2], [-2, 3, 1, 2, 0, -4]]

@@ -21,7 +21,7 @@ os.environ.pop("FA2TUNE_CONFIG_DIR", None)
 
 import pytest
 
-from fa2tune import planner
+from fa2tune.config import planner
 
 # Tests of code written against one Triton's internals (the Gluon kernels' API, its compiled launchers' form): on
 # another Triton the product gates those paths off (planner.WS_TRITON, fastlaunch's form check) and these have
@@ -45,7 +45,7 @@ TOLERANCES = {
 def _fresh_launch_plans():
     """launcher keeps, per call signature, what the first call worked out (configs, grids: its plans). Tests patch
     what that is worked out from (selection.resolve, warpspec._sm_count): each starts with none kept."""
-    from fa2tune import launcher
+    from fa2tune.launch import launcher
 
     launcher.clear_plans()
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune import launcher
-from fa2tune.inputs import check_window
-from fa2tune.reference import naive_attention, naive_attention_varlen
-from fa2tune.types import KernelConfig, Mask
+from fa2tune.config.inputs import check_window
+from fa2tune.config.types import KernelConfig, Mask
+from fa2tune.launch import launcher
+from fa2tune.tune.reference import naive_attention, naive_attention_varlen
 
 from .conftest import assert_close
 
@@ -173,7 +173,7 @@ def test_window_and_prefix_past_any_sequence_reach_every_key(window, prefix_len,
     if path == "eager":
         out = fa2tune.attention(q, k, v, window=window, prefix_len=prefix_len)
     else:
-        mask = Mask(window=check_window(window), prefix_len=fa2tune.inputs.check_prefix_len(prefix_len))
+        mask = Mask(window=check_window(window), prefix_len=fa2tune.config.inputs.check_prefix_len(prefix_len))
         out = launcher._apply_op(q, k, v, mask, 16**-0.5, None)[0]
     assert_close(out, _reference(q, k, v, **reference), F32)
 
@@ -238,7 +238,7 @@ def test_a_max_seqlen_past_the_tokens_is_the_same_launch_as_the_tokens(max_seqle
     if path == "eager":
         out = fa2tune.attention_varlen(q, k, v, cu, cu, max_seqlen, 15, scale=0.25)
     else:  # attention_varlen's checks, then the op
-        packing = launcher.Packing(*fa2tune.inputs.check_varlen(q, k, v, cu, cu, max_seqlen, 15))
+        packing = launcher.Packing(*fa2tune.config.inputs.check_varlen(q, k, v, cu, cu, max_seqlen, 15))
         assert (packing.max_seqlen_q, packing.max_seqlen_k) == (20, 15)
         out = launcher._apply_op(q, k, v, Mask(), 0.25, None, packing)[0]
     ref = naive_attention_varlen(*(t.detach().double() for t in (q, k, v)), cu, cu, scale=0.25)[0]
@@ -321,7 +321,7 @@ def test_flash_attn_function_checks_its_arguments(device):
         fa2tune.FlashAttnFunction.apply(q, k, v, 1, 0.3, None)
     with pytest.raises(TypeError, match=r"scale must be a float or None, got str"):
         fa2tune.FlashAttnFunction.apply(q, k, v, False, "0.3", None)
-    with pytest.raises(TypeError, match=r"packing must be a fa2tune.launcher.Packing or None, got tuple"):
+    with pytest.raises(TypeError, match=r"packing must be a fa2tune.launch.launcher.Packing or None, got tuple"):
         fa2tune.FlashAttnFunction.apply(q, k, v, False, 0.3, None, (None, None, 1, 1))
     o, _ = fa2tune.FlashAttnFunction.apply(q, k, v, Mask(window=(2**70, 0)), 0.3, None)
     assert_close(o, _reference(q, k, v, causal=True, scale=0.3), F32)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune import launcher
-from fa2tune.reference import naive_attention
-from fa2tune.types import KernelConfig
+from fa2tune.config.types import KernelConfig
+from fa2tune.launch import launcher
+from fa2tune.tune.reference import naive_attention
 
 from .conftest import assert_close
 from .test_launcher import DTYPES, SHAPES
@@ -103,8 +103,8 @@ def test_the_preprocess_zeroes_exactly_the_fp32_dq_rows_when_asked(zero_dq, devi
     # With dQ fused into the dK/dV kernel the preprocess also zeroes the fp32 dQ it adds into (on the GPU only:
     # that kernel is a Gluon one). Here the preprocess alone: ragged rows (37 of blocks of 16), head_dim 48 padded
     # to 64, and the fp32 dQ a window into a NaN-poisoned buffer, whose other elements must stay as they were.
-    from fa2tune import planner
-    from fa2tune.types import Mask
+    from fa2tune.config import planner
+    from fa2tune.config.types import Mask
 
     batch, heads, n, d, block_m = 2, 3, 37, 48, 16
     o, do = (torch.randn(batch, heads, n, d, device=device).to(torch.bfloat16) for _ in range(2))
@@ -156,9 +156,9 @@ def test_wrong_gradient_shape_is_rejected(device):
 def test_torch_compile_fullgraph_matches_eager(device):
     # Compiled first, before any eager call: tracing must not reach the config store's file reads.
     torch._dynamo.reset()
-    from fa2tune import runtime
+    from fa2tune.api import attention_kernel
 
-    runtime.clear_cache()
+    attention_kernel.clear_cache()
 
     def layer(q, k, v):
         return fa2tune.attention(q * 2.0, k, v, causal=True).square().sum()
@@ -212,8 +212,8 @@ def test_torch_compile_with_one_tensor_as_q_k_and_v(device):
 def test_eager_calls_and_the_custom_op_give_the_same_outputs_and_gradients(packed, device):
     # Eager calls skip the custom op's dispatch (launcher._EagerAttention); torch.compile sees the op. The two
     # must agree bit for bit: same kernels, same configs, same logsumexp gradient, same varlen checks.
-    from fa2tune import launcher
-    from fa2tune.types import Mask
+    from fa2tune.config.types import Mask
+    from fa2tune.launch import launcher
 
     torch.manual_seed(14)
     if packed:

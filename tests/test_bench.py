@@ -1,9 +1,9 @@
-"""fa2tune.bench's timer discards a process's first timing (no GPU needed: do_bench is stood in for)."""
+"""fa2tune.tune.timing's timer discards a process's first timing (no GPU needed: do_bench is stood in for)."""
 
 import pytest
 import triton.testing
 
-from fa2tune import bench
+from fa2tune.tune import timing
 
 
 def test_a_process_s_first_timing_is_discarded_and_later_ones_are_not(monkeypatch):
@@ -17,8 +17,8 @@ def test_a_process_s_first_timing_is_discarded_and_later_ones_are_not(monkeypatc
         return next(readings)
 
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
-    monkeypatch.setattr(bench, "_timed_before", False)
-    first = bench.time_cuda(lambda: None)
+    monkeypatch.setattr(timing, "_timed_before", False)
+    first = timing.time_cuda(lambda: None)
     assert len(calls) == 2 and (first.p20_ms, first.median_ms, first.p80_ms) == (1.9, 2.0, 2.1)
-    second = bench.time_cuda(lambda: None)
+    second = timing.time_cuda(lambda: None)
     assert len(calls) == 3 and second.median_ms == pytest.approx(3.0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from fa2tune import benchreport
+from fa2tune.tune import benchreport
 
 
 def _rows():

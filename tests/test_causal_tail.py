@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fa2tune import causal_tail
+from fa2tune.launch import causal_tail
 
 
 def kernel_order(batch_heads: int, n_m: int, programs: int, main: int, tail_heads: int) -> list[list[tuple]]:

@@ -8,25 +8,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from fa2tune import cli, selfcheck
+from fa2tune import cli
+from fa2tune.tune import verification
 
 
 def test_check_passes_and_prints_a_row_per_case(capsys, device):
     assert cli.main(["check", "--device", device, "--dtype", "fp16"]) == 0
     out = capsys.readouterr().out
     assert "all checks passed" in out
-    assert out.count(" ok") == 4 * len(selfcheck.default_shapes(on_gpu=device != "cpu"))  # full, causal, window, varlen
+    # full, causal, window, varlen
+    assert out.count(" ok") == 4 * len(verification.default_shapes(on_gpu=device != "cpu"))
     assert "window" in out and "varlen" in out
 
 
 def test_check_fails_loudly_when_the_kernel_is_wrong(capsys, monkeypatch, device):
-    real = selfcheck.forward
+    real = verification.forward
 
     def off_by_a_little(*args, **kwargs):
         o, lse = real(*args, **kwargs)
         return o * 1.01, lse
 
-    monkeypatch.setattr(selfcheck, "forward", off_by_a_little)
+    monkeypatch.setattr(verification, "forward", off_by_a_little)
     assert cli.main(["check", "--device", device, "--dtype", "fp32"]) == 1
     assert "FAIL" in capsys.readouterr().out
 
@@ -115,7 +117,8 @@ def test_tune_on_cpu_writes_yaml_that_the_runtime_then_uses(tmp_path, capsys, mo
     if torch.cuda.is_available():
         pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
     import fa2tune
-    from fa2tune import runtime, store
+    from fa2tune.api import attention_kernel
+    from fa2tune.config import store
 
     args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "2", "--causal", "no", "--kernel", "fwd"]
     assert cli.main([*args, "--config-dir", str(tmp_path)]) == 0
@@ -129,13 +132,13 @@ def test_tune_on_cpu_writes_yaml_that_the_runtime_then_uses(tmp_path, capsys, mo
     assert entry.key == store.EntryKey(head_dim=16, dtype="bf16", causal=False, kernel="fwd")
     assert entry.baseline["name"] == "planner-default" and entry.trials >= 1
     monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path))
-    runtime.clear_cache()
+    attention_kernel.clear_cache()
     kernel = fa2tune.get_kernel(16, device="cpu")
     assert kernel.config == entry.config and kernel.source == str(tmp_path / "cpu-interpreter.yaml")
     assert cli.main(["show", "--device", "cpu", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert any(r.get("file") == str(tmp_path / "cpu-interpreter.yaml") and r.get("used") for r in shown["rows"])
-    runtime.clear_cache()
+    attention_kernel.clear_cache()
 
 
 def test_show_lists_the_length_bucket_configs_a_call_resolves(tmp_path, capsys, monkeypatch):
@@ -143,8 +146,10 @@ def test_show_lists_the_length_bucket_configs_a_call_resolves(tmp_path, capsys, 
     # where the store has entries for them.
     if torch.cuda.is_available():
         pytest.skip("resolves for the CPU interpreter; on a GPU show reads the card")
-    from fa2tune import codegen, runtime, store
-    from fa2tune.types import KernelConfig
+    from fa2tune.api import attention_kernel
+    from fa2tune.config import store
+    from fa2tune.config.types import KernelConfig
+    from fa2tune.kernels import codegen
 
     configs = {
         "all": KernelConfig(32, 16, 4, 1),
@@ -159,11 +164,11 @@ def test_show_lists_the_length_bucket_configs_a_call_resolves(tmp_path, capsys, 
                                    template_hash=codegen.entry_code_hash(key, cfg)))  # fmt: skip
     store.write_entries(tmp_path / "cpu-interpreter.yaml", {"name": "cpu", "slug": "cpu-interpreter"}, entries)
     monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path))
-    runtime.clear_cache()
+    attention_kernel.clear_cache()
     try:
         assert cli.main(["show", "--device", "cpu", "--json"]) == 0
     finally:
-        runtime.clear_cache()
+        attention_kernel.clear_cache()
     shown = json.loads(capsys.readouterr().out)
     (row,) = [r for r in shown["rows"] if r.get("resolved") and r["head_dim"] == 64 and not r["causal"]]
     assert row["fwd"] == configs["all"].to_dict()
@@ -178,8 +183,9 @@ def test_a_re_tune_times_the_config_the_file_holds_for_its_key(tmp_path, capsys,
         pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
     from dataclasses import replace
 
-    from fa2tune import store, tunejob
-    from fa2tune.types import KernelConfig
+    from fa2tune.config import store
+    from fa2tune.config.types import KernelConfig
+    from fa2tune.tune import job
 
     path = tmp_path / "cpu-interpreter.yaml"
     held = KernelConfig(16, 64, 4, 1)
@@ -189,8 +195,8 @@ def test_a_re_tune_times_the_config_the_file_holds_for_its_key(tmp_path, capsys,
     other = replace(entry, key=replace(entry.key, causal=True), config=KernelConfig(64, 16, 4, 1))
     store.write_entries(path, {"name": "cpu"}, [entry, other])
     seen = []
-    real = tunejob.run_study
-    monkeypatch.setattr(tunejob, "run_study", lambda spec, *a, **kw: seen.append(spec) or real(spec, *a, **kw))
+    real = job.run_study
+    monkeypatch.setattr(job, "run_study", lambda spec, *a, **kw: seen.append(spec) or real(spec, *a, **kw))
     args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "2", "--causal", "no", "--kernel", "fwd"]
     assert cli.main([*args, "--config-dir", str(tmp_path)]) == 0
     assert [s.incumbent for s in seen] == [held]
@@ -201,16 +207,16 @@ def test_a_re_tune_times_the_config_the_file_holds_for_its_key(tmp_path, capsys,
     winner = next(e for e in store.read_file(path)[1] if e.key == entry.key).config
     before_ms = row.split(winner.label())[1].split()[2]  # after the winner: ms, default ms, before ms
     assert "default ms before ms" in header and float(before_ms) > 0
-    assert tunejob.incumbent(seen[0], tmp_path / "missing.yaml") is None
+    assert job.incumbent(seen[0], tmp_path / "missing.yaml") is None
     (tmp_path / "bad.yaml").write_text("entries: [")
-    assert tunejob.incumbent(seen[0], tmp_path / "bad.yaml") is None
+    assert job.incumbent(seen[0], tmp_path / "bad.yaml") is None
 
 
 def test_tune_one_backward_kernel_on_cpu(tmp_path):
     # after a change to one backward template only its entries are stale: `--kernel bwd_dq` tunes that one alone
     if torch.cuda.is_available():
         pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
-    from fa2tune import store
+    from fa2tune.config import store
 
     args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "1", "--causal", "no", "--kernel", "bwd_dq"]
     assert cli.main([*args, "--config-dir", str(tmp_path)]) == 0
@@ -221,7 +227,7 @@ def test_tune_one_backward_kernel_on_cpu(tmp_path):
 def test_tune_window_and_varlen_variants_on_cpu(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
-    from fa2tune import store
+    from fa2tune.config import store
 
     args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "2", "--causal", "yes", "--kernel", "fwd"]
     assert cli.main([*args, "--window", "8,0", "--varlen", "--config-dir", str(tmp_path)]) == 0
@@ -238,16 +244,16 @@ def studies_run(monkeypatch):
     """The StudySpec of every study a CPU `fa2tune tune` runs, in order (the studies still run)."""
     if torch.cuda.is_available():
         pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
-    from fa2tune import tunejob
+    from fa2tune.tune import job
 
     seen = []
-    real = tunejob.run_study
-    monkeypatch.setattr(tunejob, "run_study", lambda spec, *a, **kw: seen.append(spec) or real(spec, *a, **kw))
+    real = job.run_study
+    monkeypatch.setattr(job, "run_study", lambda spec, *a, **kw: seen.append(spec) or real(spec, *a, **kw))
     return seen
 
 
 def test_tune_a_short_length_bucket_on_cpu(tmp_path, capsys, studies_run):
-    from fa2tune import store
+    from fa2tune.config import store
 
     seen = studies_run
     args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "2", "--causal", "no", "--kernel", "fwd"]
@@ -300,7 +306,7 @@ def fake_timing(monkeypatch):
         pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
     from types import SimpleNamespace
 
-    from fa2tune import bench
+    from fa2tune.tune import timing
 
     fake = SimpleNamespace(costs={None: 1.0}, timed=[], interrupt_at=None, studies=0)
 
@@ -318,7 +324,7 @@ def fake_timing(monkeypatch):
         measure.spread = lambda cfg: None
         return measure
 
-    monkeypatch.setattr(bench, "make_measure", make_measure)
+    monkeypatch.setattr(timing, "make_measure", make_measure)
     return fake
 
 
@@ -328,7 +334,7 @@ _CPU_TUNE = ["tune", "--device", "cpu", "--head-dim", "16", "--causal", "no", "-
 def test_a_small_re_tune_keeps_the_stored_winner_unless_it_times_a_faster_one(tmp_path, capsys, fake_timing):
     # A `--trials 1` re-tune after a `--trials 3` one timed only the default and replaced the stored winner, 4x
     # faster, by it. The stored config is timed in every re-tune, whatever its budget, and the faster one is kept.
-    from fa2tune import planner, store
+    from fa2tune.config import planner, store
 
     default = planner.INTERPRETER_CONFIG  # the CPU's default config
     fake_timing.costs.update({None: 1.0, default: 4.0})
@@ -360,13 +366,13 @@ def _exit_code(argv: list[str]) -> int:
 @pytest.fixture
 def no_study(monkeypatch):
     """Fails a test whose command starts a study: argument checks must come before any timing."""
-    from fa2tune import tunejob
+    from fa2tune.tune import job
 
     def run_study(*args, **kwargs):
         raise AssertionError("a study started")
 
-    monkeypatch.setattr(tunejob, "run_study", run_study)
-    monkeypatch.setattr(tunejob, "run_parallel_many", run_study)
+    monkeypatch.setattr(job, "run_study", run_study)
+    monkeypatch.setattr(job, "run_parallel_many", run_study)
 
 
 @pytest.mark.parametrize(
@@ -456,9 +462,9 @@ def test_check_and_show_take_the_same_device_names(capsys):
 def _running_and_failed(storage: str) -> tuple[int, list]:
     import optuna
 
-    from fa2tune import tunejob
+    from fa2tune.tune import job
 
-    opened = tunejob._storage(storage)
+    opened = job._storage(storage)
     (summary,) = optuna.get_all_study_summaries(opened)
     trials = optuna.load_study(study_name=summary.study_name, storage=opened).get_trials()
     running = sum(t.state == optuna.trial.TrialState.RUNNING for t in trials)
@@ -467,7 +473,7 @@ def _running_and_failed(storage: str) -> tuple[int, list]:
 
 def test_ctrl_c_in_a_tune_is_one_line_exit_130_and_says_what_was_kept(tmp_path, capsys, fake_timing):
     # Ctrl-C printed a 69-line traceback (170 with workers) and left the trial it interrupted RUNNING.
-    from fa2tune import store
+    from fa2tune.config import store
 
     journal = tmp_path / "studies" / "t.journal"
     args = [*_CPU_TUNE, "--trials", "3", "--config-dir", str(tmp_path)]
@@ -538,12 +544,13 @@ def test_ctrl_c_while_workers_time_ends_every_process_of_the_tune_with_one_line(
 
 _POOL_INTERRUPTED = """
 import sys, time
-from fa2tune import bench, planner
-from fa2tune.types import KernelConfig, Mask
+from fa2tune.tune import timing
+from fa2tune.config import planner
+from fa2tune.config.types import KernelConfig, Mask
 import torch
 
 if __name__ == "__main__":
-    pool = bench.CompilePool(2)
+    pool = timing.CompilePool(2)
     configs = [KernelConfig(m, n, 4, 1) for m in (64, 128) for n in (64, 128)]
     pool.start("fwd", 16, torch.bfloat16, Mask(), configs, seqlens=(64,), device="cpu")
     print("compiling", flush=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fa2tune import codegen
-from fa2tune.types import Variant
+from fa2tune.config.types import Variant
+from fa2tune.kernels import codegen
 
 ROOT = Path(__file__).resolve().parent.parent
 # Every variant the launcher can ask for: a banded mask carries causality itself, packed sequences are ragged.
@@ -83,7 +83,7 @@ def _write_in_child(cache: str) -> str:
     import os
 
     os.environ["FA2TUNE_CACHE_DIR"] = cache
-    from fa2tune import codegen as child_codegen
+    from fa2tune.kernels import codegen as child_codegen
 
     paths = {child_codegen.write_module("fwd", v) for v in ALL_FWD_VARIANTS for _ in range(3)}
     return ",".join(sorted(map(str, paths)))
@@ -122,7 +122,7 @@ def test_non_editable_install_renders_templates(tmp_path):
     )
     assert install.returncode == 0, install.stdout + install.stderr
     probe = (
-        "import fa2tune.codegen as c, fa2tune.types as t; "
+        "import fa2tune.kernels.codegen as c, fa2tune.config.types as t; "
         "src = c.render('fwd', t.Variant(True, False, False)); "
         "print(c.templates_dir()); print('def _attn_fwd(' in src)"
     )
@@ -161,7 +161,9 @@ def test_an_entry_goes_stale_only_when_its_own_code_changes(tmp_path, monkeypatc
     try:
         fwd, bwd = hashes()
         fwd_varlen = codegen.code_hash("fwd", causal=True, varlen=True)
-        edit("bwd.py.jinja", "    dq = dq * scale\n", "    dq = dq * scale  # edited\n")
+        edit("bwd.py.jinja", "    dq = dq * scale\n", "    dq = dq * scale  # a comment: no code changes\n")
+        assert hashes() == (fwd, bwd)
+        edit("bwd.py.jinja", "    dq = dq * scale  # a comment: no code changes\n", "    dq = scale * dq\n")
         assert hashes()[0] == fwd and hashes()[1] != bwd
         edit(
             "fwd.py.jinja",

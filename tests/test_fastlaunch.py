@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fa2tune import fastlaunch
+from fa2tune.launch import fastlaunch
 
 from .conftest import ON_WS_TRITON
 
@@ -227,7 +227,7 @@ class _TmaTensor(_CudaTensor):
 
 
 def _describe(t, block):
-    from fa2tune import warpspec
+    from fa2tune.launch import warpspec
 
     return warpspec._descriptor(t, block, checked=False)  # the unchecked form warpspec passes with fastlaunch on
 

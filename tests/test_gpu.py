@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune import causal_tail, launcher, split_tail, warpspec
-from fa2tune.reference import naive_attention
-from fa2tune.types import KernelConfig
+from fa2tune.config.types import KernelConfig
+from fa2tune.launch import causal_tail, launcher, split_tail, warpspec
+from fa2tune.tune.reference import naive_attention
 
 from .conftest import assert_close
 
@@ -38,7 +38,8 @@ def test_production_shapes_match_reference(head_dim, causal, dtype):
 def test_each_length_bucket_runs_its_shipped_entry_right(head_dim, causal, seqlen):
     # The shipped file holds a bf16 forward entry per length bucket (store.BUCKET_RANGES); a call of a bucket's
     # length launches that entry's config: forward and gradients against float64, output poisoned first.
-    from fa2tune import selection, store
+    from fa2tune.api import selection
+    from fa2tune.config import store
 
     config, source = selection.resolve("fwd", head_dim, torch.bfloat16, causal, "cuda", seqlen=seqlen)
     if torch.cuda.get_device_capability() == (9, 0) and "H200" in torch.cuda.get_device_name():
@@ -73,7 +74,7 @@ def test_offsets_past_two_to_the_31_elements():
 
 
 def test_inspect_reads_the_card():
-    from fa2tune import device, planner
+    from fa2tune.config import device, planner
 
     info = device.inspect("cuda:0")
     props = torch.cuda.get_device_properties(0)
@@ -85,10 +86,10 @@ def test_inspect_reads_the_card():
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_direct_launches_give_what_triton_s_launch_path_gives(causal, monkeypatch):
-    # fa2tune.fastlaunch reuses a compiled kernel for later calls of the same argument class. Calls that alternate
-    # classes — 16-byte aligned and not, a stride that is and is not a multiple of 16, another length — must each
-    # get the binary compiled for them: results equal to the JIT path's, bit for bit, and right against float64.
-    from fa2tune import fastlaunch
+    # fa2tune.launch.fastlaunch reuses a compiled kernel for later calls of the same argument class. Calls that
+    # alternate classes — 16-byte aligned and not, a stride that is and is not a multiple of 16, another length — must
+    # each get the binary compiled for them: results equal to the JIT path's, bit for bit, and right against float64.
+    from fa2tune.launch import fastlaunch
 
     torch.manual_seed(3)
     base = torch.randn(2 * 4 * 300 * 64 + 8, dtype=torch.bfloat16, device="cuda")
@@ -293,7 +294,7 @@ def test_warpspec_other_head_dims_and_gradients(head_dim):
 
 @_HOPPER
 def test_warpspec_takes_what_tma_takes_and_the_rest_runs_triton(monkeypatch):
-    from fa2tune import selection
+    from fa2tune.api import selection
 
     config = KernelConfig(128, 128, 4, 2, warpspec=1)
     wide = torch.randn(1, 2, 300, 68, dtype=torch.bfloat16, device="cuda")[..., :64]  # row stride 136 B: not % 16
@@ -317,7 +318,7 @@ def test_warpspec_takes_what_tma_takes_and_the_rest_runs_triton(monkeypatch):
 def test_warpspec_direct_launches_give_what_the_jit_gives(monkeypatch):
     # The warp-specialized forward launches through fastlaunch too, its TMA descriptors keyed by dtype, block and
     # layout: lengths and head counts that change the scalars, and a second call of each, equal the JIT's bit for bit.
-    from fa2tune import fastlaunch
+    from fa2tune.launch import fastlaunch
 
     torch.manual_seed(5)
     config = KernelConfig(128, 128, 4, 2, warpspec=2)
@@ -460,7 +461,7 @@ def test_warpspec_backward_direct_launches_give_what_the_jit_gives(causal, monke
     # launcher with descriptors encoded once per tensor address. Each case runs three times — the JIT's call, then
     # two direct ones that reuse the inputs' encodings and encode their new gradient buffers (every result is kept,
     # so each call's buffers are at new addresses) — and equals the JIT path bit for bit.
-    from fa2tune import fastlaunch
+    from fa2tune.launch import fastlaunch
 
     torch.manual_seed(7)
     configs = dict(dkdv_config=KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1),

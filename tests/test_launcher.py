@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune import launcher
-from fa2tune.reference import naive_attention
-from fa2tune.types import KernelConfig
+from fa2tune.config.types import KernelConfig
+from fa2tune.launch import launcher
+from fa2tune.tune.reference import naive_attention
 
 from .conftest import assert_close
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune.reference import band_visible, naive_attention, naive_attention_varlen
-from fa2tune.types import KernelConfig, Mask
+from fa2tune.config.types import KernelConfig, Mask
+from fa2tune.tune.reference import band_visible, naive_attention, naive_attention_varlen
 
 from .conftest import assert_close
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fa2tune import planner
-from fa2tune.device import KNOWN_GPUS, known_gpu
-from fa2tune.types import KernelConfig
+from fa2tune.config import planner
+from fa2tune.config.device import KNOWN_GPUS, known_gpu
+from fa2tune.config.types import KernelConfig
 
 VERDICTS = Path(__file__).resolve().parent.parent / "docs" / "planner" / "nvidia-h200-compiler-bf16.csv"
 
@@ -158,7 +158,8 @@ def test_recording_still_matches_the_installed_compiler():
     # The window/prefix (banded) and packed (varlen) variants keep the same tiles: the planner's model holds
     # for them only if the compiler gives them the same shared memory as the recorded causal variant.
     script = (
-        "import json, sys, torch; from fa2tune.probe import compile_config; from fa2tune.types import KernelConfig\n"
+        "import json, sys, torch; from fa2tune.kernels.probe import compile_config\n"
+        "from fa2tune.config.types import KernelConfig\n"
         "rows = json.loads(sys.argv[1])\n"
         "print(json.dumps([compile_config(k, KernelConfig(*c), d, torch.bfloat16, causal=True, banded=i == 1,"
         " varlen=i == 2).shared_bytes for i, (k, d, c) in enumerate(rows)]))"

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fa2tune.reference import InnerStep, causal_visible, naive_attention, tiled_attention, tiled_attention_batched
+from fa2tune.tune.reference import InnerStep, causal_visible, naive_attention, tiled_attention, tiled_attention_batched
 
 ROOT = Path(__file__).resolve().parent.parent
 

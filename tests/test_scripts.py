@@ -89,7 +89,7 @@ def test_persistent_order_model_deals_every_tile_once(order):
 def test_autograd_split_times_each_stretch_and_puts_the_launchers_back(capsys):
     # bench_host_overhead.py --autograd-split patches the autograd.Function's backward and launcher.backward to
     # time them, and on a machine without a GPU turns launches into no-ops: afterwards all three are the real ones.
-    from fa2tune import launcher
+    from fa2tune.launch import launcher
 
     script = load_script("bench_host_overhead")
     before = (launcher._EagerAttention.backward, launcher.backward, launcher._kernel)
@@ -133,8 +133,9 @@ def test_two_programs_an_sm_experiment_patches_registers_and_grid_and_puts_them_
     # scripts/exp_two_programs_per_sm.py (docs/PERF.md v19): inside, one-consumer programs get maxnreg 128 and the
     # persistent grid two programs an SM; outside, everything is as it was, and its configs are one-consumer ones
     # the H200's planner accepts at d=64 under the patched registers too.
-    from fa2tune import planner, warpspec
-    from fa2tune.device import known_gpu
+    from fa2tune.config import planner
+    from fa2tune.config.device import known_gpu
+    from fa2tune.launch import warpspec
 
     script = load_script("exp_two_programs_per_sm")
     monkeypatch.setattr(warpspec, "_sm_count", lambda index: 132)  # the H200's, without a GPU
@@ -178,7 +179,7 @@ def test_grid_benchmark_takes_each_rows_median_over_fresh_processes_and_merges_i
     # scripts/bench_vs_sdpa.py --processes 3 --merge-into CSV: the grid measured by three child processes of the
     # script (each given the same shapes and a CSV of its own, never --processes again), each row's median written
     # over the CSV's row for it, every other row kept. The children are faked here: they write rows to their CSV.
-    from fa2tune import benchreport
+    from fa2tune.tune import benchreport
 
     script = load_script("bench_vs_sdpa")
     monkeypatch.setattr(script.torch.cuda, "is_available", lambda: True)
@@ -239,7 +240,7 @@ def test_grid_benchmark_runs_grouped_query_attention_against_a_reference_of_its_
     # K/V G times, so it needs no backend's GQA support (here: SDPA on the CPU, against its math on repeated K/V,
     # gradients summed back over each group). Rows carry a gqa column; the MHA grid never takes them; G must divide
     # the query heads; children get --gqa.
-    from fa2tune import benchreport
+    from fa2tune.tune import benchreport
 
     script = load_script("bench_vs_sdpa")
     q, do = torch.randn(2, 4, 33, 16), torch.randn(2, 4, 33, 16)
@@ -345,8 +346,9 @@ def test_step_mix_says_where_the_step_waits_for_its_wgmmas_against_its_exponenti
 def test_restamp_lists_stale_entries_and_rewrites_only_their_hash_lines(tmp_path, capsys):
     # scripts/restamp_configs.py: an entry whose template_hash is not the current code's is listed; --write gives it
     # the current hash and changes no other line of the file (comments, order, the fresh entry); then none is stale.
-    from fa2tune import codegen, store
-    from fa2tune.types import KernelConfig
+    from fa2tune.config import store
+    from fa2tune.config.types import KernelConfig
+    from fa2tune.kernels import codegen
 
     script = load_script("restamp_configs")
     cfg = KernelConfig(64, 64, 4, 2)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fa2tune import split_tail, warpspec
-from fa2tune.reference import naive_attention
-from fa2tune.types import KernelConfig
+from fa2tune.config.types import KernelConfig
+from fa2tune.launch import split_tail, warpspec
+from fa2tune.tune.reference import naive_attention
 
 from .conftest import assert_close
 

@@ -11,8 +11,10 @@ import torch
 import yaml
 
 import fa2tune
-from fa2tune import codegen, runtime, selection, store
-from fa2tune.types import KernelConfig
+from fa2tune.api import attention_kernel, selection
+from fa2tune.config import store
+from fa2tune.config.types import KernelConfig
+from fa2tune.kernels import codegen
 
 DEVICE = {"name": "Triton interpreter (CPU)", "slug": "cpu-interpreter"}
 
@@ -35,10 +37,10 @@ def _entry(head_dim=64, causal=False, kernel="fwd", cfg=_CFG, template_hash=None
 def config_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path / "env"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    runtime.clear_cache()
+    attention_kernel.clear_cache()
     store._warned.clear()
     yield tmp_path
-    runtime.clear_cache()
+    attention_kernel.clear_cache()
 
 
 def test_round_trip_and_merge_keep_every_key(config_dir):
@@ -141,7 +143,7 @@ def test_a_file_is_parsed_once_per_content(config_dir, monkeypatch):
     monkeypatch.setattr(yaml, "load", lambda *a, **k: parses.append(a) or real_load(*a, **k))
 
     def resolve_many():  # shapes a model could call with, each a new lookup
-        runtime.clear_cache()
+        attention_kernel.clear_cache()
         return {(kernel, head_dim, causal, n): selection.resolve(kernel, head_dim, torch.float32, causal, "cpu",
                                                                  seqlen=n)
                 for kernel in store.KERNEL_NAMES for head_dim in (16, 32, 64, 128) for causal in (False, True)
@@ -219,7 +221,7 @@ def test_a_bad_file_warns_once_and_falls_back(config_dir, content, warning, devi
     assert kernel.source == "planner-default"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        runtime.clear_cache()
+        attention_kernel.clear_cache()
         torch.testing.assert_close(fa2tune.attention(q, q, q), out)
     assert not [w for w in caught if "fa2tune" in str(w.message)]  # the second call says nothing: once is enough
 
@@ -244,7 +246,7 @@ def test_get_kernel_uses_a_tuned_entry_for_fwd_and_bwd(config_dir, device):
     q = torch.randn(1, 2, 50, 64, device=device, requires_grad=True)
     out = kernel(q, q, q)
     out.sum().backward()
-    from fa2tune.reference import naive_attention
+    from fa2tune.tune.reference import naive_attention
 
     ref = naive_attention(q.detach().double(), q.detach().double(), q.detach().double(), causal=True)[0]
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
@@ -255,7 +257,7 @@ def test_get_kernel_uses_a_tuned_entry_for_fwd_and_bwd(config_dir, device):
 
 def test_an_entry_that_does_not_fit_the_device_is_ignored(config_dir, monkeypatch):
     # An H200-sized tile in an L4's file (99 KiB per block): resolved as the planner's L4 default, with a warning.
-    from fa2tune.device import known_gpu
+    from fa2tune.config.device import known_gpu
 
     l4 = known_gpu("l4")
     monkeypatch.setattr(selection, "device_info", lambda device: l4)
@@ -297,7 +299,7 @@ def test_window_and_varlen_entries_are_their_own_keys(config_dir, device):
 
 
 def test_get_kernel_for_a_window_and_for_packed_sequences(config_dir, device):
-    from fa2tune.reference import naive_attention, naive_attention_varlen
+    from fa2tune.tune.reference import naive_attention, naive_attention_varlen
 
     slug = selection.device_info(device).slug
     path = config_dir / "env" / f"{slug}.yaml"
@@ -333,7 +335,7 @@ def test_a_pipelined_entry_is_fresh_with_the_code_it_runs_and_stale_with_the_pla
     store.write_entries(path, DEVICE, [_entry(64, cfg=pipelined, template_hash=pipelined_hash)])
     assert "pipeline_qk: 1" in path.read_text()
     assert selection.resolve("fwd", 64, torch.float32, False, "cpu") == (pipelined, str(path))
-    runtime.clear_cache()
+    attention_kernel.clear_cache()
     store.write_entries(path, DEVICE, [_entry(64, cfg=pipelined)])  # plain code's hash, switch on: stale
     with pytest.warns(RuntimeWarning, match="stale"):
         config, source = selection.resolve("fwd", 64, torch.float32, False, "cpu")
@@ -341,8 +343,8 @@ def test_a_pipelined_entry_is_fresh_with_the_code_it_runs_and_stale_with_the_pla
 
 
 def test_a_short_entry_serves_calls_up_to_1024_and_the_all_entry_the_rest(config_dir, device):
-    from fa2tune import launcher
-    from fa2tune.types import Mask
+    from fa2tune.config.types import Mask
+    from fa2tune.launch import launcher
 
     slug = selection.device_info(device).slug
     path = config_dir / "env" / f"{slug}.yaml"
@@ -374,18 +376,18 @@ def test_a_short_entry_serves_calls_up_to_1024_and_the_all_entry_the_rest(config
     kernel = fa2tune.get_kernel(64, device=device, dtype=torch.float32)
     assert (kernel.config, kernel.short_config, kernel.short_source) == (long_cfg, short_cfg, str(path))
     x = torch.randn(1, 2, 40, 64, device=device)
-    from fa2tune.reference import naive_attention
+    from fa2tune.tune.reference import naive_attention
 
     torch.testing.assert_close(kernel(x, x, x).double(), naive_attention(x.double(), x.double(), x.double())[0],
                                rtol=1e-5, atol=1e-5)  # fmt: skip
     launched = []
-    real = runtime.attention
+    real = attention_kernel.attention
     try:
-        runtime.attention = lambda *args, config=None, **kw: launched.append(config)
+        attention_kernel.attention = lambda *args, config=None, **kw: launched.append(config)
         kernel(x, x, x)
         kernel(x, torch.empty(1, 2, 1100, 64), torch.empty(1, 2, 1100, 64))
     finally:
-        runtime.attention = real
+        attention_kernel.attention = real
     assert launched == [short_cfg, long_cfg]
 
 
@@ -415,33 +417,34 @@ def test_a_medium_entry_serves_calls_past_1024_up_to_4096(config_dir, device):
     assert (kernel.short_config, kernel.medium_config, kernel.config) == (short_cfg, medium_cfg, long_cfg)
     assert kernel.medium_source == str(path)
     launched = []
-    real = runtime.attention
+    real = attention_kernel.attention
     x = torch.empty(1, 1, 8, 64)
     try:
-        runtime.attention = lambda *args, config=None, **kw: launched.append(config)
+        attention_kernel.attention = lambda *args, config=None, **kw: launched.append(config)
         for n in (1000, 1025, 4096, 4097):
             kernel(x, torch.empty(1, 1, n, 64), torch.empty(1, 1, n, 64))
     finally:
-        runtime.attention = real
+        attention_kernel.attention = real
     assert launched == [short_cfg, medium_cfg, medium_cfg, long_cfg]
 
 
 def test_a_short_study_must_beat_what_short_calls_run_without_it(config_dir, device):
-    from fa2tune import planner, tunejob
+    from fa2tune.config import planner
+    from fa2tune.tune import job
 
     slug = selection.device_info(device).slug
     long_cfg = KernelConfig(32, 16, 4, 1)
-    spec = lambda bucket, kernel="fwd": tunejob.StudySpec(kernel=kernel, head_dim=64, dtype="fp32", causal=False,
+    spec = lambda bucket, kernel="fwd": job.StudySpec(kernel=kernel, head_dim=64, dtype="fp32", causal=False,
                                                            seqlen_bucket=bucket)  # fmt: skip
     default = lambda kernel="fwd": planner.default_config(64, torch.float32, causal=False, kernel=kernel,
                                                           device=selection.device_info(device))  # fmt: skip
-    assert tunejob.baseline(spec("short"), device) == (default(), "planner-default")  # nothing stored yet
+    assert job.baseline(spec("short"), device) == (default(), "planner-default")  # nothing stored yet
     store.write_entries(config_dir / "env" / f"{slug}.yaml", DEVICE, [_entry(cfg=long_cfg)])
-    runtime.clear_cache()
-    assert tunejob.baseline(spec("short"), device) == (long_cfg, "seqlen_bucket all")  # the "all" entry
-    assert tunejob.baseline(spec("medium"), device) == (long_cfg, "seqlen_bucket all")
-    assert tunejob.baseline(spec("all"), device) == (default(), "planner-default")
-    assert tunejob.baseline(spec("short", "bwd_dq"), device) == (default("bwd_dq"), "planner-default")
+    attention_kernel.clear_cache()
+    assert job.baseline(spec("short"), device) == (long_cfg, "seqlen_bucket all")  # the "all" entry
+    assert job.baseline(spec("medium"), device) == (long_cfg, "seqlen_bucket all")
+    assert job.baseline(spec("all"), device) == (default(), "planner-default")
+    assert job.baseline(spec("short", "bwd_dq"), device) == (default("bwd_dq"), "planner-default")
 
 
 def test_every_shipped_entry_runs_the_current_kernel_code():

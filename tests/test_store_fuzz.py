@@ -18,9 +18,11 @@ import torch
 import yaml
 
 import fa2tune
-from fa2tune import codegen, planner, runtime, selection, store
-from fa2tune.reference import naive_attention
-from fa2tune.types import KernelConfig
+from fa2tune.api import attention_kernel, selection
+from fa2tune.config import planner, store
+from fa2tune.config.types import KernelConfig
+from fa2tune.kernels import codegen
+from fa2tune.tune.reference import naive_attention
 
 SLUG = selection.device_info("cpu").slug
 HEAD_DIM = 16
@@ -67,7 +69,7 @@ def path(tmp_path, monkeypatch):
     monkeypatch.setattr(store, "shipped_config_dir", lambda: tmp_path / "shipped")
     (tmp_path / "env").mkdir()
     yield tmp_path / "env" / f"{SLUG}.yaml"
-    runtime.clear_cache()
+    attention_kernel.clear_cache()
     store._warned.clear()
 
 
@@ -82,12 +84,12 @@ def loader(request, monkeypatch):
 
 def _lookups(path) -> tuple[dict[str, tuple[KernelConfig, str]], list[str]]:
     """What each kernel resolves to from a fresh start, twice over, and the fa2tune warnings that name `path`."""
-    runtime.clear_cache()
+    attention_kernel.clear_cache()
     store._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = {kernel: selection.resolve(kernel, HEAD_DIM, torch.float32, False, "cpu") for kernel in CONFIGS}
-        runtime.clear_cache()  # the second round reads the file again and must not warn again
+        attention_kernel.clear_cache()  # the second round reads the file again and must not warn again
         again = {kernel: selection.resolve(kernel, HEAD_DIM, torch.float32, False, "cpu") for kernel in CONFIGS}
     assert again == got
     device = selection.device_info("cpu")
@@ -345,7 +347,7 @@ def test_attention_runs_with_the_issues_files(path, loader, case):
         "a bad entry beside good ones": good + _dump([{**_entry("bwd_dq"), "config": {"block_m": 17}}]),
     }[case]
     path.write_text(text)
-    runtime.clear_cache()
+    attention_kernel.clear_cache()
     q, k, v = (torch.randn(1, 2, 24, HEAD_DIM, dtype=torch.float32, requires_grad=True) for _ in range(3))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -8,8 +8,9 @@ import optuna
 import pytest
 import torch
 
-from fa2tune import processes, store, tunejob, tuner
-from fa2tune.types import KernelConfig
+from fa2tune.config import store
+from fa2tune.config.types import KernelConfig
+from fa2tune.tune import job, processes, tuner
 
 
 @pytest.fixture
@@ -33,8 +34,8 @@ def _timed(study) -> list[KernelConfig]:
 
 def test_two_workers_share_one_journal_and_lose_nothing(tmp_path, interpreter_only):
     journal = tmp_path / "studies" / "tune.journal"
-    spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=True, trials=4, storage=str(journal))
-    result, entry, codes = tunejob.run_parallel(spec, ["cpu", "cpu"])
+    spec = job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=True, trials=4, storage=str(journal))
+    result, entry, codes = job.run_parallel(spec, ["cpu", "cpu"])
     assert codes == {"0:cpu": 0, "1:cpu": 0}
     # Four configs between the two workers (the budget is theirs together), none timed twice: a config another
     # worker timed, or is timing (even one proposed to both at the same instant), is not timed again.
@@ -43,15 +44,15 @@ def test_two_workers_share_one_journal_and_lose_nothing(tmp_path, interpreter_on
     assert result.measured == 4 and entry.config in timed
     # the entry records the winner's second reading (the re-timing the ranking uses: tuner.tune), not its first
     assert entry.ms == round(result.best_ms, 4) and result.best == entry.config
-    path = tunejob.write(entry, "cpu", tmp_path / "configs")
+    path = job.write(entry, "cpu", tmp_path / "configs")
     assert store.read_file(path)[1] == [entry]
 
 
 def test_a_dead_worker_does_not_stop_the_others(tmp_path, interpreter_only):
     journal = tmp_path / "tune.journal"
-    spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=4, storage=str(journal))
+    spec = job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=4, storage=str(journal))
     said = []
-    result, entry, codes = tunejob.run_parallel(spec, ["cpu", "cuda:7"], report=said.append)
+    result, entry, codes = job.run_parallel(spec, ["cpu", "cuda:7"], report=said.append)
     assert codes["0:cpu"] == 0 and codes["1:cuda:7"] != 0
     assert said == [f"worker 1 on cuda:7 died (exit code {codes['1:cuda:7']}); the others carry on with its work"]
     # The dead worker's share of the study went to the live one: the whole budget was timed.
@@ -60,25 +61,25 @@ def test_a_dead_worker_does_not_stop_the_others(tmp_path, interpreter_only):
 
 def test_a_dead_worker_s_shares_of_several_studies_are_timed_by_another(tmp_path, interpreter_only):
     journal = str(tmp_path / "tune.journal")
-    specs = [tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=c, trials=2, storage=journal)
+    specs = [job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=c, trials=2, storage=journal)
              for c in (False, True)]  # fmt: skip
-    done = tunejob.run_parallel_many(specs, ["cpu", "cuda:7"], report=lambda line: None)
+    done = job.run_parallel_many(specs, ["cpu", "cuda:7"], report=lambda line: None)
     assert [entry.key.causal for _, entry, _ in done] == [False, True]
     assert all(result.measured == 2 for result, _, _ in done)  # each study's full budget, both shares
 
 
 def test_parallel_needs_a_shared_storage():
-    spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False)
+    spec = job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False)
     with pytest.raises(ValueError, match="needs a shared storage"):
-        tunejob.run_parallel(spec, ["cpu", "cpu"])
+        job.run_parallel(spec, ["cpu", "cpu"])
 
 
 def test_workers_live_across_studies(tmp_path, interpreter_only):
     # `fa2tune tune --device a,b` with several studies: the same two workers serve every study.
     journal = str(tmp_path / "tune.journal")
-    specs = [tunejob.StudySpec(kernel=k, head_dim=16, dtype="bf16", causal=c, trials=2, storage=journal)
+    specs = [job.StudySpec(kernel=k, head_dim=16, dtype="bf16", causal=c, trials=2, storage=journal)
              for k, c in (("fwd", False), ("bwd_dq", True))]  # fmt: skip
-    done = tunejob.run_parallel_many(specs, ["cpu", "cpu"])
+    done = job.run_parallel_many(specs, ["cpu", "cpu"])
     assert [entry.key.kernel for _, entry, _ in done] == ["fwd", "bwd_dq"]
     assert all(codes == {"0:cpu": 0, "1:cpu": 0} for _, _, codes in done)
     assert all(result.measured >= 2 and result.within_2pct_at is not None for result, _, _ in done)
@@ -86,8 +87,9 @@ def test_workers_live_across_studies(tmp_path, interpreter_only):
 
 def test_an_impossible_timing_is_refused_before_it_is_written():
     # The bug this guards against: do_bench timed cuda:0 while the kernels ran on cuda:1 (~13,000 "TFLOP/s").
-    from fa2tune import device, tuner
-    from fa2tune.types import KernelConfig
+    from fa2tune.config import device
+    from fa2tune.config.types import KernelConfig
+    from fa2tune.tune import tuner
 
     h200 = device.known_gpu("h200")
     assert 1000 < device.tflops_ceiling(h200) < 2000  # above the 989 datasheet peak, far below a broken timing
@@ -95,15 +97,15 @@ def test_an_impossible_timing_is_refused_before_it_is_written():
     result = tuner.TuneResult("nvidia-h200/fwd/d64/bfloat16/full", KernelConfig(128, 64, 8, 3), 0.2161,
                               KernelConfig(128, 64, 8, 3), 0.2161, 0.3, 16, 0, 0, 10.0, 1)  # fmt: skip
     with pytest.raises(RuntimeError, match=r"13,357 TFLOP/s, above the 1,406 .* Nothing was written"):
-        tunejob._check_plausible(result, lambda ms: 13357.2 if ms else None, h200)
-    tunejob._check_plausible(result, lambda ms: 427.0, h200)  # a real timing passes
+        job._check_plausible(result, lambda ms: 13357.2 if ms else None, h200)
+    job._check_plausible(result, lambda ms: 427.0, h200)  # a real timing passes
 
 
 def test_workers_report_each_timed_trial_for_the_progress_line(tmp_path, interpreter_only):
     journal = str(tmp_path / "tune.journal")
-    spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=4, storage=journal)
+    spec = job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=4, storage=journal)
     seen = []
-    tunejob.run_parallel_many([spec], ["cpu", "cpu"], progress=lambda *message: seen.append(message))
+    job.run_parallel_many([spec], ["cpu", "cpu"], progress=lambda *message: seen.append(message))
     assert {worker for _, worker, _ in seen} == {0, 1}
     for index, _, (timed, trials, best_ms, elapsed) in seen:
         assert index == 0 and 1 <= timed and trials == 4 and best_ms > 0 and elapsed >= 0
@@ -112,9 +114,9 @@ def test_workers_report_each_timed_trial_for_the_progress_line(tmp_path, interpr
 
 
 def test_every_worker_gets_every_study_with_the_whole_budget_shared():
-    specs = [tunejob.StudySpec(kernel=k, head_dim=64, dtype="bf16", causal=c, trials=40, storage="j.journal")
+    specs = [job.StudySpec(kernel=k, head_dim=64, dtype="bf16", causal=c, trials=40, storage="j.journal")
              for k in ("fwd", "bwd_dq") for c in (False, True)][:3]  # fmt: skip
-    plans = tunejob.deal(specs, 2, run="r1")
+    plans = job.deal(specs, 2, run="r1")
     # Every study's whole budget, shared as run r1 (tuner.tune stops all of the run's workers once it is spent),
     # starting at different studies (no two workers open on one study's first compile), with different seeds so
     # the workers' first proposals differ.
@@ -124,10 +126,10 @@ def test_every_worker_gets_every_study_with_the_whole_budget_shared():
     ]
     assert all(plans[0][j][2].seed != plans[1][(j + 2) % 3][2].seed for j in range(3))
     # More workers than studies still start spread out.
-    plans = tunejob.deal(specs[:2], 3, run="r2")
+    plans = job.deal(specs[:2], 3, run="r2")
     assert [[index for _, index, _ in plan] for plan in plans] == [[0, 1], [0, 1], [1, 0]]
     # One GPU: every study, in order.
-    assert [index for _, index, _ in tunejob.deal(specs, 1, run="r3")[0]] == [0, 1, 2]
+    assert [index for _, index, _ in job.deal(specs, 1, run="r3")[0]] == [0, 1, 2]
 
 
 class _RecordingPool:
@@ -142,12 +144,13 @@ class _RecordingPool:
 def test_the_next_study_s_first_configs_compile_during_this_one():
     # A tune of several studies on one GPU: while a study is timed, the configs the next one times first are
     # already compiling, so the next study does not start with a compile round of its own.
-    from fa2tune import device, planner, tuner
+    from fa2tune.config import device, planner
+    from fa2tune.tune import tuner
 
     h200 = device.known_gpu("h200")
-    spec = tunejob.StudySpec(kernel="bwd_dq", head_dim=64, dtype="bf16", causal=True, trials=40)
+    spec = job.StudySpec(kernel="bwd_dq", head_dim=64, dtype="bf16", causal=True, trials=40)
     pool = _RecordingPool()
-    tunejob._prefetch(spec, "cuda:0", h200, pool)
+    job._prefetch(spec, "cuda:0", h200, pool)
     [(kernel, head_dim, configs)] = pool.started
     space = [c for c, _ in planner.plan(h200, 64, torch.bfloat16, "bwd_dq").accepted]
     assert (kernel, head_dim) == ("bwd_dq", 64) and len(configs) == 1 + 40 // 2
@@ -167,13 +170,13 @@ def test_the_next_study_s_first_configs_compile_during_this_one():
 def test_the_compile_pool_answers_for_each_config_on_its_own(interpreter_only, start):
     # The tuner times a config as soon as its own compile is done: wait(config) returns that config's failure or
     # None, and None at once for a config that was never started. Both ways a pool's processes start: from the
-    # fork server (a tune in this process), forked from the process itself (a worker, fa2tune.processes).
-    from fa2tune import bench, processes
-    from fa2tune.types import KernelConfig, Mask
+    # fork server (a tune in this process), forked from the process itself (a worker, fa2tune.tune.processes).
+    from fa2tune.config.types import KernelConfig, Mask
+    from fa2tune.tune import processes, timing
 
     good, other = KernelConfig(64, 64, 4, 1), KernelConfig(32, 64, 4, 1)
     context = processes.fork_context() if start == "forked from this process" else None
-    with bench.CompilePool(2, context=context) as pool:
+    with timing.CompilePool(2, context=context) as pool:
         wait_good = pool.start("fwd", 16, torch.bfloat16, Mask(), [good], seqlens=(64,), device="cpu")
         wait_bad = pool.start("fwd", 16, torch.bfloat16, Mask(), [good], seqlens=(64,), device="no-such-device")
         assert wait_good(good) is None and wait_good(other) is None
@@ -186,11 +189,11 @@ def test_a_released_compile_pool_skips_the_compiles_not_yet_begun(interpreter_on
     # A tune ends with batches queued that nobody will time: after release() the processes skip them and exit,
     # instead of close() building them all. Built on a device that does not exist, every config that is
     # compiled fails with a reason; one that is skipped answers None.
-    from fa2tune import bench
-    from fa2tune.types import KernelConfig, Mask
+    from fa2tune.config.types import KernelConfig, Mask
+    from fa2tune.tune import timing
 
     configs = [KernelConfig(m, n, 4, 1) for m in (16, 32, 64) for n in (16, 32, 64, 128)]
-    pool = bench.CompilePool(1)
+    pool = timing.CompilePool(1)
     wait = pool.start("fwd", 16, torch.bfloat16, Mask(), configs, seqlens=(64,), device="no-such-device")
     if released:
         pool.release()
@@ -205,15 +208,15 @@ def test_a_released_compile_pool_skips_the_compiles_not_yet_begun(interpreter_on
 def test_a_worker_answers_a_share_of_a_spent_budget_without_starting_the_study(tmp_path, interpreter_only):
     from dataclasses import replace
 
-    spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=2,
+    spec = job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=2,
                              storage=str(tmp_path / "tune.journal"), run="run-1")  # fmt: skip
-    assert not tunejob._spent(spec, "cpu")  # no worker has opened the study yet
-    tunejob.run_study(spec, "cpu", finalize=False)
-    assert tunejob._spent(spec, "cpu")
+    assert not job._spent(spec, "cpu")  # no worker has opened the study yet
+    job.run_study(spec, "cpu", finalize=False)
+    assert job._spent(spec, "cpu")
     # The budget is the study's distinct configs timed: another run (a resumed tune) finds it spent, a larger
     # budget does not.
-    assert tunejob._spent(replace(spec, run="run-2"), "cpu")
-    assert not tunejob._spent(replace(spec, trials=3), "cpu")
+    assert job._spent(replace(spec, run="run-2"), "cpu")
+    assert not job._spent(replace(spec, trials=3), "cpu")
 
 
 def _stopped_worker_with_a_busy_child(outbox):
@@ -224,7 +227,7 @@ def _stopped_worker_with_a_busy_child(outbox):
     child.start()
     outbox.put(("child", child.pid))
     outbox.put(("done", "finish", 0, 0, None, None))  # an answer still in the feeder's buffer when it leaves
-    tunejob._leave_now(outbox)
+    job._leave_now(outbox)
     raise AssertionError("_leave_now returned")
 
 
@@ -267,35 +270,37 @@ def test_short_backward_studies_time_the_whole_training_call(interpreter_only, m
     # At N <= 1k a call can wait for the host; a backward with faster kernels but costlier launches then times
     # faster alone and slower in the call (docs/PERF.md v11, v13). The short bucket's backward studies time the
     # forward and the backward as one run, and count that run's FLOPs; other studies time their kernel alone.
-    from fa2tune import bench
-    from fa2tune.types import KernelConfig, Mask
+    from fa2tune.config.types import KernelConfig, Mask
+    from fa2tune.tune import timing
 
-    short_dq = tunejob.StudySpec(kernel="bwd_dq", head_dim=16, dtype="fp16", causal=True, seqlen_bucket="short")
+    short_dq = job.StudySpec(kernel="bwd_dq", head_dim=16, dtype="fp16", causal=True, seqlen_bucket="short")
     assert short_dq.in_training_call and short_dq.timed_mode == "fwd+bwd"
-    assert not tunejob.StudySpec(kernel="bwd_dq", head_dim=16, dtype="fp16", causal=True).in_training_call
-    short_fwd = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="fp16", causal=True, seqlen_bucket="short")
+    assert not job.StudySpec(kernel="bwd_dq", head_dim=16, dtype="fp16", causal=True).in_training_call
+    short_fwd = job.StudySpec(kernel="fwd", head_dim=16, dtype="fp16", causal=True, seqlen_bucket="short")
     assert not short_fwd.in_training_call and short_fwd.timed_mode == "fwd"
     ran = []
-    real = bench.run_kernel
-    monkeypatch.setattr(bench, "run_kernel", lambda kernel, cfg, *a: ran.append((kernel, cfg)) or real(kernel, cfg, *a))
+    real = timing.run_kernel
+    monkeypatch.setattr(
+        timing, "run_kernel", lambda kernel, cfg, *a: ran.append((kernel, cfg)) or real(kernel, cfg, *a)
+    )
     cfg = KernelConfig(16, 16, 4, 1)
     for with_forward, expected in ((True, [("fwd", None), ("bwd_dq", cfg)]), (False, [("bwd_dq", cfg)])):
-        measure = bench.make_measure("bwd_dq", 16, torch.float16, Mask(causal=True), seqlens=(32,), device="cpu",
+        measure = timing.make_measure("bwd_dq", 16, torch.float16, Mask(causal=True), seqlens=(32,), device="cpu",
                                      tokens=32, width=32, with_forward=with_forward)  # fmt: skip
         ran.clear()
         assert measure(cfg) > 0
         assert ran == expected * 2  # a first call (renders the variant), then the timed one
     with pytest.raises(ValueError, match="with_forward times a backward kernel"):
-        bench.make_measure("fwd", 16, torch.float16, Mask(), seqlens=(32,), device="cpu", with_forward=True)
+        timing.make_measure("fwd", 16, torch.float16, Mask(), seqlens=(32,), device="cpu", with_forward=True)
     # ... and a short backward study's tune does it: each timed run launches the forward first.
     ran.clear()
-    result, entry = tunejob.run_study(replace(short_dq, dtype="bf16", trials=2), "cpu")
+    result, entry = job.run_study(replace(short_dq, dtype="bf16", trials=2), "cpu")
     assert ran and [kernel for kernel, _ in ran] == ["fwd", "bwd_dq"] * (len(ran) // 2)
     assert entry.key.seqlen_bucket == "short" and result.measured >= 1
 
 
 def test_an_all_study_beside_bucket_entries_is_tuned_at_the_lengths_it_serves(tmp_path):
-    from fa2tune.types import KernelConfig
+    from fa2tune.config.types import KernelConfig
 
     def entry(bucket, causal=False, kernel="fwd"):
         key = store.EntryKey(head_dim=64, dtype="bf16", causal=causal, kernel=kernel, seqlen_bucket=bucket)
@@ -304,20 +309,20 @@ def test_an_all_study_beside_bucket_entries_is_tuned_at_the_lengths_it_serves(tm
                            date="2026-11-30")  # fmt: skip
 
     path = tmp_path / "gpu.yaml"
-    spec = tunejob.StudySpec(kernel="fwd", head_dim=64, dtype="bf16", causal=False)
-    assert tunejob.unserved_lengths(spec, path) == (1024, 4096, 16384)  # no file: every default length
+    spec = job.StudySpec(kernel="fwd", head_dim=64, dtype="bf16", causal=False)
+    assert job.unserved_lengths(spec, path) == (1024, 4096, 16384)  # no file: every default length
     store.write_entries(path, {"name": "x", "slug": "gpu"}, [entry("short")])
-    assert tunejob.unserved_lengths(spec, path) == (4096, 16384)  # 1k is the short entry's
+    assert job.unserved_lengths(spec, path) == (4096, 16384)  # 1k is the short entry's
     store.write_entries(path, {"name": "x", "slug": "gpu"}, [entry("medium"), entry("short", causal=True)])
-    assert tunejob.unserved_lengths(spec, path) == (8192, 16384)  # only 16k left: 8k joins it
+    assert job.unserved_lengths(spec, path) == (8192, 16384)  # only 16k left: 8k joins it
     # Another key's buckets (the causal one's short entry is there, not its medium) and bucket studies: unchanged.
     causal = replace(spec, causal=True)
-    assert tunejob.unserved_lengths(causal, path) == (4096, 16384)
-    assert tunejob.unserved_lengths(replace(spec, kernel="bwd_dkdv"), path) == (1024, 4096, 16384)
+    assert job.unserved_lengths(causal, path) == (4096, 16384)
+    assert job.unserved_lengths(replace(spec, kernel="bwd_dkdv"), path) == (1024, 4096, 16384)
     short = replace(spec, seqlen_bucket="short", seqlens=(512, 1024))
-    assert tunejob.unserved_lengths(short, path) == (512, 1024)
+    assert job.unserved_lengths(short, path) == (512, 1024)
     path.write_text("{not yaml")  # an unreadable file leaves the lengths as they are
-    assert tunejob.unserved_lengths(spec, path) == (1024, 4096, 16384)
+    assert job.unserved_lengths(spec, path) == (1024, 4096, 16384)
 
 
 # Storages shared by processes (fa2tune tune --storage): opened at once, a process killed while timing, resumed.
@@ -328,7 +333,7 @@ _AT_ONCE = 5  # processes opening one fresh storage together
 def _open_at_once(url, barrier, answers):
     barrier.wait(timeout=120)
     try:
-        optuna.create_study(study_name="s", storage=tunejob._storage(url), load_if_exists=True)
+        optuna.create_study(study_name="s", storage=job._storage(url), load_if_exists=True)
         answers.put(None)
     except Exception as exc:
         answers.put(f"{type(exc).__name__}: {exc}"[:300])
@@ -353,7 +358,7 @@ def test_processes_opening_one_fresh_storage_at_once_all_open_it(tmp_path, kind)
 
 
 def _tune(spec):
-    tunejob.run_study(spec, "cpu", finalize=False)
+    job.run_study(spec, "cpu", finalize=False)
 
 
 def _kill_while_timing(context, spec, url) -> int:
@@ -398,16 +403,16 @@ def test_a_killed_tune_s_trial_is_failed_and_its_resume_times_only_what_the_budg
     # --trials counts distinct configs in the study, so the resume times what the budget still lacks.
     import time
 
-    monkeypatch.setenv(tunejob.STALE_AFTER_ENV, "2")
+    monkeypatch.setenv(job.STALE_AFTER_ENV, "2")
     url = f"sqlite:///{tmp_path}/tune.db" if kind == "sqlite" else str(tmp_path / "tune.journal")
-    spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=4, storage=url)
+    spec = job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=4, storage=url)
     killed = _kill_while_timing(processes.context(), spec, url)
     assert _study(url, spec).trials[killed].state == optuna.trial.TrialState.RUNNING
-    time.sleep(tunejob.stale_after_s() + 1)  # resumed after the killed trial's heartbeat went stale
-    result, entry = tunejob.run_study(spec, "cpu")
+    time.sleep(job.stale_after_s() + 1)  # resumed after the killed trial's heartbeat went stale
+    result, entry = job.run_study(spec, "cpu")
     study = _study(url, spec)
     trial = study.trials[killed]
-    assert trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs["reason"] == tunejob.STALE_REASON
+    assert trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs["reason"] == job.STALE_REASON
     assert not [t.number for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
     # The killed trial may have finished its timing just before the kill without telling it: a reading the study
     # never got, so neither the budget nor this count takes it.
@@ -422,8 +427,8 @@ def test_a_config_another_process_is_timing_is_not_timed_again(tmp_path):
     # timing counts against the budget and is never timed by the other. The second process runs inside the
     # first one's first timing, so the interleaving is fixed.
     space = [KernelConfig(m, n, 4, 1) for m in (16, 32) for n in (16, 32)]
-    storage = tunejob._storage(str(tmp_path / "tune.journal"))
-    kwargs = dict(device=tunejob.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
+    storage = job._storage(str(tmp_path / "tune.journal"))
+    kwargs = dict(device=job.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
                   causal=False, space=space, storage=storage, default=space[0], remeasure_top=1)  # fmt: skip
     calls, other_calls = [], []
 
@@ -456,9 +461,9 @@ def test_a_config_a_process_timed_while_another_waited_for_its_compile_is_not_ti
     def prepare(configs):
         return lambda cfg: other_process_times_a() if cfg == a else None
 
-    cpu = tunejob.selection.device_info("cpu")
+    cpu = job.selection.device_info("cpu")
     result = tuner.tune(device=cpu, kernel="fwd", head_dim=16, dtype=torch.bfloat16, causal=False, space=[a, b],
-                        default=a, storage=tunejob._storage(url), remeasure_top=1, trials=2, prepare=prepare,
+                        default=a, storage=job._storage(url), remeasure_top=1, trials=2, prepare=prepare,
                         batch_size=1, measure=lambda cfg: calls.append(cfg) or 3.0)  # fmt: skip
     assert calls == [b]
     assert result.measured == 2 and result.best == a and result.best_ms == 2.0  # a's stored reading
@@ -469,8 +474,8 @@ def test_a_study_asks_nothing_past_its_space_or_its_budget(tmp_path):
     # told again from its stored value, until 20x the budget had been asked.
     space = [KernelConfig(m, n, 4, 1) for m in (16, 32) for n in (16, 32)]
     url = f"sqlite:///{tmp_path / 'tune.db'}"
-    kwargs = dict(device=tunejob.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
-                  causal=False, space=space, storage=tunejob._storage(url), default=space[0], remeasure_top=1,
+    kwargs = dict(device=job.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
+                  causal=False, space=space, storage=job._storage(url), default=space[0], remeasure_top=1,
                   measure=lambda cfg: 1.0 + cfg.block_m + cfg.block_n / 100)  # fmt: skip
     result = tuner.tune(trials=10, **kwargs)
     study = optuna.load_study(study_name=result.study_name, storage=url)
@@ -487,10 +492,10 @@ def test_a_finish_waits_for_the_configs_other_processes_are_timing_and_ranks_the
     import threading
 
     a, b, other = KernelConfig(16, 16, 4, 1), KernelConfig(32, 32, 4, 1), KernelConfig(64, 16, 4, 1)
-    spec = tunejob.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=2,
+    spec = job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=2,
                              storage=str(tmp_path / "tune.journal"))  # fmt: skip
-    cpu = tunejob.selection.device_info("cpu")
-    study = optuna.create_study(study_name=tunejob._study_name(spec, cpu), storage=tunejob._storage(spec.storage))
+    cpu = job.selection.device_info("cpu")
+    study = optuna.create_study(study_name=job._study_name(spec, cpu), storage=job._storage(spec.storage))
     study.enqueue_trial(tuner._params(other))
     trial = study.ask()
     for dim, value in tuner._params(other).items():
@@ -500,8 +505,8 @@ def test_a_finish_waits_for_the_configs_other_processes_are_timing_and_ranks_the
     told.start()
     readings = {a: 1.0, b: 3.0, other: 0.5}  # the other host read 2.0 for it; here it is the fastest
     result = tuner.tune(device=cpu, kernel="fwd", head_dim=16, dtype=torch.bfloat16, causal=False, space=[a, b, other],
-                        default=a, storage=tunejob._storage(spec.storage), trials=2, measure=readings.get,
-                        on_timed=lambda: tunejob._await_others(spec, cpu, poll_s=0.05))  # fmt: skip
+                        default=a, storage=job._storage(spec.storage), trials=2, measure=readings.get,
+                        on_timed=lambda: job._await_others(spec, cpu, poll_s=0.05))  # fmt: skip
     told.join()
     assert result.measured == 2
     assert result.best == other and result.best_ms == 0.5  # ranked by its reading here, like this host's own
@@ -522,8 +527,8 @@ def test_a_trial_failed_as_stale_while_its_process_times_it_does_not_end_the_tun
             study.tell(running.number, state=optuna.trial.TrialState.FAIL)
         return 1.0 + cfg.block_n + cfg.block_m / 100
 
-    result = tuner.tune(device=tunejob.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
-                        causal=False, space=space, storage=tunejob._storage(url), default=space[0], remeasure_top=1,
+    result = tuner.tune(device=job.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
+                        causal=False, space=space, storage=job._storage(url), default=space[0], remeasure_top=1,
                         measure=measure, trials=3)  # fmt: skip
     assert result.best is not None and result.measured >= 2
     assert "failed as stale by another process" in caplog.text
@@ -539,8 +544,8 @@ def test_a_running_trial_without_any_heartbeat_goes_stale_from_its_start(tmp_pat
     study = optuna.create_study(study_name="s", storage=old)
     trial = study.ask()
     trial.set_user_attr("timed_by", "another-host:1")
-    monkeypatch.setenv(tunejob.STALE_AFTER_ENV, "2")
-    time.sleep(tunejob.stale_after_s() + 1)
-    study = optuna.load_study(study_name="s", storage=tunejob._storage(path))
+    monkeypatch.setenv(job.STALE_AFTER_ENV, "2")
+    time.sleep(job.stale_after_s() + 1)
+    study = optuna.load_study(study_name="s", storage=job._storage(path))
     (frozen,) = study.get_trials()
-    assert frozen.state == optuna.trial.TrialState.FAIL and frozen.user_attrs["reason"] == tunejob.STALE_REASON
+    assert frozen.state == optuna.trial.TrialState.FAIL and frozen.user_attrs["reason"] == job.STALE_REASON

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fa2tune import planner, tuner
-from fa2tune.bench import load_sweep
-from fa2tune.device import known_gpu
-from fa2tune.types import KernelConfig
+from fa2tune.config import planner
+from fa2tune.config.device import known_gpu
+from fa2tune.config.types import KernelConfig
+from fa2tune.tune import tuner
+from fa2tune.tune.timing import load_sweep
 
 from ._scripts import load_script
 
@@ -314,7 +315,7 @@ def test_the_default_is_timed_twice_like_the_top_configs():
     # A cold first reading (clocks ramping up) must not make the default look slower than it is.
     table = _recorded(128, True)
     space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
-    from fa2tune import planner
+    from fa2tune.config import planner
 
     h200 = known_gpu("h200")
     feasible = [c for c in table if planner.check(c, h200, 128, torch.bfloat16, "fwd") is None]

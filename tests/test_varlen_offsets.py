@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune import launcher
-from fa2tune.reference import naive_attention, naive_attention_varlen
+from fa2tune.launch import launcher
+from fa2tune.tune.reference import naive_attention, naive_attention_varlen
 
 TOTAL, MAX_LEN, OFFSETS = 10, 4, (0, 3, 7, 10)  # three sequences of 3, 4 and 3 tokens
 # (name, index, value): offsets a check would refuse, written behind the version counter

@@ -14,11 +14,15 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune import codegen, launcher, planner, selection, tuner, warpspec
-from fa2tune.device import known_gpu
-from fa2tune.reference import naive_attention
-from fa2tune.store import EntryKey
-from fa2tune.types import KernelConfig, Variant
+from fa2tune.api import selection
+from fa2tune.config import planner
+from fa2tune.config.device import known_gpu
+from fa2tune.config.store import EntryKey
+from fa2tune.config.types import KernelConfig, Variant
+from fa2tune.kernels import codegen
+from fa2tune.launch import launcher, warpspec
+from fa2tune.tune import tuner
+from fa2tune.tune.reference import naive_attention
 
 from .conftest import ON_WS_TRITON, assert_close
 
@@ -249,8 +253,8 @@ def test_code_hash_names_the_template_and_its_switches():
 
 _PROBE = """
 import json, sys, torch
-from fa2tune import probe
-from fa2tune.types import KernelConfig
+from fa2tune.kernels import probe
+from fa2tune.config.types import KernelConfig
 rows = []
 for kernel, head_dim, fields, causal in json.loads(sys.argv[1]):
     report = probe.compile_config(kernel, KernelConfig(**fields), head_dim, torch.bfloat16, causal=causal)
@@ -263,8 +267,8 @@ print(json.dumps(rows))
 
 _ATTRS_PROBE = """
 import json, torch
-from fa2tune import probe
-from fa2tune.types import KernelConfig
+from fa2tune.kernels import probe
+from fa2tune.config.types import KernelConfig
 seen = []
 probe._compile = lambda source, target, options: seen.append(source)
 probe.compile_config("bwd_dkdv", KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1), 64, torch.bfloat16)

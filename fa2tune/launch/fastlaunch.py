@@ -159,7 +159,7 @@ class Launcher:
     fixed, the tensors' dtypes too —, called with the tensors alone: Launcher(kernel, grid, scalars, kwargs)(*tensors).
 
     launch() works out a key of ~40 values for every call (each tensor, each scalar, each option) and looks the
-    binary up by it; a launch plan (fa2tune.launcher) has fixed all but the tensors' addresses, so this keeps the
+    binary up by it; a launch plan (fa2tune.launch.launcher) has fixed all but the tensors' addresses, so this keeps the
     binary by the one thing a call can still change — which tensors are 16-byte aligned — and calls it directly.
     The first call of each alignment goes through launch() (JIT, compile or cache), which also decides whether a
     direct launch is possible at all; hooks, the interpreter and a switched-off fastlaunch take launch()'s path."""
@@ -191,7 +191,7 @@ class Launcher:
                 self._binaries[alignments] = (compiled, tuple(self.kwargs[n] for n in names))
 
 
-# ---- kernels whose leading parameters are TMA descriptors (the Gluon kernels of fa2tune.warpspec) ----------------
+# ---- kernels whose leading parameters are TMA descriptors (the Gluon kernels of fa2tune.launch.warpspec) -------
 # Through launch(), such a launch built a descriptor object per tensor, keyed each, and Triton's CompiledKernel.run
 # then encoded every descriptor (a 128-byte CUtensorMap) before calling the binary's launcher: ~34 µs of host time
 # a launch on the H200 host, where the launcher itself takes 5.5 (docs/PERF.md v14, `bench_host_overhead.py
@@ -313,7 +313,7 @@ class TmaLauncher:
     [describe(t, block) for t, block in zip(tensors, blocks)], pointers the tensors after those.
 
     The contract that makes it cheap: every call passes tensors of the shapes, strides and dtypes of the first (a
-    launch plan's signature fixes them; fa2tune.launcher builds one per signature). So an encoding is kept by the
+    launch plan's signature fixes them; fa2tune.launch.launcher builds one per signature). So an encoding is kept by the
     descriptors' addresses alone (one dict lookup a launch, not a key of address, shape and strides per descriptor),
     and the launcher plan by the pointers' alignment (launch_tma's key of ~40 values is worked out once). The first
     call of each alignment goes through launch_tma, which decides whether a direct launch is possible at all."""

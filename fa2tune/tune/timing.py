@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .types import Mask
+from ..config.types import Mask
 
 if TYPE_CHECKING:
-    from .launcher import Packing
+    from ..launch.launcher import Packing
 
 
 def attention_flops(
@@ -144,7 +144,7 @@ class PackedBatch:
     """A batch of SDPA-layout tensors as packed equal-length sequences (the varlen kernels' layout), and back."""
 
     def __init__(self, batch: int, seqlen_q: int, seqlen_k: int, device):
-        from .launcher import Packing
+        from ..launch.launcher import Packing
 
         cu = [torch.arange(0, (batch + 1) * n, n, dtype=torch.int32, device=device) for n in (seqlen_q, seqlen_k)]
         self.packing = Packing(cu[0], cu[1], seqlen_q, seqlen_k)
@@ -170,7 +170,7 @@ def kernel_inputs(
 ):  # fmt: skip
     """Fresh random inputs for `kernel` ("fwd", "bwd_dkdv", "bwd_dq"); backward ones carry a real forward.
     varlen: the batch packed as equal-length sequences, for the packed-sequence variant."""
-    from . import launcher
+    from ..launch import launcher
 
     q, k, v = random_qkv(batch, heads, seqlen, head_dim, dtype=dtype, device=device)
     packing = None
@@ -186,7 +186,7 @@ def kernel_inputs(
 
 def run_kernel(kernel: str, cfg, x: KernelInputs, causal: bool | Mask):
     """Runs `kernel` with `cfg` (a backward kernel: the whole backward, the other kernel at its resolved config)."""
-    from . import launcher
+    from ..launch import launcher
 
     scale = x.q.shape[-1] ** -0.5
     if kernel == "fwd":
@@ -310,7 +310,7 @@ class CompilePool:
     the timing process then only loads binaries. Start it once and hand it every batch: each process pays its
     start-up once. Use as a context manager, or call close().
 
-    context: where the processes come from (fa2tune.processes): by default forked from the fork server, which
+    context: where the processes come from (fa2tune.tune.processes): by default forked from the fork server, which
     imported torch and fa2tune once for all of them; a process that has not initialized CUDA may pass
     processes.fork_context() to fork them from itself.
     """
@@ -397,7 +397,7 @@ def load_sweep(path, *, head_dim: int, causal: bool) -> dict:
     """
     import csv
 
-    from .types import KernelConfig
+    from ..config.types import KernelConfig
 
     table = {}
     with open(path) as handle:

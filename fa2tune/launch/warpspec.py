@@ -12,9 +12,11 @@ import functools
 
 import torch
 
-from . import causal_tail, codegen, fastlaunch, planner, split_tail
-from .inputs import interpreting
-from .types import KernelConfig, Mask, Variant
+from ..config import planner
+from ..config.inputs import interpreting
+from ..config.types import KernelConfig, Mask, Variant
+from ..kernels import codegen
+from . import causal_tail, fastlaunch, split_tail
 
 LOG2E = 1.4426950408889634
 ROWS_PER_CONSUMER = 64  # the template's ROWS_PER_CONSUMER: one warpgroup's wgmma rows
@@ -100,7 +102,7 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...], checked: bool = True):
 
 def _module(kernel: str, config: KernelConfig, causal: bool, tail: bool = False):
     """The rendered template module of a warpspec config of `kernel` (codegen keeps it per process); tail: its
-    causal_tail variant (a causal persistent launch with a tail planned: fa2tune.causal_tail)."""
+    causal_tail variant (a causal persistent launch with a tail planned: fa2tune.launch.causal_tail)."""
     template = codegen.template_for(kernel, config.warpspec)
     variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
                                    pingpong=config.warpspec == 2, persistent=config.persistent,
@@ -171,7 +173,7 @@ def _describe(t: torch.Tensor, block: tuple[int, ...]):
 
 def _causal_schedule(batch_heads: int, n_tiles: int, programs: int, costs) -> tuple[int, int]:
     """(MAIN, TAIL_HEADS) of a causal persistent launch over batch_heads heads of n_tiles tiles on `programs`
-    programs: every tile in a pair, or with the causal tail on, fa2tune.causal_tail's plan for the kernel's tile
+    programs: every tile in a pair, or with the causal tail on, fa2tune.launch.causal_tail's plan for the kernel's tile
     costs (costs(): by rank, longest first)."""
     if causal_tail.enabled():
         return causal_tail.plan(batch_heads, programs, costs())
@@ -188,9 +190,9 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
     """launch(q, k, v, o, lse): writes O and the logsumexp (batch, heads_q, seqlen_q) of attention(q, k, v) with a
     warpspec config, for calls of these shapes and strides; the call must have passed `unsupported`. A persistent
     forward without a mask whose last round would be part empty cuts that round's tiles into pieces
-    (fa2tune.split_tail): one program an SM, and a merge launch after the kernel. A causal persistent one may deal
-    the tiles of its last heads out one at a time instead of in pairs (fa2tune.causal_tail), as the backward's
-    kernels may."""
+    (fa2tune.launch.split_tail): one program an SM, and a merge launch after the kernel. A causal persistent one may
+    deal the tiles of its last heads out one at a time instead of in pairs (fa2tune.launch.causal_tail), as the
+    backward's kernels may."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     row_tiles = -(-seqlen_q // config.block_m)
     grid, tiles = _grid(config, row_tiles, batch * heads_q, q.device.index)

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import selection, store
-from .inputs import check_dtype, check_flag, check_int, check_prefix_len, check_qkv, check_varlen, check_window
-from .launcher import attention, attention_varlen
-from .types import MAX_HEAD_DIM, DeviceInfo, KernelConfig, integer
+from ..config import store
+from ..config.inputs import check_dtype, check_flag, check_int, check_prefix_len, check_qkv, check_varlen, check_window
+from ..config.types import MAX_HEAD_DIM, DeviceInfo, KernelConfig, integer
+from ..launch.launcher import attention, attention_varlen
+from . import selection
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,11 @@ import os
 
 import torch
 
-from . import codegen, planner, store
-from .device import INTERPRETER, inspect_cached
-from .inputs import DTYPE_NAMES, interpreting
-from .types import DeviceInfo, KernelConfig
+from ..config import planner, store
+from ..config.device import INTERPRETER, inspect_cached
+from ..config.inputs import DTYPE_NAMES, interpreting
+from ..config.types import DeviceInfo, KernelConfig
+from ..kernels import codegen
 
 _cache: dict[tuple, tuple[KernelConfig, str]] = {}
 

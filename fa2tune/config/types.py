@@ -197,7 +197,7 @@ class Variant:
         fused_dq: bwd_ws only: the dK/dV kernel also adds each step's dQ share, scale·dS·K, into an fp32 dQ by TMA
             reductions, and no dQ kernel runs (KernelConfig.warpspec 2 of bwd_dkdv).
         causal_tail: the warpspec templates, causal and persistent: the launch's last heads' tiles may be dealt out
-            one at a time (fa2tune.causal_tail); off, the code is the pairs' alone. Not an entry's switch: a
+            one at a time (fa2tune.launch.causal_tail); off, the code is the pairs' alone. Not an entry's switch: a
             launch's, by FA2TUNE_CAUSAL_TAIL.
     """
 

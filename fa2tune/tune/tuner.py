@@ -26,9 +26,9 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 import optuna
 import torch
 
-from . import planner
-from .bench import failure_reason
-from .types import DeviceInfo, KernelConfig
+from ..config import planner
+from ..config.types import DeviceInfo, KernelConfig
+from .timing import failure_reason
 
 _log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ own import and then for its pool's (32 processes importing at once took 5-7 s ea
 trial (docs/TUNING.md, session 4). Here they are forked instead, at no import cost:
 
 - The workers, and the compile pool of a tune in the main process, come from multiprocessing's fork server with
-  fa2tune.tunejob preloaded (so torch, triton, optuna and every module a worker runs). The server is a fresh
+  fa2tune.tune.job preloaded (so torch, triton, optuna and every module a worker runs). The server is a fresh
   interpreter that never touches CUDA, so its children may use CUDA; `start_early()`, called by `fa2tune tune`
   before this process imports torch, has it importing while this process does the same.
 - A worker forks its own compile pool first thing, before it touches CUDA (`fork_context`): its children then
@@ -28,7 +28,7 @@ import sys
 
 # What the fork server imports before its first fork: tunejob imports torch, triton, optuna, the templates'
 # renderer and every fa2tune module a worker or a compile process runs.
-PRELOAD = ["fa2tune.tunejob"]
+PRELOAD = ["fa2tune.tune.job"]
 # Read when triton or fa2tune is imported: a child forked from a server started with another value is wrong.
 _READ_AT_IMPORT = ("TRITON_INTERPRET",)
 _server_environment: dict[str, str] | None = None  # os.environ when this module started the server

@@ -23,9 +23,12 @@ import optuna
 import torch
 import yaml
 
-from . import bench, codegen, planner, processes, selection, selfcheck, store, tuner
-from .inputs import DTYPES_BY_NAME
-from .types import DeviceInfo, Mask
+from ..api import selection
+from ..config import planner, store
+from ..config.inputs import DTYPES_BY_NAME
+from ..config.types import DeviceInfo, Mask
+from ..kernels import codegen
+from . import processes, timing, tuner, verification
 
 BATCH = 16  # configs compiled together, then timed: one per process of a 16-core machine's compile pool
 
@@ -55,12 +58,12 @@ class StudySpec:
     @property
     def in_training_call(self) -> bool:
         """Whether the study times its backward kernel inside the whole training call, forward launched first
-        (bench.make_measure's with_forward): for the N <= 1k entries, whose calls can wait for the host."""
+        (timing.make_measure's with_forward): for the N <= 1k entries, whose calls can wait for the host."""
         return self.seqlen_bucket == "short" and self.kernel != "fwd"
 
     @property
     def timed_mode(self) -> str:
-        """What one timed run does, for its FLOPs (bench.attention_flops' mode)."""
+        """What one timed run does, for its FLOPs (timing.attention_flops' mode)."""
         return "fwd" if self.kernel == "fwd" else "fwd+bwd" if self.in_training_call else "bwd"
 
     @property
@@ -284,7 +287,7 @@ def run_study(
     *,
     on_trial: Callable | None = None,
     finalize: bool = True,
-    compile_pool: bench.CompilePool | None = None,
+    compile_pool: timing.CompilePool | None = None,
     then: StudySpec | None = None,
     release_pool: bool = False,
 ) -> tuple[tuner.TuneResult, store.Entry]:
@@ -306,7 +309,7 @@ def run_study(
     space = _space(spec, info, cpu)
     default, default_name = baseline(spec, device_name, info)
     own_pool = compile_pool is None and not cpu and spec.trials > 0
-    pool = None if cpu else bench.CompilePool(os.cpu_count() or 1) if own_pool else compile_pool
+    pool = None if cpu else timing.CompilePool(os.cpu_count() or 1) if own_pool else compile_pool
     batches = 0
 
     def prepare(configs):
@@ -322,20 +325,20 @@ def run_study(
 
     width = 2 * spec.head_dim if cpu else 2048
     tokens = 64 if cpu else spec.tokens
-    measure = bench.make_measure(spec.kernel, spec.head_dim, dtype, spec.mask, seqlens=seqlens,
+    measure = timing.make_measure(spec.kernel, spec.head_dim, dtype, spec.mask, seqlens=seqlens,
                                  device=device_name, tokens=tokens, width=width, varlen=spec.varlen,
                                  with_forward=spec.in_training_call)  # fmt: skip
     shape = (1, 2, 1, 70, 70, spec.head_dim) if cpu else (2, 8, 2, 1000, 1000, spec.head_dim)
 
     def verify(cfg):
         if spec.kernel == "fwd":
-            r = selfcheck.check_forward(shape, dtype=dtype, causal=spec.mask, device=device_name, config=cfg,
+            r = verification.check_forward(shape, dtype=dtype, causal=spec.mask, device=device_name, config=cfg,
                                         varlen=spec.varlen)  # fmt: skip
             return None if r.passed else f"relative error {r.rel_err:.1e}"
         key = "dkdv_config" if spec.kernel == "bwd_dkdv" else "dq_config"
-        err = selfcheck.check_backward(shape, dtype=dtype, causal=spec.mask, device=device_name,
+        err = verification.check_backward(shape, dtype=dtype, causal=spec.mask, device=device_name,
                                        varlen=spec.varlen, **{key: cfg})  # fmt: skip
-        return None if err <= 2 * selfcheck.REL_TOLERANCE[dtype] else f"gradient relative error {err:.1e}"
+        return None if err <= 2 * verification.REL_TOLERANCE[dtype] else f"gradient relative error {err:.1e}"
 
     def timed():  # the trials are timed, before the finish
         if pool is not None and (own_pool or release_pool):
@@ -356,7 +359,7 @@ def run_study(
         if own_pool:
             pool.close()
     flops = 0.0 if cpu else sum(
-        bench.attention_flops(max(1, tokens // n), max(1, width // spec.head_dim), n, n, spec.head_dim,
+        timing.attention_flops(max(1, tokens // n), max(1, width // spec.head_dim), n, n, spec.head_dim,
                               causal=spec.mask, mode=spec.timed_mode)
         for n in seqlens
     )  # fmt: skip
@@ -432,7 +435,7 @@ def _space(spec: StudySpec, info: DeviceInfo, cpu: bool) -> list[planner.KernelC
     return [c for c, _ in planner.plan(info, spec.head_dim, DTYPES_BY_NAME[spec.dtype], spec.kernel).accepted]
 
 
-def _prefetch(spec: StudySpec, device_name: str, info: DeviceInfo, pool: bench.CompilePool) -> None:
+def _prefetch(spec: StudySpec, device_name: str, info: DeviceInfo, pool: timing.CompilePool) -> None:
     """Starts compiling the configs `spec`'s study will time first; nobody waits: they land in Triton's cache."""
     dtype = DTYPES_BY_NAME[spec.dtype]
     space = _space(spec, info, cpu=False)
@@ -445,7 +448,7 @@ def _prefetch(spec: StudySpec, device_name: str, info: DeviceInfo, pool: bench.C
 
 def _check_plausible(result: tuner.TuneResult, tflops: Callable, info: DeviceInfo) -> None:
     """Refuses a result whose timing no GPU of this kind could produce, before it reaches a config file."""
-    from .device import tflops_ceiling
+    from ..config.device import tflops_ceiling
 
     ceiling, best = tflops_ceiling(info), tflops(result.best_ms)
     if ceiling is not None and best is not None and best > ceiling:
@@ -485,14 +488,14 @@ def _worker(number: int, device_name: str, compile_workers: int, environment: di
     """
     import queue
 
-    processes.adopt(environment)  # the caller's, not the fork server's (fa2tune.processes)
+    processes.adopt(environment)  # the caller's, not the fork server's (fa2tune.tune.processes)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's: it stops the workers (SIGTERM)
     # The pool first, forked from this process before it touches CUDA (forked children of a process that has
     # cannot use it): its processes start with torch and fa2tune imported; each creates its CUDA context with its
     # first compile, after this one has its own.
     pool = None
     if not _interpreted(device_name):
-        pool = bench.CompilePool(compile_workers, context=processes.fork_context())
+        pool = timing.CompilePool(compile_workers, context=processes.fork_context())
     signal.signal(signal.SIGTERM, _stop_now)
     if device_name.startswith("cuda"):
         torch.cuda.set_device(torch.device(device_name))
@@ -534,7 +537,7 @@ def _worker(number: int, device_name: str, compile_workers: int, environment: di
                                  on_trial=on_trial, then=then, release_pool=release)  # fmt: skip
                 outbox.put(("done", kind, index, number, None, done if kind == "finish" else None))
             except Exception as exc:  # one study failing here is reported; the worker carries on with the next
-                outbox.put(("done", kind, index, number, bench.failure_reason(exc), None))
+                outbox.put(("done", kind, index, number, timing.failure_reason(exc), None))
     except BaseException:
         if pool is not None:
             pool.close()

@@ -223,9 +223,9 @@ def user_config_dir() -> Path:
 
 
 def shipped_config_dir() -> Path:
-    here = Path(__file__).resolve().parent
-    installed = here / "tuned_configs"  # the wheel layout (pyproject maps tuned_configs/ into the package)
-    return installed if installed.is_dir() else here.parent / "tuned_configs"
+    package = Path(__file__).resolve().parent.parent
+    installed = package / "tuned_configs"  # the wheel layout (pyproject maps tuned_configs/ into the package)
+    return installed if installed.is_dir() else package.parent / "tuned_configs"
 
 
 _warned: set[str] = set()

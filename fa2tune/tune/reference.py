@@ -29,7 +29,7 @@ def band_visible(
     prefix_len: int = 0,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Boolean (seqlen_q, seqlen_k) mask of fa2tune.types.Mask, written out directly from its definition:
+    """Boolean (seqlen_q, seqlen_k) mask of fa2tune.config.types.Mask, written out directly from its definition:
     query i (aligned position i' = i + seqlen_k - seqlen_q) sees key j when j < prefix_len or
     i' - left <= j <= i' + right, with -1 unbounded and a right bound of 0 under causal or a prefix."""
     aligned = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)

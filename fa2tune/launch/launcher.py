@@ -18,8 +18,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import codegen, fastlaunch, planner, selection, warpspec
-from .inputs import (
+from ..api import selection
+from ..config import planner
+from ..config.inputs import (
     check_flag,
     check_offsets,
     check_prefix_len,
@@ -29,7 +30,9 @@ from .inputs import (
     check_window,
     interpreting,
 )
-from .types import KernelConfig, Mask, Variant
+from ..config.types import KernelConfig, Mask, Variant
+from ..kernels import codegen
+from . import fastlaunch, warpspec
 
 LOG2E = 1.4426950408889634  # 1/ln(2): the kernels run the softmax on exp2
 
@@ -649,7 +652,7 @@ class FlashAttnFunction:
             packing = Packing(*check_varlen(q, k, v, packing.cu_seqlens_q, packing.cu_seqlens_k,
                                             packing.max_seqlen_q, packing.max_seqlen_k))  # fmt: skip
         else:
-            raise TypeError(f"packing must be a fa2tune.launcher.Packing or None, got {type(packing).__name__}")
+            raise TypeError(f"packing must be a fa2tune.launch.launcher.Packing or None, got {type(packing).__name__}")
         if isinstance(mask, Mask):  # checked as attention() checks its parts
             mask = Mask(causal=check_flag("causal", mask.causal), window=check_window(mask.window),
                         prefix_len=check_prefix_len(mask.prefix_len))  # fmt: skip

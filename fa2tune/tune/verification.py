@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .bench import PackedBatch
-from .launcher import forward
+from ..config.types import KernelConfig, Mask
+from ..launch.launcher import forward
 from .reference import naive_attention
-from .types import KernelConfig, Mask
+from .timing import PackedBatch
 
 # Relative error ‖out − ref‖ / ‖ref‖ allowed per dtype (METHOD.md: bf16 operands land between 1e-3 and 1e-2).
 REL_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -103,7 +103,7 @@ def check_backward(
     varlen: bool = False,
 ) -> float:
     """Worst relative error (‖g − ref‖ / max(‖ref‖, ‖dO‖)) of dq, dk, dv against float64 autograd."""
-    from .launcher import backward
+    from ..launch.launcher import backward
 
     head_dim = shape[-1]
     q, k, v, do = _random_inputs(shape, dtype, device, seed)

@@ -7,6 +7,7 @@ and each write goes to a temporary file first and is renamed into place, so a re
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import hashlib
@@ -27,7 +28,7 @@ _modules: dict[tuple[str, object, str], ModuleType] = {}
 
 def templates_dir() -> Path:
     """Folder holding the ``*.py.jinja`` templates: the installed package's copy, else the source tree's."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the package folder
     for candidate in (here / "templates", here.parent / "templates"):  # wheel layout, then source checkout
         if (candidate / "fwd.py.jinja").is_file():
             return candidate
@@ -79,11 +80,12 @@ def code_hash(
     """Hash of the Triton code a tuned entry for this kernel and mask runs: the rendered modules of its variants
     (each combination of even and ragged tails), provenance comments left out. A stored entry records it and goes
     stale exactly when that code changes — not when another kernel's template does, nor when a template gains a
-    switch that is off for this entry — so performance work on one variant does not void every shipped config.
+    switch that is off for this entry, nor when a comment changes — so performance work on one variant does not void
+    every shipped config.
     pipeline_qk, warpspec, persistent: the entry's config switches of those names (KernelConfig), which select other
     code.
     """
-    from .types import Variant
+    from ..config.types import Variant
 
     template = template_for(kernel, warpspec)
     one_variant = varlen or template in WARPSPEC_TEMPLATE_OF.values()  # no code of their own for even tails
@@ -94,9 +96,25 @@ def code_hash(
             template, causal=causal, banded=window, varlen=varlen, even_m=even_m, even_n=even_n,
             pipeline_qk=pipeline_qk, pingpong=warpspec == 2, persistent=persistent, fused_dq=warpspec == 2,
         )  # fmt: skip
-        code = [line for line in render(template, variant).splitlines() if not line.startswith(_PROVENANCE)]
-        digest.update("\n".join(code).encode())
+        digest.update(_code_only(render(template, variant)).encode())
     return digest.hexdigest()[:16]
+
+
+def _code_only(source: str) -> str:
+    """The code of a rendered module without its comments and docstrings (its syntax tree, dumped): what a stored
+    entry's hash must follow. A reworded comment, or a module moved within the package that a docstring names,
+    leaves every tuned entry valid."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and _is_docstring(body[0]):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def _is_docstring(statement: ast.stmt) -> bool:
+    return (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
+            and isinstance(statement.value.value, str))  # fmt: skip
 
 
 def entry_code_hash(key, config) -> str:
@@ -106,9 +124,6 @@ def entry_code_hash(key, config) -> str:
     return code_hash(key.kernel, causal=key.causal, window=key.window, varlen=key.varlen,
                      pipeline_qk=bool(config.pipeline_qk), warpspec=config.warpspec,
                      persistent=bool(config.persistent))  # fmt: skip
-
-
-_PROVENANCE = ("# template_hash:", "# variant:")  # header lines that name, not make, the code
 
 
 def _dependencies(name: str) -> set[str]:

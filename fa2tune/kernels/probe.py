@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import codegen, planner
-from .inputs import DTYPE_NAMES
-from .types import KernelConfig, Variant
+from ..config import planner
+from ..config.inputs import DTYPE_NAMES
+from ..config.types import KernelConfig, Variant
+from . import codegen
 
 _KERNEL_NAMES = {
     "fwd": ("fwd", "_attn_fwd"),
@@ -159,7 +160,7 @@ def _compile_warpspec(
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from . import causal_tail, warpspec
+    from ..launch import causal_tail, warpspec
 
     tail = causal and bool(config.persistent) and causal_tail.enabled()
     fn, q_block, kv_block, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal, tail)
