@@ -2,8 +2,9 @@
 """Where fused attention starts to beat standard attention: forward time (µs) against N, 16k tokens in all.
 
 Providers: SDPA's math backend (standard attention in PyTorch), matmul-softmax-matmul written out in plain torch,
-fa2tune, SDPA flash, cuDNN. The seed claims standard attention is competitive up to N ≈ 512; PERF-NOTES measured
-fused kernels ahead at every N from 64 on the H200. Prints a table and, per provider, the ratio to fa2tune.
+fa2tune, SDPA flash, cuDNN. The seed claims standard attention is competitive up to N ≈ 512; on the H200 with
+bf16 it is slower than the fused kernels at every N from 128. Prints a table and, per provider, the ratio to
+fa2tune. Needs a CUDA GPU.
 
     python scripts/bench_crossover.py --seqlens 128,256,512,1024,2048 --head-dim 64
 """

@@ -1,12 +1,9 @@
 #!/usr/bin/env python3
 """Host (CPU) time fa2tune spends per call: the Python path of attention() and its backward, and the launches.
 
-Without --gpu the kernel launches are replaced by no-ops, so the figure is fa2tune's own overhead (argument checks,
-config lookup, autograd), not Triton's launcher or the GPU; no GPU needed. With --gpu the kernels are launched for
-real on a shape so small (1×2×64×128) that the GPU is never the limit, through Triton's launch path and through
-fa2tune.launch.fastlaunch's direct one (the default; FA2TUNE_DIRECT_LAUNCH=0 turns it off), in alternating rounds,
-beside SDPA's flash backend. For a short sequence this decides the speed: a GPU that finishes before the host has
-launched the next kernel waits (docs/PERF.md v6 "host time", v7).
+For a short sequence this decides the speed: a GPU that finishes before the host has launched the next kernel
+waits. Without a flag the kernel launches are replaced by no-ops, so the figure is fa2tune's own overhead (argument
+checks, config lookup, autograd), not Triton's launcher or the GPU; no GPU needed. The other modes need a CUDA GPU.
 
     python scripts/bench_host_overhead.py            # the eager path attention() takes, launches as no-ops
     python scripts/bench_host_overhead.py --op       # the custom op torch.compile sees, called directly
@@ -14,15 +11,17 @@ launched the next kernel waits (docs/PERF.md v6 "host time", v7).
     python scripts/bench_host_overhead.py --split    # where one warp-specialized forward launch's host time goes
     python scripts/bench_host_overhead.py --autograd-split   # a fwd+bwd call: forward, into the backward, its body, out
     python scripts/bench_host_overhead.py --threads  # fwd+bwd with the backward on autograd's thread, pinned, or not
-    python scripts/bench_host_overhead.py --waits    # real shapes: does a training call wait for the GPU? (no: v23)
+    python scripts/bench_host_overhead.py --waits    # real shapes: does a training call wait for the GPU?
 
---split (GPU) replays one launch of the shipped d=128 causal forward piece by piece — fa2tune's wrapper, the TMA
+--gpu launches the kernels for real on a shape so small (1×2×64×128) that the GPU is never the limit, through
+Triton's launch path and through fa2tune.launch.fastlaunch's direct one (the default; FA2TUNE_DIRECT_LAUNCH=0 turns
+it off), in alternating rounds, beside SDPA's flash backend.
+
+--split replays one launch of the shipped d=128 causal forward piece by piece: fa2tune's wrapper, the TMA
 descriptors, fastlaunch.launch_tma and its plan (the compiled launcher called with descriptors encoded once per
-address), v13's path (descriptor objects through fastlaunch.launch and Triton's CompiledKernel.run, which encodes a
-CUtensorMap per descriptor per call) — beside the Triton template's forward: a warpspec launch took ~64 µs more
-host time than a Triton one (docs/PERF.md v12), which decides single calls at N <= 1k (v13); launch_tma took the
-warpspec forward's launch from 35 to 23 µs, the Triton forward's being 17 (v14); "TmaLauncher (v23)" is what a launch
-plan calls now: launch_tma's key and the per-descriptor lookups worked out once per call signature.
+address), fastlaunch.launch of descriptor objects (Triton's CompiledKernel.run then encodes a CUtensorMap per
+descriptor per call), and the TmaLauncher a launch plan calls (launch_tma's key and the per-descriptor lookups
+worked out once per call signature) — beside the Triton template's forward, whose launch costs less host time.
 """
 
 from __future__ import annotations
@@ -46,6 +45,11 @@ from fa2tune.launch import launcher
 class _NoLaunch:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
+
+
+def _median(xs: list[float]) -> float:
+    """The middle reading (the upper middle of an even count)."""
+    return sorted(xs)[len(xs) // 2]
 
 
 def _time_us(fn, repeats: int = 2000) -> float:
@@ -129,9 +133,9 @@ def _gpu(rounds: int) -> int:
     print(f"{'':>22}" + "".join(f"{name:>20}" for name in ours))
     for label, rows in readings.items():
         if label != "launchers alone":
-            print(f"{label:>22}" + "".join(f"{sorted(xs)[len(xs) // 2]:20.0f}" for xs in rows.values()))
+            print(f"{label:>22}" + "".join(f"{_median(xs):20.0f}" for xs in rows.values()))
     print("  launchers alone, no autograd: " + ", ".join(
-        f"{name} {sorted(xs)[len(xs) // 2]:.0f}" for name, xs in readings["launchers alone"].items()))  # fmt: skip
+        f"{name} {_median(xs):.0f}" for name, xs in readings["launchers alone"].items()))  # fmt: skip
     return 0
 
 
@@ -162,14 +166,14 @@ def _split(repeats: int) -> int:
     o, lse = torch.empty_like(q), torch.empty(1, 2, 64, device="cuda", dtype=torch.float32)
     config = selection.resolve("fwd", 128, torch.bfloat16, True, "cuda", seqlen=64)[0]
     if not config.warpspec:
-        config = KernelConfig(128, 128, 4, 2, warpspec=2)  # the d=128 causal pick of v10-v14
+        config = KernelConfig(128, 128, 4, 2, warpspec=2)  # a shipped kind of d=128 causal warpspec config
     ws_forward = lambda: warpspec.forward(q, k, v, o, lse, causal=True, scale=0.088, config=config)
     (kernel, grid, tma, describe, pointers, scalars), kwargs = _captured(ws_forward, "launch_tma")
     fastlaunch.launch_tma(kernel, grid, tma, describe, pointers, scalars, **kwargs)  # the JIT's call: compiles
     plan = next((p for key, p in fastlaunch._tma_plans.items() if key[0] == id(kernel)), None)
     descriptors = [describe(t, block) for t, block in tma]
     tensors = (*descriptors, *pointers)
-    fastlaunch.launch(kernel, grid, tensors, scalars, **kwargs)  # v13's path, kept for comparison
+    fastlaunch.launch(kernel, grid, tensors, scalars, **kwargs)  # descriptor objects through Triton's run()
     hit = next((h for key, h in fastlaunch._compiled.items() if key[0] == id(kernel) and h), None)
     if hit is None or plan is None:
         print("fastlaunch kept no binary or plan for the warpspec forward (off, or Triton changed)", file=sys.stderr)
@@ -183,10 +187,10 @@ def _split(repeats: int) -> int:
         "attention(), no grad": lambda: fa2tune.attention(q, k, v, causal=True),
         "attention(), config given": lambda: fa2tune.attention(q, k, v, causal=True, config=config),
         "warpspec.forward": ws_forward,
-        "launch_tma (v14)": lambda: fastlaunch.launch_tma(kernel, grid, tma, describe, pointers, scalars, **kwargs),
+        "launch_tma": lambda: fastlaunch.launch_tma(kernel, grid, tma, describe, pointers, scalars, **kwargs),
         "its plan, encodings kept": lambda: plan.launch(grid, stream, tma, describe, pointers, scalars),
         "descriptors, unchecked": lambda: [warpspec._descriptor(t, block, False) for t, block in tma],
-        "launch() of descriptors (v13)": lambda: fastlaunch.launch(kernel, grid, tensors, scalars, **kwargs),
+        "launch() of descriptors": lambda: fastlaunch.launch(kernel, grid, tensors, scalars, **kwargs),
         "compiled.run (Triton)": lambda: compiled.run(x, y, z, stream, compiled.function, *launch_args),
         "TMA expansion alone": lambda: [
             driver.make_tensordesc_arg(d, m) for d, m in zip(descriptors, metas, strict=True)
@@ -194,7 +198,7 @@ def _split(repeats: int) -> int:
     }
     tma_launcher = warpspec.forward_launcher(q, k, lse, causal=True, scale=0.088, config=config)
     tma_launcher(q, k, v, o, lse)  # through launch_tma once: it finds the plan and keeps it
-    pieces["TmaLauncher (v23)"] = lambda: tma_launcher(q, k, v, o, lse)
+    pieces["TmaLauncher (a plan's)"] = lambda: tma_launcher(q, k, v, o, lse)
     triton_config = KernelConfig(64, 64, 4, 2)
     pieces["attention(), Triton fwd"] = lambda: fa2tune.attention(q, k, v, causal=True, config=triton_config)
     (tk, tgrid, ttensors, tscalars), tkwargs = _captured(pieces["attention(), Triton fwd"])
@@ -211,8 +215,9 @@ def _autograd_split(repeats: int) -> int:
     """A fwd+bwd call's host time in four stretches, from timestamps taken inside it: the forward (attention()),
     torch.autograd.grad until fa2tune's backward begins (the engine's start, and on a GPU its hand-over to the
     device's backward thread), the backward's body (launcher.backward, inside the autograd.Function's backward), and
-    from its end until grad() returns. v14 found ~100 µs of a 431-µs call around the backward that its pieces timed
-    alone do not explain. On a machine without a GPU the launches are no-ops (CPU tensors, no thread hand-over)."""
+    from its end until grad() returns: a call's pieces timed alone do not add up to the whole call, and these
+    stamps say where the rest goes. On a machine without a GPU the launches are no-ops (CPU tensors, no thread
+    hand-over)."""
     on_gpu = torch.cuda.is_available()
     kernel_lookup = launcher._kernel
     if not on_gpu:
@@ -265,7 +270,7 @@ def _autograd_split(repeats: int) -> int:
     where = torch.cuda.get_device_name() if on_gpu else "CPU, launches as no-ops"
     print(f"# host µs of a fwd+bwd call, {where}, 1x2x64x128 causal, medians of {repeats} calls without synchronising")
     for name, xs in spans.items():
-        print(f"{name:>46} {sorted(xs)[len(xs) // 2]:8.1f}")
+        print(f"{name:>46} {_median(xs):8.1f}")
     return 0
 
 
@@ -287,7 +292,7 @@ def _host_us(call, calls: int, rounds: int, busy_ms: float = 0) -> float:
         readings.append((time.perf_counter() - start) / calls * 1e6)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return sorted(readings)[len(readings) // 2]
+    return _median(readings)
 
 
 def _gpu_us(call, calls: int = 20) -> float:
@@ -311,8 +316,8 @@ def _waits(calls: int = 10, rounds: int = 5) -> int:
     """Real shapes (bf16, batch·N = 16k tokens, heads·d = 2048): host µs of a fwd+bwd call with an idle GPU and with
     ~60 ms of GPU work queued ahead of the burst — if anything in the call waited for the GPU, the second would read
     milliseconds a call —, with the backward on autograd's device thread and on the calling thread, fa2tune beside
-    SDPA's cuDNN backend, and each call's GPU µs. docs/PERF.md v23: nothing waits; on autograd's thread fa2tune's
-    call took 826 µs of host against 574 of GPU on one H200 host (258 on the calling thread)."""
+    SDPA's cuDNN backend, and each call's GPU µs. On the H200 nothing waits, and on autograd's device thread a short
+    call's host time can exceed its GPU time where on the calling thread it does not."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -351,8 +356,8 @@ def _threads(rounds: int, repeats: int = 1000) -> int:
     with the backward where PyTorch puts it (autograd's thread for the GPU, on whichever core), with that thread and
     the calling one pinned to one core or to two, and on the calling thread (torch.autograd.
     set_multithreading_enabled(False)); "launchers fwd; bwd on a thread" hands launcher.backward to a plain Python
-    thread, which isolates the hand-over from autograd. docs/PERF.md v15 found the thread, not autograd, to be
-    where a short fwd+bwd call's unexplained host time goes: the backward's objects are cache misses on another core."""
+    thread, which isolates the hand-over from autograd. The thread, not autograd, is where a short fwd+bwd call's
+    unexplained host time goes: the backward's objects are cache misses on another core."""
     import queue
     import threading
 
@@ -370,7 +375,7 @@ def _threads(rounds: int, repeats: int = 1000) -> int:
     first, second = sorted(every_core)[:2]
     # the cores asked for the thread that runs the backward, and what each thread was given, by thread: with
     # autograd's threads off the backward runs on the calling thread, and autograd's thread must keep its own record
-    # (one record for both left autograd's thread pinned in the next round's "default" — the one-off's flaw, v15)
+    # (one record for both would leave autograd's thread pinned in the next round's "default")
     pin: dict = {"want": None}
     applied: dict[int, object] = {}
 
@@ -439,7 +444,7 @@ def _threads(rounds: int, repeats: int = 1000) -> int:
     print(f"# host µs per call, {torch.cuda.get_device_name()}, 1x2x64x128 bf16 causal, median of {rounds} rounds")
     print(f"{'':>34}" + "".join(f"{mode:>22}" for mode in modes))
     for name, row in readings.items():
-        print(f"{name:>34}" + "".join(f"{sorted(xs)[len(xs) // 2]:22.0f}" for xs in row.values()))
+        print(f"{name:>34}" + "".join(f"{_median(xs):22.0f}" for xs in row.values()))
     return 0
 
 

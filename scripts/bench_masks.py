@@ -3,8 +3,8 @@
 
 Windowed: N = 16k, d = 128, bf16, batch·N = 16k tokens, heads·d = 2048, causal with window (1024, 0) — query i
 sees keys i-1024..i. FlexAttention gets the same rule as a block mask. FLOPs count the visible pairs only
-(bench.attention_flops), so a kernel that computed skipped tiles would show it as lower TFLOP/s. Also printed:
-dense causal fa2tune at the same N (what the window saves).
+(fa2tune.tune.timing.attention_flops), so a kernel that computed skipped tiles would show it as lower TFLOP/s.
+Also printed: dense causal fa2tune at the same N (what the window saves).
 
 Packed: 8 sequences of random lengths summing to 16k tokens, causal, through attention_varlen, beside FlexAttention
 with a document mask over the packed batch, and SDPA flash on the same sequences padded to the longest.

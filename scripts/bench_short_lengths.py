@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Short sequences (issue 6): fwd+bwd with and without the short-length entries, and where a call's time goes.
+"""Short sequences: fwd+bwd with and without the length-bucket entries, and where a short call's time goes.
 
 At N <= 1k a fwd+bwd call's kernels take a few hundred µs, the same order as the host's part of the call, so
 single readings swing. This times fa2tune's fwd+bwd with the length-bucket entries ("short" for N <= 1k, "medium"
 for 1k < N <= 4k: `--seqlens 2048,4096` measures those) and with them switched off (store.buckets_for patched to
-"all" only), alternating, several rounds; then, with --profile, compares do_bench's
-time with the sum of the kernels' times from torch.profiler: the difference is time the GPU waited for the host.
-Shapes as in bench_vs_sdpa.py: batch·N = 16k tokens, heads·d = 2048, bf16 (docs/PERF.md v6).
+"all" only), alternating, several rounds; then, with --profile, compares do_bench's time with the sum of the
+kernels' times from torch.profiler: the difference is time the GPU waited for the host. Shapes as in
+bench_vs_sdpa.py: batch·N = 16k tokens, heads·d = 2048, bf16. Needs a CUDA GPU.
 
     python scripts/bench_short_lengths.py --rounds 3 --profile
     python scripts/bench_short_lengths.py --graph    # each call also replayed from a CUDA graph, beside cuDNN's
@@ -14,12 +14,12 @@ Shapes as in bench_vs_sdpa.py: batch·N = 16k tokens, heads·d = 2048, bf16 (doc
 
 --graph captures each fwd+bwd call (fa2tune's and SDPA cuDNN's) in a CUDA graph after a warm-up and times its
 replay beside the eager call: a replay launches the call's kernels with no host work, so the difference is what the
-host costs a call that waits for it (docs/PERF.md v14) — and what a user who captures the step gets back.
+host costs a call that waits for it — and what a user who captures the step gets back.
 
 --threads times each fwd+bwd call with autograd's device threads (PyTorch's default: a GPU's backward runs on a
 thread of its own) and with torch.autograd.set_multithreading_enabled(False) (on the calling thread): moving a
-call's Python between two threads, and the CPU caches between two cores, costs a short call 18–57 % of its host
-time (docs/PERF.md v15).
+call's Python between two threads, and the CPU caches between two cores, costs a short call a large share of its
+host time.
 """
 
 from __future__ import annotations

@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 """TFLOP/s of fa2tune beside PyTorch SDPA's flash, cuDNN and efficient backends and FlexAttention, on one GPU.
 
-Shapes keep batch·N = 16k tokens and heads·d = 2048 (the PERF-NOTES grid). FLOPs = 4·B·H·N²·d (× ~0.5 causal;
-× 3.5 for fwd+bwd), time = median of triton.testing.do_bench. Prints a table and the geomean ratios last; --csv
-writes docs/bench/<gpu>.csv's columns; --plots writes one PNG per (head_dim, mode).
+Shapes keep batch·N = 16k tokens and heads·d = 2048 (the grid of the FlashAttention-2 and -3 papers).
+FLOPs = 4·B·H·N²·d (× ~0.5 causal; × 3.5 for fwd+bwd), time = median of triton.testing.do_bench. Prints a table
+and the geomean ratios last; --csv writes docs/bench/<gpu>.csv's columns; --plots writes one PNG per
+(head_dim, mode).
 
     python scripts/bench_vs_sdpa.py --csv $OUT/nvidia-h200.csv --plots $OUT
-    python scripts/bench_vs_sdpa.py --from-csv docs/bench/nvidia-h200-v2.csv --plots docs/bench   # no GPU needed
+    python scripts/bench_vs_sdpa.py --from-csv docs/bench/nvidia-h200.csv --plots docs/bench/plots   # no GPU
     python scripts/bench_vs_sdpa.py --head-dims 64 --seqlens 512 --processes 3 --merge-into docs/bench/nvidia-h200.csv
 
 --processes N runs the whole measurement in N fresh processes, one after another, and takes each row's median:
-training calls at N <= 512 wait for their host and read up to 35 % apart between processes (docs/PERF.md v19, v22).
+training calls at N <= 512 wait for their host and read up to 35 % apart between processes.
 --merge-into CSV replaces that file's rows for the shapes and providers measured (the rest stay) — how part of
 the grid is re-measured after a change; --causal yes (or no) measures one mask's rows only:
 

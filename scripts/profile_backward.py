@@ -4,7 +4,7 @@ at dK/dV configs you name, beside the tensor-core rate each kernel reaches on it
 
 The backward is three launches (templates/bwd.py.jinja): δ = rowsum(dO∘O), dK/dV (4 tile matmuls per step:
 QKᵀ, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q) and dQ (3: QKᵀ, dO·Vᵀ, dS·K). The backward's FLOP count has 5 matmuls, so the pair
-does 7/5 of the counted work; the "own" rate below counts each kernel's own matmuls (docs/PERF.md v9).
+does 7/5 of the counted work; the "own" rate below counts each kernel's own matmuls.
 
     python scripts/profile_backward.py                                   # tuned configs, d=64/128, N=8k
     python scripts/profile_backward.py --head-dims 128 --dkdv 64,64,4,2 --dkdv 64,128,8,3 --causal

@@ -2,15 +2,15 @@
 """What one consumer warp issues per step of a warp-specialized kernel's softmax loop (sm_90 SASS, compiled offline).
 
 Finds the step loop — the innermost loop that issues both HGMMAs and a softmax's MUFU.EX2 (a consumer's QKᵀ,
-softmax and P·V) —
-and counts its instructions by opcode, and the blocks inside it that a forward branch skips (the mask, run only on
-tiles that cross the diagonal or the end of K): the instructions of an unmasked step are the loop's less those (of
-an if/else's two blocks — a masked and an unmasked copy of the softmax — less the larger).
-Against the step's tensor and MUFU cycles this says which unit a config could be bound by (docs/PERF.md v22:
-436 instructions a step at d=64 (192, 128), 479 at d=128 (128, 128); neither issue nor MUFU saturated).
+softmax and P·V) — and counts its instructions by opcode, and the blocks inside it that a forward branch skips (the
+mask, run only on tiles that cross the diagonal or the end of K): the instructions of an unmasked step are the
+loop's less those (of an if/else's two blocks — a masked and an unmasked copy of the softmax — less the larger).
+Against the step's tensor and MUFU cycles this says which unit a config could be bound by (at d=64 (192, 128) and
+d=128 (128, 128) neither issue nor MUFU is saturated: the tensor pipe is the bound).
 It also says where the step waits for its wgmmas (WARPGROUP.DEPBAR.LE gsb0, N: until at most N groups are in
 flight) against its exponentials: a softmax meant to run under the previous P·V must come before the wait for none
-in flight — in v27's SASS ptxas had scheduled that wait ahead of it in every shipped forward (docs/PERF.md v27).
+in flight, and ptxas moves that wait ahead of it unless the softmax ends its basic block before the wait.
+No GPU needed (Triton ships ptxas and cuobjdump); tests/test_warpspec.py runs it on the shipped forward and dQ.
 
     python scripts/sass_step_mix.py --kernel fwd --head-dim 64 --config 192,128,4,2,1,1
 """
@@ -44,7 +44,7 @@ class StepLoop:
     def unmasked_opcodes(self) -> Counter:
         """What a step issues on its shortest path: every skippable block skipped, except that of two alternatives —
         an if/else, whose first block ends with a branch over the second, so their spans overlap — a step skips only
-        one, the larger (v28's forward computes its softmax in a masked and an unmasked copy)."""
+        one, the larger (the forward computes its softmax in a masked and an unmasked copy)."""
         ops = Counter(self.opcodes)
         for group in _alternatives(self.skipped):
             ops.subtract(max((block for _, _, block in group), key=lambda block: sum(block.values())))

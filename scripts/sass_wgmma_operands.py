@@ -2,7 +2,7 @@
 """Does a warp-specialized kernel keep its register wgmma operands intact through its step loops? (sm_90 SASS)
 
 An asynchronous wgmma whose A operand sits in registers (an "RS" HGMMA) reads them after it is issued; a value
-meant to stay in registers across a loop's steps (docs/PERF.md v19: K and V of the dK/dV kernel) must not be
+meant to stay in registers across a loop's steps (K and V of the d <= 64 dK/dV kernel) must not be
 written inside the loop. This compiles one config offline for sm_90 (no GPU: Triton ships ptxas and cuobjdump),
 finds the innermost loops that issue HGMMAs, and reports for each its HGMMAs, their register A operands, its
 local-memory spills, and the writes that give an operand carried into the loop to another matmul (read by one
@@ -11,9 +11,9 @@ miscompile below looked like; exit status 1 if there are any).
 
     python scripts/sass_wgmma_operands.py --kernel bwd_dkdv --head-dim 64 --causal --config 64,128,4,3,1,0
 
-Found with it (v19): with K and V as register operands and the causal mask under a branch, the loop rewrote K's and
-V's registers on every step (wrong dK on the H200); with the mask applied without a branch, nothing in the loop
-writes them.
+Why: with K and V as register operands and the causal mask under a branch, an sm_90 compile rewrites K's and V's
+registers on every step (wrong dK on the H200); with the mask applied without a branch, nothing in the loop writes
+them. tests/test_warpspec.py runs this check on the shipped kinds of warp-specialized kernel.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ then timed one at a time in this process (timing.make_measure, the tuner's own o
 to compile is reported with its reason, never stops the sweep.
 For a backward kernel the other backward kernel keeps its default config, and the time is the whole backward.
 --rounds R times every config R times, round by round, each round starting one config further on, and reports the
-median: on the H200 a config's reading moved 3–10 % with its place in the order (the first timed read high, the
-clock dips every ~1.3 s under load: docs/PERF.md v27), which a single pass in a fixed order turns into rankings.
+median: on the H200 a config's reading moves 3–10 % with its place in the order (the first timed reads high, the
+clock dips every ~1.3 s under load), which a single pass in a fixed order turns into rankings.
 
     python scripts/sweep_configs.py --kernel fwd --head-dims 64,128 --seqlen 8192 --csv $OUT/sweep_fwd.csv
     python scripts/sweep_configs.py --kernel fwd --head-dims 128 --seqlen 1024 --block-m 128 --block-n 64,128 \

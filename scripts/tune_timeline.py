@@ -8,7 +8,7 @@ that process's previous trial. A multi-GPU tune's journal is `<config-dir>/.stud
     python scripts/tune_timeline.py sqlite:///tune.db --study nvidia-h200/fwd/d128/bfloat16/causal
 
 The per-process summary at the end (trials, seconds waiting, building, measuring, and idle between trials) says
-whether a GPU sat waiting for compiles, built configs itself, or had nothing to do (docs/TUNING.md, session 6).
+whether a GPU sat waiting for compiles, built configs itself, or had nothing to do (docs/TUNING.md).
 """
 
 from __future__ import annotations

@@ -1,89 +1,13 @@
-"""The experiment scripts under scripts/ compute what they claim to measure (run here under Triton's interpreter)."""
+"""The scripts under scripts/ compute what they claim to measure (run here under Triton's interpreter)."""
 
 from __future__ import annotations
 
 import csv
-import math
 
 import pytest
 import torch
 
 from ._scripts import load_script
-
-
-@pytest.mark.parametrize("order", ["tile-fast", "head-fast", "persistent"])
-def test_causal_order_experiment_computes_causal_attention_in_every_order(order):
-    # scripts/exp_causal_order.py times three orders of the same causal tiles on the H200; each must cover every
-    # tile of every head once — the persistent one with a program count that does not divide the work.
-    script = load_script("exp_causal_order")
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 64, 16) for _ in range(3))
-    out = torch.full_like(q, float("nan"))
-    script.run(q, k, v, out, order, (32, 16, 4, 1), persistent_programs=5)
-    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
-    assert torch.allclose(out.double(), ref, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("mode", ["split2", "fma"])
-def test_exp2_polynomial_of_the_experiment_is_as_accurate_as_it_says(mode):
-    # scripts/exp_exp2_poly.py: 2^round(x)·p(f) within 7.5e-5 of 2^x, and a clamp that keeps -inf and the far
-    # negative from wrapping the exponent (2^-126 then, ~1e-38: a normal float, not a sign flip or a NaN).
-    rel, tail = load_script("exp_exp2_poly").exp2_errors(mode, device="cpu")
-    assert rel < 8e-5
-    at_zero, at_minus_one, *far = tail
-    assert math.isclose(at_zero, 1.0, rel_tol=8e-5) and math.isclose(at_minus_one, 0.5, rel_tol=8e-5)
-    assert all(0.0 <= value < 2e-38 for value in far)
-
-
-def _backward_problem():
-    """Inputs of the experiments' backward kernels — fp32 q, k, v, O, natural-log logsumexp and dO, (2, 3, 64, 16)
-    — and the float64 autograd gradients they must reproduce."""
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 3, 64, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    do = torch.randn(2, 3, 64, 16, dtype=torch.float64)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    ref = torch.autograd.grad(out, (q, k, v), do)
-    lse = torch.logsumexp(q.detach() @ k.detach().transpose(-1, -2) * 16**-0.5, -1)
-    return [t.detach().float() for t in (q, k, v, out, lse, do)], ref
-
-
-def _assert_gradients(grads, ref):
-    for got, want in zip(grads, ref, strict=True):
-        assert torch.allclose(got.double(), want, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("stagger", [True, False])
-def test_atomic_dq_experiment_computes_all_three_gradients(stagger):
-    # scripts/exp_bwd_atomic_dq.py times a backward whose dK/dV programs add their dQ shares with atomics: every
-    # Q tile must get every K tile's share once, in either loop order, and dK/dV must not change. (The TMA-reduction
-    # case, atomic_dq=2, is beyond the interpreter; the script checks it against cuDNN on the GPU.)
-    args, ref = _backward_problem()
-    grads = load_script("exp_bwd_atomic_dq").backward_atomic(*args, (16, 32, 4, 1), stagger=stagger, dot_fp32=True)
-    _assert_gradients(grads, ref)
-
-
-@pytest.mark.parametrize("layout", ["two launches", "dkdv+dq", "dq+dkdv", "by head"])
-def test_one_launch_experiment_computes_all_three_gradients(layout):
-    # scripts/exp_bwd_one_launch.py puts the dK/dV and dQ programs in one grid: whichever comes first, every K/V
-    # tile and every Q tile of every head must be computed once, with block sizes that differ between the two.
-    args, ref = _backward_problem()
-    grads = load_script("exp_bwd_one_launch").backward(*args, (16, 32, 4, 1), (32, 16, 4, 1), layout, dot_fp32=True)
-    _assert_gradients(grads, ref)
-
-
-@pytest.mark.parametrize("order", ["snake", "pairs"])
-def test_persistent_order_model_deals_every_tile_once(order):
-    # scripts/model_persistent_order.py: both orders hand every (head, Q tile) to exactly one program, also when the
-    # program count divides nothing and a head has an odd number of tiles; and the model's finding (docs/PERF.md
-    # v12): the snake order leaves the busiest program ~1.5x the mean at N=16k, d=128, pairs within 5 %
-    script = load_script("model_persistent_order")
-    deal = getattr(script, order)
-    for q_tiles, heads, programs in [(7, 5, 3), (4, 512, 132), (128, 16, 132), (1, 3, 5)]:
-        owned = deal(q_tiles, heads, programs)
-        items = sorted(item for program in owned for item in program)
-        assert items == [(h, r) for h in range(heads) for r in range(q_tiles)]
-    at_16k = script.imbalance(deal(128, 16, 132))
-    assert (at_16k > 1.4) if order == "snake" else (at_16k < 1.05)
 
 
 def test_autograd_split_times_each_stretch_and_puts_the_launchers_back(capsys):
@@ -120,35 +44,6 @@ def test_host_time_of_a_burst_is_the_median_bursts_per_call_time(monkeypatch):
         assert script._waits() == 2
 
 
-def test_fused_dq_benchmark_times_what_the_planner_accepts():
-    # scripts/bench_fused_dq.py (docs/PERF.md v18's A/B): at d=128 only the 2-stage one-tile-a-program fused config
-    # (3 stages spill, persistent does not fit); at d=64 all four.
-    script = load_script("bench_fused_dq")
-    assert list(script.candidates(128)) == ["fused s2"]
-    assert list(script.candidates(64)) == ["fused s2", "fused s2 p", "fused s3", "fused s3 p"]
-    assert all(cfg.warpspec == 2 and cfg.block_n == 128 for cfg in script.candidates(64).values())
-
-
-def test_two_programs_an_sm_experiment_patches_registers_and_grid_and_puts_them_back(monkeypatch):
-    # scripts/exp_two_programs_per_sm.py (docs/PERF.md v19): inside, one-consumer programs get maxnreg 128 and the
-    # persistent grid two programs an SM; outside, everything is as it was, and its configs are one-consumer ones
-    # the H200's planner accepts at d=64 under the patched registers too.
-    from fa2tune.config import planner
-    from fa2tune.config.device import known_gpu
-    from fa2tune.launch import warpspec
-
-    script = load_script("exp_two_programs_per_sm")
-    monkeypatch.setattr(warpspec, "_sm_count", lambda index: 132)  # the H200's, without a GPU
-    registers, sm_count = planner.WS_REGISTERS[1], warpspec._sm_count
-    with script.two_programs_an_sm():
-        assert planner.WS_REGISTERS[1] == (128, 232, 24)
-        assert warpspec._sm_count(0) == 264
-        for cfg in script.candidates():
-            assert cfg.consumers("fwd") == 1
-            assert planner.check(cfg, known_gpu("h200"), 64, torch.bfloat16, "fwd") is None
-    assert planner.WS_REGISTERS[1] == registers and warpspec._sm_count is sm_count
-
-
 _SASS_LOOP = """
         /*0100*/                   LDSM.16.M88.4 R152, [R187+0xe000] ;                  /* 0x0 */
         /*0200*/                   WARPGROUP.ARRIVE ;                                    /* 0x0 */
@@ -163,10 +58,9 @@ _SASS_LOOP = """
 
 
 def test_sass_check_finds_a_register_operand_rewritten_inside_its_loop():
-    # scripts/sass_wgmma_operands.py (docs/PERF.md v19): K, loaded before the loop, is the first HGMMA's register
-    # operand on every step; Pᵀ is formed in the loop before its own HGMMA. Put Pᵀ in K's registers (what the
-    # sm_90 compile did with the causal mask under a branch) and the check names the instruction; in registers of
-    # its own, nothing is reported.
+    # scripts/sass_wgmma_operands.py: K, loaded before the loop, is the first HGMMA's register operand on every step;
+    # Pᵀ is formed in the loop before its own HGMMA. Put Pᵀ in K's registers (what an sm_90 compile can do with the
+    # causal mask under a branch) and the check names the instruction; in registers of its own, nothing is reported.
     script = load_script("sass_wgmma_operands")
     (bad,) = script.innermost_hgmma_loops(script.parse(_SASS_LOOP.format(ptile="R152")))
     assert (bad.start, bad.end, bad.hgmmas) == (0x200, 0x270, 2)
@@ -292,7 +186,7 @@ _SASS_STEP = """
 
 
 def test_step_mix_counts_a_step_and_the_mask_block_a_branch_skips():
-    # scripts/sass_step_mix.py (docs/PERF.md v22): the step loop is the innermost loop with HGMMAs and MUFU.EX2 — not
+    # scripts/sass_step_mix.py: the step loop is the innermost loop with HGMMAs and MUFU.EX2 — not
     # the mbarrier's spin loop inside it —, and the mask block behind the two-predicate branch sm_90 writes
     # ("@!P2 BRA P1, target") is what an unmasked step does not issue; a branch over a few instructions is control.
     script = load_script("sass_step_mix")
@@ -310,8 +204,8 @@ def test_step_mix_counts_a_step_and_the_mask_block_a_branch_skips():
 
 
 def test_step_mix_counts_one_block_of_an_if_else_as_skipped():
-    # docs/PERF.md v28: the forward computes its softmax in a masked and an unmasked copy — an if/else, whose first
-    # block ends with a branch over the second. A step runs one of them, so an unmasked step is the loop less the
+    # The forward computes its softmax in a masked and an unmasked copy — an if/else, whose first block ends with a
+    # branch over the second. A step runs one of them, so an unmasked step is the loop less the
     # larger (the masked copy), not less both.
     script = load_script("sass_step_mix")
     lines = ["/*0200*/ HGMMA.64x128x16.F32.BF16 R24, gdesc[UR20], RZ, !UPT ;", "/*0210*/ @!P2 BRA 0x0400 ;"]
@@ -326,8 +220,8 @@ def test_step_mix_counts_one_block_of_an_if_else_as_skipped():
 
 
 def test_step_mix_says_where_the_step_waits_for_its_wgmmas_against_its_exponentials():
-    # docs/PERF.md v27: ptxas had put the forward's wait for no wgmma in flight ahead of the softmax. The report gives
-    # each wait's address and groups left in flight, and the exponentials' span.
+    # ptxas may put the forward's wait for no wgmma in flight ahead of the softmax. The report gives each wait's
+    # address and groups left in flight, and the exponentials' span.
     script = load_script("sass_step_mix")
     waits = (
         "        /*03e0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;                     /* 0x0 */\n"
@@ -395,8 +289,8 @@ def _stubbed_sweep(monkeypatch, times):
 
 
 def test_sweep_rounds_rotate_the_order_and_report_each_config_s_median(monkeypatch, tmp_path):
-    # scripts/sweep_configs.py --rounds R (docs/PERF.md v27: a reading moved with its place in the order): every config
-    # that ran right is timed R times, round r starting r configs further on, and its row is the median.
+    # scripts/sweep_configs.py --rounds R (a reading moves with its place in the order): every config that ran right
+    # is timed R times, round r starting r configs further on, and its row is the median.
     sweep, order = _stubbed_sweep(monkeypatch, [4.0, 2.0, 1.0, 3.0, 5.0, 6.0, 2.5, 1.5, 3.5, 2.0, 2.2, 2.4] * 2)
     csv_path = tmp_path / "sweep.csv"
     assert sweep.main(["--kernel", "fwd", "--head-dims", "64", "--seqlen", "256", "--block-m", "64",
@@ -412,7 +306,7 @@ def test_sweep_rounds_rotate_the_order_and_report_each_config_s_median(monkeypat
 
 
 def test_sweep_causal_option_times_only_the_masks_asked_for(monkeypatch, tmp_path):
-    # --causal no: a change to the unmasked code path (docs/PERF.md v30) is swept without timing causal configs
+    # --causal no: a change to the unmasked code path is swept without timing causal configs
     sweep, calls = _stubbed_sweep(monkeypatch, [1.0] * 100)
     csv_path = tmp_path / "sweep.csv"
     for option, expected in (("no", {False}), ("yes", {True}), ("both", {False, True})):
@@ -422,15 +316,3 @@ def test_sweep_causal_option_times_only_the_masks_asked_for(monkeypatch, tmp_pat
                            "--device", "cpu", "--csv", str(csv_path)]) == 0  # fmt: skip
         assert {causal for causal, _ in calls} == expected and len(calls) == 2 * len(expected)
         assert {row["causal"] for row in csv.DictReader(open(csv_path))} == {str(c) for c in expected}
-
-
-def test_the_causal_tail_model_rows_never_lengthen_a_launch(capsys):
-    # scripts/model_causal_tail.py (docs/PERF.md v31's tables): every row of a causal persistent shipped entry, the
-    # tail's modelled launch no longer than pairs alone; a row for each such kernel at the grid's d=128 N=4k
-    script = load_script("model_causal_tail")
-    assert script.main(["--head-dims", "128", "--seqlens", "4096,3000"]) == 0
-    rows = capsys.readouterr().out.splitlines()[1:]
-    assert {line.split()[0] for line in rows} == {"fwd", "bwd_dkdv", "bwd_dq"} and len(rows) == 6
-    for line in rows:
-        alone, tail = float(line.split("pairs alone")[1].split()[0]), float(line.split("heads")[1].split()[0])
-        assert 1.0 <= tail <= alone, line
