@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,12 @@ def test_every_backward_variant_renders_valid_python(variant):
     assert "{{" not in source and "{%" not in source
     # packed: both kernels bound the offsets (_sequence_rows) by the totals they take
     assert source.count("key_start, N_K = _sequence_rows(CU_K, off_b, TOTAL_K, N_K)") == 2 * variant.varlen
+
+
+def test_templates_cite_no_version_log():
+    # Template comments say why in the present tense; the history of a choice is in git, not "docs/PERF.md v31".
+    for path in sorted(codegen.templates_dir().glob("*.jinja")):
+        assert not re.search(r"PERF\.md|\bv\d+\b", path.read_text()), path.name
 
 
 def test_bad_arguments():
