@@ -52,19 +52,23 @@ def main() -> int:
             for seed in range(5):
                 measure = table.__getitem__  # every config of the space has a recorded timing
                 result = tuner.tune(
-                    device=known_gpu("h200"),
-                    kernel="fwd",
-                    head_dim=head_dim,
-                    dtype=torch.bfloat16,
-                    causal=causal,
-                    measure=measure,
-                    trials=max(1, int(len(space) * fraction)),
-                    space=space,
-                    default=median,
-                    seed=seed,
-                    remeasure_top=1,
-                    batch_size=args.batch,
-                    prepare=compiled_at_once,
+                    tuner.Target(
+                        device=known_gpu("h200"),
+                        kernel="fwd",
+                        head_dim=head_dim,
+                        dtype=torch.bfloat16,
+                        causal=causal,
+                        space=space,
+                        default=median,
+                    ),
+                    measure,
+                    tuner.Options(
+                        trials=max(1, int(len(space) * fraction)),
+                        seed=seed,
+                        remeasure_top=1,
+                        batch_size=args.batch,
+                        prepare=compiled_at_once,
+                    ),
                 )
                 ok += result.best_ms <= best * 1.02
                 ratios.append(best / result.best_ms)

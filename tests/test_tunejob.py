@@ -10,7 +10,7 @@ import torch
 
 from fa2tune.config import store
 from fa2tune.config.types import KernelConfig
-from fa2tune.tune import job, processes, tuner
+from fa2tune.tune import job, processes, search_space, study_trials, tuner
 
 
 @pytest.fixture
@@ -161,8 +161,11 @@ def test_the_next_study_s_first_configs_compile_during_this_one():
         timed.append(cfg)
         return 1.0 + cfg.block_m / 1000
 
-    tuner.tune(device=h200, kernel="bwd_dq", head_dim=64, dtype=torch.bfloat16, causal=True, measure=measure,
-               trials=40, space=space, remeasure_top=1)  # fmt: skip
+    tuner.tune(
+        tuner.Target(device=h200, kernel="bwd_dq", head_dim=64, dtype=torch.bfloat16, causal=True, space=space),
+        measure,
+        tuner.Options(trials=40, remeasure_top=1),
+    )
     assert timed[: len(configs)] == configs
 
 
@@ -389,7 +392,7 @@ def _timing(url, spec) -> list[int]:
     except (KeyError, sqlalchemy.exc.SQLAlchemyError):  # not created yet, or its tables being created now
         return []
     running = optuna.trial.TrialState.RUNNING
-    return [t.number for t in trials if t.state == running and tuner._proposed(t) is not None]
+    return [t.number for t in trials if t.state == running and study_trials.proposed(t) is not None]
 
 
 @pytest.mark.slow
@@ -428,17 +431,19 @@ def test_a_config_another_process_is_timing_is_not_timed_again(tmp_path):
     # first one's first timing, so the interleaving is fixed.
     space = [KernelConfig(m, n, 4, 1) for m in (16, 32) for n in (16, 32)]
     storage = job._storage(str(tmp_path / "tune.journal"))
-    kwargs = dict(device=job.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
-                  causal=False, space=space, storage=storage, default=space[0], remeasure_top=1)  # fmt: skip
+    target = tuner.Target(device=job.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
+                          causal=False, space=space, default=space[0])  # fmt: skip
+    kwargs = dict(storage=storage, remeasure_top=1)
     calls, other_calls = [], []
 
     def measure(cfg):
         calls.append(cfg)
         if len(calls) == 1:
-            tuner.tune(measure=lambda c: other_calls.append(c) or 1.0 + c.block_m, seed=1, trials=3, **kwargs)
+            tuner.tune(target, lambda c: other_calls.append(c) or 1.0 + c.block_m,
+                       tuner.Options(seed=1, trials=3, **kwargs))  # fmt: skip
         return 1.0 + cfg.block_n
 
-    tuner.tune(measure=measure, trials=3, **kwargs)
+    tuner.tune(target, measure, tuner.Options(trials=3, **kwargs))
     assert calls[0] == space[0] and space[0] not in other_calls
     assert len(calls + other_calls) == len(set(calls + other_calls)) == 3
 
@@ -454,17 +459,21 @@ def test_a_config_a_process_timed_while_another_waited_for_its_compile_is_not_ti
     def other_process_times_a():
         study = optuna.load_study(study_name="cpu-interpreter/fwd/d16/bfloat16/full", storage=url)
         choices = {dim: optuna.distributions.CategoricalDistribution(sorted({getattr(c, dim) for c in (a, b)}))
-                   for dim in tuner._DIMS}  # fmt: skip
-        study.add_trial(optuna.trial.create_trial(params=tuner._params(a), distributions=choices, value=2.0,
+                   for dim in search_space.DIMS}  # fmt: skip
+        study.add_trial(optuna.trial.create_trial(params=search_space.params(a), distributions=choices, value=2.0,
                                                   user_attrs={"timed_by": 1, "timing": {}}))  # fmt: skip
 
     def prepare(configs):
         return lambda cfg: other_process_times_a() if cfg == a else None
 
     cpu = job.selection.device_info("cpu")
-    result = tuner.tune(device=cpu, kernel="fwd", head_dim=16, dtype=torch.bfloat16, causal=False, space=[a, b],
-                        default=a, storage=job._storage(url), remeasure_top=1, trials=2, prepare=prepare,
-                        batch_size=1, measure=lambda cfg: calls.append(cfg) or 3.0)  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=cpu, kernel="fwd", head_dim=16, dtype=torch.bfloat16, causal=False, space=[a, b], default=a
+        ),
+        lambda cfg: calls.append(cfg) or 3.0,
+        tuner.Options(storage=job._storage(url), remeasure_top=1, trials=2, prepare=prepare, batch_size=1),
+    )
     assert calls == [b]
     assert result.measured == 2 and result.best == a and result.best_ms == 2.0  # a's stored reading
 
@@ -474,14 +483,15 @@ def test_a_study_asks_nothing_past_its_space_or_its_budget(tmp_path):
     # told again from its stored value, until 20x the budget had been asked.
     space = [KernelConfig(m, n, 4, 1) for m in (16, 32) for n in (16, 32)]
     url = f"sqlite:///{tmp_path / 'tune.db'}"
-    kwargs = dict(device=job.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
-                  causal=False, space=space, storage=job._storage(url), default=space[0], remeasure_top=1,
-                  measure=lambda cfg: 1.0 + cfg.block_m + cfg.block_n / 100)  # fmt: skip
-    result = tuner.tune(trials=10, **kwargs)
+    target = tuner.Target(device=job.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
+                          causal=False, space=space, default=space[0])  # fmt: skip
+    measure = lambda cfg: 1.0 + cfg.block_m + cfg.block_n / 100
+    kwargs = dict(storage=job._storage(url), remeasure_top=1)
+    result = tuner.tune(target, measure, tuner.Options(trials=10, **kwargs))
     study = optuna.load_study(study_name=result.study_name, storage=url)
     assert result.measured == len(space) and len(study.trials) <= 2 * len(space)
     stored = len(study.trials)
-    assert tuner.tune(trials=len(space), **kwargs).best == result.best
+    assert tuner.tune(target, measure, tuner.Options(trials=len(space), **kwargs)).best == result.best
     assert len(optuna.load_study(study_name=result.study_name, storage=url).trials) == stored
 
 
@@ -496,17 +506,23 @@ def test_a_finish_waits_for_the_configs_other_processes_are_timing_and_ranks_the
                              storage=str(tmp_path / "tune.journal"))  # fmt: skip
     cpu = job.selection.device_info("cpu")
     study = optuna.create_study(study_name=job._study_name(spec, cpu), storage=job._storage(spec.storage))
-    study.enqueue_trial(tuner._params(other))
+    study.enqueue_trial(search_space.params(other))
     trial = study.ask()
-    for dim, value in tuner._params(other).items():
+    for dim, value in search_space.params(other).items():
         assert trial.suggest_categorical(dim, sorted({getattr(c, dim) for c in (a, b, other)})) == value
     trial.set_user_attr("timed_by", 1)
     told = threading.Timer(1.0, lambda: study.tell(trial, 2.0))
     told.start()
     readings = {a: 1.0, b: 3.0, other: 0.5}  # the other host read 2.0 for it; here it is the fastest
-    result = tuner.tune(device=cpu, kernel="fwd", head_dim=16, dtype=torch.bfloat16, causal=False, space=[a, b, other],
-                        default=a, storage=job._storage(spec.storage), trials=2, measure=readings.get,
-                        on_timed=lambda: job._await_others(spec, cpu, poll_s=0.05))  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=cpu, kernel="fwd", head_dim=16, dtype=torch.bfloat16, causal=False, space=[a, b, other], default=a
+        ),
+        readings.get,
+        tuner.Options(
+            storage=job._storage(spec.storage), trials=2, on_timed=lambda: job._await_others(spec, cpu, poll_s=0.05)
+        ),
+    )
     told.join()
     assert result.measured == 2
     assert result.best == other and result.best_ms == 0.5  # ranked by its reading here, like this host's own
@@ -527,9 +543,19 @@ def test_a_trial_failed_as_stale_while_its_process_times_it_does_not_end_the_tun
             study.tell(running.number, state=optuna.trial.TrialState.FAIL)
         return 1.0 + cfg.block_n + cfg.block_m / 100
 
-    result = tuner.tune(device=job.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
-                        causal=False, space=space, storage=job._storage(url), default=space[0], remeasure_top=1,
-                        measure=measure, trials=3)  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=job.selection.device_info("cpu"),
+            kernel="fwd",
+            head_dim=16,
+            dtype=torch.bfloat16,
+            causal=False,
+            space=space,
+            default=space[0],
+        ),
+        measure,
+        tuner.Options(storage=job._storage(url), remeasure_top=1, trials=3),
+    )
     assert result.best is not None and result.measured >= 2
     assert "failed as stale by another process" in caplog.text
 

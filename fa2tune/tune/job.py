@@ -347,14 +347,15 @@ def run_study(
             _await_others(spec, info)
 
     try:
-        result = tuner.tune(
-            device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype, causal=spec.causal,
-            measure=measure, trials=spec.trials, timeout_s=spec.timeout_s, space=space, storage=_storage(spec.storage),
-            verify=verify if finalize else None, remeasure_top=3 if finalize else 1, on_trial=on_trial,
-            seed=spec.seed, variant=spec.variant, prepare=prepare if pool is not None else None,
-            batch_size=BATCH if pool is not None else 1, default=default, incumbent=spec.incumbent, run=spec.run,
-            on_timed=timed,
+        target = tuner.Target(device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype, causal=spec.causal,
+                              variant=spec.variant, space=space, default=default, incumbent=spec.incumbent)
+        options = tuner.Options(
+            trials=spec.trials, timeout_s=spec.timeout_s, storage=_storage(spec.storage),
+            verify=verify if finalize else None, remeasure_top=3 if finalize else 1, seed=spec.seed,
+            on_trial=on_trial, prepare=prepare if pool is not None else None,
+            batch_size=BATCH if pool is not None else 1, run=spec.run, on_timed=timed,
         )  # fmt: skip
+        result = tuner.tune(target, measure, options)
     finally:
         if own_pool:
             pool.close()
