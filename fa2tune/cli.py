@@ -408,7 +408,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from .api import attention_kernel, selection
     from .config import planner, store
     from .config.inputs import DTYPES_BY_NAME
-    from .tune import job, timing, tuner
+    from .tune import compile_pool, job, tuner
 
     if len({selection.device_info(d).slug for d in devices}) > 1:
         _fail(f"--device {','.join(devices)}: GPUs of different kinds cannot share a study; tune each kind alone")
@@ -428,7 +428,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     rows, path, names = [], None, set()
     # One pool of compile processes for every study of a single-GPU tune (multi-GPU workers start their own).
     jobs = args.jobs or os.cpu_count() or 1
-    pool = timing.CompilePool(jobs) if devices[0] != "cpu" and len(devices) == 1 else None
+    pool = compile_pool.CompilePool(jobs) if devices[0] != "cpu" and len(devices) == 1 else None
     try:
         specs = [
             job.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,

@@ -136,7 +136,8 @@ def backward_problem(d: int, seqlen: int):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from fa2tune.launch import launcher
-    from fa2tune.tune.timing import attention_flops, random_qkv, time_cuda
+    from fa2tune.tune.timing import attention_flops, time_cuda
+    from fa2tune.tune.workload import random_qkv
 
     batch, heads = 16384 // seqlen, 2048 // d
     q, k, v = random_qkv(batch, heads, seqlen, d, requires_grad=True)

@@ -28,7 +28,8 @@ import torch
 
 import fa2tune
 from fa2tune.launch import launcher, warpspec
-from fa2tune.tune.timing import attention_flops, random_qkv, time_cuda
+from fa2tune.tune.timing import attention_flops, time_cuda
+from fa2tune.tune.workload import random_qkv
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from fa2tune.config import planner
 from fa2tune.config.types import KernelConfig
 from fa2tune.launch import launcher, warpspec
-from fa2tune.tune.timing import attention_flops, random_qkv, time_cuda
+from fa2tune.tune.timing import attention_flops, time_cuda
+from fa2tune.tune.workload import random_qkv
 
 DTYPE = torch.bfloat16
 # (maxnreg of the kernel, registers of the consumer, of the producer): what `two` runs one-consumer programs with

@@ -23,7 +23,7 @@ import torch
 
 from fa2tune.config.device import known_gpu
 from fa2tune.tune import tuner
-from fa2tune.tune.timing import load_sweep
+from fa2tune.tune.cost import load_sweep
 
 SWEEP = Path(__file__).resolve().parent.parent / "docs" / "bench" / "nvidia-h200-sweep-fwd-v1.csv"
 

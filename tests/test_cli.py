@@ -306,7 +306,7 @@ def fake_timing(monkeypatch):
         pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
     from types import SimpleNamespace
 
-    from fa2tune.tune import timing
+    from fa2tune.tune import workload
 
     fake = SimpleNamespace(costs={None: 1.0}, timed=[], interrupt_at=None, studies=0)
 
@@ -324,7 +324,7 @@ def fake_timing(monkeypatch):
         measure.spread = lambda cfg: None
         return measure
 
-    monkeypatch.setattr(timing, "make_measure", make_measure)
+    monkeypatch.setattr(workload, "make_measure", make_measure)
     return fake
 
 
@@ -544,13 +544,13 @@ def test_ctrl_c_while_workers_time_ends_every_process_of_the_tune_with_one_line(
 
 _POOL_INTERRUPTED = """
 import sys, time
-from fa2tune.tune import timing
+from fa2tune.tune import compile_pool
 from fa2tune.config import planner
 from fa2tune.config.types import KernelConfig, Mask
 import torch
 
 if __name__ == "__main__":
-    pool = timing.CompilePool(2)
+    pool = compile_pool.CompilePool(2)
     configs = [KernelConfig(m, n, 4, 1) for m in (64, 128) for n in (64, 128)]
     pool.start("fwd", 16, torch.bfloat16, Mask(), configs, seqlens=(64,), device="cpu")
     print("compiling", flush=True)

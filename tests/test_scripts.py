@@ -388,8 +388,8 @@ def _stubbed_sweep(monkeypatch, times):
         measure.inputs = [None]
         return measure
 
-    monkeypatch.setattr(sweep.bench, "make_measure", make_measure)
-    monkeypatch.setattr(sweep.bench, "precompile", lambda *args, **kwargs: {})
+    monkeypatch.setattr(sweep.workload, "make_measure", make_measure)
+    monkeypatch.setattr(sweep.compile_pool, "precompile", lambda *args, **kwargs: {})
     monkeypatch.setattr(sweep, "_outputs", lambda kernel, cfg, x, causal: (torch.ones(4), torch.ones(4)))
     return sweep, calls
 

@@ -175,11 +175,11 @@ def test_the_compile_pool_answers_for_each_config_on_its_own(interpreter_only, s
     # None, and None at once for a config that was never started. Both ways a pool's processes start: from the
     # fork server (a tune in this process), forked from the process itself (a worker, fa2tune.tune.processes).
     from fa2tune.config.types import KernelConfig, Mask
-    from fa2tune.tune import processes, timing
+    from fa2tune.tune import compile_pool, processes
 
     good, other = KernelConfig(64, 64, 4, 1), KernelConfig(32, 64, 4, 1)
     context = processes.fork_context() if start == "forked from this process" else None
-    with timing.CompilePool(2, context=context) as pool:
+    with compile_pool.CompilePool(2, context=context) as pool:
         wait_good = pool.start("fwd", 16, torch.bfloat16, Mask(), [good], seqlens=(64,), device="cpu")
         wait_bad = pool.start("fwd", 16, torch.bfloat16, Mask(), [good], seqlens=(64,), device="no-such-device")
         assert wait_good(good) is None and wait_good(other) is None
@@ -193,10 +193,10 @@ def test_a_released_compile_pool_skips_the_compiles_not_yet_begun(interpreter_on
     # instead of close() building them all. Built on a device that does not exist, every config that is
     # compiled fails with a reason; one that is skipped answers None.
     from fa2tune.config.types import KernelConfig, Mask
-    from fa2tune.tune import timing
+    from fa2tune.tune import compile_pool
 
     configs = [KernelConfig(m, n, 4, 1) for m in (16, 32, 64) for n in (16, 32, 64, 128)]
-    pool = timing.CompilePool(1)
+    pool = compile_pool.CompilePool(1)
     wait = pool.start("fwd", 16, torch.bfloat16, Mask(), configs, seqlens=(64,), device="no-such-device")
     if released:
         pool.release()
@@ -274,7 +274,7 @@ def test_short_backward_studies_time_the_whole_training_call(interpreter_only, m
     # faster alone and slower in the call (docs/PERF.md v11, v13). The short bucket's backward studies time the
     # forward and the backward as one run, and count that run's FLOPs; other studies time their kernel alone.
     from fa2tune.config.types import KernelConfig, Mask
-    from fa2tune.tune import timing
+    from fa2tune.tune import workload
 
     short_dq = job.StudySpec(kernel="bwd_dq", head_dim=16, dtype="fp16", causal=True, seqlen_bucket="short")
     assert short_dq.in_training_call and short_dq.timed_mode == "fwd+bwd"
@@ -282,19 +282,19 @@ def test_short_backward_studies_time_the_whole_training_call(interpreter_only, m
     short_fwd = job.StudySpec(kernel="fwd", head_dim=16, dtype="fp16", causal=True, seqlen_bucket="short")
     assert not short_fwd.in_training_call and short_fwd.timed_mode == "fwd"
     ran = []
-    real = timing.run_kernel
+    real = workload.run_kernel
     monkeypatch.setattr(
-        timing, "run_kernel", lambda kernel, cfg, *a: ran.append((kernel, cfg)) or real(kernel, cfg, *a)
+        workload, "run_kernel", lambda kernel, cfg, *a: ran.append((kernel, cfg)) or real(kernel, cfg, *a)
     )
     cfg = KernelConfig(16, 16, 4, 1)
     for with_forward, expected in ((True, [("fwd", None), ("bwd_dq", cfg)]), (False, [("bwd_dq", cfg)])):
-        measure = timing.make_measure("bwd_dq", 16, torch.float16, Mask(causal=True), seqlens=(32,), device="cpu",
-                                     tokens=32, width=32, with_forward=with_forward)  # fmt: skip
+        measure = workload.make_measure("bwd_dq", 16, torch.float16, Mask(causal=True), seqlens=(32,), device="cpu",
+                                       tokens=32, width=32, with_forward=with_forward)  # fmt: skip
         ran.clear()
         assert measure(cfg) > 0
         assert ran == expected * 2  # a first call (renders the variant), then the timed one
     with pytest.raises(ValueError, match="with_forward times a backward kernel"):
-        timing.make_measure("fwd", 16, torch.float16, Mask(), seqlens=(32,), device="cpu", with_forward=True)
+        workload.make_measure("fwd", 16, torch.float16, Mask(), seqlens=(32,), device="cpu", with_forward=True)
     # ... and a short backward study's tune does it: each timed run launches the forward first.
     ran.clear()
     result, entry = job.run_study(replace(short_dq, dtype="bf16", trials=2), "cpu")

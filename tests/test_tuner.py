@@ -12,7 +12,7 @@ from fa2tune.config import planner
 from fa2tune.config.device import known_gpu
 from fa2tune.config.types import KernelConfig
 from fa2tune.tune import search_space, study_trials, tuner
-from fa2tune.tune.timing import load_sweep
+from fa2tune.tune.cost import load_sweep
 
 from ._scripts import load_script
 

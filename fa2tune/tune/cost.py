@@ -3,11 +3,12 @@
 Timing is injected (`measure(config) -> ms`), so the study runs the same on a GPU (workload.make_measure), under
 the interpreter, or over a recorded table in tests. A config that fails to compile or run is a failed trial with its
 reason, never the end of the study; a config timed before (by this process or another) is told its reading again,
-not timed again.
+not timed again. `load_sweep` reads a recorded table that stands in for measure, for replays without a GPU.
 """
 
 from __future__ import annotations
 
+import csv
 import os
 import time
 
@@ -158,3 +159,18 @@ class Cost:
         trial = optuna.trial.create_trial(params=params(cfg), distributions=distributions, value=self.measured[cfg])
         self.study.add_trial(trial)
         self.history.append(TrialRecord(-1, cfg, self.measured[cfg]))
+
+
+def load_sweep(path, *, head_dim: int, causal: bool) -> dict[KernelConfig, float]:
+    """{config: cost} from a scripts/sweep_configs.py CSV, cost = 1000 / TFLOP/s (lower is better, ∝ time).
+
+    Configs that failed in the sweep are absent. Replaying such a table as `measure` lets the tuner be tested and
+    compared with exhaustive search without a GPU (tests/test_tuner.py, scripts/replay_tuner.py).
+    """
+    table = {}
+    with open(path) as handle:
+        for row in csv.DictReader(handle):
+            if int(row["head_dim"]) == head_dim and row["causal"] == str(causal) and row["tflops"] != "nan":
+                fields = ("block_m", "block_n", "num_warps", "num_stages")
+                table[KernelConfig(*(int(row[f]) for f in fields))] = 1000.0 / float(row["tflops"])
+    return table

@@ -28,7 +28,9 @@ from ..config import planner, store
 from ..config.inputs import DTYPES_BY_NAME
 from ..config.types import DeviceInfo, Mask
 from ..kernels import codegen
-from . import processes, timing, tuner, verification
+from . import processes, timing, tuner, verification, workload
+from .compile_pool import CompilePool
+from .records import failure_reason
 
 BATCH = 16  # configs compiled together, then timed: one per process of a 16-core machine's compile pool
 
@@ -58,7 +60,7 @@ class StudySpec:
     @property
     def in_training_call(self) -> bool:
         """Whether the study times its backward kernel inside the whole training call, forward launched first
-        (timing.make_measure's with_forward): for the N <= 1k entries, whose calls can wait for the host."""
+        (workload.make_measure's with_forward): for the N <= 1k entries, whose calls can wait for the host."""
         return self.seqlen_bucket == "short" and self.kernel != "fwd"
 
     @property
@@ -287,7 +289,7 @@ def run_study(
     *,
     on_trial: Callable | None = None,
     finalize: bool = True,
-    compile_pool: timing.CompilePool | None = None,
+    compile_pool: CompilePool | None = None,
     then: StudySpec | None = None,
     release_pool: bool = False,
 ) -> tuple[tuner.TuneResult, store.Entry]:
@@ -309,7 +311,7 @@ def run_study(
     space = _space(spec, info, cpu)
     default, default_name = baseline(spec, device_name, info)
     own_pool = compile_pool is None and not cpu and spec.trials > 0
-    pool = None if cpu else timing.CompilePool(os.cpu_count() or 1) if own_pool else compile_pool
+    pool = None if cpu else CompilePool(os.cpu_count() or 1) if own_pool else compile_pool
     batches = 0
 
     def prepare(configs):
@@ -325,7 +327,7 @@ def run_study(
 
     width = 2 * spec.head_dim if cpu else 2048
     tokens = 64 if cpu else spec.tokens
-    measure = timing.make_measure(spec.kernel, spec.head_dim, dtype, spec.mask, seqlens=seqlens,
+    measure = workload.make_measure(spec.kernel, spec.head_dim, dtype, spec.mask, seqlens=seqlens,
                                  device=device_name, tokens=tokens, width=width, varlen=spec.varlen,
                                  with_forward=spec.in_training_call)  # fmt: skip
     shape = (1, 2, 1, 70, 70, spec.head_dim) if cpu else (2, 8, 2, 1000, 1000, spec.head_dim)
@@ -436,7 +438,7 @@ def _space(spec: StudySpec, info: DeviceInfo, cpu: bool) -> list[planner.KernelC
     return [c for c, _ in planner.plan(info, spec.head_dim, DTYPES_BY_NAME[spec.dtype], spec.kernel).accepted]
 
 
-def _prefetch(spec: StudySpec, device_name: str, info: DeviceInfo, pool: timing.CompilePool) -> None:
+def _prefetch(spec: StudySpec, device_name: str, info: DeviceInfo, pool: CompilePool) -> None:
     """Starts compiling the configs `spec`'s study will time first; nobody waits: they land in Triton's cache."""
     dtype = DTYPES_BY_NAME[spec.dtype]
     space = _space(spec, info, cpu=False)
@@ -496,7 +498,7 @@ def _worker(number: int, device_name: str, compile_workers: int, environment: di
     # first compile, after this one has its own.
     pool = None
     if not _interpreted(device_name):
-        pool = timing.CompilePool(compile_workers, context=processes.fork_context())
+        pool = CompilePool(compile_workers, context=processes.fork_context())
     signal.signal(signal.SIGTERM, _stop_now)
     if device_name.startswith("cuda"):
         torch.cuda.set_device(torch.device(device_name))
@@ -538,7 +540,7 @@ def _worker(number: int, device_name: str, compile_workers: int, environment: di
                                  on_trial=on_trial, then=then, release_pool=release)  # fmt: skip
                 outbox.put(("done", kind, index, number, None, done if kind == "finish" else None))
             except Exception as exc:  # one study failing here is reported; the worker carries on with the next
-                outbox.put(("done", kind, index, number, timing.failure_reason(exc), None))
+                outbox.put(("done", kind, index, number, failure_reason(exc), None))
     except BaseException:
         if pool is not None:
             pool.close()
