@@ -368,10 +368,10 @@ def _trials_kept(storage: str | None, names: set[str]) -> int | None:
         return 0  # opening a file that is not there would create it: nothing was kept
     import optuna
 
-    from .tune import job
+    from .tune import study_storage
 
     try:
-        opened = job._storage(storage)
+        opened = study_storage.open_storage(storage)
         complete = (optuna.trial.TrialState.COMPLETE,)
         return sum(
             len(optuna.load_study(study_name=s.study_name, storage=opened).get_trials(deepcopy=False, states=complete))
@@ -408,7 +408,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from .api import attention_kernel, selection
     from .config import planner, store
     from .config.inputs import DTYPES_BY_NAME
-    from .tune import compile_pool, job, tuner
+    from .tune import compile_pool, job, tuner, workers
 
     if len({selection.device_info(d).slug for d in devices}) > 1:
         _fail(f"--device {','.join(devices)}: GPUs of different kinds cannot share a study; tune each kind alone")
@@ -445,7 +445,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                                   spec.variant) for spec in specs}  # fmt: skip
         if len(devices) > 1:
             print(f"{len(specs)} studies shared by {len(devices)} workers ({storage})", flush=True)
-            done = job.run_parallel_many(specs, devices, progress=_worker_progress(specs, devices))
+            done = workers.run_parallel_many(specs, devices, progress=_worker_progress(specs, devices))
             print()
             for spec, (result, entry, _) in zip(specs, done, strict=True):
                 path = job.write(entry, devices[0], config_dir)

@@ -366,13 +366,13 @@ def _exit_code(argv: list[str]) -> int:
 @pytest.fixture
 def no_study(monkeypatch):
     """Fails a test whose command starts a study: argument checks must come before any timing."""
-    from fa2tune.tune import job
+    from fa2tune.tune import job, workers
 
     def run_study(*args, **kwargs):
         raise AssertionError("a study started")
 
     monkeypatch.setattr(job, "run_study", run_study)
-    monkeypatch.setattr(job, "run_parallel_many", run_study)
+    monkeypatch.setattr(workers, "run_parallel_many", run_study)
 
 
 @pytest.mark.parametrize(
@@ -462,9 +462,9 @@ def test_check_and_show_take_the_same_device_names(capsys):
 def _running_and_failed(storage: str) -> tuple[int, list]:
     import optuna
 
-    from fa2tune.tune import job
+    from fa2tune.tune import study_storage
 
-    opened = job._storage(storage)
+    opened = study_storage.open_storage(storage)
     (summary,) = optuna.get_all_study_summaries(opened)
     trials = optuna.load_study(study_name=summary.study_name, storage=opened).get_trials()
     running = sum(t.state == optuna.trial.TrialState.RUNNING for t in trials)
