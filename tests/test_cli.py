@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fa2tune import cli
+from fa2tune.cli.outputs import storage_file
 from fa2tune.tune import verification
 
 
@@ -270,9 +271,9 @@ def test_tune_a_short_length_bucket_on_cpu(tmp_path, capsys, studies_run):
     assert "serves lengths in (0, 1024]; --seqlens 512,2048 goes outside it" in err
     assert "comma-separated ints >= 1" in err
     # The medium bucket: its own default lengths, and none it does not serve.
-    assert cli._tuning_lengths(None, "medium") == (2048, 4096)
+    assert cli.tune_command._tuning_lengths(None, "medium") == (2048, 4096)
     with pytest.raises(SystemExit):
-        cli._tuning_lengths("1024,2048", "medium")
+        cli.tune_command._tuning_lengths("1024,2048", "medium")
     assert "serves lengths in (1024, 4096]; --seqlens 1024,2048 goes outside it" in capsys.readouterr().err
 
 
@@ -289,7 +290,7 @@ def test_tune_all_beside_a_bucket_entry_is_timed_where_the_entry_serves(tmp_path
 
 
 def test_a_window_may_start_with_minus_one_without_the_equals_form():
-    parse = lambda *argv: cli.build_parser().parse_args(cli._join_negative_values(list(argv)))
+    parse = lambda *argv: cli.build_parser().parse_args(cli.parser.join_negative_values(list(argv)))
     assert parse("tune", "--head-dim", "64", "--window", "-1,0").window == (-1, 0)
     assert parse("tune", "--head-dim", "64", "--window=-1,0").window == (-1, 0)
     assert parse("tune", "--head-dim", "64", "--window", "128,0").window == (128, 0)
@@ -446,9 +447,9 @@ def test_the_storage_rule_takes_database_urls_and_journal_files():
     for value in ("sqlite:///t.db", "sqlite:////abs/t.db", "postgresql+psycopg2://u:p@host:5432/db",
                   "mysql://u@host/db", "t.journal", "runs/t.log", "/abs/t.journal"):  # fmt: skip
         assert parse(value) == value
-    assert cli._storage_file("sqlite:////abs/t.db") == Path("/abs/t.db")
-    assert cli._storage_file("sqlite:///t.db?timeout=9") == Path("t.db")
-    assert cli._storage_file("postgresql://host/db") is None and cli._storage_file("t.log") == Path("t.log")
+    assert storage_file("sqlite:////abs/t.db") == Path("/abs/t.db")
+    assert storage_file("sqlite:///t.db?timeout=9") == Path("t.db")
+    assert storage_file("postgresql://host/db") is None and storage_file("t.log") == Path("t.log")
 
 
 def test_check_and_show_take_the_same_device_names(capsys):
