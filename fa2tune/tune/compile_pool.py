@@ -115,9 +115,9 @@ class CompilePool:
         """For a tune that will time nothing more: the compiles not started yet are skipped (their wait says
         None, as for a config never started), and the processes exit once their current compile is done — while
         the caller goes on (the study's finish), not at close(). Waiting at the end for the queued batches and
-        compiles-ahead nobody would load, and for 16 processes to tear down their CUDA contexts, cost 3-4 s at
-        the end of a tune on the 2×H200 host. (Not Pool.terminate: it can hang, python/cpython#78178; a micro-test
-        of it on the H200 host did not return within 200 s, cause not diagnosed.) Nothing can be started after this."""
+        compiles-ahead nobody would load, and for 16 processes to tear down their CUDA contexts, costs 3-4 s at
+        the end of a tune on the 2×H200 host. (Not Pool.terminate: it can hang, python/cpython#78178; on the H200
+        host it does not return within 200 s, cause unknown.) Nothing can be started after this."""
         self._released.set()
         self._pool.close()
 

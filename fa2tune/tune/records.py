@@ -71,7 +71,7 @@ class Options:
             config's failure or None. With it the study keeps two batches in flight: the next one compiles (on
             the CPUs) while this one is timed (on the GPU), and a config is timed as soon as its own compile is
             done. If wait has ready(config) -> bool, a config not built yet when its turn comes is timed at once
-            (measure builds it, cost.built) instead of waited for: a study waits for no compile round at all.
+            (measure builds it, cost._built) instead of waited for: a study waits for no compile round at all.
         batch_size: new configs asked of Optuna before each prepare + timing round. With more than one, the
             sampler is told of pending trials (constant liar), so a batch spreads out instead of repeating itself;
             compiling batch_size configs at once is what makes this worth it.
