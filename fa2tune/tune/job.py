@@ -102,7 +102,7 @@ def run_study(
     then: StudySpec | None = None,
     release_pool: bool = False,
 ) -> tuple[tuner.TuneResult, store.Entry]:
-    """Tunes one kernel on one device; with finalize=False only times trials (a worker of run_parallel).
+    """Tunes one kernel on one device; with finalize=False only times trials (a worker of workers.run_parallel).
 
     On a GPU the study asks Optuna for BATCH configs at a time, compiles them at once in compile_pool (one of its
     own if None), then times them, the next batch compiling while this one is timed: a tune compiles what it
