@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fa2tune
-from fa2tune.tune.timing import random_qkv, time_cuda
+from fa2tune.tune.timing import time_cuda
+from fa2tune.tune.workload import random_qkv
 
 
 def _sdpa(backend):

@@ -321,7 +321,7 @@ def _waits(calls: int = 10, rounds: int = 5) -> int:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from fa2tune.tune.timing import random_qkv
+    from fa2tune.tune.workload import random_qkv
 
     if not torch.cuda.is_available():
         print("--waits needs a CUDA GPU; none is visible", file=sys.stderr)

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 import fa2tune
 from fa2tune.config.types import Mask
-from fa2tune.tune.timing import attention_flops, random_qkv, time_cuda
+from fa2tune.tune.timing import attention_flops, time_cuda
+from fa2tune.tune.workload import random_qkv
 
 
 def _flex(mask_mod, n_q, n_k, device):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fa2tune
-from fa2tune.tune.timing import random_qkv
+from fa2tune.tune.workload import random_qkv
 
 PROVIDERS = {
     "fa2tune": lambda q, k, v: fa2tune.attention(q, k, v, causal=True),

@@ -38,7 +38,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fa2tune
 from fa2tune.tune import benchreport
-from fa2tune.tune.timing import attention_flops, random_qkv, time_cuda
+from fa2tune.tune.timing import attention_flops, time_cuda
+from fa2tune.tune.workload import random_qkv
 
 SDPA_BACKENDS = {
     "sdpa_flash": SDPBackend.FLASH_ATTENTION,

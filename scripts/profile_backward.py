@@ -26,7 +26,8 @@ def _profile(d: int, n: int, causal: bool, configs: list) -> None:
     from dataclasses import astuple
 
     from fa2tune.launch import launcher
-    from fa2tune.tune.timing import attention_flops, kernel_times_ms, random_qkv
+    from fa2tune.tune.timing import attention_flops, kernel_times_ms
+    from fa2tune.tune.workload import random_qkv
 
     batch, heads = max(1, 16384 // n), 2048 // d
     q, k, v = random_qkv(batch, heads, n, d)

@@ -23,7 +23,7 @@ import torch
 
 from fa2tune.config.device import known_gpu
 from fa2tune.tune import tuner
-from fa2tune.tune.timing import load_sweep
+from fa2tune.tune.cost import load_sweep
 
 SWEEP = Path(__file__).resolve().parent.parent / "docs" / "bench" / "nvidia-h200-sweep-fwd-v1.csv"
 
@@ -52,19 +52,23 @@ def main() -> int:
             for seed in range(5):
                 measure = table.__getitem__  # every config of the space has a recorded timing
                 result = tuner.tune(
-                    device=known_gpu("h200"),
-                    kernel="fwd",
-                    head_dim=head_dim,
-                    dtype=torch.bfloat16,
-                    causal=causal,
-                    measure=measure,
-                    trials=max(1, int(len(space) * fraction)),
-                    space=space,
-                    default=median,
-                    seed=seed,
-                    remeasure_top=1,
-                    batch_size=args.batch,
-                    prepare=compiled_at_once,
+                    tuner.Target(
+                        device=known_gpu("h200"),
+                        kernel="fwd",
+                        head_dim=head_dim,
+                        dtype=torch.bfloat16,
+                        causal=causal,
+                        space=space,
+                        default=median,
+                    ),
+                    measure,
+                    tuner.Options(
+                        trials=max(1, int(len(space) * fraction)),
+                        seed=seed,
+                        remeasure_top=1,
+                        batch_size=args.batch,
+                        prepare=compiled_at_once,
+                    ),
                 )
                 ok += result.best_ms <= best * 1.02
                 ratios.append(best / result.best_ms)

@@ -14,7 +14,7 @@ import sys
 import torch
 
 import fa2tune
-from fa2tune.tune.timing import random_qkv
+from fa2tune.tune.workload import random_qkv
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Times every block config of a small grid for one kernel at one shape: the data behind planner.default_config.
 
-Configs are compiled first in a pool of processes (timing.precompile; Triton's disk cache keeps the binaries),
-then timed one at a time in this process (timing.make_measure, the tuner's own objective). A config that fails
+Configs are compiled first in a pool of processes (compile_pool.precompile; Triton's disk cache keeps the binaries),
+then timed one at a time in this process (workload.make_measure, the tuner's own objective). A config that fails
 to compile is reported with its reason, never stops the sweep.
 For a backward kernel the other backward kernel keeps its default config, and the time is the whole backward.
 --rounds R times every config R times, round by round, each round starting one config further on, and reports the
@@ -28,18 +28,18 @@ import torch
 import torch.nn.functional as F
 
 from fa2tune.config.types import KernelConfig
-from fa2tune.tune import timing
+from fa2tune.tune import compile_pool, timing, workload
 
 
-def _outputs(kernel: str, cfg, x: timing.KernelInputs, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _outputs(kernel: str, cfg, x: workload.KernelInputs, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(reference, ours) flattened: SDPA's output or gradients against fa2tune's with cfg."""
     if kernel == "fwd":
-        return F.scaled_dot_product_attention(x.q, x.k, x.v, is_causal=causal), timing.run_kernel(
+        return F.scaled_dot_product_attention(x.q, x.k, x.v, is_causal=causal), workload.run_kernel(
             kernel, cfg, x, causal
         )[0]
     leaves = [t.detach().requires_grad_() for t in (x.q, x.k, x.v)]
     grads = torch.autograd.grad(F.scaled_dot_product_attention(*leaves, is_causal=causal), leaves, x.do)
-    ours = timing.run_kernel(kernel, cfg, x, causal)
+    ours = workload.run_kernel(kernel, cfg, x, causal)
     return torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in ours])
 
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = lambda what: print(f"[{time.time() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
     for kernel, head_dim, causal in {(k, d, c) for k, d, c, _, _ in jobs}:
         group = [cfg for k, d, c, cfg, _ in jobs if (k, d, c) == (kernel, head_dim, causal)]
-        failed = timing.precompile(kernel, head_dim, torch.bfloat16, causal, group, seqlens=(args.seqlen,),
+        failed = compile_pool.precompile(kernel, head_dim, torch.bfloat16, causal, group, seqlens=(args.seqlen,),
                                   device=args.device, workers=args.workers)  # fmt: skip
         failures.update({(kernel, head_dim, causal, cfg): reason for cfg, reason in failed.items()})
         progress(f"compiled {len(group)} configs of {kernel} d={head_dim} causal={causal}")
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         row["error"] = failures.get((kernel, head_dim, causal, cfg), "")
         if not row["error"]:
             if (head_dim, causal) not in measures:  # one set of random inputs per shape, shared by its configs
-                measures[head_dim, causal] = timing.make_measure(
+                measures[head_dim, causal] = workload.make_measure(
                     kernel, head_dim, torch.bfloat16, causal, seqlens=(seqlen,), device=args.device, tokens=args.tokens
                 )
             ref, out = _outputs(kernel, cfg, measures[head_dim, causal].inputs[0], causal)

@@ -10,7 +10,7 @@ here=$(dirname "$0")
 rm -rf "/tmp/fa2tune-time-$label"
 # Untimed: read torch's and fa2tune's files once, so a fresh machine's first run does not pay the disk reads
 # (3 s on the 2×H200 host) that the runs after it do not: the runs compare warm against warm.
-python3 -c "import fa2tune.tune.job"
+python3 -c "import fa2tune.tune.workers"
 start=$(date +%s.%N)
 TRITON_CACHE_DIR="/tmp/fa2tune-time-$label/triton" python3 -u -m fa2tune tune --device "$devices" --head-dim 128 \
   --config-dir "/tmp/fa2tune-time-$label/configs" "$@" 2>&1 | python3 -u "$here/timestamp_lines.py" > "$out/tune-$label.log"

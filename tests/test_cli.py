@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fa2tune import cli
+from fa2tune.cli.outputs import storage_file
 from fa2tune.tune import verification
 
 
@@ -270,9 +271,9 @@ def test_tune_a_short_length_bucket_on_cpu(tmp_path, capsys, studies_run):
     assert "serves lengths in (0, 1024]; --seqlens 512,2048 goes outside it" in err
     assert "comma-separated ints >= 1" in err
     # The medium bucket: its own default lengths, and none it does not serve.
-    assert cli._tuning_lengths(None, "medium") == (2048, 4096)
+    assert cli.tune_command._tuning_lengths(None, "medium") == (2048, 4096)
     with pytest.raises(SystemExit):
-        cli._tuning_lengths("1024,2048", "medium")
+        cli.tune_command._tuning_lengths("1024,2048", "medium")
     assert "serves lengths in (1024, 4096]; --seqlens 1024,2048 goes outside it" in capsys.readouterr().err
 
 
@@ -289,7 +290,7 @@ def test_tune_all_beside_a_bucket_entry_is_timed_where_the_entry_serves(tmp_path
 
 
 def test_a_window_may_start_with_minus_one_without_the_equals_form():
-    parse = lambda *argv: cli.build_parser().parse_args(cli._join_negative_values(list(argv)))
+    parse = lambda *argv: cli.build_parser().parse_args(cli.parser.join_negative_values(list(argv)))
     assert parse("tune", "--head-dim", "64", "--window", "-1,0").window == (-1, 0)
     assert parse("tune", "--head-dim", "64", "--window=-1,0").window == (-1, 0)
     assert parse("tune", "--head-dim", "64", "--window", "128,0").window == (128, 0)
@@ -306,7 +307,7 @@ def fake_timing(monkeypatch):
         pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
     from types import SimpleNamespace
 
-    from fa2tune.tune import timing
+    from fa2tune.tune import workload
 
     fake = SimpleNamespace(costs={None: 1.0}, timed=[], interrupt_at=None, studies=0)
 
@@ -324,7 +325,7 @@ def fake_timing(monkeypatch):
         measure.spread = lambda cfg: None
         return measure
 
-    monkeypatch.setattr(timing, "make_measure", make_measure)
+    monkeypatch.setattr(workload, "make_measure", make_measure)
     return fake
 
 
@@ -366,13 +367,13 @@ def _exit_code(argv: list[str]) -> int:
 @pytest.fixture
 def no_study(monkeypatch):
     """Fails a test whose command starts a study: argument checks must come before any timing."""
-    from fa2tune.tune import job
+    from fa2tune.tune import job, workers
 
     def run_study(*args, **kwargs):
         raise AssertionError("a study started")
 
     monkeypatch.setattr(job, "run_study", run_study)
-    monkeypatch.setattr(job, "run_parallel_many", run_study)
+    monkeypatch.setattr(workers, "run_parallel_many", run_study)
 
 
 @pytest.mark.parametrize(
@@ -446,9 +447,9 @@ def test_the_storage_rule_takes_database_urls_and_journal_files():
     for value in ("sqlite:///t.db", "sqlite:////abs/t.db", "postgresql+psycopg2://u:p@host:5432/db",
                   "mysql://u@host/db", "t.journal", "runs/t.log", "/abs/t.journal"):  # fmt: skip
         assert parse(value) == value
-    assert cli._storage_file("sqlite:////abs/t.db") == Path("/abs/t.db")
-    assert cli._storage_file("sqlite:///t.db?timeout=9") == Path("t.db")
-    assert cli._storage_file("postgresql://host/db") is None and cli._storage_file("t.log") == Path("t.log")
+    assert storage_file("sqlite:////abs/t.db") == Path("/abs/t.db")
+    assert storage_file("sqlite:///t.db?timeout=9") == Path("t.db")
+    assert storage_file("postgresql://host/db") is None and storage_file("t.log") == Path("t.log")
 
 
 def test_check_and_show_take_the_same_device_names(capsys):
@@ -462,9 +463,9 @@ def test_check_and_show_take_the_same_device_names(capsys):
 def _running_and_failed(storage: str) -> tuple[int, list]:
     import optuna
 
-    from fa2tune.tune import job
+    from fa2tune.tune import study_storage
 
-    opened = job._storage(storage)
+    opened = study_storage.open_storage(storage)
     (summary,) = optuna.get_all_study_summaries(opened)
     trials = optuna.load_study(study_name=summary.study_name, storage=opened).get_trials()
     running = sum(t.state == optuna.trial.TrialState.RUNNING for t in trials)
@@ -544,13 +545,13 @@ def test_ctrl_c_while_workers_time_ends_every_process_of_the_tune_with_one_line(
 
 _POOL_INTERRUPTED = """
 import sys, time
-from fa2tune.tune import timing
+from fa2tune.tune import compile_pool
 from fa2tune.config import planner
 from fa2tune.config.types import KernelConfig, Mask
 import torch
 
 if __name__ == "__main__":
-    pool = timing.CompilePool(2)
+    pool = compile_pool.CompilePool(2)
     configs = [KernelConfig(m, n, 4, 1) for m in (64, 128) for n in (64, 128)]
     pool.start("fwd", 16, torch.bfloat16, Mask(), configs, seqlens=(64,), device="cpu")
     print("compiling", flush=True)

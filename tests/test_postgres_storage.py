@@ -20,7 +20,7 @@ import pytest
 
 from fa2tune.config import store
 from fa2tune.config.types import KernelConfig
-from fa2tune.tune import job, tuner
+from fa2tune.tune import study_storage, tuner
 
 URL_ENV = "FA2TUNE_TEST_POSTGRES_URL"
 STALE_AFTER_S = 3  # the children's FA2TUNE_STALE_AFTER_S: a killed worker's trial is failed this soon
@@ -56,7 +56,7 @@ def _tune(url: str, config_dir, log) -> subprocess.Popen:
     command = [sys.executable, "-m", "fa2tune", "tune", "--device", "cpu", "--head-dim", "16", "--kernel", "fwd",
                "--causal", "no", "--trials", str(TRIALS), "--storage", url,
                "--config-dir", str(config_dir)]  # fmt: skip
-    environment = {**os.environ, job.STALE_AFTER_ENV: str(STALE_AFTER_S)}
+    environment = {**os.environ, study_storage.STALE_AFTER_ENV: str(STALE_AFTER_S)}
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment)
 
 
@@ -123,7 +123,7 @@ def test_workers_on_one_database_lose_nothing_when_one_is_killed_and_resumed(dat
     trials = _trials(database)
     # The killed worker's trial is failed (its heartbeat went stale), not RUNNING forever; none is left RUNNING.
     assert trials[killed].state == optuna.trial.TrialState.FAIL
-    assert trials[killed].user_attrs["reason"] == job.STALE_REASON
+    assert trials[killed].user_attrs["reason"] == study_storage.STALE_REASON
     assert [t.number for t in trials if t.state == optuna.trial.TrialState.RUNNING] == []
     # The budget, the study's distinct configs, each timed once by one of the hosts.
     complete = {KernelConfig(**t.params): t.value for t in trials if t.state == optuna.trial.TrialState.COMPLETE}

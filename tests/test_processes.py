@@ -60,7 +60,7 @@ def test_importing_the_package_and_the_command_line_does_not_import_torch():
     # package and a CLI (its parser, --head-dim and --dtype checks, the known-GPU list) that import no torch.
     code = (
         "import sys, fa2tune, fa2tune.cli, fa2tune.tune.processes; fa2tune.cli.build_parser(); "
-        "fa2tune.cli._head_dim('128'); print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
+        "fa2tune.cli.arguments.head_dim('128'); print(sorted(m for m in ('torch', 'triton') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -282,8 +282,8 @@ def _stubbed_sweep(monkeypatch, times):
         measure.inputs = [None]
         return measure
 
-    monkeypatch.setattr(sweep.timing, "make_measure", make_measure)
-    monkeypatch.setattr(sweep.timing, "precompile", lambda *args, **kwargs: {})
+    monkeypatch.setattr(sweep.workload, "make_measure", make_measure)
+    monkeypatch.setattr(sweep.compile_pool, "precompile", lambda *args, **kwargs: {})
     monkeypatch.setattr(sweep, "_outputs", lambda kernel, cfg, x, causal: (torch.ones(4), torch.ones(4)))
     return sweep, calls
 

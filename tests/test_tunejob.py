@@ -10,7 +10,7 @@ import torch
 
 from fa2tune.config import store
 from fa2tune.config.types import KernelConfig
-from fa2tune.tune import job, processes, tuner
+from fa2tune.tune import job, processes, search_space, study_storage, study_trials, tuner, workers
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def _timed(study) -> list[KernelConfig]:
 def test_two_workers_share_one_journal_and_lose_nothing(tmp_path, interpreter_only):
     journal = tmp_path / "studies" / "tune.journal"
     spec = job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=True, trials=4, storage=str(journal))
-    result, entry, codes = job.run_parallel(spec, ["cpu", "cpu"])
+    result, entry, codes = workers.run_parallel(spec, ["cpu", "cpu"])
     assert codes == {"0:cpu": 0, "1:cpu": 0}
     # Four configs between the two workers (the budget is theirs together), none timed twice: a config another
     # worker timed, or is timing (even one proposed to both at the same instant), is not timed again.
@@ -52,7 +52,7 @@ def test_a_dead_worker_does_not_stop_the_others(tmp_path, interpreter_only):
     journal = tmp_path / "tune.journal"
     spec = job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=4, storage=str(journal))
     said = []
-    result, entry, codes = job.run_parallel(spec, ["cpu", "cuda:7"], report=said.append)
+    result, entry, codes = workers.run_parallel(spec, ["cpu", "cuda:7"], report=said.append)
     assert codes["0:cpu"] == 0 and codes["1:cuda:7"] != 0
     assert said == [f"worker 1 on cuda:7 died (exit code {codes['1:cuda:7']}); the others carry on with its work"]
     # The dead worker's share of the study went to the live one: the whole budget was timed.
@@ -63,7 +63,7 @@ def test_a_dead_worker_s_shares_of_several_studies_are_timed_by_another(tmp_path
     journal = str(tmp_path / "tune.journal")
     specs = [job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=c, trials=2, storage=journal)
              for c in (False, True)]  # fmt: skip
-    done = job.run_parallel_many(specs, ["cpu", "cuda:7"], report=lambda line: None)
+    done = workers.run_parallel_many(specs, ["cpu", "cuda:7"], report=lambda line: None)
     assert [entry.key.causal for _, entry, _ in done] == [False, True]
     assert all(result.measured == 2 for result, _, _ in done)  # each study's full budget, both shares
 
@@ -71,7 +71,7 @@ def test_a_dead_worker_s_shares_of_several_studies_are_timed_by_another(tmp_path
 def test_parallel_needs_a_shared_storage():
     spec = job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False)
     with pytest.raises(ValueError, match="needs a shared storage"):
-        job.run_parallel(spec, ["cpu", "cpu"])
+        workers.run_parallel(spec, ["cpu", "cpu"])
 
 
 def test_workers_live_across_studies(tmp_path, interpreter_only):
@@ -79,7 +79,7 @@ def test_workers_live_across_studies(tmp_path, interpreter_only):
     journal = str(tmp_path / "tune.journal")
     specs = [job.StudySpec(kernel=k, head_dim=16, dtype="bf16", causal=c, trials=2, storage=journal)
              for k, c in (("fwd", False), ("bwd_dq", True))]  # fmt: skip
-    done = job.run_parallel_many(specs, ["cpu", "cpu"])
+    done = workers.run_parallel_many(specs, ["cpu", "cpu"])
     assert [entry.key.kernel for _, entry, _ in done] == ["fwd", "bwd_dq"]
     assert all(codes == {"0:cpu": 0, "1:cpu": 0} for _, _, codes in done)
     assert all(result.measured >= 2 and result.within_2pct_at is not None for result, _, _ in done)
@@ -105,7 +105,7 @@ def test_workers_report_each_timed_trial_for_the_progress_line(tmp_path, interpr
     journal = str(tmp_path / "tune.journal")
     spec = job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=4, storage=journal)
     seen = []
-    job.run_parallel_many([spec], ["cpu", "cpu"], progress=lambda *message: seen.append(message))
+    workers.run_parallel_many([spec], ["cpu", "cpu"], progress=lambda *message: seen.append(message))
     assert {worker for _, worker, _ in seen} == {0, 1}
     for index, _, (timed, trials, best_ms, elapsed) in seen:
         assert index == 0 and 1 <= timed and trials == 4 and best_ms > 0 and elapsed >= 0
@@ -116,7 +116,7 @@ def test_workers_report_each_timed_trial_for_the_progress_line(tmp_path, interpr
 def test_every_worker_gets_every_study_with_the_whole_budget_shared():
     specs = [job.StudySpec(kernel=k, head_dim=64, dtype="bf16", causal=c, trials=40, storage="j.journal")
              for k in ("fwd", "bwd_dq") for c in (False, True)][:3]  # fmt: skip
-    plans = job.deal(specs, 2, run="r1")
+    plans = workers.deal(specs, 2, run="r1")
     # Every study's whole budget, shared as run r1 (tuner.tune stops all of the run's workers once it is spent),
     # starting at different studies (no two workers open on one study's first compile), with different seeds so
     # the workers' first proposals differ.
@@ -126,10 +126,10 @@ def test_every_worker_gets_every_study_with_the_whole_budget_shared():
     ]
     assert all(plans[0][j][2].seed != plans[1][(j + 2) % 3][2].seed for j in range(3))
     # More workers than studies still start spread out.
-    plans = job.deal(specs[:2], 3, run="r2")
+    plans = workers.deal(specs[:2], 3, run="r2")
     assert [[index for _, index, _ in plan] for plan in plans] == [[0, 1], [0, 1], [1, 0]]
     # One GPU: every study, in order.
-    assert [index for _, index, _ in job.deal(specs, 1, run="r3")[0]] == [0, 1, 2]
+    assert [index for _, index, _ in workers.deal(specs, 1, run="r3")[0]] == [0, 1, 2]
 
 
 class _RecordingPool:
@@ -161,8 +161,11 @@ def test_the_next_study_s_first_configs_compile_during_this_one():
         timed.append(cfg)
         return 1.0 + cfg.block_m / 1000
 
-    tuner.tune(device=h200, kernel="bwd_dq", head_dim=64, dtype=torch.bfloat16, causal=True, measure=measure,
-               trials=40, space=space, remeasure_top=1)  # fmt: skip
+    tuner.tune(
+        tuner.Target(device=h200, kernel="bwd_dq", head_dim=64, dtype=torch.bfloat16, causal=True, space=space),
+        measure,
+        tuner.Options(trials=40, remeasure_top=1),
+    )
     assert timed[: len(configs)] == configs
 
 
@@ -172,11 +175,11 @@ def test_the_compile_pool_answers_for_each_config_on_its_own(interpreter_only, s
     # None, and None at once for a config that was never started. Both ways a pool's processes start: from the
     # fork server (a tune in this process), forked from the process itself (a worker, fa2tune.tune.processes).
     from fa2tune.config.types import KernelConfig, Mask
-    from fa2tune.tune import processes, timing
+    from fa2tune.tune import compile_pool, processes
 
     good, other = KernelConfig(64, 64, 4, 1), KernelConfig(32, 64, 4, 1)
     context = processes.fork_context() if start == "forked from this process" else None
-    with timing.CompilePool(2, context=context) as pool:
+    with compile_pool.CompilePool(2, context=context) as pool:
         wait_good = pool.start("fwd", 16, torch.bfloat16, Mask(), [good], seqlens=(64,), device="cpu")
         wait_bad = pool.start("fwd", 16, torch.bfloat16, Mask(), [good], seqlens=(64,), device="no-such-device")
         assert wait_good(good) is None and wait_good(other) is None
@@ -190,10 +193,10 @@ def test_a_released_compile_pool_skips_the_compiles_not_yet_begun(interpreter_on
     # instead of close() building them all. Built on a device that does not exist, every config that is
     # compiled fails with a reason; one that is skipped answers None.
     from fa2tune.config.types import KernelConfig, Mask
-    from fa2tune.tune import timing
+    from fa2tune.tune import compile_pool
 
     configs = [KernelConfig(m, n, 4, 1) for m in (16, 32, 64) for n in (16, 32, 64, 128)]
-    pool = timing.CompilePool(1)
+    pool = compile_pool.CompilePool(1)
     wait = pool.start("fwd", 16, torch.bfloat16, Mask(), configs, seqlens=(64,), device="no-such-device")
     if released:
         pool.release()
@@ -210,13 +213,13 @@ def test_a_worker_answers_a_share_of_a_spent_budget_without_starting_the_study(t
 
     spec = job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=2,
                              storage=str(tmp_path / "tune.journal"), run="run-1")  # fmt: skip
-    assert not job._spent(spec, "cpu")  # no worker has opened the study yet
+    assert not workers._spent(spec, "cpu")  # no worker has opened the study yet
     job.run_study(spec, "cpu", finalize=False)
-    assert job._spent(spec, "cpu")
+    assert workers._spent(spec, "cpu")
     # The budget is the study's distinct configs timed: another run (a resumed tune) finds it spent, a larger
     # budget does not.
-    assert job._spent(replace(spec, run="run-2"), "cpu")
-    assert not job._spent(replace(spec, trials=3), "cpu")
+    assert workers._spent(replace(spec, run="run-2"), "cpu")
+    assert not workers._spent(replace(spec, trials=3), "cpu")
 
 
 def _stopped_worker_with_a_busy_child(outbox):
@@ -227,7 +230,7 @@ def _stopped_worker_with_a_busy_child(outbox):
     child.start()
     outbox.put(("child", child.pid))
     outbox.put(("done", "finish", 0, 0, None, None))  # an answer still in the feeder's buffer when it leaves
-    job._leave_now(outbox)
+    workers._leave_now(outbox)
     raise AssertionError("_leave_now returned")
 
 
@@ -271,7 +274,7 @@ def test_short_backward_studies_time_the_whole_training_call(interpreter_only, m
     # faster alone and slower in the call (docs/PERF.md v11, v13). The short bucket's backward studies time the
     # forward and the backward as one run, and count that run's FLOPs; other studies time their kernel alone.
     from fa2tune.config.types import KernelConfig, Mask
-    from fa2tune.tune import timing
+    from fa2tune.tune import workload
 
     short_dq = job.StudySpec(kernel="bwd_dq", head_dim=16, dtype="fp16", causal=True, seqlen_bucket="short")
     assert short_dq.in_training_call and short_dq.timed_mode == "fwd+bwd"
@@ -279,19 +282,19 @@ def test_short_backward_studies_time_the_whole_training_call(interpreter_only, m
     short_fwd = job.StudySpec(kernel="fwd", head_dim=16, dtype="fp16", causal=True, seqlen_bucket="short")
     assert not short_fwd.in_training_call and short_fwd.timed_mode == "fwd"
     ran = []
-    real = timing.run_kernel
+    real = workload.run_kernel
     monkeypatch.setattr(
-        timing, "run_kernel", lambda kernel, cfg, *a: ran.append((kernel, cfg)) or real(kernel, cfg, *a)
+        workload, "run_kernel", lambda kernel, cfg, *a: ran.append((kernel, cfg)) or real(kernel, cfg, *a)
     )
     cfg = KernelConfig(16, 16, 4, 1)
     for with_forward, expected in ((True, [("fwd", None), ("bwd_dq", cfg)]), (False, [("bwd_dq", cfg)])):
-        measure = timing.make_measure("bwd_dq", 16, torch.float16, Mask(causal=True), seqlens=(32,), device="cpu",
-                                     tokens=32, width=32, with_forward=with_forward)  # fmt: skip
+        measure = workload.make_measure("bwd_dq", 16, torch.float16, Mask(causal=True), seqlens=(32,), device="cpu",
+                                       tokens=32, width=32, with_forward=with_forward)  # fmt: skip
         ran.clear()
         assert measure(cfg) > 0
         assert ran == expected * 2  # a first call (renders the variant), then the timed one
     with pytest.raises(ValueError, match="with_forward times a backward kernel"):
-        timing.make_measure("fwd", 16, torch.float16, Mask(), seqlens=(32,), device="cpu", with_forward=True)
+        workload.make_measure("fwd", 16, torch.float16, Mask(), seqlens=(32,), device="cpu", with_forward=True)
     # ... and a short backward study's tune does it: each timed run launches the forward first.
     ran.clear()
     result, entry = job.run_study(replace(short_dq, dtype="bf16", trials=2), "cpu")
@@ -333,7 +336,7 @@ _AT_ONCE = 5  # processes opening one fresh storage together
 def _open_at_once(url, barrier, answers):
     barrier.wait(timeout=120)
     try:
-        optuna.create_study(study_name="s", storage=job._storage(url), load_if_exists=True)
+        optuna.create_study(study_name="s", storage=study_storage.open_storage(url), load_if_exists=True)
         answers.put(None)
     except Exception as exc:
         answers.put(f"{type(exc).__name__}: {exc}"[:300])
@@ -389,7 +392,7 @@ def _timing(url, spec) -> list[int]:
     except (KeyError, sqlalchemy.exc.SQLAlchemyError):  # not created yet, or its tables being created now
         return []
     running = optuna.trial.TrialState.RUNNING
-    return [t.number for t in trials if t.state == running and tuner._proposed(t) is not None]
+    return [t.number for t in trials if t.state == running and study_trials.proposed(t) is not None]
 
 
 @pytest.mark.slow
@@ -403,16 +406,16 @@ def test_a_killed_tune_s_trial_is_failed_and_its_resume_times_only_what_the_budg
     # --trials counts distinct configs in the study, so the resume times what the budget still lacks.
     import time
 
-    monkeypatch.setenv(job.STALE_AFTER_ENV, "2")
+    monkeypatch.setenv(study_storage.STALE_AFTER_ENV, "2")
     url = f"sqlite:///{tmp_path}/tune.db" if kind == "sqlite" else str(tmp_path / "tune.journal")
     spec = job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=4, storage=url)
     killed = _kill_while_timing(processes.context(), spec, url)
     assert _study(url, spec).trials[killed].state == optuna.trial.TrialState.RUNNING
-    time.sleep(job.stale_after_s() + 1)  # resumed after the killed trial's heartbeat went stale
+    time.sleep(study_storage.stale_after_s() + 1)  # resumed after the killed trial's heartbeat went stale
     result, entry = job.run_study(spec, "cpu")
     study = _study(url, spec)
     trial = study.trials[killed]
-    assert trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs["reason"] == job.STALE_REASON
+    assert trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs["reason"] == study_storage.STALE_REASON
     assert not [t.number for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
     # The killed trial may have finished its timing just before the kill without telling it: a reading the study
     # never got, so neither the budget nor this count takes it.
@@ -427,18 +430,20 @@ def test_a_config_another_process_is_timing_is_not_timed_again(tmp_path):
     # timing counts against the budget and is never timed by the other. The second process runs inside the
     # first one's first timing, so the interleaving is fixed.
     space = [KernelConfig(m, n, 4, 1) for m in (16, 32) for n in (16, 32)]
-    storage = job._storage(str(tmp_path / "tune.journal"))
-    kwargs = dict(device=job.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
-                  causal=False, space=space, storage=storage, default=space[0], remeasure_top=1)  # fmt: skip
+    storage = study_storage.open_storage(str(tmp_path / "tune.journal"))
+    target = tuner.Target(device=job.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
+                          causal=False, space=space, default=space[0])  # fmt: skip
+    kwargs = dict(storage=storage, remeasure_top=1)
     calls, other_calls = [], []
 
     def measure(cfg):
         calls.append(cfg)
         if len(calls) == 1:
-            tuner.tune(measure=lambda c: other_calls.append(c) or 1.0 + c.block_m, seed=1, trials=3, **kwargs)
+            tuner.tune(target, lambda c: other_calls.append(c) or 1.0 + c.block_m,
+                       tuner.Options(seed=1, trials=3, **kwargs))  # fmt: skip
         return 1.0 + cfg.block_n
 
-    tuner.tune(measure=measure, trials=3, **kwargs)
+    tuner.tune(target, measure, tuner.Options(trials=3, **kwargs))
     assert calls[0] == space[0] and space[0] not in other_calls
     assert len(calls + other_calls) == len(set(calls + other_calls)) == 3
 
@@ -454,17 +459,23 @@ def test_a_config_a_process_timed_while_another_waited_for_its_compile_is_not_ti
     def other_process_times_a():
         study = optuna.load_study(study_name="cpu-interpreter/fwd/d16/bfloat16/full", storage=url)
         choices = {dim: optuna.distributions.CategoricalDistribution(sorted({getattr(c, dim) for c in (a, b)}))
-                   for dim in tuner._DIMS}  # fmt: skip
-        study.add_trial(optuna.trial.create_trial(params=tuner._params(a), distributions=choices, value=2.0,
+                   for dim in search_space.DIMS}  # fmt: skip
+        study.add_trial(optuna.trial.create_trial(params=search_space.params(a), distributions=choices, value=2.0,
                                                   user_attrs={"timed_by": 1, "timing": {}}))  # fmt: skip
 
     def prepare(configs):
         return lambda cfg: other_process_times_a() if cfg == a else None
 
     cpu = job.selection.device_info("cpu")
-    result = tuner.tune(device=cpu, kernel="fwd", head_dim=16, dtype=torch.bfloat16, causal=False, space=[a, b],
-                        default=a, storage=job._storage(url), remeasure_top=1, trials=2, prepare=prepare,
-                        batch_size=1, measure=lambda cfg: calls.append(cfg) or 3.0)  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=cpu, kernel="fwd", head_dim=16, dtype=torch.bfloat16, causal=False, space=[a, b], default=a
+        ),
+        lambda cfg: calls.append(cfg) or 3.0,
+        tuner.Options(
+            storage=study_storage.open_storage(url), remeasure_top=1, trials=2, prepare=prepare, batch_size=1
+        ),
+    )
     assert calls == [b]
     assert result.measured == 2 and result.best == a and result.best_ms == 2.0  # a's stored reading
 
@@ -474,14 +485,15 @@ def test_a_study_asks_nothing_past_its_space_or_its_budget(tmp_path):
     # told again from its stored value, until 20x the budget had been asked.
     space = [KernelConfig(m, n, 4, 1) for m in (16, 32) for n in (16, 32)]
     url = f"sqlite:///{tmp_path / 'tune.db'}"
-    kwargs = dict(device=job.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
-                  causal=False, space=space, storage=job._storage(url), default=space[0], remeasure_top=1,
-                  measure=lambda cfg: 1.0 + cfg.block_m + cfg.block_n / 100)  # fmt: skip
-    result = tuner.tune(trials=10, **kwargs)
+    target = tuner.Target(device=job.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
+                          causal=False, space=space, default=space[0])  # fmt: skip
+    measure = lambda cfg: 1.0 + cfg.block_m + cfg.block_n / 100
+    kwargs = dict(storage=study_storage.open_storage(url), remeasure_top=1)
+    result = tuner.tune(target, measure, tuner.Options(trials=10, **kwargs))
     study = optuna.load_study(study_name=result.study_name, storage=url)
     assert result.measured == len(space) and len(study.trials) <= 2 * len(space)
     stored = len(study.trials)
-    assert tuner.tune(trials=len(space), **kwargs).best == result.best
+    assert tuner.tune(target, measure, tuner.Options(trials=len(space), **kwargs)).best == result.best
     assert len(optuna.load_study(study_name=result.study_name, storage=url).trials) == stored
 
 
@@ -495,18 +507,26 @@ def test_a_finish_waits_for_the_configs_other_processes_are_timing_and_ranks_the
     spec = job.StudySpec(kernel="fwd", head_dim=16, dtype="bf16", causal=False, trials=2,
                              storage=str(tmp_path / "tune.journal"))  # fmt: skip
     cpu = job.selection.device_info("cpu")
-    study = optuna.create_study(study_name=job._study_name(spec, cpu), storage=job._storage(spec.storage))
-    study.enqueue_trial(tuner._params(other))
+    study = optuna.create_study(study_name=spec.study_name(cpu), storage=study_storage.open_storage(spec.storage))
+    study.enqueue_trial(search_space.params(other))
     trial = study.ask()
-    for dim, value in tuner._params(other).items():
+    for dim, value in search_space.params(other).items():
         assert trial.suggest_categorical(dim, sorted({getattr(c, dim) for c in (a, b, other)})) == value
     trial.set_user_attr("timed_by", 1)
     told = threading.Timer(1.0, lambda: study.tell(trial, 2.0))
     told.start()
     readings = {a: 1.0, b: 3.0, other: 0.5}  # the other host read 2.0 for it; here it is the fastest
-    result = tuner.tune(device=cpu, kernel="fwd", head_dim=16, dtype=torch.bfloat16, causal=False, space=[a, b, other],
-                        default=a, storage=job._storage(spec.storage), trials=2, measure=readings.get,
-                        on_timed=lambda: job._await_others(spec, cpu, poll_s=0.05))  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=cpu, kernel="fwd", head_dim=16, dtype=torch.bfloat16, causal=False, space=[a, b, other], default=a
+        ),
+        readings.get,
+        tuner.Options(
+            storage=study_storage.open_storage(spec.storage),
+            trials=2,
+            on_timed=lambda: job._await_others(spec, cpu, poll_s=0.05),
+        ),
+    )
     told.join()
     assert result.measured == 2
     assert result.best == other and result.best_ms == 0.5  # ranked by its reading here, like this host's own
@@ -527,9 +547,19 @@ def test_a_trial_failed_as_stale_while_its_process_times_it_does_not_end_the_tun
             study.tell(running.number, state=optuna.trial.TrialState.FAIL)
         return 1.0 + cfg.block_n + cfg.block_m / 100
 
-    result = tuner.tune(device=job.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
-                        causal=False, space=space, storage=job._storage(url), default=space[0], remeasure_top=1,
-                        measure=measure, trials=3)  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=job.selection.device_info("cpu"),
+            kernel="fwd",
+            head_dim=16,
+            dtype=torch.bfloat16,
+            causal=False,
+            space=space,
+            default=space[0],
+        ),
+        measure,
+        tuner.Options(storage=study_storage.open_storage(url), remeasure_top=1, trials=3),
+    )
     assert result.best is not None and result.measured >= 2
     assert "failed as stale by another process" in caplog.text
 
@@ -544,8 +574,8 @@ def test_a_running_trial_without_any_heartbeat_goes_stale_from_its_start(tmp_pat
     study = optuna.create_study(study_name="s", storage=old)
     trial = study.ask()
     trial.set_user_attr("timed_by", "another-host:1")
-    monkeypatch.setenv(job.STALE_AFTER_ENV, "2")
-    time.sleep(job.stale_after_s() + 1)
-    study = optuna.load_study(study_name="s", storage=job._storage(path))
+    monkeypatch.setenv(study_storage.STALE_AFTER_ENV, "2")
+    time.sleep(study_storage.stale_after_s() + 1)
+    study = optuna.load_study(study_name="s", storage=study_storage.open_storage(path))
     (frozen,) = study.get_trials()
-    assert frozen.state == optuna.trial.TrialState.FAIL and frozen.user_attrs["reason"] == job.STALE_REASON
+    assert frozen.state == optuna.trial.TrialState.FAIL and frozen.user_attrs["reason"] == study_storage.STALE_REASON

@@ -11,8 +11,8 @@ import torch
 from fa2tune.config import planner
 from fa2tune.config.device import known_gpu
 from fa2tune.config.types import KernelConfig
-from fa2tune.tune import tuner
-from fa2tune.tune.timing import load_sweep
+from fa2tune.tune import search_space, study_trials, tuner
+from fa2tune.tune.cost import load_sweep
 
 from ._scripts import load_script
 
@@ -49,16 +49,17 @@ def test_tuner_nears_the_recorded_best_in_a_quarter_of_the_trials(head_dim, caus
     measure, _ = _replay(table)
     budget = len(space) // 4  # a quarter of exhaustive
     result = tuner.tune(
-        device=known_gpu("h200"),
-        kernel="fwd",
-        head_dim=head_dim,
-        dtype=torch.bfloat16,
-        causal=causal,
-        measure=measure,
-        trials=budget,
-        space=space,
-        default=median,
-        seed=0,
+        tuner.Target(
+            device=known_gpu("h200"),
+            kernel="fwd",
+            head_dim=head_dim,
+            dtype=torch.bfloat16,
+            causal=causal,
+            space=space,
+            default=median,
+        ),
+        measure,
+        tuner.Options(trials=budget, seed=0),
     )
     best = min(table.values())
     # Within 5 % of exhaustive at a quarter of its trials (within 2 % in 15 of 20 seeded runs: docs/TUNING.md).
@@ -71,15 +72,16 @@ def test_rejected_and_failed_configs_are_recorded_and_never_stop_the_study():
     table = _recorded(128, False)
     measure, _ = _replay(table)  # only 46 of the 163 configs the planner accepts have a timing: the rest fail
     result = tuner.tune(
-        device=known_gpu("h200"),
-        kernel="fwd",
-        head_dim=128,
-        dtype=torch.bfloat16,
-        causal=False,
-        measure=measure,
-        trials=12,
-        seed=1,
-        default=_TRITON_DEFAULT,
+        tuner.Target(
+            device=known_gpu("h200"),
+            kernel="fwd",
+            head_dim=128,
+            dtype=torch.bfloat16,
+            causal=False,
+            default=_TRITON_DEFAULT,
+        ),
+        measure,
+        tuner.Options(trials=12, seed=1),
     )
     reasons = [r.reason for r in result.history if r.ms is None]
     assert result.measured >= 1 and result.best in table
@@ -98,15 +100,11 @@ def test_verification_failure_moves_to_the_next_best():
     best = min(table, key=table.get)
     space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
     result = tuner.tune(
-        device=known_gpu("h200"),
-        kernel="fwd",
-        head_dim=64,
-        dtype=torch.bfloat16,
-        causal=True,
-        measure=measure,
-        trials=len(space),
-        space=space,
-        verify=lambda cfg: "wrong output" if cfg == best else None,
+        tuner.Target(
+            device=known_gpu("h200"), kernel="fwd", head_dim=64, dtype=torch.bfloat16, causal=True, space=space
+        ),
+        measure,
+        tuner.Options(trials=len(space), verify=lambda cfg: "wrong output" if cfg == best else None),
     )
     assert result.best != best
     assert any(r.reason == "failed verification: wrong output" for r in result.history)
@@ -117,19 +115,12 @@ def test_a_persistent_study_resumes(tmp_path):
     space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
     storage = f"sqlite:///{tmp_path / 'tune.db'}"
     measure, calls = _replay(table)
-    kwargs = dict(
-        device=known_gpu("h200"),
-        kernel="fwd",
-        head_dim=128,
-        dtype=torch.bfloat16,
-        causal=True,
-        space=space,
-        storage=storage,
-        remeasure_top=1,
-    )
-    first = tuner.tune(measure=measure, trials=6, **kwargs)
+    target = tuner.Target(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=True,
+                          space=space)  # fmt: skip
+    kwargs = dict(storage=storage, remeasure_top=1)
+    first = tuner.tune(target, measure, tuner.Options(trials=6, **kwargs))
     n_first = len(calls)
-    second = tuner.tune(measure=measure, trials=12, **kwargs)
+    second = tuner.tune(target, measure, tuner.Options(trials=12, **kwargs))
     assert second.measured >= 12 and second.best_ms <= first.best_ms
     assert len(calls) - n_first <= 12  # what the first run measured is not measured again
 
@@ -140,28 +131,28 @@ def test_processes_of_one_run_share_its_budget_and_stop_when_it_is_spent(tmp_pat
     # second timing, so the interleaving is fixed: this one times 2, the other the remaining 5.
     table = _recorded(128, False)
     space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
-    kwargs = dict(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
-                  space=space, storage=f"sqlite:///{tmp_path / 'tune.db'}", remeasure_top=1, trials=7,
-                  default=_TRITON_DEFAULT)  # fmt: skip
+    target = tuner.Target(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
+                          space=space, default=_TRITON_DEFAULT)  # fmt: skip
+    kwargs = dict(storage=f"sqlite:///{tmp_path / 'tune.db'}", remeasure_top=1, trials=7)
     other_measure, other_calls = _replay(table)
     calls = []
 
     def measure(cfg):
         calls.append(cfg)
         if len(calls) == 2:
-            tuner.tune(measure=other_measure, run="run-1", seed=1, **kwargs)
+            tuner.tune(target, other_measure, tuner.Options(run="run-1", seed=1, **kwargs))
         return table[cfg]
 
-    tuner.tune(measure=measure, run="run-1", **kwargs)
+    tuner.tune(target, measure, tuner.Options(run="run-1", **kwargs))
     assert (len(calls), len(other_calls)) == (2, 5)
     assert not set(calls) & set(other_calls)  # nothing timed twice
     # The budget is the study's distinct configs timed: spent for any later process, of this run or another (a
     # resumed tune); a larger one times only the difference, none of the configs timed already.
     late, late_calls = _replay(table)
-    tuner.tune(measure=late, run="run-1", seed=2, **kwargs)
-    tuner.tune(measure=late, run="run-2", seed=2, **kwargs)
+    tuner.tune(target, late, tuner.Options(run="run-1", seed=2, **kwargs))
+    tuner.tune(target, late, tuner.Options(run="run-2", seed=2, **kwargs))
     assert late_calls == []
-    tuner.tune(measure=late, run="run-2", seed=2, **{**kwargs, "trials": 10})
+    tuner.tune(target, late, tuner.Options(run="run-2", seed=2, **{**kwargs, "trials": 10}))
     assert len(late_calls) == 3 and not set(late_calls) & (set(calls) | set(other_calls))
 
 
@@ -171,13 +162,13 @@ def test_a_config_two_workers_both_timed_keeps_its_best_reading():
     import optuna
 
     cfg = KernelConfig(64, 32, 4, 2)
-    params = tuner._params(cfg)
+    params = search_space.params(cfg)
     choices = {dim: optuna.distributions.CategoricalDistribution([value]) for dim, value in params.items()}
     for readings in ((1.0, 1.5), (1.5, 1.0)):
         study = optuna.create_study()
         for value in readings:
             study.add_trial(optuna.trial.create_trial(params=params, distributions=choices, value=value))
-        assert tuner._completed(study) == {cfg: 1.0}
+        assert study_trials.completed(study) == {cfg: 1.0}
 
 
 def test_a_trial_another_process_is_still_suggesting_is_not_read_as_a_config():
@@ -185,12 +176,12 @@ def test_a_trial_another_process_is_still_suggesting_is_not_read_as_a_config():
     # at a time): reading it as a KernelConfig raised TypeError and failed a worker's study.
     from types import SimpleNamespace
 
-    assert tuner._proposed(SimpleNamespace(params={"block_m": 64}, system_attrs={})) is None
-    assert tuner._proposed(SimpleNamespace(params={}, system_attrs={})) is None
+    assert study_trials.proposed(SimpleNamespace(params={"block_m": 64}, system_attrs={})) is None
+    assert study_trials.proposed(SimpleNamespace(params={}, system_attrs={})) is None
     whole = KernelConfig(64, 32, 4, 2).to_dict()
-    assert tuner._proposed(SimpleNamespace(params=whole, system_attrs={})) == KernelConfig(64, 32, 4, 2)
+    assert study_trials.proposed(SimpleNamespace(params=whole, system_attrs={})) == KernelConfig(64, 32, 4, 2)
     enqueued = SimpleNamespace(params={}, system_attrs={"fixed_params": whole})
-    assert tuner._proposed(enqueued) == KernelConfig(64, 32, 4, 2)
+    assert study_trials.proposed(enqueued) == KernelConfig(64, 32, 4, 2)
 
 
 def test_batched_study_compiles_each_batch_before_timing_it():
@@ -212,9 +203,19 @@ def test_batched_study_compiles_each_batch_before_timing_it():
         events.append(("time", cfg))
         return table[cfg]
 
-    result = tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
-                        measure=measure, trials=16, space=space, seed=3, prepare=prepare, batch_size=4,
-                        remeasure_top=1, default=_TRITON_DEFAULT)  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=known_gpu("h200"),
+            kernel="fwd",
+            head_dim=128,
+            dtype=torch.bfloat16,
+            causal=False,
+            space=space,
+            default=_TRITON_DEFAULT,
+        ),
+        measure,
+        tuner.Options(trials=16, seed=3, prepare=prepare, batch_size=4, remeasure_top=1),
+    )
     compiled = [c for kind, batch in events if kind == "compile" for c in batch]
     assert len(compiled) == len(set(compiled))  # nothing compiled twice
     assert result.measured == 16 and result.best not in broken
@@ -246,9 +247,19 @@ def test_a_config_the_pool_has_not_built_yet_is_timed_at_once_not_waited_for(tmp
         return table[cfg]
 
     storage = f"sqlite:///{tmp_path / 'tune.db'}"
-    result = tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
-                        measure=measure, trials=12, space=space, seed=5, prepare=prepare, batch_size=4,
-                        remeasure_top=1, storage=storage, default=_TRITON_DEFAULT)  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=known_gpu("h200"),
+            kernel="fwd",
+            head_dim=128,
+            dtype=torch.bfloat16,
+            causal=False,
+            space=space,
+            default=_TRITON_DEFAULT,
+        ),
+        measure,
+        tuner.Options(trials=12, seed=5, prepare=prepare, batch_size=4, remeasure_top=1, storage=storage),
+    )
     assert result.measured == 12
     assert any(c not in built_by_pool for c in timed)  # timed without a wait
     assert not set(timed) & broken  # the pool's failures are still never timed
@@ -300,9 +311,19 @@ def test_the_next_batch_compiles_while_this_one_is_timed():
         events.append(("time", cfg))
         return table[cfg]
 
-    result = tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
-                        measure=measure, trials=16, space=space, seed=3, prepare=prepare, batch_size=4,
-                        remeasure_top=1, default=_TRITON_DEFAULT)  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=known_gpu("h200"),
+            kernel="fwd",
+            head_dim=128,
+            dtype=torch.bfloat16,
+            causal=False,
+            space=space,
+            default=_TRITON_DEFAULT,
+        ),
+        measure,
+        tuner.Options(trials=16, seed=3, prepare=prepare, batch_size=4, remeasure_top=1),
+    )
     assert events[:3] == [("start", 0), ("start", 1), ("wait", 0)]  # batch 1 compiles before batch 0 is timed
     assert events[3][0] == "time"  # the first config is timed after its own wait, not the batch's
     assert sum(kind == "start" for kind, _ in events) >= 4
@@ -327,8 +348,19 @@ def test_the_default_is_timed_twice_like_the_top_configs():
         first = readings.count(cfg) == 1
         return table[cfg] * (1.5 if cfg == default and first else 1.0)
 
-    result = tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=True,
-                        measure=measure, trials=8, space=space, default=default, seed=0)  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=known_gpu("h200"),
+            kernel="fwd",
+            head_dim=128,
+            dtype=torch.bfloat16,
+            causal=True,
+            space=space,
+            default=default,
+        ),
+        measure,
+        tuner.Options(trials=8, seed=0),
+    )
     assert readings.count(default) == 2
     assert result.default_ms == pytest.approx(table[default])
 
@@ -344,9 +376,19 @@ def test_on_timed_is_called_once_between_the_trials_and_the_finish():
     def verify(cfg):
         events.append(("verify", len(calls)))
 
-    tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
-               measure=measure, trials=6, space=space, default=space[0], verify=verify,
-               on_timed=lambda: events.append(("timed", len(calls))))  # fmt: skip
+    tuner.tune(
+        tuner.Target(
+            device=known_gpu("h200"),
+            kernel="fwd",
+            head_dim=128,
+            dtype=torch.bfloat16,
+            causal=False,
+            space=space,
+            default=space[0],
+        ),
+        measure,
+        tuner.Options(trials=6, verify=verify, on_timed=lambda: events.append(("timed", len(calls)))),
+    )
     (timed, at), (first_verify, _) = events[0], events[1]
     assert [e for e, _ in events].count("timed") == 1 and (timed, first_verify) == ("timed", "verify")
     assert at == 6 < len(calls)  # the six trials were timed before it; the re-timings of the best after it
@@ -361,7 +403,7 @@ def test_a_dead_process_s_trial_in_timing_stops_counting_against_the_run_s_budge
     study = optuna.create_study(study_name="s", storage=storage)
 
     def timing(run, pid, block_m):  # a trial of config (block_m, 64, 4, 2), marked as its process marks it
-        study.enqueue_trial(tuner._params(KernelConfig(block_m, 64, 4, 2)))
+        study.enqueue_trial(search_space.params(KernelConfig(block_m, 64, 4, 2)))
         trial = study.ask()
         trial.set_user_attr("timed_in", run)
         trial.set_user_attr("timed_by", tuner.process_tag(pid))
@@ -445,30 +487,76 @@ def test_the_config_a_key_runs_now_is_timed_second_and_kept_unless_beaten():
     incumbent = next(c for c in reversed(ranked) if c not in early and c != default)
     table = {**table, incumbent: min(table.values()) * 0.9}
     measure, calls = _replay(table)
-    result = tuner.tune(device=h200, kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=True, measure=measure,
-                        trials=4, space=space, default=default, incumbent=incumbent, seed=0)  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=h200,
+            kernel="fwd",
+            head_dim=128,
+            dtype=torch.bfloat16,
+            causal=True,
+            space=space,
+            default=default,
+            incumbent=incumbent,
+        ),
+        measure,
+        tuner.Options(trials=4, seed=0),
+    )
     assert calls[:2] == [default, incumbent] and calls.count(incumbent) == 2
     assert result.best == incumbent and result.incumbent_ms == pytest.approx(table[incumbent])
     # A config the planner rejects today (its rules changed since the entry was written) is not timed.
     rejected = next(c for c in table if planner.check(c, h200, 128, torch.bfloat16, "fwd") is not None)
     measure, calls = _replay(table)
-    result = tuner.tune(device=h200, kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=True, measure=measure,
-                        trials=4, space=space, default=default, incumbent=rejected, seed=0)  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=h200,
+            kernel="fwd",
+            head_dim=128,
+            dtype=torch.bfloat16,
+            causal=True,
+            space=space,
+            default=default,
+            incumbent=rejected,
+        ),
+        measure,
+        tuner.Options(trials=4, seed=0),
+    )
     assert rejected not in calls and result.incumbent is None and result.incumbent_ms is None
     # Beaten within the noise (INCUMBENT_MARGIN) the incumbent stays; beaten by more it is replaced. The challenger:
     # the default (always timed), made the fastest of all.
     fastest = min(table.values()) * 0.8
     for ratio, kept in ((1 + tuner.INCUMBENT_MARGIN / 2, True), (1 + 2 * tuner.INCUMBENT_MARGIN, False)):
         measure, calls = _replay({**table, default: fastest, incumbent: fastest * ratio})
-        result = tuner.tune(device=h200, kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=True,
-                            measure=measure, trials=4, space=space, default=default, incumbent=incumbent,
-                            seed=0)  # fmt: skip
+        result = tuner.tune(
+            tuner.Target(
+                device=h200,
+                kernel="fwd",
+                head_dim=128,
+                dtype=torch.bfloat16,
+                causal=True,
+                space=space,
+                default=default,
+                incumbent=incumbent,
+            ),
+            measure,
+            tuner.Options(trials=4, seed=0),
+        )
         assert result.best == (incumbent if kept else default), ratio
     # ... and kept only if it verifies: then the fastest that does wins
     measure, calls = _replay({**table, default: fastest, incumbent: fastest * (1 + tuner.INCUMBENT_MARGIN / 2)})
-    result = tuner.tune(device=h200, kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=True, measure=measure,
-                        trials=4, space=space, default=default, incumbent=incumbent, seed=0,
-                        verify=lambda cfg: "wrong output" if cfg == incumbent else None)  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=h200,
+            kernel="fwd",
+            head_dim=128,
+            dtype=torch.bfloat16,
+            causal=True,
+            space=space,
+            default=default,
+            incumbent=incumbent,
+        ),
+        measure,
+        tuner.Options(trials=4, seed=0, verify=lambda cfg: "wrong output" if cfg == incumbent else None),
+    )
     assert result.best == default
 
 
@@ -488,8 +576,13 @@ def test_the_winner_is_ranked_by_its_second_reading_not_a_flattering_first():
         first_call = not calls
         return replay(cfg) * (0.9 if first_call else 1.0)
 
-    result = tuner.tune(device=h200, kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False, measure=measure,
-                        trials=len(space), space=space, default=default, seed=0)  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=h200, kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False, space=space, default=default
+        ),
+        measure,
+        tuner.Options(trials=len(space), seed=0),
+    )
     assert calls[0] == default and calls.count(default) == 2  # timed first, then re-timed with the best
     assert result.best == challenger and result.best_ms == pytest.approx(table[challenger])
 
@@ -504,9 +597,20 @@ def test_the_incumbent_is_timed_whatever_the_budget_and_the_note_says_what_becam
 
     def study(table, incumbent=stored, verify=None):
         measure, calls = _replay(table)
-        result = tuner.tune(device=h200, kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=True,
-                            measure=measure, trials=1, space=space, default=default, incumbent=incumbent, seed=0,
-                            verify=verify)  # fmt: skip
+        result = tuner.tune(
+            tuner.Target(
+                device=h200,
+                kernel="fwd",
+                head_dim=128,
+                dtype=torch.bfloat16,
+                causal=True,
+                space=space,
+                default=default,
+                incumbent=incumbent,
+            ),
+            measure,
+            tuner.Options(trials=1, seed=0, verify=verify),
+        )
         return result, calls
 
     fast = {**table, stored: table[default] / 4}
@@ -535,8 +639,19 @@ def test_a_timeout_shorter_than_the_first_timing_still_times_one_config():
     table = _recorded(128, False)
     space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
     measure, calls = _replay(table)
-    result = tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
-                        measure=measure, trials=8, timeout_s=0.0, space=space, default=_TRITON_DEFAULT)  # fmt: skip
+    result = tuner.tune(
+        tuner.Target(
+            device=known_gpu("h200"),
+            kernel="fwd",
+            head_dim=128,
+            dtype=torch.bfloat16,
+            causal=False,
+            space=space,
+            default=_TRITON_DEFAULT,
+        ),
+        measure,
+        tuner.Options(trials=8, timeout_s=0.0),
+    )
     assert result.best == _TRITON_DEFAULT and calls[0] == _TRITON_DEFAULT and result.measured == 1
 
 
@@ -555,8 +670,19 @@ def test_an_interrupted_study_leaves_no_trial_running_in_its_storage(tmp_path):
 
     storage = f"sqlite:///{tmp_path / 'tune.db'}"
     with pytest.raises(KeyboardInterrupt):
-        tuner.tune(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
-                   measure=measure, trials=6, space=space, storage=storage, default=_TRITON_DEFAULT)  # fmt: skip
+        tuner.tune(
+            tuner.Target(
+                device=known_gpu("h200"),
+                kernel="fwd",
+                head_dim=128,
+                dtype=torch.bfloat16,
+                causal=False,
+                space=space,
+                default=_TRITON_DEFAULT,
+            ),
+            measure,
+            tuner.Options(trials=6, storage=storage),
+        )
     (summary,) = optuna.get_all_study_summaries(storage)
     trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials()
     states = [t.state for t in trials]

@@ -43,8 +43,8 @@ def median_of_runs(runs: list[list[dict]]) -> list[dict]:
     """One row per (provider, head_dim, seqlen, causal, mode) of several runs of the same grid, its tflops the median
     of the runs' numbers (NaN readings left out; NaN if every run had one), in the first run's order.
 
-    Why: a training call at N <= 512 waits for its host, and its readings differ between processes by up to 35 %
-    (docs/PERF.md v19, v22); one process's reading is a draw, the median of several is the row."""
+    Why: a training call at N <= 512 waits for its host, and its readings differ between processes by up to 35 %;
+    one process's reading is a draw, the median of several is the row."""
     readings: dict[tuple, list[float]] = {}
     first: dict[tuple, dict] = {}
     for run in runs:

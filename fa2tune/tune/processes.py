@@ -1,22 +1,22 @@
 """Where a tune's helper processes come from: forked from a server that imported torch, triton and fa2tune once.
 
 A tune runs one worker process per GPU and a pool of compile processes per worker. Started with "spawn", each
-of them imports torch itself, and on the 2×H200 host `import torch` takes ~5 s of CPU: the worker waited for its
-own import and then for its pool's (32 processes importing at once took 5-7 s each), 12-14 s before its first
-trial (docs/TUNING.md, session 4). Here they are forked instead, at no import cost:
+of them would import torch itself, and on the 2×H200 host `import torch` takes ~5 s of CPU: a worker would wait for
+its own import and then for its pool's (32 processes importing at once take 5-7 s each), 12-14 s before its first
+trial. Here they are forked instead, at no import cost:
 
 - The workers, and the compile pool of a tune in the main process, come from multiprocessing's fork server with
-  fa2tune.tune.job preloaded (so torch, triton, optuna and every module a worker runs). The server is a fresh
+  fa2tune.tune.workers preloaded (so torch, triton, optuna and every module a worker runs). The server is a fresh
   interpreter that never touches CUDA, so its children may use CUDA; `start_early()`, called by `fa2tune tune`
   before this process imports torch, has it importing while this process does the same.
 - A worker forks its own compile pool first thing, before it touches CUDA (`fork_context`): its children then
   start with everything imported and create only their CUDA contexts.
 
 CUDA forbids a child forked after its parent initialized CUDA from using it, so fork is only for a process that
-has not (a worker at its start); anything else uses the server. Platforms without fork use spawn, as before.
+has not (a worker at its start); anything else uses the server. Platforms without fork use spawn.
 
 A forked child has the environment of the process it was forked from, the server's being the one it started
-with; a spawned child had its parent's at the time. So children `adopt` the environment their parent passes
+with; a spawned child has its parent's at its start. So children `adopt` the environment their parent passes
 them, and a server whose imports ran under another TRITON_INTERPRET (read when triton is imported) is not used.
 """
 
@@ -26,9 +26,9 @@ import multiprocessing as mp
 import os
 import sys
 
-# What the fork server imports before its first fork: tunejob imports torch, triton, optuna, the templates'
+# What the fork server imports before its first fork: workers imports torch, triton, optuna, the templates'
 # renderer and every fa2tune module a worker or a compile process runs.
-PRELOAD = ["fa2tune.tune.job"]
+PRELOAD = ["fa2tune.tune.workers"]
 # Read when triton or fa2tune is imported: a child forked from a server started with another value is wrong.
 _READ_AT_IMPORT = ("TRITON_INTERPRET",)
 _server_environment: dict[str, str] | None = None  # os.environ when this module started the server

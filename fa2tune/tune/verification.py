@@ -9,7 +9,7 @@ import torch
 from ..config.types import KernelConfig, Mask
 from ..launch.launcher import forward
 from .reference import naive_attention
-from .timing import PackedBatch
+from .workload import PackedBatch
 
 # Relative error ‖out − ref‖ / ‖ref‖ allowed per dtype (METHOD.md: bf16 operands land between 1e-3 and 1e-2).
 REL_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}

@@ -1,0 +1,198 @@
+"""The commands that read and report: check, inspect, plan, codegen and show (`fa2tune tune` is tune_command.py).
+
+Each imports what it needs when it runs: the parser imports this module, and `fa2tune tune` starts its helper
+processes before torch is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from .common import device_info, note_interpreter, resolve_device
+
+
+def check(args: argparse.Namespace) -> int:
+    """`fa2tune check`: the forward against a float64 reference on odd shapes, every mask, each dtype asked."""
+    device = resolve_device(args.device)
+    note_interpreter(device)
+
+    from ..config.inputs import DTYPES_BY_NAME
+    from ..config.types import Mask
+    from ..tune import verification
+
+    dtypes = [DTYPES_BY_NAME[d] for d in args.dtype.split(",")]
+    print(f"{'batch,hq,hkv,nq,nk,d':>24} {'dtype':>9} {'mask':>14} {'rel err O':>10} {'rel err lse':>11}  result")
+    failed = 0
+    for shape in verification.default_shapes(on_gpu=device != "cpu"):
+        left = max(8, shape[4] // 4)  # a window that leaves whole K tiles out at the larger lengths
+        masks = [("full", Mask(), False), ("causal", Mask(causal=True), False),
+                 (f"window {left},0", Mask(causal=True, window=(left, -1)), False),
+                 ("causal varlen", Mask(causal=True), True)]  # fmt: skip
+        for dtype in dtypes:
+            for name, mask, varlen in masks:
+                r = verification.check_forward(shape, dtype=dtype, causal=mask, device=device, varlen=varlen)
+                failed += not r.passed
+                print(
+                    f"{','.join(map(str, r.shape)):>24} {str(dtype).replace('torch.', ''):>9} {name:>14} "
+                    f"{r.rel_err:>10.1e} {r.lse_rel_err:>11.1e}  {'ok' if r.passed else 'FAIL'}"
+                )
+    print("all checks passed" if not failed else f"{failed} checks FAILED")
+    return 1 if failed else 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    """`fa2tune inspect`: what the GPU offers, as the planner reads it."""
+    info = device_info(args)
+    if args.json:
+        print(json.dumps(info.to_dict(), indent=2))
+        return 0
+    for key, value in info.to_dict().items():
+        print(f"{key:>16}  {value}")
+    return 0
+
+
+def plan(args: argparse.Namespace) -> int:
+    """`fa2tune plan`: which configs fit the GPU, and why the others do not."""
+    from ..config import planner
+    from ..config.inputs import DTYPES_BY_NAME
+
+    info = device_info(args)
+    dtype = DTYPES_BY_NAME[args.dtype]
+    kernels = ["bwd_dkdv", "bwd_dq"] if args.kernel == "bwd" else [args.kernel]
+    plans = [planner.plan(info, args.head_dim, dtype, kernel) for kernel in kernels]
+    if args.json:
+        out = [
+            {
+                "device": {**info.to_dict(), "smem_per_block": info.smem_per_block},
+                "kernel": p.kernel,
+                "head_dim": p.head_dim,
+                "dtype": args.dtype,
+                # asdict, not to_dict: every row of a table has every column, switches at 0 included
+                "accepted": [{**asdict(cfg), "sram_bytes": need} for cfg, need in p.accepted],
+                "rejected": [{**asdict(cfg), "sram_bytes": need, "reason": why} for cfg, need, why in p.rejected],
+            }
+            for p in plans
+        ]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
+        return 0
+    for p in plans:
+        print(
+            f"{p.kernel} on {info.name} ({info.smem_per_block:,} B shared memory per block), "
+            f"head_dim {p.head_dim}, {args.dtype}: {len(p.accepted)} accepted, {len(p.rejected)} rejected"
+        )
+        print(f"  {'block_m':>7} {'block_n':>7} {'warps':>5} {'stages':>6} {'SRAM (B)':>10}  switches")
+        for cfg, need in sorted(p.accepted, key=lambda a: -a[1]):
+            print(f"  {cfg.block_m:>7} {cfg.block_n:>7} {cfg.num_warps:>5} {cfg.num_stages:>6} {need:>10,}  "
+                  f"{_switches(cfg)}")  # fmt: skip
+        print("  rejected:")
+        for cfg, _need, why in p.rejected:
+            print(f"  {cfg.block_m:>7} {cfg.block_n:>7} {cfg.num_warps:>5} {cfg.num_stages:>6}  {_switches(cfg)} {why}")
+    return 0
+
+
+def _switches(cfg) -> str:
+    """The config's template switches in words ("" for the plain Triton template)."""
+    names = {"pipeline_qk": {1: "pipeline_qk"}, "warpspec": {1: "warpspec", 2: "warpspec ping-pong"},
+             "persistent": {1: "persistent", 2: "persistent, two programs an SM"}}  # fmt: skip
+    return " ".join(names[field][value] for field, value in asdict(cfg).items() if field in names and value)
+
+
+def codegen(args: argparse.Namespace) -> int:
+    """`fa2tune codegen`: one template variant's generated source."""
+    from ..config.types import Variant
+    from ..kernels import codegen
+
+    variant = Variant.for_template(
+        args.template, causal=args.causal, banded=False, varlen=False, even_m=not args.ragged,
+        even_n=not args.ragged, dot_fp32=args.interpret, pingpong=args.pingpong, persistent=args.persistent,
+    )  # fmt: skip
+    print(codegen.render(args.template, variant), end="")
+    return 0
+
+
+def show(args: argparse.Namespace) -> int:
+    """`fa2tune show`: the entries stored for the GPU, in search-path order (a later file's entry for a key is
+    shadowed), and, on the card, what attention resolves now for the common head dims."""
+    from ..api import selection
+    from ..config import store
+
+    if args.gpu:
+        info = device_info(args)
+        slug = info.slug
+    else:
+        device_name = resolve_device(args.device)
+        note_interpreter(device_name)
+        slug = selection.device_info(device_name).slug
+    rows = _stored_rows(slug)
+    if not args.gpu:  # what the attention_kernel resolves now, including planner defaults
+        rows += _resolved_rows(sorted({r["head_dim"] for r in rows if "head_dim" in r} | {64, 128}), device_name)
+    if args.json:
+        print(json.dumps({"slug": slug, "search_path": [str(d) for d in store.config_dirs()], "rows": rows}, indent=2))
+        return 0
+    print(f"tuned configs for {slug}; search path: " + " -> ".join(str(d) for d in store.config_dirs()))
+    for r in rows:
+        print("  " + ", ".join(f"{k}={v}" for k, v in r.items()))
+    return 0
+
+
+def _stored_rows(slug: str) -> list[dict]:
+    """One row per entry of <slug>.yaml in each config directory, "used" False where an earlier file has its key;
+    one row per file that cannot be read, with the reason."""
+    from ..config import store
+
+    rows = []
+    seen = set()
+    for directory in store.config_dirs():
+        path = directory / f"{slug}.yaml"
+        if not path.is_file():
+            continue
+        try:
+            _, entries = store.read_file(path)
+        except Exception as exc:  # show says why a file is ignored instead of failing
+            rows.append({"file": str(path), "error": str(exc)})
+            continue
+        for e in entries:
+            shadowed = e.key in seen
+            seen.add(e.key)
+            rows.append(
+                {
+                    "file": str(path),
+                    **{k: v for k, v in e.key.__dict__.items()},
+                    "config": e.config.to_dict(),
+                    "tflops": e.tflops,
+                    "used": not shadowed,
+                }
+            )
+    return rows
+
+
+def _resolved_rows(head_dims: list[int], device_name: str) -> list[dict]:
+    """What attention resolves on the device for each head dim, bf16, with and without the causal mask."""
+    import torch
+
+    from ..api import attention_kernel
+
+    rows = []
+    for head_dim in head_dims:
+        for causal in (False, True):
+            k = attention_kernel.get_kernel(head_dim, device=device_name, dtype=torch.bfloat16, causal=causal)
+            rows.append(
+                {
+                    "resolved": True,
+                    "head_dim": head_dim,
+                    "dtype": "bf16",
+                    "causal": causal,
+                    "fwd": k.config.to_dict(),
+                    "source": k.source,
+                    "bwd_dkdv": k.bwd_dkdv_config.to_dict(),
+                    "bwd_dq": k.bwd_dq_config.to_dict(),
+                    "bwd_source": k.bwd_source,
+                }
+            )
+            if (k.short_config, k.short_source) != (k.config, k.source):  # a "short" entry for N <= 1024
+                rows[-1].update(fwd_short=k.short_config.to_dict(), short_source=k.short_source)
+            if (k.medium_config, k.medium_source) != (k.config, k.source):  # a "medium" entry, 1024 < N <= 4096
+                rows[-1].update(fwd_medium=k.medium_config.to_dict(), medium_source=k.medium_source)
+    return rows

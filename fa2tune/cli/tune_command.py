@@ -1,0 +1,235 @@
+"""`fa2tune tune`: the tuning lengths and studies the arguments ask for, run on one GPU or several, each winner
+written to the GPU's config file, and a report of what each study found.
+
+This module is imported with the parser, before torch: `tune` starts the fork server that imports torch for its
+helper processes first (fa2tune.tune.processes), so everything heavy is imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .common import USAGE_ERROR, fail, note_interpreter, resolve_device
+from .outputs import check_writable, interrupted
+
+
+def tune(args: argparse.Namespace) -> int:
+    """`fa2tune tune`: one study per kernel and mask asked, on one GPU or shared by several, each winner written
+    to <config dir>/<gpu>.yaml; then a table of what each study found."""
+    if args.device[0] != "cpu":
+        # Before this process imports torch: the fork server that starts the workers and compile processes imports
+        # torch, triton and fa2tune meanwhile (fa2tune.tune.processes), not after.
+        from ..tune import processes
+
+        processes.start_early()
+    # Every argument is checked before anything is timed: a bad one ends the command with one line, exit code 2.
+    seqlens = _tuning_lengths(args.seqlens, args.seqlen_bucket)
+    devices = args.device if args.device != ["all"] else _all_cuda_devices()
+    devices = [resolve_device(d) for d in devices]
+    from ..api import attention_kernel
+    from ..tune import compile_pool
+
+    config_dir, storage, target = _destination(args, devices)
+    note_interpreter(devices[0])
+    if devices[0] == "cpu":
+        print("note: CPU timings (Triton's interpreter) say nothing about GPU speed; this run only exercises the "
+              "pipeline on tiny shapes.")  # fmt: skip
+    written, names = _Written(), set()
+    # One pool of compile processes for every study of a single-GPU tune (multi-GPU workers start their own).
+    jobs = args.jobs or os.cpu_count() or 1
+    pool = compile_pool.CompilePool(jobs) if devices[0] != "cpu" and len(devices) == 1 else None
+    try:
+        specs = _specs(args, seqlens, storage, target)
+        names = _study_names(specs, devices[0])
+        if len(devices) > 1:
+            _tune_on_several(specs, devices, config_dir, storage, written)
+        else:
+            _tune_one_by_one(specs, devices[0], config_dir, pool, written)
+    except KeyboardInterrupt:
+        if pool is not None:
+            pool.release()  # compiles not begun are skipped: closing waits only for those under way
+            pool.close()
+            pool = None
+        _end_children()
+        return interrupted(len(written.rows), written.path, storage, names)
+    finally:
+        if pool is not None:
+            pool.close()
+    attention_kernel.clear_cache()
+    _report(written)
+    return 0
+
+
+@dataclass
+class _Written:
+    """What a tune has written so far: (kernel, causal, result) per study, and the file."""
+
+    rows: list = field(default_factory=list)
+    path: Path | None = None
+
+
+def _destination(args: argparse.Namespace, devices: list[str]) -> tuple[Path, str | None, Path]:
+    """(config dir, storage, the file the tune writes), checked writable; exits 2 where the tune could not write
+    (or the devices cannot share a study)."""
+    from ..api import selection
+    from ..config import store
+    from ..tune import job
+
+    if len({selection.device_info(d).slug for d in devices}) > 1:
+        fail(f"--device {','.join(devices)}: GPUs of different kinds cannot share a study; tune each kind alone")
+    config_dir = Path(args.config_dir) if args.config_dir else store.user_config_dir()
+    storage = args.storage
+    if storage is None and len(devices) > 1:  # workers share one study through a journal file
+        storage = str(config_dir / ".studies" / "tune.journal")
+    target = job.config_path(devices[0], config_dir)  # what the file holds now is timed beside the rest
+    check_writable(config_dir, target, storage)
+    return config_dir, storage, target
+
+
+def _specs(args: argparse.Namespace, seqlens: tuple[int, ...], storage: str | None, target: Path) -> list:
+    """One StudySpec per kernel and mask asked, each with the incumbent the file holds for its key."""
+    from ..config import planner
+    from ..tune import job
+
+    kernels = {"bwd": ["bwd_dkdv", "bwd_dq"], "all": list(planner.KERNELS)}.get(args.kernel, [args.kernel])
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    specs = [
+        job.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
+                          seqlens=seqlens, tokens=args.tokens, trials=args.trials, timeout_s=args.timeout,
+                          storage=storage, window=args.window, varlen=args.varlen,
+                          seqlen_bucket=args.seqlen_bucket)
+        for kernel in kernels for causal in causals
+    ]  # fmt: skip
+    specs = [replace(spec, incumbent=job.incumbent(spec, target)) for spec in specs]
+    if args.seqlens is None:  # an "all" entry beside bucket entries is tuned at the lengths it serves
+        specs = [_at_served_lengths(spec, target) for spec in specs]
+    return specs
+
+
+def _study_names(specs: list, device: str) -> set[str]:
+    from ..api import selection
+
+    info = selection.device_info(device)
+    return {spec.study_name(info) for spec in specs}
+
+
+def _tune_on_several(specs: list, devices: list[str], config_dir: Path, storage: str, written: _Written) -> None:
+    from ..tune import job, workers
+
+    print(f"{len(specs)} studies shared by {len(devices)} workers ({storage})", flush=True)
+    done = workers.run_parallel_many(specs, devices, progress=_worker_progress(specs, devices))
+    print()
+    for spec, (result, entry, _) in zip(specs, done, strict=True):
+        written.path = job.write(entry, devices[0], config_dir)
+        written.rows.append((spec.kernel, spec.causal, result))
+
+
+def _tune_one_by_one(specs: list, device: str, config_dir: Path, pool, written: _Written) -> None:
+    from ..tune import job
+
+    for number, spec in enumerate(specs):
+
+        def progress(done, total, best_ms, elapsed, spec=spec):
+            print(f"\r  {spec.kernel} causal={spec.causal}: trial {done}/{total}  best {best_ms:.3f} ms  "
+                  f"{elapsed:.0f} s", end="", flush=True)  # fmt: skip
+
+        then = specs[number + 1] if number + 1 < len(specs) else None  # its first configs compile meanwhile
+        result, entry = job.run_study(
+            spec, device, on_trial=progress, compile_pool=pool, then=then, release_pool=then is None
+        )
+        print()
+        written.path = job.write(entry, device, config_dir)
+        written.rows.append((spec.kernel, spec.causal, result))
+
+
+def _report(written: _Written) -> None:
+    """The file written, a table of what each study found, the configs each timed and what became of the
+    incumbent."""
+    print(f"\nwrote {written.path}")
+    # "before ms": the config the file held for the key (tuner's incumbent), timed in this run; "-" if none
+    print(f"{'kernel':>9} {'causal':>6} {'winner':>30} {'ms':>8} {'default ms':>10} {'before ms':>9} {'median ms':>9} "
+          f"{'timed':>5} {'2% at':>5} {'wall s':>6}")  # fmt: skip
+    for kernel, causal, r in written.rows:
+        before = f"{r.incumbent_ms:.3f}" if r.incumbent_ms is not None else "-"
+        default = r.default_ms or float("nan")
+        print(f"{kernel:>9} {causal!s:>6} {r.best.label():>30} {r.best_ms:>8.3f} {default:>10.3f} {before:>9} "
+              f"{r.median_ms:>9.3f} {r.measured:>5} {r.within_2pct_at or '-':>5} {r.wall_s:>6.0f}")  # fmt: skip
+    # What each study timed, fastest first: which configs a winner was chosen among; without it nothing says that a
+    # study which kept its config timed, say, only spilling fused configs beside it
+    for kernel, causal, r in written.rows:
+        timed = sorted({t.config: t.ms for t in r.history if t.ms is not None}.items(), key=lambda item: item[1])
+        print(f"  {kernel} causal={causal} timed: " + ", ".join(f"{cfg.label()} {ms:.3f}" for cfg, ms in timed))
+    for kernel, causal, r in written.rows:  # the config the file held for the key, kept or replaced, and why
+        if r.incumbent_note is not None:
+            print(f"  {kernel} causal={causal}: {r.incumbent_note}")
+
+
+def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
+    """--seqlens, or the bucket's default; a bucket tuned at a length it never serves would be wrong."""
+    from ..config.store import BUCKET_RANGES
+
+    text = text or {"short": "512,1024", "medium": "2048,4096"}.get(bucket, "1024,4096,16384")
+    try:
+        seqlens = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        seqlens = ()
+    problem = None
+    if not seqlens or min(seqlens) < 1:
+        problem = f"--seqlens must be comma-separated ints >= 1, got {text!r}"
+    elif bucket in BUCKET_RANGES and not all(BUCKET_RANGES[bucket][0] < n <= BUCKET_RANGES[bucket][1] for n in seqlens):
+        low, high = BUCKET_RANGES[bucket]
+        problem = f"--seqlen-bucket {bucket} serves lengths in ({low}, {high}]; --seqlens {text} goes outside it"
+    if problem:
+        print(f"fa2tune: {problem}", file=sys.stderr)
+        sys.exit(2)
+    return seqlens
+
+
+def _at_served_lengths(spec, target):
+    """spec, tuned at the lengths that the file's bucket entries leave to it (job.unserved_lengths), and says so."""
+    from ..tune import job
+
+    lengths = job.unserved_lengths(spec, target)
+    if lengths != spec.seqlens:
+        print(f"note: {spec.kernel} causal={spec.causal}: {target.name} has length-bucket entries for this key, so "
+              f"its \"all\" entry serves longer calls and is tuned at {','.join(map(str, lengths))} "
+              f"(--seqlens chooses)")  # fmt: skip
+    return replace(spec, seqlens=lengths)
+
+
+def _worker_progress(specs, devices):
+    """A one-line progress display for a multi-GPU tune: each worker's study, trials timed, best ms so far."""
+    states: dict[int, str] = {}
+
+    def show(index, worker, state):
+        timed, trials, best_ms, elapsed = state
+        spec = specs[index]
+        states[worker] = (f"{devices[worker]} {spec.kernel} causal={spec.causal}: {timed}/{trials} "
+                          f"best {best_ms:.3f} ms {elapsed:.0f} s")  # fmt: skip
+        print("\r  " + " | ".join(states[w] for w in sorted(states)), end="", flush=True)
+
+    return show
+
+
+def _end_children() -> None:
+    """Ends this process's helper processes still running (a tune interrupted before its workers were told to
+    stop): multiprocessing would otherwise join them at exit, and a worker waiting for its next job never ends."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=10)
+
+
+def _all_cuda_devices() -> list[str]:
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        print("fa2tune: --device all found no CUDA device", file=sys.stderr)
+        sys.exit(USAGE_ERROR)
+    return [f"cuda:{i}" for i in range(count)]

@@ -1,0 +1,139 @@
+"""Processes that compile kernel configs into Triton's disk cache while the tuning process times others.
+
+Compiling is CPU work and most of a tune's time; the timing process then only loads binaries. A CompilePool starts
+once and takes every batch; `precompile` is one batch in a pool of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+from .records import failure_reason
+from .workload import kernel_inputs, run_kernel
+
+
+def _compile_one(job) -> str | None:
+    kernel, head_dim, dtype, causal, cfg, seqlen, device, varlen = job
+    if _released is not None and _released.is_set():  # the tune times nothing more: skip it (CompilePool.release)
+        return None
+    try:
+        # batch and heads of 2, not 1: Triton compiles an int argument equal to 1 as a constant, so a binary built
+        # with H_Q = 1 would not be the one a real launch (H_Q = 16) loads from the cache.
+        x = kernel_inputs(kernel, causal, 2, 2, seqlen, head_dim, dtype=dtype, device=device, varlen=varlen)
+        run_kernel(kernel, cfg, x, causal)
+        if x.q.is_cuda:
+            torch.cuda.synchronize()  # a launch error surfaces here, as this config's failure
+        return None
+    except Exception as exc:  # failures are data
+        return failure_reason(exc)
+
+
+_released = None  # in a compile process: its pool's release event (CompilePool.release)
+
+
+def _start_compiler(environment: dict[str, str], released=None) -> None:
+    """A compile process's start: the caller's environment, its pool's release event, and a lower priority.
+
+    It does not create its CUDA context here: a pool's processes all doing so at once make the tuning process's
+    own context wait behind theirs (4.3 s instead of 0.5 s on the H200 host). Each creates it with its first
+    compile, after the tuning process has its own.
+    """
+    from . import processes
+
+    global _released
+    processes.adopt(environment)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the tuning process's: it lets the pool go
+    _released = released
+    try:
+        # Compiles run while the tuning process times kernels: a timing process waiting for a core would launch
+        # late and read slow.
+        os.nice(10)
+    except OSError:  # not allowed here: compile at normal priority
+        pass
+
+
+class CompilePool:
+    """Spawned processes that compile kernel configs (CPU work, most of a tune's time) into Triton's disk cache, so
+    the timing process then only loads binaries. Start it once and hand it every batch: each process pays its
+    start-up once. Use as a context manager, or call close().
+
+    context: where the processes come from (fa2tune.tune.processes): by default forked from the fork server, which
+    imported torch and fa2tune once for all of them; a process that has not initialized CUDA may pass
+    processes.fork_context() to fork them from itself.
+    """
+
+    def __init__(self, workers: int = 16, context=None):
+        from . import processes
+
+        self.workers = workers
+        context = context or processes.context()
+        self._released = context.Event()
+        self._pool = context.Pool(workers, initializer=_start_compiler, initargs=(dict(os.environ), self._released))
+
+    def compile(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", varlen=False) -> dict:
+        """Compiles every config; returns {config: failure reason} for those that failed.
+
+        Each length N is compiled at 256 + N mod 256, a short length with the same divisibility by every block
+        size, hence the same Jinja variant (even or ragged tails) as N itself.
+        """
+        wait = self.start(kernel, head_dim, dtype, causal, configs, seqlens=seqlens, device=device, varlen=varlen)
+        return {cfg: reason for cfg in configs if (reason := wait(cfg))}
+
+    def start(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", varlen=False):
+        """compile() in the background: returns at once with wait(config) -> its failure reason or None.
+
+        wait blocks for that config's compile only (a config not in `configs` returns None at once), so a tuner
+        can time the first config of a batch as soon as it is built, not after the slowest of the batch;
+        wait.ready(config) says whether it would block. The processes take configs up in the order given, and
+        batches in the order started.
+        """
+        lengths = sorted({256 + n % 256 for n in seqlens})
+        pending = {
+            cfg: [self._pool.apply_async(_compile_one, ((kernel, head_dim, dtype, causal, cfg, n, device, varlen),))
+                  for n in lengths]
+            for cfg in dict.fromkeys(configs)
+        }  # fmt: skip
+
+        def wait(cfg) -> str | None:
+            return next((reason for result in pending.get(cfg, ()) if (reason := result.get())), None)
+
+        def ready(cfg) -> bool:
+            """Whether wait(cfg) would return at once."""
+            return all(result.ready() for result in pending.get(cfg, ()))
+
+        wait.ready = ready
+        return wait
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
+    def release(self) -> None:
+        """For a tune that will time nothing more: the compiles not started yet are skipped (their wait says
+        None, as for a config never started), and the processes exit once their current compile is done — while
+        the caller goes on (the study's finish), not at close(). Waiting at the end for the queued batches and
+        compiles-ahead nobody would load, and for 16 processes to tear down their CUDA contexts, costs 3-4 s at
+        the end of a tune on the 2×H200 host. (Not Pool.terminate: it can hang, python/cpython#78178; on the H200
+        host it does not return within 200 s, cause unknown.) Nothing can be started after this."""
+        self._released.set()
+        self._pool.close()
+
+    def close(self) -> None:
+        """Waits for every compile started (none not yet begun, after release()), then for the processes' exit."""
+        self._pool.close()
+        self._pool.join()
+
+    def __enter__(self) -> CompilePool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def precompile(kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", workers=16, varlen=False) -> dict:
+    """CompilePool.compile in a pool of its own. Returns {config: failure reason}."""
+    with CompilePool(workers) as pool:
+        return pool.compile(kernel, head_dim, dtype, causal, configs, seqlens=seqlens, device=device, varlen=varlen)
