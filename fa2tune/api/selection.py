@@ -13,20 +13,12 @@ import os
 import torch
 
 from ..config import planner, store
-from ..config.device import INTERPRETER, inspect_cached
-from ..config.inputs import DTYPE_NAMES, interpreting
-from ..config.types import DeviceInfo, KernelConfig
+from ..config.device import device_info  # also read here by the CLI and the tuner
+from ..config.inputs import DTYPE_NAMES
+from ..config.types import KernelConfig
 from ..kernels import codegen
 
 _cache: dict[tuple, tuple[KernelConfig, str]] = {}
-
-
-def device_info(device: torch.device | str) -> DeviceInfo:
-    """The DeviceInfo for a tensor's device: the card's reading (cached), or the interpreter pseudo-device."""
-    device = torch.device(device)
-    if device.type == "cpu" or interpreting():
-        return INTERPRETER
-    return inspect_cached(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # Counts clear_cache() calls: what launcher's launch plans (resolved configs among them) are kept under.
