@@ -9,7 +9,7 @@ import torch
 
 import fa2tune
 from fa2tune.config.types import KernelConfig
-from fa2tune.launch import launcher
+from fa2tune.launch import grid, launcher
 from fa2tune.tune.reference import naive_attention
 
 from .conftest import assert_close
@@ -144,14 +144,14 @@ def test_large_scores_stay_finite(device):
 
 @pytest.mark.parametrize("batch_heads", [1, 7, 65535, 65536, 200_000, 2**31 - 65536])
 def test_forward_grid_covers_every_head_within_cuda_limits(batch_heads):
-    tiles, b1, b2 = launcher.fwd_grid(3, batch_heads)
-    assert tiles == 3 and 1 <= b1 <= launcher.GRID_AXIS_MAX and 1 <= b2 <= launcher.GRID_AXIS_MAX
+    tiles, b1, b2 = grid.fwd_grid(3, batch_heads)
+    assert tiles == 3 and 1 <= b1 <= grid.GRID_AXIS_MAX and 1 <= b2 <= grid.GRID_AXIS_MAX
     assert batch_heads <= b1 * b2 < batch_heads + b2  # every head has a program; fewer than b2 idle ones
 
 
 def test_forward_grid_refuses_more_heads_than_one_launch_covers():
     with pytest.raises(ValueError, match="batch·heads"):
-        launcher.fwd_grid(1, launcher.GRID_AXIS_MAX**2 + 1)
+        grid.fwd_grid(1, grid.GRID_AXIS_MAX**2 + 1)
 
 
 @pytest.mark.parametrize("batch_heads", [2**31 - 1, 2**31, 65535**2])
@@ -159,14 +159,14 @@ def test_forward_grid_refuses_program_ids_past_int32(batch_heads):
     # The kernel numbers (batch, head) programs in int32: a grid whose axis2·B1 + axis1 could reach 2^31 would wrap
     # to negative heads and write out of bounds. Such a call is refused with a way out, not run.
     with pytest.raises(ValueError, match=r"32-bit program ids.*split the batch"):
-        launcher.fwd_grid(1, batch_heads)
+        grid.fwd_grid(1, batch_heads)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_forward_with_batch_heads_split_over_two_grid_axes(causal, device, monkeypatch):
     # CUDA's cap (65535) made small: 3 batches x 5 heads = 15 go to grid axes (4, 4), one program per tile idle.
-    monkeypatch.setattr(launcher, "GRID_AXIS_MAX", 4)
-    assert launcher.fwd_grid(2, 15) == (2, 4, 4)
+    monkeypatch.setattr(grid, "GRID_AXIS_MAX", 4)
+    assert grid.fwd_grid(2, 15) == (2, 4, 4)
     torch.manual_seed(5)
     q, k, v = (torch.randn(3, 5, 70, 32, device=device) for _ in range(3))
     out = torch.full_like(q, float("nan"))
