@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import fa2tune
+from fa2tune.api import ops
 from fa2tune.config.types import KernelConfig
-from fa2tune.launch import grid, launcher
+from fa2tune.launch import grid
 from fa2tune.tune.reference import naive_attention
 
 from .conftest import assert_close
@@ -44,7 +45,7 @@ def test_forward_matches_reference(shape, causal, dtype, device):
     k = torch.randn(batch, hkv, nk, d, dtype=dtype, device=device)
     v = torch.randn(batch, hkv, nk, d, dtype=dtype, device=device)
     out = torch.full_like(q, float("nan"))  # poison: every element must be written
-    o, lse = launcher.forward(q, k, v, causal=causal, scale=d**-0.5, out=out)
+    o, lse = ops.forward(q, k, v, causal=causal, scale=d**-0.5, out=out)
     assert o.data_ptr() == out.data_ptr()
     ref_o, ref_lse = _reference(q, k, v, causal)
     assert_close(o, ref_o, dtype)
@@ -70,7 +71,7 @@ def test_any_block_config_gives_the_same_function(config, causal, device):
     q = torch.randn(1, 2, 75, 48, device=device)
     k = torch.randn(1, 2, 91, 48, device=device)
     v = torch.randn(1, 2, 91, 48, device=device)
-    o, lse = launcher.forward(q, k, v, causal=causal, scale=0.3, config=config)
+    o, lse = ops.forward(q, k, v, causal=causal, scale=0.3, config=config)
     ref_o, ref_lse = _reference(q, k, v, causal, scale=0.3)
     assert_close(o, ref_o, torch.float32)
     assert_close(lse, ref_lse, torch.float32, what="lse")
@@ -92,7 +93,7 @@ def test_pipelined_forward_matches_reference(shape, mask, dtype, device):
     k = torch.randn(batch, hkv, nk, d, dtype=dtype, device=device)
     v = torch.randn(batch, hkv, nk, d, dtype=dtype, device=device)
     out = torch.full_like(q, float("nan"))
-    o, lse = launcher.forward(q, k, v, causal=mask, scale=d**-0.5, out=out, config=KernelConfig(16, 16, pipeline_qk=1))
+    o, lse = ops.forward(q, k, v, causal=mask, scale=d**-0.5, out=out, config=KernelConfig(16, 16, pipeline_qk=1))
     ref_o, ref_lse = _reference(q, k, v, mask)
     assert_close(o, ref_o, dtype)
     assert_close(lse, ref_lse, torch.float32, what="lse")
@@ -170,7 +171,7 @@ def test_forward_with_batch_heads_split_over_two_grid_axes(causal, device, monke
     torch.manual_seed(5)
     q, k, v = (torch.randn(3, 5, 70, 32, device=device) for _ in range(3))
     out = torch.full_like(q, float("nan"))
-    o, lse = launcher.forward(q, k, v, causal=causal, scale=32**-0.5, out=out, config=KernelConfig(32, 16))
+    o, lse = ops.forward(q, k, v, causal=causal, scale=32**-0.5, out=out, config=KernelConfig(32, 16))
     ref_o, ref_lse = _reference(q, k, v, causal)
     assert_close(o, ref_o, torch.float32)
     assert_close(lse, ref_lse, torch.float32, what="lse")
@@ -179,5 +180,5 @@ def test_forward_with_batch_heads_split_over_two_grid_axes(causal, device, monke
 def test_configs_cross_the_custom_op_boundary_whole():
     # torch.compile's path passes configs to the custom ops as int lists: every field, switches included, comes back
     for cfg in (KernelConfig(64, 32, 4, 3, pipeline_qk=1), KernelConfig(128, 128, 4, 2, warpspec=2, persistent=1)):
-        assert launcher._from_ints(launcher._to_ints(cfg)) == cfg
-    assert launcher._from_ints([]) is None  # "resolve inside the op"
+        assert ops._from_ints(ops._to_ints(cfg)) == cfg
+    assert ops._from_ints([]) is None  # "resolve inside the op"
