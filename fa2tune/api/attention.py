@@ -133,8 +133,7 @@ def attention_varlen(
 
 def _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, packing):
     """The keyword arguments attention() and attention_varlen() share, checked; then the differentiable op."""
-    mask = Mask(causal=check_flag("causal", causal), window=check_window(window),
-                prefix_len=check_prefix_len(prefix_len))  # fmt: skip
+    mask = _mask(causal, window, prefix_len)
     return_lse = check_flag("return_lse", return_lse)
     scale = check_scale(scale, q.shape[-1])
     o, lse = _apply(q, k, v, mask, scale, _check_config(config), packing)
@@ -146,3 +145,15 @@ def _check_config(config: object) -> KernelConfig | None:
         raise TypeError(f"config must be a fa2tune.KernelConfig or None, got {type(config).__name__}")
     return config
 
+
+# The masks of most calls, built once: checking the arguments and building a Mask costs 2 µs, and a kept mask
+# compares by identity in the lookups of the call's configs and plan.
+_PLAIN_MASKS = {False: Mask(causal=False), True: Mask(causal=True)}
+
+
+def _mask(causal: object, window: object, prefix_len: object) -> Mask:
+    """attention()'s mask arguments, checked, as a Mask."""
+    if window is None and type(prefix_len) is int and prefix_len == 0 and type(causal) is bool:
+        return _PLAIN_MASKS[causal]
+    return Mask(causal=check_flag("causal", causal), window=check_window(window),
+                prefix_len=check_prefix_len(prefix_len))  # fmt: skip

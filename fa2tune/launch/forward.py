@@ -47,7 +47,7 @@ def forward(
         plan = plans.lookup(key)
         if plan is not None:
             o = torch.empty_like(q, memory_format=torch.contiguous_format)
-            lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+            lse = q.new_empty(q.shape[:3], dtype=torch.float32)  # torch.empty's keyword parsing: 0.5 µs more
             if not (plan.tma and plans.misaligned(q, k, v, o)):
                 with on_device(q):
                     plan.launch(q, k, v, o, lse)
