@@ -11,14 +11,14 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what static tools see; at run time __getattr__ below imports on first use
+    from .api.attention import FlashAttnFunction, attention, attention_varlen
     from .api.attention_kernel import AttentionKernel, get_kernel
     from .config.types import KernelConfig, Mask, Variant
-    from .launch.launcher import FlashAttnFunction, attention, attention_varlen
 
 _HOMES = {
-    "FlashAttnFunction": "launch.launcher",
-    "attention": "launch.launcher",
-    "attention_varlen": "launch.launcher",
+    "FlashAttnFunction": "api.attention",
+    "attention": "api.attention",
+    "attention_varlen": "api.attention",
     "AttentionKernel": "api.attention_kernel",
     "get_kernel": "api.attention_kernel",
     "KernelConfig": "config.types",

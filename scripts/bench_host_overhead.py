@@ -39,7 +39,8 @@ import torch
 
 import fa2tune
 from fa2tune.config.types import KernelConfig, Mask
-from fa2tune.launch import launcher
+from fa2tune.api import ops
+from fa2tune.launch import autograd, layout
 
 
 class _NoLaunch:
@@ -109,10 +110,10 @@ def _gpu(rounds: int) -> int:
     kernel_less = _cases(_KernelLess.apply, q, k, v, do)
     # fa2tune's launchers alone, on tensors without grad: what the forward and the backward cost outside autograd
     qd, kd, vd = (t.detach() for t in (q, k, v))
-    o, lse = launcher.forward(qd, kd, vd, causal=True, scale=0.088)
+    o, lse = ops.forward(qd, kd, vd, causal=True, scale=0.088)
     launchers = {
-        "launcher.forward": lambda: launcher.forward(qd, kd, vd, causal=True, scale=0.088),
-        "launcher.backward": lambda: launcher.backward(do, qd, kd, vd, o, lse, causal=True, scale=0.088),
+        "ops.forward": lambda: ops.forward(qd, kd, vd, causal=True, scale=0.088),
+        "ops.backward": lambda: ops.backward(do, qd, kd, vd, o, lse, causal=True, scale=0.088),
     }
     readings: dict[str, dict[str, list[float]]] = {}
     for _ in range(rounds):
@@ -214,20 +215,20 @@ def _split(repeats: int) -> int:
 def _autograd_split(repeats: int) -> int:
     """A fwd+bwd call's host time in four stretches, from timestamps taken inside it: the forward (attention()),
     torch.autograd.grad until fa2tune's backward begins (the engine's start, and on a GPU its hand-over to the
-    device's backward thread), the backward's body (launcher.backward, inside the autograd.Function's backward), and
+    device's backward thread), the backward's body (autograd.backward, inside the autograd.Function's backward), and
     from its end until grad() returns: a call's pieces timed alone do not add up to the whole call, and these
     stamps say where the rest goes. On a machine without a GPU the launches are no-ops (CPU tensors, no thread
     hand-over)."""
     on_gpu = torch.cuda.is_available()
-    kernel_lookup = launcher._kernel
+    kernel_lookup = layout.kernel
     if not on_gpu:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the launchers would refuse CPU tensors
-        launcher._kernel = lambda *a, **k: _NoLaunch()
+        layout.kernel = lambda *a, **k: _NoLaunch()
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     q, k, v = (torch.randn(1, 2, 64, 128, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
     stamps: dict[str, float] = {}
-    function_backward, body = launcher._EagerAttention.backward, launcher.backward
+    function_backward, body = autograd.EagerAttention.backward, autograd.backward
 
     def timed_function_backward(ctx, *grads):
         stamps["in"] = time.perf_counter()
@@ -241,7 +242,7 @@ def _autograd_split(repeats: int) -> int:
         stamps["body end"] = time.perf_counter()
         return result
 
-    launcher._EagerAttention.backward, launcher.backward = staticmethod(timed_function_backward), timed_body
+    autograd.EagerAttention.backward, autograd.backward = staticmethod(timed_function_backward), timed_body
     spans: dict[str, list[float]] = {}
     try:
         for i in range(repeats + 50):
@@ -256,15 +257,15 @@ def _autograd_split(repeats: int) -> int:
                 "forward (attention())": (start, forward_end),
                 "grad() until the Function's backward": (forward_end, stamps["in"]),
                 "  the Function's backward until the body": (stamps["in"], stamps["body"]),
-                "  the body (launcher.backward)": (stamps["body"], stamps["body end"]),
+                "  the body (autograd.backward)": (stamps["body"], stamps["body end"]),
                 "  the body's end until the Function's return": (stamps["body end"], stamps["out"]),
                 "the Function's return until grad() returns": (stamps["out"], end),
                 "whole call": (start, end),
             }.items():
                 spans.setdefault(name, []).append((b - a) * 1e6)
     finally:
-        launcher._EagerAttention.backward, launcher.backward = staticmethod(function_backward), body
-        launcher._kernel = kernel_lookup
+        autograd.EagerAttention.backward, autograd.backward = staticmethod(function_backward), body
+        layout.kernel = kernel_lookup
         if on_gpu:
             torch.cuda.synchronize()
     where = torch.cuda.get_device_name() if on_gpu else "CPU, launches as no-ops"
@@ -355,7 +356,7 @@ def _threads(rounds: int, repeats: int = 1000) -> int:
     """Host µs of fwd+bwd calls (fa2tune, SDPA flash, a kernel-less autograd.Function) and of fa2tune's launchers,
     with the backward where PyTorch puts it (autograd's thread for the GPU, on whichever core), with that thread and
     the calling one pinned to one core or to two, and on the calling thread (torch.autograd.
-    set_multithreading_enabled(False)); "launchers fwd; bwd on a thread" hands launcher.backward to a plain Python
+    set_multithreading_enabled(False)); "launchers fwd; bwd on a thread" hands autograd.backward to a plain Python
     thread, which isolates the hand-over from autograd. The thread, not autograd, is where a short fwd+bwd call's
     unexplained host time goes: the backward's objects are cache misses on another core."""
     import queue
@@ -370,7 +371,7 @@ def _threads(rounds: int, repeats: int = 1000) -> int:
     q, k, v = (torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
     qd, kd, vd = (t.detach() for t in (q, k, v))
-    o, lse = launcher.forward(qd, kd, vd, causal=True, scale=0.088)
+    o, lse = ops.forward(qd, kd, vd, causal=True, scale=0.088)
     every_core = os.sched_getaffinity(0)
     first, second = sorted(every_core)[:2]
     # the cores asked for the thread that runs the backward, and what each thread was given, by thread: with
@@ -407,8 +408,8 @@ def _threads(rounds: int, repeats: int = 1000) -> int:
 
     threading.Thread(target=worker, daemon=True).start()
     on_worker = lambda fn: (jobs.put(fn), done.get())
-    forward = lambda: launcher.forward(qd, kd, vd, causal=True, scale=0.088)
-    backward = lambda: launcher.backward(do, qd, kd, vd, o, lse, causal=True, scale=0.088)
+    forward = lambda: ops.forward(qd, kd, vd, causal=True, scale=0.088)
+    backward = lambda: ops.backward(do, qd, kd, vd, o, lse, causal=True, scale=0.088)
 
     def sdpa():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -426,8 +427,8 @@ def _threads(rounds: int, repeats: int = 1000) -> int:
     }
     modes = {"default": (every_core, None), "same core": ({first}, {first}), "two cores": ({first}, {second}),
              "no autograd threads": (every_core, None)}  # fmt: skip
-    real = launcher._EagerAttention.backward
-    launcher._EagerAttention.backward = pinned(real)
+    real = autograd.EagerAttention.backward
+    autograd.EagerAttention.backward = pinned(real)
     readings: dict[str, dict[str, list[float]]] = {}
     try:
         for _ in range(rounds):
@@ -439,7 +440,7 @@ def _threads(rounds: int, repeats: int = 1000) -> int:
                     with torch.autograd.set_multithreading_enabled(mode != "no autograd threads"):
                         readings.setdefault(name, {}).setdefault(mode, []).append(_time_us(fn, repeats))
     finally:
-        launcher._EagerAttention.backward = staticmethod(real)
+        autograd.EagerAttention.backward = staticmethod(real)
         os.sched_setaffinity(0, every_core)
     print(f"# host µs per call, {torch.cuda.get_device_name()}, 1x2x64x128 bf16 causal, median of {rounds} rounds")
     print(f"{'':>34}" + "".join(f"{mode:>22}" for mode in modes))
@@ -468,11 +469,11 @@ def main(argv: list[str] | None = None) -> int:
         return _split(1000)
     if args.gpu:
         return _gpu(args.rounds)
-    launcher._kernel = lambda *a, **k: _NoLaunch()
+    layout.kernel = lambda *a, **k: _NoLaunch()
     q, k, v = (torch.randn(1, 2, 64, 128, requires_grad=True) for _ in range(3))
     do = torch.randn_like(q)
     if args.op:
-        attend = lambda *t: launcher._apply_op(*t, Mask(causal=True), 0.1, None)[0]
+        attend = lambda *t: ops.apply_op(*t, Mask(causal=True), 0.1, None)[0]
     else:
         attend = lambda *t: fa2tune.attention(*t, causal=True)
     print(f"# host µs per call, {'custom op' if args.op else 'attention()'}, kernels not launched")

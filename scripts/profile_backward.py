@@ -25,18 +25,18 @@ def _profile(d: int, n: int, causal: bool, configs: list) -> None:
     """Prints each backward kernel's time at each dK/dV config (None: the tuned one), for one head dim."""
     from dataclasses import astuple
 
-    from fa2tune.launch import launcher
+    from fa2tune.api import ops
     from fa2tune.tune.timing import attention_flops, kernel_times_ms
     from fa2tune.tune.workload import random_qkv
 
     batch, heads = max(1, 16384 // n), 2048 // d
     q, k, v = random_qkv(batch, heads, n, d)
     do = torch.randn_like(q)
-    o, lse = launcher.forward(q, k, v, causal=causal, scale=d**-0.5)
+    o, lse = ops.forward(q, k, v, causal=causal, scale=d**-0.5)
     matmul_flops = attention_flops(batch, heads, n, n, d, causal=causal) / 2  # one tile matmul's FLOPs
     for config in configs:
         times = kernel_times_ms(
-            lambda config=config: launcher.backward(
+            lambda config=config: ops.backward(
                 do, q, k, v, o, lse, causal=causal, scale=d**-0.5, dkdv_config=config
             )
         )

@@ -43,11 +43,11 @@ TOLERANCES = {
 
 @pytest.fixture(autouse=True)
 def _fresh_launch_plans():
-    """launcher keeps, per call signature, what the first call worked out (configs, grids: its plans). Tests patch
+    """fa2tune keeps, per call signature, what the first call worked out (configs, grids: its plans). Tests patch
     what that is worked out from (selection.resolve, warpspec._sm_count): each starts with none kept."""
-    from fa2tune.launch import launcher
+    from fa2tune.api import ops
 
-    launcher.clear_plans()
+    ops.clear_plans()
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fa2tune
+from fa2tune.api import ops
 from fa2tune.config.inputs import check_window
 from fa2tune.config.types import KernelConfig, Mask
 from fa2tune.launch import launcher
@@ -45,7 +46,7 @@ def _dense_calls(device):
         return fa2tune.attention(q, k, v, causal=True)
 
     def op(q, k, v):  # the custom op's autograd formula: what torch.compile and tracing run
-        return launcher._apply_op(q, k, v, Mask(causal=True), 0.25, None)[0]
+        return ops.apply_op(q, k, v, Mask(causal=True), 0.25, None)[0]
 
     def kernel(q, k, v):
         return fa2tune.get_kernel(16, device=device, dtype=F32, causal=True)(q, k, v)
@@ -54,7 +55,7 @@ def _dense_calls(device):
         return fa2tune.attention(q, k, v, return_lse=True)[1]
 
     def lse_op(q, k, v):
-        return launcher._apply_op(q, k, v, Mask(), 0.25, None)[1]
+        return ops.apply_op(q, k, v, Mask(), 0.25, None)[1]
 
     return dict(eager=eager, op=op, kernel=kernel, lse=lse, lse_op=lse_op)
 
@@ -76,7 +77,7 @@ def test_a_gradient_penalty_through_packed_attention_is_refused(path, device):
     packing = launcher.Packing(cu, cu, 15, 15)
     run = {
         "eager": lambda: fa2tune.attention_varlen(q, k, v, cu, cu, 15, 15),
-        "op": lambda: launcher._apply_op(q, k, v, Mask(), 0.25, None, packing)[0],
+        "op": lambda: ops.apply_op(q, k, v, Mask(), 0.25, None, packing)[0],
         "kernel": lambda: fa2tune.get_kernel(16, device=device, dtype=F32, varlen=True)(q, k, v, cu, cu, 15, 15),
     }[path]
     out = run()
@@ -174,7 +175,7 @@ def test_window_and_prefix_past_any_sequence_reach_every_key(window, prefix_len,
         out = fa2tune.attention(q, k, v, window=window, prefix_len=prefix_len)
     else:
         mask = Mask(window=check_window(window), prefix_len=fa2tune.config.inputs.check_prefix_len(prefix_len))
-        out = launcher._apply_op(q, k, v, mask, 16**-0.5, None)[0]
+        out = ops.apply_op(q, k, v, mask, 16**-0.5, None)[0]
     assert_close(out, _reference(q, k, v, **reference), F32)
 
 
@@ -240,7 +241,7 @@ def test_a_max_seqlen_past_the_tokens_is_the_same_launch_as_the_tokens(max_seqle
     else:  # attention_varlen's checks, then the op
         packing = launcher.Packing(*fa2tune.config.inputs.check_varlen(q, k, v, cu, cu, max_seqlen, 15))
         assert (packing.max_seqlen_q, packing.max_seqlen_k) == (20, 15)
-        out = launcher._apply_op(q, k, v, Mask(), 0.25, None, packing)[0]
+        out = ops.apply_op(q, k, v, Mask(), 0.25, None, packing)[0]
     ref = naive_attention_varlen(*(t.detach().double() for t in (q, k, v)), cu, cu, scale=0.25)[0]
     assert_close(out, ref, F32)
     out.sum().backward()
@@ -356,7 +357,7 @@ def test_kernel_config_fields_are_integers(fields):
 def test_kernel_config_takes_numpy_integers_as_python_ints(device):
     # Before: np.int64 block sizes passed the checks and crashed inside the Triton launch.
     config = KernelConfig(np.int64(16), np.int32(32), num_warps=np.int64(4), num_stages=np.uint8(1))
-    assert config == KernelConfig(16, 32, 4, 1) and all(type(x) is int for x in launcher._to_ints(config))
+    assert config == KernelConfig(16, 32, 4, 1) and all(type(x) is int for x in ops._to_ints(config))
     q, k, v = _qkv(device, seed=7)
     assert_close(fa2tune.attention(q, k, v, config=config), _reference(q, k, v), F32)
 

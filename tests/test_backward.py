@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import fa2tune
+from fa2tune.api import attention, ops
 from fa2tune.config.types import KernelConfig
-from fa2tune.launch import launcher
+from fa2tune.launch import grid, launcher, layout
 from fa2tune.tune.reference import naive_attention
 
 from .conftest import assert_close
@@ -65,8 +66,8 @@ def test_gradients_match_reference(shape, causal, dtype, device):
 def test_block_configs_of_both_backward_kernels(dkdv_config, dq_config, causal, device):
     # Ragged both ways and GQA, with tiles that do not line up between the two kernels.
     q, k, v, do = _random((1, 4, 2, 83, 51, 40), torch.float32, device, seed=7)
-    o, lse = launcher.forward(q, k, v, causal=causal, scale=0.2)
-    grads = launcher.backward(
+    o, lse = ops.forward(q, k, v, causal=causal, scale=0.2)
+    grads = ops.backward(
         do, q, k, v, o, lse, causal=causal, scale=0.2, dkdv_config=dkdv_config, dq_config=dq_config
     )
     _assert_grads_close(grads, _reference_grads(q, k, v, do, causal, scale=0.2), torch.float32, do)
@@ -111,9 +112,9 @@ def test_the_preprocess_zeroes_exactly_the_fp32_dq_rows_when_asked(zero_dq, devi
     delta = torch.full((batch, heads, n), float("nan"), device=device)
     buffer = torch.full((batch, heads, n + 5, d + 8), float("nan"), device=device)
     dq_acc = buffer[:, :, 2 : n + 2, 4 : d + 4]
-    kernel = launcher._kernel("bwd", "_attn_bwd_preprocess", Mask(), n, n, KernelConfig(block_m, 16, 4, 1), False)
+    kernel = layout.kernel("bwd", "_attn_bwd_preprocess", Mask(), n, n, KernelConfig(block_m, 16, 4, 1), False)
     strides = dq_acc.stride()[:3] if zero_dq else (0, 0, 0)
-    kernel[(launcher._cdiv(n, block_m) * batch * heads,)](
+    kernel[(grid.cdiv(n, block_m) * batch * heads,)](
         o, do, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], *strides, heads, n, HEAD_DIM=d,
         HEAD_DIM_PAD=planner.head_dim_padded(d), BLOCK_M=block_m, ZERO_DQ=zero_dq,
     )  # fmt: skip
@@ -210,10 +211,9 @@ def test_torch_compile_with_one_tensor_as_q_k_and_v(device):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "varlen"])
 def test_eager_calls_and_the_custom_op_give_the_same_outputs_and_gradients(packed, device):
-    # Eager calls skip the custom op's dispatch (launcher._EagerAttention); torch.compile sees the op. The two
+    # Eager calls skip the custom op's dispatch (launcher.EagerAttention); torch.compile sees the op. The two
     # must agree bit for bit: same kernels, same configs, same logsumexp gradient, same varlen checks.
     from fa2tune.config.types import Mask
-    from fa2tune.launch import launcher
 
     torch.manual_seed(14)
     if packed:
@@ -229,7 +229,7 @@ def test_eager_calls_and_the_custom_op_give_the_same_outputs_and_gradients(packe
     runs = []
     for eager in (True, False):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        apply = launcher._EagerAttention.apply if eager else lambda *args: launcher._apply_op(*args)
+        apply = attention.apply_eager if eager else lambda *args: ops.apply_op(*args)
         o, lse = apply(*leaves, mask, 0.3, None, packing)
         weights = torch.randn_like(o, generator=torch.Generator(device).manual_seed(1))
         loss = (o * weights).sum() + torch.where(torch.isfinite(lse), lse, 0).sum()
@@ -258,8 +258,8 @@ def test_calls_with_nothing_to_differentiate_skip_autograd(device, monkeypatch):
     with_grad = fa2tune.attention(*leaves, causal=True, return_lse=True)
     assert with_grad[0].requires_grad and with_grad[0].grad_fn is not None
     calls = []
-    real = launcher._EagerAttention.apply
-    monkeypatch.setattr(launcher._EagerAttention, "apply", lambda *args: calls.append(args) or real(*args))
+    real = launcher.EagerAttention.apply
+    monkeypatch.setattr(launcher.EagerAttention, "apply", lambda *args: calls.append(args) or real(*args))
     outputs = [fa2tune.attention(q, k, v, causal=True, return_lse=True)]
     with torch.no_grad():
         outputs.append(fa2tune.attention(*leaves, causal=True, return_lse=True))

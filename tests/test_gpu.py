@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import fa2tune
+from fa2tune.api import ops, selection
 from fa2tune.config.types import KernelConfig
-from fa2tune.launch import causal_tail, launcher, split_tail, warpspec
+from fa2tune.launch import causal_tail, split_tail, warpspec
 from fa2tune.tune.reference import naive_attention
 
 from .conftest import assert_close
@@ -48,7 +49,7 @@ def test_each_length_bucket_runs_its_shipped_entry_right(head_dim, causal, seqle
     q, k, v = (torch.randn(1, 2, seqlen, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
                for _ in range(3))  # fmt: skip
     out = torch.full_like(q, float("nan"), requires_grad=False)
-    o, _ = launcher.forward(q.detach(), k.detach(), v.detach(), causal=causal, scale=head_dim**-0.5, config=config,
+    o, _ = ops.forward(q.detach(), k.detach(), v.detach(), causal=causal, scale=head_dim**-0.5, config=config,
                             out=out)  # fmt: skip
     o_auto = fa2tune.attention(q, k, v, causal=causal)  # the same entry through the public call, with autograd
     grads = torch.autograd.grad(o_auto, (q, k, v), torch.ones_like(o_auto))
@@ -165,7 +166,7 @@ def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype, mon
         monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
     for q, k, v in _ws_inputs(head_dim, dtype):
         out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-        o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5, config=config, out=out)
+        o, lse = ops.forward(q, k, v, causal=causal, scale=head_dim**-0.5, config=config, out=out)
         ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=causal)
         assert o is out
         assert_close(o, ref_o.nan_to_num(0.0), dtype)
@@ -194,7 +195,7 @@ def test_warpspec_causal_forward_with_a_tail_matches_reference(config, head_dim,
                                           seqlen_k)  # fmt: skip
         _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, 8, costs, config.persistent)
         out = torch.full_like(q, float("nan"))  # poisoned: every tile, paired or in the tail, must be written
-        o, lse = launcher.forward(q, k, v, causal=True, scale=head_dim**-0.5, config=config, out=out)
+        o, lse = ops.forward(q, k, v, causal=True, scale=head_dim**-0.5, config=config, out=out)
         main, tail_heads = plans[-1][1]
         assert main > 0 and tail_heads > 0, plans
         ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=True)
@@ -216,7 +217,7 @@ def _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, batch_heads: int, c
     tail for batch_heads heads of tiles of these costs; launch plans are dropped, as they keep their grid."""
     sms = next(p for p in range(2, 64) if 0 < causal_tail.plan(batch_heads, p * per_sm, costs)[1] < batch_heads)
     monkeypatch.setattr(warpspec, "_sm_count", lambda index: sms)
-    launcher.clear_plans()
+    ops.clear_plans()
 
 
 @_HOPPER
@@ -239,12 +240,12 @@ def test_warpspec_causal_backward_with_a_tail_matches_reference(dkdv_config, dq_
     for seqlen_q, seqlen_k in ((1000, 1537), (1000, 300), (777, 777)):
         q, do = (torch.randn(2, 8, seqlen_q, head_dim, dtype=dtype, device="cuda") for _ in range(2))
         k, v = (torch.randn(2, 4, seqlen_k, head_dim, dtype=dtype, device="cuda") for _ in range(2))
-        o, lse = launcher.forward(q, k, v, causal=True, scale=head_dim**-0.5)
+        o, lse = ops.forward(q, k, v, causal=True, scale=head_dim**-0.5)
         costs = causal_tail.dkdv_costs(-(-seqlen_k // dkdv_config.block_n), dkdv_config.block_n, dkdv_config.block_m,
                                        seqlen_q, seqlen_k, 2)  # fmt: skip
         _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, 8, costs, dkdv_config.persistent)
         del plans[:]
-        grads = launcher.backward(do, q, k, v, o, lse, causal=True, scale=head_dim**-0.5, dkdv_config=dkdv_config,
+        grads = ops.backward(do, q, k, v, o, lse, causal=True, scale=head_dim**-0.5, dkdv_config=dkdv_config,
                                   dq_config=dq_config)  # fmt: skip
         dkdv = [plan for batch_heads, plan in plans if batch_heads == 8]  # batch · K/V heads: the dK/dV launch's
         assert dkdv and dkdv[0][0] > 0 and dkdv[0][1] > 0, plans  # it had pairs and a tail
@@ -268,7 +269,7 @@ def test_warpspec_forward_with_a_split_tail_matches_reference(config, head_dim, 
     programs = next(p for p in range(3, 64) if split_tail.plan(tiles, p, kv_steps)[1] > 1)
     monkeypatch.setattr(warpspec, "_sm_count", lambda index: programs)
     out = torch.full_like(q, float("nan"))  # poisoned: the whole tiles and the merged ones must all be written
-    o, lse = launcher.forward(q, k, v, causal=False, scale=head_dim**-0.5, config=config, out=out)
+    o, lse = ops.forward(q, k, v, causal=False, scale=head_dim**-0.5, config=config, out=out)
     assert splits == [split_tail.plan(tiles, programs, kv_steps)[1]]  # the launch cut its tail
     ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double())
     assert_close(o, ref_o, dtype)
@@ -325,7 +326,7 @@ def test_warpspec_direct_launches_give_what_the_jit_gives(monkeypatch):
     cases = [torch.randn(2, 4, n, 128, dtype=torch.bfloat16, device="cuda") for n in (300, 512, 77)]
 
     def run_all():
-        return [launcher.forward(x, x.flip(2), x, causal=True, scale=0.1, config=config) for x in cases * 2]
+        return [ops.forward(x, x.flip(2), x, causal=True, scale=0.1, config=config) for x in cases * 2]
 
     fastlaunch.clear()
     monkeypatch.setattr(fastlaunch, "_enabled", True)
@@ -373,8 +374,8 @@ def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype, m
     # every query head has its own K/V head
     for q, k, v in (*_ws_inputs(head_dim, dtype), *_ws_inputs(head_dim, dtype, kv_heads=4)):
         do = torch.randn_like(q)
-        o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5)
-        grads = launcher.backward(do, q, k, v, o, lse, causal=causal, scale=head_dim**-0.5, dkdv_config=dkdv_config,
+        o, lse = ops.forward(q, k, v, causal=causal, scale=head_dim**-0.5)
+        grads = ops.backward(do, q, k, v, o, lse, causal=causal, scale=head_dim**-0.5, dkdv_config=dkdv_config,
                                   dq_config=dq_config)  # fmt: skip
         _assert_gradients_match_reference(grads, q, k, v, do, causal=causal)
 
@@ -395,21 +396,21 @@ def test_fused_dq_backward_is_deterministic_when_torch_asks(monkeypatch):
     # bits on every run, and the same gradients as the fused run to rounding. An explicit fused config is an error.
     torch.manual_seed(11)
     q, k, v, do = (torch.randn(1, 4, 1000, 64, dtype=torch.bfloat16, device="cuda") for _ in range(4))
-    o, lse = launcher.forward(q, k, v, causal=True, scale=0.125)
+    o, lse = ops.forward(q, k, v, causal=True, scale=0.125)
     fused = KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1)
-    monkeypatch.setattr(launcher.selection, "resolve", lambda kernel, *a, **kw: (
+    monkeypatch.setattr(selection, "resolve", lambda kernel, *a, **kw: (
         fused if kernel == "bwd_dkdv" else KernelConfig(128, 64, 4, 3, warpspec=1), "test"))  # fmt: skip
-    launcher.clear_plans()
-    loose = launcher.backward(do, q, k, v, o, lse, causal=True, scale=0.125)
+    ops.clear_plans()
+    loose = ops.backward(do, q, k, v, o, lse, causal=True, scale=0.125)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    runs = [launcher.backward(do, q, k, v, o, lse, causal=True, scale=0.125) for _ in range(3)]
+    runs = [ops.backward(do, q, k, v, o, lse, causal=True, scale=0.125) for _ in range(3)]
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0], strict=True))
     for a, b in zip(runs[0], loose, strict=True):
         assert_close(a, b, torch.bfloat16, what="deterministic twin against the fused run")
     with pytest.raises(RuntimeError, match=r"dkdv_config .* fuses dQ in .*use_deterministic_algorithms"):
-        launcher.backward(do, q, k, v, o, lse, causal=True, scale=0.125, dkdv_config=fused)
-    launcher.clear_plans()
+        ops.backward(do, q, k, v, o, lse, causal=True, scale=0.125, dkdv_config=fused)
+    ops.clear_plans()
 
 
 # Every backward kernel (Triton; warp-specialized dK/dV and dQ; dK/dV with dQ fused in, one and two programs an SM, at
@@ -448,8 +449,8 @@ def test_short_sequences_of_large_scores_give_finite_gradients_in_every_kernel(h
                                         all_negative=all_negative)  # fmt: skip
             if head_dim != 64:
                 q, k, v, do = (torch.cat([t, t], dim=-1) * 2**-0.5 for t in (q, k, v, do))
-            o, lse = launcher.forward(q, k, v, causal=causal, scale=scale)
-            grads = launcher.backward(do, q, k, v, o, lse, causal=causal, scale=scale, dkdv_config=dkdv_config,
+            o, lse = ops.forward(q, k, v, causal=causal, scale=scale)
+            grads = ops.backward(do, q, k, v, o, lse, causal=causal, scale=scale, dkdv_config=dkdv_config,
                                       dq_config=dq_config)  # fmt: skip
             _assert_grads_within_flash_attention_bound(grads, q, k, v, do, causal, scale)
 
@@ -469,11 +470,11 @@ def test_warpspec_backward_direct_launches_give_what_the_jit_gives(causal, monke
     cases = []
     for n in (300, 512):
         q, k, v, do = (torch.randn(2, 4, n, 128, dtype=torch.bfloat16, device="cuda") for _ in range(4))
-        o, lse = launcher.forward(q, k, v, causal=causal, scale=0.1)
+        o, lse = ops.forward(q, k, v, causal=causal, scale=0.1)
         cases.append((do, q, k, v, o, lse))
 
     def run_all():
-        return [launcher.backward(*case, causal=causal, scale=0.1, **configs) for case in cases for _ in range(3)]
+        return [ops.backward(*case, causal=causal, scale=0.1, **configs) for case in cases for _ in range(3)]
 
     fastlaunch.clear()
     monkeypatch.setattr(fastlaunch, "_enabled", True)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import fa2tune
+from fa2tune.api import ops
 from fa2tune.config.types import KernelConfig
-from fa2tune.launch import launcher
+from fa2tune.launch import grid
 from fa2tune.tune.reference import naive_attention
 
 from .conftest import assert_close
@@ -44,7 +45,7 @@ def test_forward_matches_reference(shape, causal, dtype, device):
     k = torch.randn(batch, hkv, nk, d, dtype=dtype, device=device)
     v = torch.randn(batch, hkv, nk, d, dtype=dtype, device=device)
     out = torch.full_like(q, float("nan"))  # poison: every element must be written
-    o, lse = launcher.forward(q, k, v, causal=causal, scale=d**-0.5, out=out)
+    o, lse = ops.forward(q, k, v, causal=causal, scale=d**-0.5, out=out)
     assert o.data_ptr() == out.data_ptr()
     ref_o, ref_lse = _reference(q, k, v, causal)
     assert_close(o, ref_o, dtype)
@@ -70,7 +71,7 @@ def test_any_block_config_gives_the_same_function(config, causal, device):
     q = torch.randn(1, 2, 75, 48, device=device)
     k = torch.randn(1, 2, 91, 48, device=device)
     v = torch.randn(1, 2, 91, 48, device=device)
-    o, lse = launcher.forward(q, k, v, causal=causal, scale=0.3, config=config)
+    o, lse = ops.forward(q, k, v, causal=causal, scale=0.3, config=config)
     ref_o, ref_lse = _reference(q, k, v, causal, scale=0.3)
     assert_close(o, ref_o, torch.float32)
     assert_close(lse, ref_lse, torch.float32, what="lse")
@@ -92,7 +93,7 @@ def test_pipelined_forward_matches_reference(shape, mask, dtype, device):
     k = torch.randn(batch, hkv, nk, d, dtype=dtype, device=device)
     v = torch.randn(batch, hkv, nk, d, dtype=dtype, device=device)
     out = torch.full_like(q, float("nan"))
-    o, lse = launcher.forward(q, k, v, causal=mask, scale=d**-0.5, out=out, config=KernelConfig(16, 16, pipeline_qk=1))
+    o, lse = ops.forward(q, k, v, causal=mask, scale=d**-0.5, out=out, config=KernelConfig(16, 16, pipeline_qk=1))
     ref_o, ref_lse = _reference(q, k, v, mask)
     assert_close(o, ref_o, dtype)
     assert_close(lse, ref_lse, torch.float32, what="lse")
@@ -144,14 +145,14 @@ def test_large_scores_stay_finite(device):
 
 @pytest.mark.parametrize("batch_heads", [1, 7, 65535, 65536, 200_000, 2**31 - 65536])
 def test_forward_grid_covers_every_head_within_cuda_limits(batch_heads):
-    tiles, b1, b2 = launcher.fwd_grid(3, batch_heads)
-    assert tiles == 3 and 1 <= b1 <= launcher.GRID_AXIS_MAX and 1 <= b2 <= launcher.GRID_AXIS_MAX
+    tiles, b1, b2 = grid.fwd_grid(3, batch_heads)
+    assert tiles == 3 and 1 <= b1 <= grid.GRID_AXIS_MAX and 1 <= b2 <= grid.GRID_AXIS_MAX
     assert batch_heads <= b1 * b2 < batch_heads + b2  # every head has a program; fewer than b2 idle ones
 
 
 def test_forward_grid_refuses_more_heads_than_one_launch_covers():
     with pytest.raises(ValueError, match="batch·heads"):
-        launcher.fwd_grid(1, launcher.GRID_AXIS_MAX**2 + 1)
+        grid.fwd_grid(1, grid.GRID_AXIS_MAX**2 + 1)
 
 
 @pytest.mark.parametrize("batch_heads", [2**31 - 1, 2**31, 65535**2])
@@ -159,18 +160,18 @@ def test_forward_grid_refuses_program_ids_past_int32(batch_heads):
     # The kernel numbers (batch, head) programs in int32: a grid whose axis2·B1 + axis1 could reach 2^31 would wrap
     # to negative heads and write out of bounds. Such a call is refused with a way out, not run.
     with pytest.raises(ValueError, match=r"32-bit program ids.*split the batch"):
-        launcher.fwd_grid(1, batch_heads)
+        grid.fwd_grid(1, batch_heads)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_forward_with_batch_heads_split_over_two_grid_axes(causal, device, monkeypatch):
     # CUDA's cap (65535) made small: 3 batches x 5 heads = 15 go to grid axes (4, 4), one program per tile idle.
-    monkeypatch.setattr(launcher, "GRID_AXIS_MAX", 4)
-    assert launcher.fwd_grid(2, 15) == (2, 4, 4)
+    monkeypatch.setattr(grid, "GRID_AXIS_MAX", 4)
+    assert grid.fwd_grid(2, 15) == (2, 4, 4)
     torch.manual_seed(5)
     q, k, v = (torch.randn(3, 5, 70, 32, device=device) for _ in range(3))
     out = torch.full_like(q, float("nan"))
-    o, lse = launcher.forward(q, k, v, causal=causal, scale=32**-0.5, out=out, config=KernelConfig(32, 16))
+    o, lse = ops.forward(q, k, v, causal=causal, scale=32**-0.5, out=out, config=KernelConfig(32, 16))
     ref_o, ref_lse = _reference(q, k, v, causal)
     assert_close(o, ref_o, torch.float32)
     assert_close(lse, ref_lse, torch.float32, what="lse")
@@ -179,5 +180,5 @@ def test_forward_with_batch_heads_split_over_two_grid_axes(causal, device, monke
 def test_configs_cross_the_custom_op_boundary_whole():
     # torch.compile's path passes configs to the custom ops as int lists: every field, switches included, comes back
     for cfg in (KernelConfig(64, 32, 4, 3, pipeline_qk=1), KernelConfig(128, 128, 4, 2, warpspec=2, persistent=1)):
-        assert launcher._from_ints(launcher._to_ints(cfg)) == cfg
-    assert launcher._from_ints([]) is None  # "resolve inside the op"
+        assert ops._from_ints(ops._to_ints(cfg)) == cfg
+    assert ops._from_ints([]) is None  # "resolve inside the op"

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune.api import selection
+from fa2tune.api import ops, selection
 from fa2tune.config.types import KernelConfig
-from fa2tune.launch import launcher
+from fa2tune.launch import plans
 from fa2tune.tune.reference import naive_attention
 
 from .conftest import assert_close
@@ -42,15 +42,15 @@ def _grads(q, k, v, do, causal):
 def test_a_second_call_reuses_the_plan_and_gives_the_same_result(device, resolves):
     torch.manual_seed(1)
     q, k, v = _qkv(device=device)
-    first, _ = launcher.forward(q, k, v, causal=True, scale=0.2)
+    first, _ = ops.forward(q, k, v, causal=True, scale=0.2)
     assert resolves == ["fwd"]
     q2, k2, v2 = _qkv(device=device)  # new values, same signature
-    second, lse = launcher.forward(q2, k2, v2, causal=True, scale=0.2)
+    second, lse = ops.forward(q2, k2, v2, causal=True, scale=0.2)
     assert resolves == ["fwd"]  # nothing resolved again
     ref_o, ref_lse = naive_attention(q2.double(), k2.double(), v2.double(), causal=True, scale=0.2)
     assert_close(second, ref_o, torch.float16)
     assert_close(lse, ref_lse, torch.float32, what="lse")
-    again, _ = launcher.forward(q, k, v, causal=True, scale=0.2)
+    again, _ = ops.forward(q, k, v, causal=True, scale=0.2)
     assert torch.equal(again, first)
 
 
@@ -58,8 +58,8 @@ def test_a_second_call_reuses_the_plan_and_gives_the_same_result(device, resolve
 def test_a_call_that_differs_in_anything_the_plan_was_worked_out_from_works_its_own_out(change, device, resolves):
     torch.manual_seed(2)
     q, k, v = _qkv(device=device)
-    launcher.forward(q, k, v, causal=False, scale=0.2)
-    assert len(launcher._plans) == 1
+    ops.forward(q, k, v, causal=False, scale=0.2)
+    assert len(plans._plans) == 1
     causal, scale, config, dtype = False, 0.2, None, torch.float16
     if change == "v strides":  # same shape, v read through other strides: the kernel's stride arguments differ
         v = torch.randn(1, 2, 45, 64, dtype=dtype, device=device)[..., :32]  # rows 64 elements apart, k's 32
@@ -75,19 +75,19 @@ def test_a_call_that_differs_in_anything_the_plan_was_worked_out_from_works_its_
     else:
         config = KernelConfig(16, 16)
     assert v.stride(-1) == 1
-    o, _ = launcher.forward(q, k, v, causal=causal, scale=scale, config=config)
-    assert len(launcher._plans) == 2
+    o, _ = ops.forward(q, k, v, causal=causal, scale=scale, config=config)
+    assert len(plans._plans) == 2
     ref, _ = naive_attention(q.double(), k.double(), v.double(), causal=causal, scale=scale)
     assert_close(o, ref, dtype)
 
 
 def test_clearing_the_resolved_configs_retires_the_plans(device, resolves):
     q, k, v = _qkv(device=device)
-    launcher.forward(q, k, v, causal=False, scale=0.2)
-    launcher.forward(q, k, v, causal=False, scale=0.2)
+    ops.forward(q, k, v, causal=False, scale=0.2)
+    ops.forward(q, k, v, causal=False, scale=0.2)
     assert resolves == ["fwd"]
     selection.clear_cache()  # what a tune, a new config file or a test does
-    launcher.forward(q, k, v, causal=False, scale=0.2)
+    ops.forward(q, k, v, causal=False, scale=0.2)
     assert resolves == ["fwd", "fwd"]
 
 
@@ -133,32 +133,32 @@ def test_a_backward_with_other_grad_out_strides_works_its_own_plan_out(device):
 
 def test_a_plan_is_not_kept_where_the_addresses_may_have_decided_the_config():
     # A warpspec config swapped for the Triton one: for the signature (kept), or maybe for these addresses (not).
-    plan = launcher._Plan(lambda *tensors: None, tma=False)
+    plan = plans.Plan(lambda *tensors: None, tma=False)
     aligned = torch.zeros(64, dtype=torch.float16)
     shifted = aligned[1:]  # 2 bytes past a 16-byte boundary
-    launcher._keep(("aligned",), plan, True, (aligned, aligned))
-    launcher._keep(("shifted",), plan, True, (aligned, shifted))
-    launcher._keep(("not downgraded",), plan, False, (aligned, shifted))
-    launcher._keep(None, plan, False, (aligned,))  # a call with no signature (packed sequences, out=)
-    assert set(launcher._plans) == {("aligned",), ("not downgraded",)}
+    plans.keep(("aligned",), plan, True, (aligned, aligned))
+    plans.keep(("shifted",), plan, True, (aligned, shifted))
+    plans.keep(("not downgraded",), plan, False, (aligned, shifted))
+    plans.keep(None, plan, False, (aligned,))  # a call with no signature (packed sequences, out=)
+    assert set(plans._plans) == {("aligned",), ("not downgraded",)}
 
 
 def test_plans_are_bounded(monkeypatch):
-    monkeypatch.setattr(launcher, "_MAX_PLANS", 3)
-    plan = launcher._Plan(lambda *tensors: None, tma=False)
+    monkeypatch.setattr(plans, "MAX_PLANS", 3)
+    plan = plans.Plan(lambda *tensors: None, tma=False)
     for i in range(7):
-        launcher._keep((i,), plan, False, ())
-        assert len(launcher._plans) <= 3
-    assert (6,) in launcher._plans
+        plans.keep((i,), plan, False, ())
+        assert len(plans._plans) <= 3
+    assert (6,) in plans._plans
 
 
 def test_packed_sequences_and_given_outputs_keep_no_plan(device):
     q, k, v = _qkv(device=device)
-    launcher.forward(q, k, v, causal=False, scale=0.2, out=torch.empty_like(q))
+    ops.forward(q, k, v, causal=False, scale=0.2, out=torch.empty_like(q))
     packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]  # (45, 2, 32): one sequence of 45 tokens
     cu = torch.tensor([0, 45], dtype=torch.int32, device=device)
     fa2tune.attention_varlen(*packed, cu, cu, 45, 45)
-    assert not launcher._plans
+    assert not plans._plans
 
 
 def test_plans_hold_no_tensors(device):
@@ -166,7 +166,7 @@ def test_plans_hold_no_tensors(device):
     # training step's activations alive for as long as the process keeps the plan.
     q, k, v = _qkv(device=device, grad=True)
     torch.autograd.grad(fa2tune.attention(q, k, v, causal=True), (q, k, v), torch.randn_like(q))
-    assert len(launcher._plans) == 2  # the forward's and the backward's
+    assert len(plans._plans) == 2  # the forward's and the backward's
 
     def contents(fn, seen):
         if id(fn) in seen:
@@ -178,7 +178,7 @@ def test_plans_hold_no_tensors(device):
             if callable(value) and hasattr(value, "__closure__"):
                 yield from contents(value, seen)
 
-    for plan in launcher._plans.values():
+    for plan in plans._plans.values():
         held = list(contents(plan.launch, set()))
         assert held and not any(isinstance(x, torch.Tensor) for x in held)
         flat = [y for x in held if isinstance(x, tuple | list) for y in x]

@@ -69,7 +69,7 @@ def test_importing_the_package_and_the_command_line_does_not_import_torch():
 def test_the_package_s_names_import_on_first_use():
     import fa2tune
 
-    assert fa2tune.attention is fa2tune.launch.launcher.attention
+    assert fa2tune.attention is fa2tune.api.attention.attention
     assert fa2tune.get_kernel is fa2tune.api.attention_kernel.get_kernel
     assert set(fa2tune.__all__) <= set(dir(fa2tune))
     with pytest.raises(AttributeError, match="no_such_name"):

@@ -11,14 +11,14 @@ from ._scripts import load_script
 
 
 def test_autograd_split_times_each_stretch_and_puts_the_launchers_back(capsys):
-    # bench_host_overhead.py --autograd-split patches the autograd.Function's backward and launcher.backward to
+    # bench_host_overhead.py --autograd-split patches the autograd.Function's backward and the backward it calls to
     # time them, and on a machine without a GPU turns launches into no-ops: afterwards all three are the real ones.
-    from fa2tune.launch import launcher
+    from fa2tune.launch import autograd, layout
 
     script = load_script("bench_host_overhead")
-    before = (launcher._EagerAttention.backward, launcher.backward, launcher._kernel)
+    before = (autograd.EagerAttention.backward, autograd.backward, layout.kernel)
     assert script._autograd_split(5) == 0
-    assert (launcher._EagerAttention.backward, launcher.backward, launcher._kernel) == before
+    assert (autograd.EagerAttention.backward, autograd.backward, layout.kernel) == before
     lines = capsys.readouterr().out.splitlines()
     spans = {line.rsplit(maxsplit=1)[0].strip(): float(line.rsplit(maxsplit=1)[1]) for line in lines[1:]}
     assert len(spans) == 7 and all(us > 0 for us in spans.values())  # every stamp taken, each after the one before

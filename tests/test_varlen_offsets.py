@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import fa2tune
+from fa2tune.api import attention, ops
 from fa2tune.launch import launcher
 from fa2tune.tune.reference import naive_attention, naive_attention_varlen
 
@@ -108,7 +109,7 @@ def check_offsets_changed_unseen(device: str) -> None:
         # the forward's own rows: not written where no sequence is (a poisoned buffer keeps its poison)
         poison = torch.full_like(q, 7.0)
         packing = launcher.Packing(cu, cu, MAX_LEN, MAX_LEN)
-        launcher.forward(q, k, v, causal=False, scale=0.25, packing=packing, out=poison)
+        ops.forward(q, k, v, causal=False, scale=0.25, packing=packing, out=poison)
         covered = torch.zeros(TOTAL, dtype=torch.bool)
         for start, n in rows:
             covered[start : start + n] = True
@@ -182,7 +183,7 @@ def test_offsets_written_in_place_between_forward_and_backward_are_refused(path,
     cu = torch.tensor(OFFSETS, dtype=torch.int32, device=device)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     packing = launcher.Packing(cu, cu, MAX_LEN, MAX_LEN)
-    apply = launcher._EagerAttention.apply if path == "eager" else launcher._apply_op
+    apply = attention.apply_eager if path == "eager" else ops.apply_op
     o, _ = apply(*leaves, fa2tune.Mask(), 0.25, None, packing)
     cu[1] = 2
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):

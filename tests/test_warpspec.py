@@ -14,13 +14,13 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune.api import selection
+from fa2tune.api import ops, selection
 from fa2tune.config import planner
 from fa2tune.config.device import known_gpu
 from fa2tune.config.store import EntryKey
 from fa2tune.config.types import KernelConfig, Variant
 from fa2tune.kernels import codegen
-from fa2tune.launch import launcher, warpspec
+from fa2tune.launch import fallback, warpspec
 from fa2tune.tune import tuner
 from fa2tune.tune.reference import naive_attention
 
@@ -468,14 +468,14 @@ def test_a_fused_dq_config_gives_way_to_its_twin_under_deterministic_algorithms(
     # warpspec=1 twin (a dQ kernel of its own) and an explicit one is an error naming the argument.
     fused = KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1)
     ws1 = KernelConfig(64, 128, 4, 3, warpspec=1, persistent=1)
-    assert launcher._deterministic(fused, explicit=True) is fused
+    assert fallback.deterministic(fused, explicit=True) is fused
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
-    assert launcher._deterministic(fused, explicit=False) == ws1
-    assert launcher._deterministic(ws1, explicit=True) is ws1
+    assert fallback.deterministic(fused, explicit=False) == ws1
+    assert fallback.deterministic(ws1, explicit=True) is ws1
     q, k, v, do = (torch.randn(1, 2, 40, 64, device=device) for _ in range(4))
-    o, lse = launcher.forward(q, k, v, causal=False, scale=0.125)
+    o, lse = ops.forward(q, k, v, causal=False, scale=0.125)
     with pytest.raises(RuntimeError, match=r"dkdv_config .* fuses dQ in .*use_deterministic_algorithms"):
-        launcher.backward(do, q, k, v, o, lse, causal=False, scale=0.125, dkdv_config=fused)
+        ops.backward(do, q, k, v, o, lse, causal=False, scale=0.125, dkdv_config=fused)
 
 
 def test_a_tuned_warpspec_config_falls_back_to_triton_where_it_cannot_run(monkeypatch, device):
@@ -492,13 +492,13 @@ def test_a_tuned_warpspec_config_falls_back_to_triton_where_it_cannot_run(monkey
             fa2tune.attention(q, k, v, config=WS)
     bad_dq = KernelConfig(192, 64, 4, 2, warpspec=1)
     with pytest.raises(ValueError, match=r"dq_config .*bwd_dq's warpspec takes warpspec in \(1,\), block_m in \(64, 1"):
-        launcher.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dq_config=bad_dq)
+        ops.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dq_config=bad_dq)
     with pytest.raises(ValueError, match="block_m=192 needs warpspec"):
         fa2tune.attention(q, k, v, config=KernelConfig(192, 64))
     if device == "cpu":
         dkdv = KernelConfig(64, 128, 4, 2, warpspec=1)
         with pytest.raises(ValueError, match=r"dkdv_config .* cannot run this call: warpspec runs on a CUDA GPU only"):
-            launcher.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dkdv_config=dkdv)
+            ops.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dkdv_config=dkdv)
         dq = KernelConfig(128, 64, 4, 3, warpspec=1)
         with pytest.raises(ValueError, match=r"dq_config .* cannot run this call: warpspec runs on a CUDA GPU only"):
-            launcher.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dq_config=dq)
+            ops.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dq_config=dq)

@@ -10,8 +10,8 @@ import torch
 from ..config import store
 from ..config.inputs import check_dtype, check_flag, check_int, check_prefix_len, check_qkv, check_varlen, check_window
 from ..config.types import MAX_HEAD_DIM, DeviceInfo, KernelConfig, integer
-from ..launch.launcher import attention, attention_varlen
 from . import selection
+from .attention import attention, attention_varlen
 
 
 @dataclass(frozen=True)

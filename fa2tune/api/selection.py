@@ -1,9 +1,9 @@
 """Which config one attention call launches with: the tuned entry from the store, else the planner's default.
 
-Resolved once per (kernel, head_dim, dtype, mask kind, length bucket, device, config dir) and cached, so
-attention()'s hot path pays a dict lookup. A call looks up its length's bucket first ("short" for
-max(seqlen_q, seqlen_k) <= store.SHORT_SEQLEN), then "all". A tuned entry that does not fit the device it is used on
-is ignored with one warning.
+resolve() looks a call up by (kernel, head_dim, dtype, mask kind, length bucket, device, config dir): the call's
+length's bucket first ("short" for max(seqlen_q, seqlen_k) <= store.SHORT_SEQLEN), then "all". A tuned entry that
+does not fit the device it is used on is ignored with one warning. for_call() keeps what resolve() gave per call
+signature, so attention()'s hot path pays one dict lookup for all its configs.
 """
 
 from __future__ import annotations
@@ -13,31 +13,29 @@ import os
 import torch
 
 from ..config import planner, store
-from ..config.device import INTERPRETER, inspect_cached
+from ..config.device import device_info
 from ..config.inputs import DTYPE_NAMES, interpreting
-from ..config.types import DeviceInfo, KernelConfig
+from ..config.types import KernelConfig, Mask
 from ..kernels import codegen
+
+__all__ = ["BACKWARD", "FORWARD", "FORWARD_BACKWARD", "clear_cache", "config_for", "device_info", "for_call",
+           "resolve"]  # fmt: skip
 
 _cache: dict[tuple, tuple[KernelConfig, str]] = {}
 
+# The kernels a call runs, as for_call takes them.
+FORWARD = ("fwd",)
+BACKWARD = ("bwd_dkdv", "bwd_dq")
+FORWARD_BACKWARD = FORWARD + BACKWARD
 
-def device_info(device: torch.device | str) -> DeviceInfo:
-    """The DeviceInfo for a tensor's device: the card's reading (cached), or the interpreter pseudo-device."""
-    device = torch.device(device)
-    if device.type == "cpu" or interpreting():
-        return INTERPRETER
-    return inspect_cached(device.index if device.index is not None else torch.cuda.current_device())
-
-
-# Counts clear_cache() calls: what launcher's launch plans (resolved configs among them) are kept under.
-generation = 0
+_calls: dict[tuple, tuple[KernelConfig, ...]] = {}  # for_call's: configs per call signature
+_MAX_CALLS = 256  # signatures kept; cleared when full
 
 
 def clear_cache() -> None:
     """Forget resolved configs (after a tune wrote new entries, or the config directories changed)."""
-    global generation
     _cache.clear()
-    generation += 1
+    _calls.clear()
 
 
 def resolve(
@@ -82,3 +80,39 @@ def resolve(
         result = (planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info), "planner-default")
     _cache[cache_key] = result
     return result
+
+
+def for_call(kernels: tuple[str, ...], q: torch.Tensor, k: torch.Tensor, mask: Mask, packing) -> tuple:
+    """The configs `kernels` (FORWARD, BACKWARD, ...) launch with for this call, as resolve() picks them.
+
+    Kept per call signature, so a call whose signature was seen pays one dict lookup: what decides them (head dim,
+    dtype, device, mask, packed or not, and the longer side, which picks the length bucket — for SDPA's layout the
+    shapes, which hold both) and what may change what resolve() finds (the config directory; for a CUDA tensor
+    Triton's interpreter, under which its device resolves as the interpreter's). clear_cache() forgets them.
+    packing: a fa2tune.launch.launcher.Packing, or None.
+    """
+    if packing is None:
+        key = (kernels, q.shape, k.shape, q.dtype, q.device, mask, os.environ.get("FA2TUNE_CONFIG_DIR"),
+               q.is_cuda and interpreting())  # fmt: skip
+    else:
+        key = (kernels, q.shape[-1], max(packing.max_seqlen_q, packing.max_seqlen_k), q.dtype, q.device, mask,
+               os.environ.get("FA2TUNE_CONFIG_DIR"), q.is_cuda and interpreting(), "packed")  # fmt: skip
+    configs = _calls.get(key)
+    if configs is None:
+        configs = _resolve_call(kernels, q, k, mask, packing)
+        if len(_calls) >= _MAX_CALLS:
+            _calls.clear()
+        _calls[key] = configs
+    return configs
+
+
+def _resolve_call(kernels: tuple[str, ...], q: torch.Tensor, k: torch.Tensor, mask: Mask, packing) -> tuple:
+    # The longer side picks the length bucket of the tuned configs (store.buckets_for).
+    longest = max(q.shape[2], k.shape[2]) if packing is None else max(packing.max_seqlen_q, packing.max_seqlen_k)
+    return tuple(resolve(kernel, q.shape[-1], q.dtype, mask.causal, q.device, window=mask.banded,
+                         varlen=packing is not None, seqlen=longest)[0] for kernel in kernels)  # fmt: skip
+
+
+def config_for(config: KernelConfig | None, kernel: str, q: torch.Tensor, k: torch.Tensor, mask: Mask, packing):
+    """`config`, or — None — the one resolved for this call's `kernel` (for_call)."""
+    return config if config is not None else for_call((kernel,), q, k, mask, packing)[0]

@@ -111,6 +111,18 @@ def inspect_cached(index: int) -> DeviceInfo:
     return inspect(f"cuda:{index}")
 
 
+def device_info(device: torch.device | str) -> DeviceInfo:
+    """The DeviceInfo for a tensor's device: the card's reading (cached), or the interpreter pseudo-device."""
+    import torch
+
+    from .inputs import interpreting
+
+    device = torch.device(device)
+    if device.type == "cpu" or interpreting():
+        return INTERPRETER
+    return inspect_cached(device.index if device.index is not None else torch.cuda.current_device())
+
+
 # Dense bf16/fp16 tensor-core FLOP per clock per SM, by compute capability, from NVIDIA's whitepapers (A100 312
 # TFLOP/s = 108 SMs × 1.41 GHz × 2048; H100 SXM 989 = 132 × 1.83 GHz × 4096; Ada and GA10x: 1024 at most).
 _TENSOR_FLOP_PER_CLOCK_PER_SM = {(8, 0): 2048, (8, 6): 1024, (8, 7): 1024, (8, 9): 1024, (9, 0): 4096}

@@ -17,10 +17,9 @@ from ..config.inputs import interpreting
 from ..config.types import KernelConfig, Mask, Variant
 from ..kernels import codegen
 from . import causal_tail, fastlaunch, split_tail
+from .grid import GRID_AXIS_MAX, LOG2E  # GRID_AXIS_MAX caps grid axis 1, which numbers batch·heads here
 
-LOG2E = 1.4426950408889634
 ROWS_PER_CONSUMER = 64  # the template's ROWS_PER_CONSUMER: one warpgroup's wgmma rows
-GRID_AXIS_MAX = 65535  # CUDA's cap on grid axis 1, which numbers batch·heads here
 TMA_ALIGN = 16  # bytes: TMA's alignment of a tensor's base address and of every stride but the last
 
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..api.ops import forward
 from ..config.types import KernelConfig, Mask
-from ..launch.launcher import forward
 from .reference import naive_attention
 from .workload import PackedBatch
 
@@ -103,7 +103,7 @@ def check_backward(
     varlen: bool = False,
 ) -> float:
     """Worst relative error (‖g − ref‖ / max(‖ref‖, ‖dO‖)) of dq, dk, dv against float64 autograd."""
-    from ..launch.launcher import backward
+    from ..api.ops import backward
 
     head_dim = shape[-1]
     q, k, v, do = _random_inputs(shape, dtype, device, seed)

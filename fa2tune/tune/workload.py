@@ -86,7 +86,7 @@ def kernel_inputs(
 ):  # fmt: skip
     """Fresh random inputs for `kernel` ("fwd", "bwd_dkdv", "bwd_dq"); backward ones carry a real forward.
     varlen: the batch packed as equal-length sequences, for the packed-sequence variant."""
-    from ..launch import launcher
+    from ..api import ops
 
     q, k, v = random_qkv(batch, heads, seqlen, head_dim, dtype=dtype, device=device)
     packing = None
@@ -96,19 +96,19 @@ def kernel_inputs(
         packing = packed.packing
     if kernel == "fwd":
         return KernelInputs(q, k, v, packing=packing)
-    o, lse = launcher.forward(q, k, v, causal=causal, scale=head_dim**-0.5, packing=packing)
+    o, lse = ops.forward(q, k, v, causal=causal, scale=head_dim**-0.5, packing=packing)
     return KernelInputs(q, k, v, o, lse, torch.randn_like(o), packing)
 
 
 def run_kernel(kernel: str, cfg, x: KernelInputs, causal: bool | Mask):
     """Runs `kernel` with `cfg` (a backward kernel: the whole backward, the other kernel at its resolved config)."""
-    from ..launch import launcher
+    from ..api import ops
 
     scale = x.q.shape[-1] ** -0.5
     if kernel == "fwd":
-        return launcher.forward(x.q, x.k, x.v, causal=causal, scale=scale, config=cfg, packing=x.packing)
+        return ops.forward(x.q, x.k, x.v, causal=causal, scale=scale, config=cfg, packing=x.packing)
     key = "dkdv_config" if kernel == "bwd_dkdv" else "dq_config"
-    return launcher.backward(
+    return ops.backward(
         x.do, x.q, x.k, x.v, x.o, x.lse, causal=causal, scale=scale, packing=x.packing, **{key: cfg}
     )
 

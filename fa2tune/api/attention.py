@@ -1,0 +1,159 @@
+"""The public attention() and attention_varlen(): their arguments checked, the configs resolved, then the launch —
+directly for eager calls (EagerAttention), through the custom op (fa2tune.api.ops) when torch.compile or a
+tracing mode runs the call. FlashAttnFunction is the same for code written against an autograd.Function."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config.inputs import check_flag, check_prefix_len, check_qkv, check_scale, check_varlen, check_window
+from ..config.types import KernelConfig, Mask
+from ..launch import launcher
+from ..launch.launcher import Packing
+from . import ops, selection
+
+
+def apply_eager(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packing: Packing | None = None):
+    """(O, logsumexp) through the eager autograd path (launcher.EagerAttention), the configs the caller left out
+    resolved as attention() resolves them: the forward's, and the backward's for the backward to come."""
+    if config is None:
+        configs = selection.for_call(selection.FORWARD_BACKWARD, q, k, mask, packing)
+    else:
+        configs = (config, *selection.for_call(selection.BACKWARD, q, k, mask, packing))
+    return launcher.EagerAttention.apply(q, k, v, mask, scale, packing, configs, config is not None)
+
+
+def _apply(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packing: Packing | None = None):
+    """The eager path when nothing traces the call, else the custom op (which resolves its configs when it runs,
+    never while torch.compile traces)."""
+    if launcher.is_eager(q, k, v):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return apply_eager(q, k, v, mask, scale, config, packing)
+        # Nothing to differentiate (inference, torch.no_grad, inputs without grad): the forward alone. The
+        # autograd.Function's own host time (14 µs of a trivial one on the development machine) would buy nothing,
+        # and a short inference call waits for its host.
+        fwd = selection.for_call(selection.FORWARD, q, k, mask, packing)[0] if config is None else config
+        return launcher.checked_forward(q, k, v, mask, scale, fwd, config is not None, packing)
+    return ops.apply_op(q, k, v, mask, scale, config, packing)
+
+
+class FlashAttnFunction:
+    """`FlashAttnFunction.apply(q, k, v, causal_or_mask, scale, config[, packing])` -> (O, logsumexp), both
+    differentiable: the differentiable op behind attention(), for code written against an autograd.Function."""
+
+    @staticmethod
+    def apply(q, k, v, mask, scale, config, packing=None):
+        if packing is None:
+            check_qkv(q, k, v)
+        elif isinstance(packing, Packing):
+            packing = Packing(*check_varlen(q, k, v, packing.cu_seqlens_q, packing.cu_seqlens_k,
+                                            packing.max_seqlen_q, packing.max_seqlen_k))  # fmt: skip
+        else:
+            raise TypeError(
+                f"packing must be a fa2tune.launch.launcher.Packing or None, got {type(packing).__name__}"
+            )
+        if isinstance(mask, Mask):  # checked as attention() checks its parts
+            mask = Mask(causal=check_flag("causal", mask.causal), window=check_window(mask.window),
+                        prefix_len=check_prefix_len(mask.prefix_len))  # fmt: skip
+        elif isinstance(mask, bool):
+            mask = Mask(causal=mask)
+        else:
+            raise TypeError(f"mask must be True or False (causal) or a fa2tune.Mask, got {mask!r}")
+        return _apply(q, k, v, mask, check_scale(scale, q.shape[-1]), _check_config(config), packing)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    prefix_len: int = 0,
+    return_lse: bool = False,
+    config: KernelConfig | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention softmax(q·kᵀ·scale)·v by FlashAttention-2: a drop-in for scaled_dot_product_attention.
+
+    Args:
+        q: (batch, heads_q, seqlen_q, head_dim), float16/bfloat16/float32, unit stride in head_dim.
+        k, v: (batch, heads_kv, seqlen_k, head_dim), same dtype and device; heads_q % heads_kv == 0 (GQA/MQA).
+        causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned, as FlashAttention-2);
+            a query that sees no key gets an output of 0 and a logsumexp of -inf.
+        scale: softmax scale, default 1/sqrt(head_dim).
+        window: (left, right), FlashAttention-2's window_size: query i sees keys i' - left <= j <= i' + right,
+            i' = i + seqlen_k - seqlen_q; -1 leaves a side unbounded; with causal, right is 0.
+        prefix_len: prefix-LM: keys [0, prefix_len) are visible to every query, causal after them (implies
+            causal; combines with a left window).
+        return_lse: also return the fp32 logsumexp (batch, heads_q, seqlen_q) of the scaled scores; it is
+            differentiable too (a loss may use it, e.g. to merge attention over chunks of keys).
+        config: forward block sizes, warps and stages; default: the tuned or the planner's pick.
+
+    Returns:
+        O with q's shape and dtype; with return_lse, (O, lse). Differentiable in q, k and v.
+    """
+    check_qkv(q, k, v)
+    return _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, None)
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    prefix_len: int = 0,
+    return_lse: bool = False,
+    config: KernelConfig | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed sequences, as FlashAttention-2's flash_attn_varlen_func: nothing attends across a
+    sequence boundary, and no padding is computed.
+
+    Args:
+        q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative lengths starting at 0, on q's device: sequence b
+            is rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) of q and [cu_seqlens_k[b], cu_seqlens_k[b+1]) of k/v.
+        max_seqlen_q, max_seqlen_k: the longest sequence of each (they size the launch grid).
+        causal, scale, window, prefix_len: as attention(), per sequence (bottom-right aligned within it).
+        return_lse: also return the fp32 logsumexp, (heads_q, total_q) as FlashAttention-2 returns it.
+
+    Returns:
+        O (total_q, heads_q, head_dim) in q's dtype; with return_lse, (O, lse). Differentiable in q, k and v.
+    """
+    packing = Packing(*check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    return _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, packing)
+
+
+def _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, packing):
+    """The keyword arguments attention() and attention_varlen() share, checked; then the differentiable op."""
+    mask = _mask(causal, window, prefix_len)
+    return_lse = check_flag("return_lse", return_lse)
+    scale = check_scale(scale, q.shape[-1])
+    o, lse = _apply(q, k, v, mask, scale, _check_config(config), packing)
+    return (o, lse) if return_lse else o
+
+
+def _check_config(config: object) -> KernelConfig | None:
+    if config is not None and not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a fa2tune.KernelConfig or None, got {type(config).__name__}")
+    return config
+
+
+# The masks of most calls, built once: checking the arguments and building a Mask costs 2 µs, and a kept mask
+# compares by identity in the lookups of the call's configs and plan.
+_PLAIN_MASKS = {False: Mask(causal=False), True: Mask(causal=True)}
+
+
+def _mask(causal: object, window: object, prefix_len: object) -> Mask:
+    """attention()'s mask arguments, checked, as a Mask."""
+    if window is None and type(prefix_len) is int and prefix_len == 0 and type(causal) is bool:
+        return _PLAIN_MASKS[causal]
+    return Mask(causal=check_flag("causal", causal), window=check_window(window),
+                prefix_len=check_prefix_len(prefix_len))  # fmt: skip

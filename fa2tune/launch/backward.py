@@ -1,0 +1,190 @@
+"""The backward launcher: dQ, dK, dV of attention from the saved logsumexp — δ's preprocess kernel, then the dK/dV
+and dQ kernels (Triton templates or warp-specialized), or one dK/dV kernel that adds dQ in (bwd_dkdv warpspec 2)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from ..config import planner
+from ..config.inputs import check_offsets
+from ..config.types import KernelConfig, Mask
+from . import fastlaunch, plans, warpspec
+from . import layout as _layout
+from .fallback import check_combination, deterministic, runnable
+from .grid import LOG2E, cdiv, input_precision
+from .layout import Packing, as_mask, layout, lse_strides, mask_args, on_device, totals
+
+
+def backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool | Mask,
+    scale: float,
+    dkdv_config: KernelConfig,
+    dq_config: KernelConfig,
+    dkdv_explicit: bool = True,
+    dq_explicit: bool = True,
+    packing: Packing | None = None,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of O = attention(q, k, v) given dO, recomputing S and P from the saved logsumexp.
+
+    dkdv_config, dq_config: the two kernels' configs (fa2tune.api.ops.backward resolves those a caller has not);
+    dkdv_explicit / dq_explicit: each was the caller's choice, as forward()'s explicit.
+    dlse: the gradient of the logsumexp output, if a loss used it. ∂lse_i/∂s_ij = P_ij, so it enters as
+    dS = P ∘ (dP − (δ − dlse)): it only shifts δ, and the kernels need no change.
+
+    Returns:
+        (dq, dk, dv), contiguous, with the shapes and dtypes of q, k, v; dk/dv summed over the query heads that
+        share each K/V head (GQA).
+    """
+    if q.numel() == 0 or k.numel() == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if packing is not None:  # offsets given new memory since the forward (`cu.data = ...`) are checked again
+        check_offsets(packing.cu_seqlens_q, packing.cu_seqlens_k, packing.max_seqlen_q, packing.max_seqlen_k,
+                      q.shape[0], k.shape[0])  # fmt: skip
+    if do.stride(-1) != 1:
+        do = do.contiguous()  # e.g. the stride-0 gradient of out.sum()
+    mask = as_mask(causal)
+    key = None
+    if packing is None:  # packed offsets are per call
+        # deterministic mode picks the dK/dV kernel (fallback.deterministic)
+        configs = (dkdv_config, dq_config, dkdv_explicit, dq_explicit, torch.are_deterministic_algorithms_enabled())
+        key = plans.plan_key("bwd", (q, k, v, o, lse, do), mask, scale, configs)
+        plan = plans.lookup(key)
+        if plan is not None:
+            dq, dk, dv, delta = _gradient_buffers(q, k, v, lse)
+            if not (plan.tma and plans.misaligned(q, k, v, do, dq, dk, dv)):
+                with on_device(q):
+                    plan.launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse)
+                return dq, dk, dv
+    for kernel_name, config, explicit in (("bwd_dkdv", dkdv_config, dkdv_explicit), ("bwd_dq", dq_config, dq_explicit)):
+        if explicit:
+            check_combination(config, kernel_name)
+    dkdv_config = deterministic(dkdv_config, dkdv_explicit)
+    dq, dk, dv, delta = _gradient_buffers(q, k, v, lse)
+    dkdv_run = runnable(dkdv_config, "bwd_dkdv", dkdv_explicit, mask, packing, q=q, k=k, v=v, grad_out=do, dk=dk,
+                        dv=dv)  # fmt: skip
+    dq_run = runnable(dq_config, "bwd_dq", dq_explicit, mask, packing, q=q, k=k, v=v, grad_out=do, dq=dq)
+    launch = _launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_run, dq_run, packing)
+    with on_device(q):
+        launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse)
+    downgraded = dkdv_run != dkdv_config or dq_run != dq_config
+    plans.keep(key, plans.Plan(launch, bool(dkdv_run.warpspec or dq_run.warpspec)), downgraded,
+               (q, k, v, do, dq, dk, dv))  # fmt: skip
+    return dq, dk, dv
+
+
+def _gradient_buffers(q, k, v, lse):
+    """dq, dk, dv (contiguous, as backward() returns them) and δ, uninitialised."""
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format), torch.empty_like(lse))  # fmt: skip
+
+
+def _launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config, dq_config, packing):
+    """launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse) for calls with these tensors' shapes and strides and
+    this packing: δ's preprocess kernel, then the dK/dV and dQ kernels — or, dQ fused in (bwd_dkdv warpspec 2), the
+    dK/dV kernel adding into a zeroed fp32 dQ and its cast —, everything but the tensors worked out."""
+    fused_dq = dkdv_config.warpspec == 2  # the dK/dV kernel also adds scale·dS·K into an fp32 dQ
+    pre_launch = _preprocess_launcher(q, k, o, do, mask, dq_config, fused_dq, packing)
+    shared = _Shared.of(q, k, v, lse, do, mask, scale, packing)
+    dkdv = _dkdv_launcher(q, k, lse, dk, dv, mask, scale, dkdv_config, shared)
+    dq_launch = None if fused_dq else _dq_launcher(q, k, lse, dq, mask, scale, dq_config, shared)
+
+    def launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse):
+        if fused_dq:
+            dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by the preprocess
+            pre_launch(o, do, delta, dq_acc)
+        else:
+            pre_launch(o, do, delta, delta)  # DQ_ACC unused (ZERO_DQ off): any pointer
+        if dlse is not None:
+            delta.sub_(dlse)  # same layout as lse, hence as δ
+        if fused_dq:
+            dkdv(q, k, v, do, dk, dv, dq_acc, lse, delta)
+            dq.copy_(dq_acc)
+        else:
+            dkdv(q, k, v, do, dk, dv, lse, delta)
+            dq_launch(q, k, v, do, dq, lse, delta)
+
+    return launch
+
+
+def _preprocess_launcher(q, k, o, do, mask: Mask, dq_config: KernelConfig, fused_dq: bool, packing: Packing | None):
+    """launch(o, do, delta, dq_acc): δ = rowsum(dO ∘ O), and with dQ fused in, the fp32 dQ zeroed."""
+    (batch, heads_q, _, seqlen_q, seqlen_k, head_dim), strides = layout(q, k, packing)
+    # δ per row needs no sequence boundaries: packed rows are preprocessed as one batch of one long sequence.
+    pre_rows, pre_batch = (q.shape[0], 1) if packing is not None else (seqlen_q, batch)
+    pre = _layout.kernel("bwd", "_attn_bwd_preprocess", mask, seqlen_q, seqlen_k, dq_config, packing is not None)
+    pre_grid = (cdiv(pre_rows, dq_config.block_m) * pre_batch * heads_q,)
+    # with dQ fused in, the preprocess also zeroes the fp32 dQ: q's shape, contiguous (a meta tensor's strides)
+    dq_acc_strides = strides(torch.empty(q.shape, device="meta")) if fused_dq else (0, 0, 0)
+    pre_scalars = (*strides(o), *strides(do), *dq_acc_strides, heads_q, pre_rows)
+    pre_options = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim), BLOCK_M=dq_config.block_m,
+                       ZERO_DQ=fused_dq)  # fmt: skip
+    return fastlaunch.Launcher(pre, pre_grid, pre_scalars, pre_options)
+
+
+class _Shared(NamedTuple):
+    """What the Triton dK/dV and dQ launches share: sizes, the inputs' strides, the mask's bounds and offsets.
+    No tensor but the offsets (packed calls keep no plan): a plan outlives its call."""
+
+    sizes: tuple  # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim)
+    strides: Callable
+    inputs: tuple  # strides of q, k, v, dO and the logsumexp
+    scalars: tuple  # heads, GQA group, lengths, scales, mask bounds, packed totals
+    cu_q: torch.Tensor | None
+    cu_k: torch.Tensor | None
+    varlen: bool
+    precision: str
+
+    @classmethod
+    def of(cls, q, k, v, lse, do, mask: Mask, scale: float, packing: Packing | None) -> _Shared:
+        sizes, strides = layout(q, k, packing)
+        _, heads_q, heads_kv, seqlen_q, seqlen_k, _ = sizes
+        cu_q, cu_k, bounds = mask_args(mask, seqlen_q, seqlen_k, packing)
+        inputs = (*strides(q), *strides(k), *strides(v), *strides(do), *lse_strides(lse, packing))
+        scalars = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds,
+                   *totals(q, k, packing))  # fmt: skip
+        return cls(sizes, strides, inputs, scalars, cu_q, cu_k, packing is not None, input_precision(q.dtype))
+
+    def options(self, config: KernelConfig) -> dict:
+        head_dim = self.sizes[-1]
+        return dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim), BLOCK_M=config.block_m,
+                    BLOCK_N=config.block_n, INPUT_PRECISION=self.precision, num_warps=config.num_warps,
+                    num_stages=config.num_stages)  # fmt: skip
+
+
+def _dkdv_launcher(q, k, lse, dk, dv, mask: Mask, scale: float, config: KernelConfig, shared: _Shared):
+    """launch(q, k, v, do, dk, dv, [dq_acc,] lse, delta): the dK/dV kernel, one program per K/V tile and head."""
+    if config.warpspec:  # backward() checked that this call can take it
+        # the warpspec launchers take the TMA-read tensors first: the Triton ones take the same order
+        return warpspec.backward_dkdv_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config)
+    batch, _, heads_kv, seqlen_q, seqlen_k, _ = shared.sizes
+    dkdv = _layout.kernel("bwd", "_attn_bwd_dkdv", mask, seqlen_q, seqlen_k, config, shared.varlen)
+    grid = (cdiv(seqlen_k, config.block_n) * batch * heads_kv,)
+    scalars = (*shared.inputs, *shared.strides(dk), *shared.strides(dv), *shared.scalars)
+    launch = fastlaunch.Launcher(dkdv, grid, scalars, shared.options(config))
+    cu_q, cu_k = shared.cu_q, shared.cu_k
+    return lambda q, k, v, do, dk, dv, lse, delta: launch(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k)
+
+
+def _dq_launcher(q, k, lse, dq, mask: Mask, scale: float, config: KernelConfig, shared: _Shared):
+    """launch(q, k, v, do, dq, lse, delta): the dQ kernel, one program per Q tile and head."""
+    if config.warpspec:  # backward() checked that this call can take it
+        return warpspec.backward_dq_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config)
+    batch, heads_q, _, seqlen_q, seqlen_k, _ = shared.sizes
+    dq_kernel = _layout.kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, config, shared.varlen)
+    grid = (cdiv(seqlen_q, config.block_m) * batch * heads_q,)
+    scalars = (*shared.inputs, *shared.strides(dq), *shared.scalars)
+    launch = fastlaunch.Launcher(dq_kernel, grid, scalars, shared.options(config))
+    cu_q, cu_k = shared.cu_q, shared.cu_k
+    return lambda q, k, v, do, dq, lse, delta: launch(q, k, v, do, lse, delta, dq, cu_q, cu_k)

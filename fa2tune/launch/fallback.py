@@ -1,0 +1,62 @@
+"""Which config a launch runs when the one it was handed cannot serve the call.
+
+A config the caller gave (explicit) is run as given or refused with an error that says why. One the API resolved
+for the call (a tuned entry or the planner's default) gives way instead: a tuned warpspec entry serves the calls it
+can and the others run as they would have before tuning.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import torch
+
+from ..config import planner
+from ..config.device import device_info
+from ..config.types import KernelConfig, Mask
+from . import warpspec
+
+ARGUMENT_NAMES = {"fwd": "config", "bwd_dkdv": "dkdv_config", "bwd_dq": "dq_config"}  # what errors call each
+
+
+def runnable(config: KernelConfig, kernel: str, explicit: bool, mask: Mask, packing, **tensors) -> KernelConfig:
+    """`config`, or — for a warpspec config this call cannot take (unaligned strides, band masks, packed sequences,
+    fp32) — the Triton template's default. A warpspec config the caller gave explicitly is an error that says why.
+    tensors: every tensor the kernel reads or writes through TMA, by the name an error should give; q among them."""
+    if not config.warpspec:
+        return config
+    reason = warpspec.unsupported(mask, packing is not None, **tensors)
+    if reason is None:
+        return config
+    if explicit:
+        raise ValueError(f"{ARGUMENT_NAMES[kernel]} {config} cannot run this call: {reason}")
+    q = tensors["q"]
+    return _triton_default(q.shape[-1], q.dtype, mask.causal, kernel, device_info(q.device))
+
+
+@functools.lru_cache(maxsize=256)
+def _triton_default(head_dim: int, dtype: torch.dtype, causal: bool, kernel: str, device) -> KernelConfig:
+    return planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device, warpspec=False)
+
+
+def deterministic(config: KernelConfig, explicit: bool) -> KernelConfig:
+    """The dK/dV config a backward runs. With dQ fused in (bwd_dkdv warpspec 2) the dK/dV programs add their dQ
+    shares by TMA reductions in the order they arrive: fp32 sums whose last bits vary from run to run. Under
+    torch.use_deterministic_algorithms(True) a resolved fused config gives way to its twin with a dQ kernel
+    (warpspec 1: same tiles, less shared memory), whose every sum has one order; an explicit one is an error."""
+    if config.warpspec != 2 or not torch.are_deterministic_algorithms_enabled():
+        return config
+    if explicit:
+        raise RuntimeError(
+            f"dkdv_config {config} fuses dQ in (warpspec=2), which adds dQ in a run-to-run order, and "
+            "torch.use_deterministic_algorithms(True) is set: pass warpspec=1 for a deterministic backward"
+        )
+    return replace(config, warpspec=1)
+
+
+def check_combination(config: KernelConfig, kernel: str) -> None:
+    """Refuses an explicit config whose fields do not combine for `kernel` (KernelConfig.combination_error)."""
+    error = config.combination_error(kernel)
+    if error is not None:
+        raise ValueError(f"{ARGUMENT_NAMES[kernel]} {config}: {error}")

@@ -1,0 +1,90 @@
+"""What a launcher reads off a call: its tensors' layout (SDPA's or packed sequences), the mask's bounds, the
+device to launch on, and the kernel of the template variant the call runs."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from ..config.inputs import interpreting
+from ..config.types import KernelConfig, Mask, Variant
+from ..kernels import codegen
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Packed sequences (FlashAttention-2's varlen layout): tensors are (total_tokens, heads, head_dim) and
+    sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) of q (cu_seqlens_k of k/v)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.numel() - 1
+
+
+def as_mask(causal: bool | Mask) -> Mask:
+    return causal if isinstance(causal, Mask) else Mask(causal=causal)
+
+
+def layout(q: torch.Tensor, k: torch.Tensor, packing: Packing | None):
+    """(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), and the (batch, head, row) strides of a tensor,
+    for SDPA's layout or the packed one (whose batch stride is 0: sequences are found through cu_seqlens)."""
+    if packing is None:
+        batch, heads_q, seqlen_q, head_dim = q.shape
+        return (batch, heads_q, k.shape[1], seqlen_q, k.shape[2], head_dim), lambda t: t.stride()[:3]
+    sizes = (packing.batch, q.shape[1], k.shape[1], packing.max_seqlen_q, packing.max_seqlen_k, q.shape[2])
+    return sizes, lambda t: (0, t.stride(1), t.stride(0))
+
+
+def lse_strides(lse: torch.Tensor, packing: Packing | None) -> tuple[int, int]:
+    # dense (batch, H, N): per batch and head; packed (H, total_q): per head only, the row offset is cu_seqlens_q
+    return lse.stride()[:2] if packing is None else (0, lse.stride(0))
+
+
+def totals(q: torch.Tensor, k: torch.Tensor, packing: Packing | None) -> tuple[int, ...]:
+    # packed: the rows of q and of k/v, the kernels' TOTAL_Q, TOTAL_K, which bound what cu_seqlens may address
+    return (q.shape[0], k.shape[0]) if packing is not None else ()
+
+
+def mask_args(mask: Mask, seqlen_q: int, seqlen_k: int, packing: Packing | None):
+    """The offsets (None for SDPA's layout) and the (left, right, prefix) bounds the kernels take."""
+    cu_q, cu_k = (packing.cu_seqlens_q, packing.cu_seqlens_k) if packing is not None else (None, None)
+    return cu_q, cu_k, mask.bounds(seqlen_q, seqlen_k)
+
+
+_NO_SWITCH = contextlib.nullcontext()  # stateless: one instance serves every call
+
+
+def on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensors' own (cuda:1 inputs, current device 0).
+    Where it already is (nearly always), no context: entering and leaving torch.cuda.device costs host time every
+    call of a short attention waits for."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_SWITCH
+
+
+def kernel(template: str, name: str, mask: Mask, seqlen_q: int, seqlen_k: int, config: KernelConfig, varlen: bool):
+    """The Triton kernel `name` of the template variant this call runs. Kept per (template, kernel, causal, banded,
+    tails, pipeline_qk, varlen, interpreter) — what the variant depends on: the variant and module lookups cost 8 µs
+    of host time per launch, and a fwd+bwd call makes four."""
+    even_m, even_n = seqlen_q % config.block_m == 0, seqlen_k % config.block_n == 0
+    key = (template, name, mask.causal, mask.banded, even_m, even_n, config.pipeline_qk, varlen, interpreting())
+    found = _kernels.get(key)
+    if found is None:
+        variant = Variant.for_template(
+            template, causal=mask.causal, banded=mask.banded, varlen=varlen, even_m=even_m, even_n=even_n,
+            pipeline_qk=config.pipeline_qk, dot_fp32=key[-1],
+        )  # fmt: skip
+        found = _kernels[key] = getattr(codegen.load(template, variant), name)
+    return found
+
+
+# kernel()'s: a few dozen entries at most (templates × kernels × masks × tails), as many as codegen keeps modules
+_kernels: dict[tuple, object] = {}
