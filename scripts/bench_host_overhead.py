@@ -38,8 +38,8 @@ if not {"--gpu", "--split", "--autograd-split", "--threads", "--waits"} & set(sy
 import torch
 
 import fa2tune
-from fa2tune.config.types import KernelConfig, Mask
 from fa2tune.api import ops
+from fa2tune.config.types import KernelConfig, Mask
 from fa2tune.launch import autograd, layout
 
 
