@@ -62,8 +62,8 @@ def _dense_calls(device):
 
 @pytest.mark.parametrize("path", ["eager", "op", "kernel", "lse", "lse_op"])
 def test_a_gradient_penalty_through_attention_is_refused(path, device):
-    # Before: the eager path's create_graph gradient carried no graph, so loss.backward() gave q.grad without the
-    # penalty's term and no error; the op path failed only at the second backward, naming fa2tune.bwd's missing
+    # Unrefused, the eager path's create_graph gradient carries no graph, so loss.backward() gives q.grad without the
+    # penalty's term and no error; the op path fails only at the second backward, naming fa2tune.bwd's missing
     # autograd formula.
     q, k, v = _qkv(device, requires_grad=True)
     out = _dense_calls(device)[path](q, k, v)
@@ -102,7 +102,7 @@ def test_a_second_order_gradient_that_does_not_pass_through_attention_still_work
     "head_dim", [True, False, 64.0, float("nan"), "64", None, torch.tensor(True), torch.tensor(64.0)], ids=repr
 )
 def test_get_kernel_takes_only_integers_as_head_dim(head_dim, device):
-    # Before: True passed as head_dim 1 (bool is an int subclass); the others were ValueErrors.
+    # bool is an int subclass: unchecked, True would pass as head_dim 1; the others are type errors, not ValueErrors.
     with pytest.raises(TypeError, match=r"head_dim must be an int, got"):
         fa2tune.get_kernel(head_dim, device=device, dtype=F32)
 
@@ -114,7 +114,7 @@ def test_get_kernel_refuses_head_dims_out_of_range(head_dim, device):
 
 
 def test_get_kernel_takes_numpy_and_0_dim_tensor_integers_as_python_ints(device):
-    # Before: each of these was refused as not an int (PyTorch takes them as ints).
+    # A check for int alone refuses each of these; PyTorch takes them as ints, and so does fa2tune.
     kernel = fa2tune.get_kernel(
         np.int64(16), device=device, dtype=F32, window=(np.int32(4), torch.tensor(-1)), prefix_len=np.uint8(3)
     )
@@ -147,8 +147,8 @@ def test_get_kernel_takes_numpy_and_0_dim_tensor_integers_as_python_ints(device)
     ids=lambda x: repr(x) if isinstance(x, dict) else "",
 )
 def test_get_kernel_argument_errors_name_the_argument(kwargs, error, match, device):
-    # Before: dtype=[] raised "unhashable type: 'list'", a device that is none torch's own long TypeError or
-    # RuntimeError; the rest were clear already.
+    # Unchecked, dtype=[] raises "unhashable type: 'list'", and a device that is none torch's own long TypeError or
+    # RuntimeError; every error here names the argument.
     with pytest.raises(error, match=match):
         fa2tune.get_kernel(16, **{"device": device, "dtype": F32, **kwargs})
 
@@ -168,8 +168,9 @@ def test_get_kernel_argument_errors_name_the_argument(kwargs, error, match, devi
 )
 @pytest.mark.parametrize("path", ["eager", "op"])
 def test_window_and_prefix_past_any_sequence_reach_every_key(window, prefix_len, reference, path, device):
-    # Before: a right side near 2^31 wrapped around in the kernels and gave a wrong output with no error; a side of
-    # 2^70 raised OverflowError inside Triton (eager) or a schema error (op); a prefix of 2^70 a schema error (op).
+    # Passed on as they are, a right side near 2^31 wraps around in the kernels and gives a wrong output with no
+    # error; a side of 2^70 raises OverflowError inside Triton (eager) or a schema error (op); a prefix of 2^70 a
+    # schema error (op).
     q, k, v = _qkv(device, seed=1)
     if path == "eager":
         out = fa2tune.attention(q, k, v, window=window, prefix_len=prefix_len)
@@ -184,7 +185,7 @@ def test_window_and_prefix_past_any_sequence_reach_every_key(window, prefix_len,
 
 @pytest.mark.parametrize("scale", [np.float32(0.3), np.float64(0.3), np.int64(1)], ids=repr)
 def test_numpy_scales_are_taken_as_floats(scale, device):
-    # Before: np.float32 and np.int64 were refused (np.float64 subclasses float and passed).
+    # np.float64 subclasses float; np.float32 and np.int64 do not, and a check for float alone refuses them.
     q, k, v = _qkv(device, seed=2)
     assert_close(fa2tune.attention(q, k, v, scale=scale), _reference(q, k, v, scale=float(scale)), F32)
 
@@ -197,7 +198,7 @@ def test_a_tensor_scale_is_refused_as_it_would_get_no_gradient(device):
 
 @pytest.mark.parametrize("scale", [1e39, 1e300], ids=repr)
 def test_a_scale_past_fp32s_range_is_refused(scale, device):
-    # Before: the kernels' fp32 scale·log2(e) was inf and the output all NaN, with no error.
+    # Unchecked, the kernels' fp32 scale·log2(e) is inf and the output all NaN, with no error.
     q, k, v = _qkv(device)
     with pytest.raises(ValueError, match=r"scale must be a positive finite number up to 2.36e\+38"):
         fa2tune.attention(q, k, v, scale=scale)
@@ -207,8 +208,8 @@ def test_a_scale_past_fp32s_range_is_refused(scale, device):
 
 
 def test_non_contiguous_offsets_are_refused(device):
-    # Before: check_offsets read the offsets through their strides ([0, 5, 20], valid) and the kernels read the
-    # memory under them as if contiguous ([0, 99, 5]): an output of ~1e34 with no error.
+    # Checked through their strides the offsets read [0, 5, 20] (valid), while the kernels read the memory under
+    # them as if contiguous ([0, 99, 5]): an output of ~1e34 with no error.
     q, k, v, _ = _packed(device)
     holder = torch.tensor([0, 99, 5, 99, 20], dtype=torch.int32, device=device)
     cu = holder[::2]
@@ -224,7 +225,7 @@ def test_non_contiguous_offsets_are_refused(device):
     "max_seqlen", [np.int64(15), np.int32(15), torch.tensor(15), torch.tensor(15, dtype=torch.int32)], ids=repr
 )
 def test_numpy_and_0_dim_tensor_max_seqlens_are_taken_as_ints(max_seqlen, device):
-    # Before: refused as not an int (flash_attn callers often pass seqlens.max()).
+    # A check for int alone refuses these, and flash_attn callers often pass seqlens.max().
     q, k, v, cu = _packed(device, seed=3)
     out = fa2tune.attention_varlen(q, k, v, cu, cu, max_seqlen, max_seqlen)
     assert torch.equal(out, fa2tune.attention_varlen(q, k, v, cu, cu, 15, 15))
@@ -233,8 +234,8 @@ def test_numpy_and_0_dim_tensor_max_seqlens_are_taken_as_ints(max_seqlen, device
 @pytest.mark.parametrize("max_seqlen", [2**40, 2**70], ids=["2^40", "2^70"])
 @pytest.mark.parametrize("path", ["eager", "op"])
 def test_a_max_seqlen_past_the_tokens_is_the_same_launch_as_the_tokens(max_seqlen, path, device):
-    # Before: 2^70 raised OverflowError inside Triton; 2^40 sized a grid of 2^36 programs (a hang in the
-    # interpreter; past CUDA's grid limit on a GPU).
+    # Passed on as it is, 2^70 raises OverflowError inside Triton and 2^40 sizes a grid of 2^36 programs (a hang in
+    # the interpreter; past CUDA's grid limit on a GPU).
     q, k, v, cu = _packed(device, seed=4, requires_grad=True)
     if path == "eager":
         out = fa2tune.attention_varlen(q, k, v, cu, cu, max_seqlen, 15, scale=0.25)
@@ -285,7 +286,7 @@ def test_offsets_of_a_wrong_type_dtype_rank_or_device_are_refused(cu, error, mat
 
 
 def test_a_kernel_call_checks_its_tensors_before_reading_them(device):
-    # Before: AttributeError ('str' object has no attribute 'shape') and IndexError (a 0-dim q).
+    # Unchecked, these raise AttributeError ('str' object has no attribute 'shape') and IndexError (a 0-dim q).
     q, k, v = _qkv(device)
     kernel = fa2tune.get_kernel(16, device=device, dtype=F32)
     with pytest.raises(TypeError, match=r"q must be a torch.Tensor, got str"):
@@ -297,8 +298,8 @@ def test_a_kernel_call_checks_its_tensors_before_reading_them(device):
 
 
 def test_a_varlen_kernel_call_checks_its_packing_before_reading_it(device):
-    # Before: max_seqlen_q="a" raised "'>' not supported between instances of 'int' and 'str'"; a fifth packing
-    # argument Python's "takes 7 positional arguments but 8 were given".
+    # Unchecked, max_seqlen_q="a" raises "'>' not supported between instances of 'int' and 'str'", and a fifth
+    # packing argument Python's "takes 7 positional arguments but 8 were given".
     q, k, v, cu = _packed(device, seed=5)
     kernel = fa2tune.get_kernel(16, device=device, dtype=F32, varlen=True)
     with pytest.raises(TypeError, match=r"max_seqlen_q must be an int, got str 'a'"):
@@ -313,8 +314,8 @@ def test_a_varlen_kernel_call_checks_its_packing_before_reading_it(device):
 
 
 def test_flash_attn_function_checks_its_arguments(device):
-    # Before: none were checked: a v of head_dim 8 under a q of 16 ran (reading past v's rows), a mask of 1 was
-    # taken as causal, a Mask with a side of 2^70 raised OverflowError inside Triton.
+    # Unchecked, a v of head_dim 8 under a q of 16 runs (reading past v's rows), a mask of 1 is taken as causal, and
+    # a Mask with a side of 2^70 raises OverflowError inside Triton.
     q, k, v = _qkv(device, seed=6)
     with pytest.raises(ValueError, match=r"q, k and v must have the same head_dim, got q=16, k=16, v=8"):
         fa2tune.FlashAttnFunction.apply(q, k, v[..., :8].contiguous(), False, 0.3, None)
@@ -347,15 +348,15 @@ def test_flash_attn_function_checks_its_arguments(device):
     ids=repr,
 )
 def test_kernel_config_fields_are_integers(fields):
-    # Before: 64.0, a tensor or 4.0 passed the checks and crashed inside the Triton launch (InterpreterError);
-    # True, False and 2.5 ran as 1, 0 and 2.5 stages.
+    # Unchecked, 64.0, a tensor or 4.0 crash inside the Triton launch (InterpreterError), and True, False and 2.5
+    # run as 1, 0 and 2.5 stages.
     name = next(iter(fields))
     with pytest.raises(TypeError, match=rf"KernelConfig.{name} must be an int, got"):
         KernelConfig(**{"block_m": 16, "block_n": 16, **fields})
 
 
 def test_kernel_config_takes_numpy_integers_as_python_ints(device):
-    # Before: np.int64 block sizes passed the checks and crashed inside the Triton launch.
+    # np.int64 block sizes kept as they are crash inside the Triton launch: they are taken as Python ints.
     config = KernelConfig(np.int64(16), np.int32(32), num_warps=np.int64(4), num_stages=np.uint8(1))
     assert config == KernelConfig(16, 32, 4, 1) and all(type(x) is int for x in ops._to_ints(config))
     q, k, v = _qkv(device, seed=7)

@@ -7,8 +7,8 @@ from fa2tune.tune import timing
 
 
 def test_a_process_s_first_timing_is_discarded_and_later_ones_are_not(monkeypatch):
-    # On the H200 the first timing a process made read 3-8 % high (docs/PERF.md v27): the first call returns its
-    # second reading; later calls time once.
+    # On the H200 the first timing a process takes reads 3-8 % high (docs/PERF.md, "How it is measured"): the first
+    # call returns its second reading; later calls time once.
     readings = iter([[0.9, 0.95, 1.0], [1.9, 2.0, 2.1], [2.9, 3.0, 3.1]])
     calls = []
 

@@ -52,8 +52,9 @@ def _row(provider, seqlen, causal, tflops, mode="fwd+bwd"):
 
 
 def test_median_of_runs_takes_each_rows_median_across_processes():
-    # A host-bound row reads far apart between processes (docs/PERF.md v22: 148–209): the row is their median; a
-    # reading a provider could not give (NaN) is left out, and a row no process could measure stays NaN.
+    # A host-bound row reads far apart between processes (148–209 TFLOP/s for one row; docs/PERF.md, "Host time per
+    # call"): the row is their median; a reading a provider could not give (NaN) is left out, and a row no process
+    # could measure stays NaN.
     runs = [[_row("fa2tune", 512, True, a), _row("sdpa_cudnn", 512, True, b), _row("flex", 512, True, c)]
             for a, b, c in ((160.1, 189.7, math.nan), (208.9, 189.3, math.nan), (185.2, 190.0, math.nan))]  # fmt: skip
     fa2tune, cudnn, flex = benchreport.median_of_runs(runs)

@@ -1,4 +1,4 @@
-"""The causal tail of a persistent forward (fa2tune/causal_tail.py): the order the kernel's slots visit tiles in,
+"""The causal tail of a persistent forward (fa2tune/launch/causal_tail.py): the order the kernel's slots visit tiles in,
 which the plan models, and the plans it makes. The kernel itself is checked on a GPU in tests/test_gpu.py."""
 
 from __future__ import annotations

@@ -431,8 +431,9 @@ def test_a_config_dir_that_cannot_be_written_stops_the_tune_before_any_timing(tm
 )
 def test_a_bad_tune_argument_is_one_line_and_exit_code_2_before_any_work(tmp_path, capsys, monkeypatch, no_study,
                                                                          flag, value, says):  # fmt: skip
-    # `--trials 0` and a tiny `--timeout` failed after the study ("no config could be measured", 19 lines),
-    # `--storage foo` made a journal file ./foo, `--device gpu` exited 1, and argparse's errors took 8 lines.
+    # Unchecked before the work, `--trials 0` and a tiny `--timeout` fail after the study ("no config could be
+    # measured", 19 lines), `--storage foo` makes a journal file ./foo, `--device gpu` exits 1, and argparse's
+    # errors take 8 lines.
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a-file").write_text("")
     args = [*_CPU_TUNE, "--trials", "1", "--config-dir", str(tmp_path / "out"), flag, value]
@@ -454,7 +455,7 @@ def test_the_storage_rule_takes_database_urls_and_journal_files():
 
 def test_check_and_show_take_the_same_device_names(capsys):
     for command in ("check", "show"):
-        assert _exit_code([command, "--device", "gpu"]) == 2  # was exit code 1
+        assert _exit_code([command, "--device", "gpu"]) == 2  # a usage error, not a failed check (1)
         err = capsys.readouterr().err
         said = f"fa2tune {command}: argument --device: expected cpu, cuda or cuda:N, got 'gpu'"
         assert err == f"{said} (see fa2tune {command} --help)\n"
@@ -497,8 +498,8 @@ def test_ctrl_c_in_a_tune_is_one_line_exit_130_and_says_what_was_kept(tmp_path, 
 
 @pytest.mark.slow
 def test_ctrl_c_while_workers_time_ends_every_process_of_the_tune_with_one_line(tmp_path):
-    # Ctrl-C at a terminal (SIGINT to the whole process group) during a two-worker tune printed 170 lines of
-    # tracebacks, from the main process and from each worker. Now: one line, exit code 130, no process left.
+    # Ctrl-C at a terminal (SIGINT to the whole process group) during a two-worker tune ends it with one line, exit
+    # code 130 and no process left, not with tracebacks from the main process and from each worker (170 lines).
     if torch.cuda.is_available():
         pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
     if not Path("/proc/self/environ").exists():
@@ -566,8 +567,8 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_ctrl_c_while_the_compile_pool_compiles_lets_it_go_without_a_traceback(tmp_path):
-    # A single-GPU tune's compile processes took Ctrl-C too: each died in its compile with a traceback, and the
-    # pool, left waiting for those compiles' results, never closed (the tune hung until killed).
+    # A single-GPU tune's compile processes take Ctrl-C too: unhandled, each dies in its compile with a traceback,
+    # and the pool, left waiting for those compiles' results, never closes (the tune hangs until killed).
     if not Path("/proc/self/environ").exists():
         pytest.skip("a POSIX process group")
     import os

@@ -54,7 +54,7 @@ def test_every_backward_variant_renders_valid_python(variant):
 
 
 def test_templates_cite_no_version_log():
-    # Template comments say why in the present tense; the history of a choice is in git, not "docs/PERF.md v31".
+    # Template comments say why in the present tense; the history of a choice is in git, not in "docs/PERF.md vNN" tags.
     for path in sorted(codegen.templates_dir().glob("*.jinja")):
         assert not re.search(r"PERF\.md|\bv\d+\b", path.read_text()), path.name
 

@@ -183,8 +183,8 @@ def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype, mon
 @_WS_DIMS
 def test_warpspec_causal_forward_with_a_tail_matches_reference(config, head_dim, dtype, monkeypatch):
     # a causal persistent forward deals the tiles of its last heads out one at a time, in a snake over the programs
-    # (fa2tune/causal_tail.py): here on a number of programs for which the plan keeps both pairs and a tail, with the
-    # keys longer than the queries, shorter (rows that see no key), and as long
+    # (fa2tune/launch/causal_tail.py): here on a number of programs for which the plan keeps both pairs and a tail, with
+    # the keys longer than the queries, shorter (rows that see no key), and as long
     torch.manual_seed(head_dim + config.block_m + 7)
     monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "1")  # off by default until this has run on a GPU (causal_tail.enabled)
     plans = _recorded_causal_plans(monkeypatch)
@@ -258,7 +258,7 @@ def test_warpspec_causal_backward_with_a_tail_matches_reference(dkdv_config, dq_
 @_WS_DIMS
 def test_warpspec_forward_with_a_split_tail_matches_reference(config, head_dim, dtype, monkeypatch):
     # a persistent forward whose last round is part empty cuts its tiles into pieces of their K/V tiles, merged
-    # after the kernel (fa2tune/split_tail.py): here on as few programs as make the plan cut a small problem
+    # after the kernel (fa2tune/launch/split_tail.py): here on as few programs as make the plan cut a small problem
     torch.manual_seed(head_dim + config.block_n)
     monkeypatch.setattr(split_tail, "MIN_KV_STEPS", 2)
     splits, merge = [], split_tail.merge
@@ -488,9 +488,10 @@ def test_warpspec_backward_direct_launches_give_what_the_jit_gives(causal, monke
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_backward_on_the_calling_thread_gives_what_the_device_thread_gives(head_dim):
-    # README recommends torch.autograd.set_multithreading_enabled(False) for short training calls (docs/PERF.md v15:
-    # the backward then runs on the calling thread, not on autograd's thread for the GPU). fa2tune's launches read
-    # the current device and stream, and keep per-process caches: the gradients must not depend on the thread.
+    # README recommends torch.autograd.set_multithreading_enabled(False) for short training calls (docs/PERF.md, "Host
+    # time per call": the backward then runs on the calling thread, not on autograd's thread for the GPU). fa2tune's
+    # launches read the current device and stream, and keep per-process caches: the gradients must not depend on the
+    # thread.
     torch.manual_seed(12)
     shape = (2, 4, 300, head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -515,10 +516,10 @@ def test_backward_on_the_calling_thread_gives_what_the_device_thread_gives(head_
 
 @pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
 def test_cuda_graph_replays_give_what_eager_calls_give(training):
-    # A call that waits for its host (N <= 512, docs/PERF.md v14) runs at its kernels' speed when captured in a CUDA
-    # graph: fa2tune's launches — direct ones, TMA descriptors encoded once per address — must be capturable. The
-    # shipped configs (warpspec on Hopper), captured after a warm-up, replayed on new values copied into the
-    # captured inputs, equal eager calls bit for bit (the kernels are deterministic).
+    # A call that waits for its host (N <= 512, docs/PERF.md, "Host time per call") runs at its kernels' speed when
+    # captured in a CUDA graph: fa2tune's launches — direct ones, TMA descriptors encoded once per address — must be
+    # capturable. The shipped configs (warpspec on Hopper), captured after a warm-up, replayed on new values copied into
+    # the captured inputs, equal eager calls bit for bit (the kernels are deterministic).
     torch.manual_seed(11)
     shape = (2, 4, 300, 128)
     inputs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=training) for _ in range(3)]
@@ -551,7 +552,7 @@ def test_cuda_graph_replays_give_what_eager_calls_give(training):
 
 @_HOPPER
 def test_a_split_tail_is_capturable_in_a_cuda_graph(monkeypatch):
-    # the split tail allocates its pieces' workspace and launches the merge on each call (fa2tune/split_tail.py):
+    # the split tail allocates its pieces' workspace and launches the merge on each call (fa2tune/launch/split_tail.py):
     # captured, replays on new values equal eager calls bit for bit, as the test above asks of every launch
     torch.manual_seed(12)
     config = KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1)

@@ -56,7 +56,7 @@ def test_model_is_exact_for_the_forward_and_close_for_the_backward():
 def test_seed_rule_alone_would_accept_configs_that_fail():
     # The seed's B_r·d + B_c·d + B_r·B_c ignores pipeline stages and the V tile: it accepts what cannot launch.
     h200 = known_gpu("h200")
-    cfg = KernelConfig(64, 128, 4, 4)  # OutOfResources on the H200: 278,528 B asked (docs/PERF.md v1)
+    cfg = KernelConfig(64, 128, 4, 4)  # OutOfResources on the H200: 278,528 B asked (docs/PLANNER.md)
     assert planner.seed_rule_bytes(cfg, 128, torch.bfloat16) <= h200.smem_per_block
     assert planner.sram_bytes(cfg, 128, torch.bfloat16) == 278528
     assert "shared memory: needs 278,528 B" in planner.check(cfg, h200, 128, torch.bfloat16)
@@ -83,7 +83,8 @@ def test_every_rejection_has_a_reason_and_plan_partitions_candidates():
 
 def test_register_rule_rejects_what_spilled_on_the_h200():
     h200 = known_gpu("h200")
-    # fwd d=128: (256, 32, 4 warps) ran at 114-165 TFLOP/s against 527 for the best (PERF.md v1): 320 per thread.
+    # fwd d=128: (256, 32, 4 warps) ran at 114-165 TFLOP/s against 527 for the best in the H200's sweep: 320 values
+    # a thread, over the 256 at which every sweep spilled (docs/PLANNER.md, "From the seed's rule to a byte model").
     assert planner.check(KernelConfig(256, 32, 4, 2), h200, 128, torch.bfloat16).startswith("registers")
     assert planner.check(KernelConfig(256, 64, 8, 4), h200, 128, torch.bfloat16) is None  # the measured best
 
@@ -101,8 +102,9 @@ def test_default_config_fits_every_known_gpu(gpu, kernel):
 
 def test_default_config_prefers_the_h200_measurements():
     h200 = known_gpu("h200")
-    # The warp-specialized forward first (docs/PERF.md v10), persistent without a mask (v12), ping-pong for causal;
-    # at d=64 causal the Triton template's (the tuned pick since v5)
+    # The warp-specialized forward first (docs/PERF.md, "The warp-specialized forward"), persistent without a mask
+    # ("Persistent kernels and paired causal tiles"), ping-pong for causal; at d=64 causal the Triton template's (the
+    # config tuning picks there)
     persistent = KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1)
     assert planner.default_config(128, torch.bfloat16, device=h200) == persistent
     pingpong = KernelConfig(128, 128, 4, 2, warpspec=2)

@@ -1,5 +1,5 @@
-"""launcher's launch plans: what a call's signature decides is kept, and a call only reuses it when nothing that
-decided it changed — shapes, strides, dtype, mask, scale, configs, the resolved-config cache."""
+"""Launch plans (fa2tune.launch.plans): what a call's signature decides is kept, and a call only reuses it when nothing
+that decided it changed — shapes, strides, dtype, mask, scale, configs, the resolved-config cache."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The split tail of a persistent forward (fa2tune/split_tail.py): which launches cut their last round's tiles, and
-the merge of the pieces against float64 attention. The kernel's pieces are checked on a GPU in tests/test_gpu.py."""
+"""The split tail of a persistent forward (fa2tune/launch/split_tail.py): which launches cut their last round's tiles,
+and the merge of the pieces against float64 attention. The kernel's pieces are checked on a GPU in tests/test_gpu.py."""
 
 from __future__ import annotations
 

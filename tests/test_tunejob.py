@@ -271,7 +271,7 @@ def test_a_stopped_worker_leaves_at_once_ending_its_compile_processes_and_losing
 
 def test_short_backward_studies_time_the_whole_training_call(interpreter_only, monkeypatch):
     # At N <= 1k a call can wait for the host; a backward with faster kernels but costlier launches then times
-    # faster alone and slower in the call (docs/PERF.md v11, v13). The short bucket's backward studies time the
+    # faster alone and slower in the call (docs/PERF.md, "Length buckets"). The short bucket's backward studies time the
     # forward and the backward as one run, and count that run's FLOPs; other studies time their kernel alone.
     from fa2tune.config.types import KernelConfig, Mask
     from fa2tune.tune import workload
@@ -400,10 +400,10 @@ def _timing(url, spec) -> list[int]:
 def test_a_killed_tune_s_trial_is_failed_and_its_resume_times_only_what_the_budget_lacks(
     tmp_path, monkeypatch, interpreter_only, kind
 ):
-    # A process killed while it timed a config left its trial RUNNING forever; resumed, the tune timed --trials
-    # configs more, re-proposing the timed ones until it had asked 20x the budget (113 trials for --trials 3).
-    # Now each trial it holds has a heartbeat: once stale, the next process to open the study fails it, and
-    # --trials counts distinct configs in the study, so the resume times what the budget still lacks.
+    # Without heartbeats, a process killed while it times a config leaves its trial RUNNING forever, and the resumed
+    # tune times --trials configs more, re-proposing the timed ones until it has asked 20x the budget (113 trials for
+    # --trials 3). So each trial a process holds has a heartbeat: once stale, the next process to open the study fails
+    # it, and --trials counts distinct configs in the study, so the resume times what the budget still lacks.
     import time
 
     monkeypatch.setenv(study_storage.STALE_AFTER_ENV, "2")
@@ -481,8 +481,8 @@ def test_a_config_a_process_timed_while_another_waited_for_its_compile_is_not_ti
 
 
 def test_a_study_asks_nothing_past_its_space_or_its_budget(tmp_path):
-    # A budget larger than the space (or a resumed study whose budget is spent) kept asking: every proposal a repeat
-    # told again from its stored value, until 20x the budget had been asked.
+    # A budget larger than the space (or a resumed study whose budget is spent) must stop the asking; otherwise every
+    # proposal is a repeat told again from its stored value, until 20x the budget has been asked.
     space = [KernelConfig(m, n, 4, 1) for m in (16, 32) for n in (16, 32)]
     url = f"sqlite:///{tmp_path / 'tune.db'}"
     target = tuner.Target(device=job.selection.device_info("cpu"), kernel="fwd", head_dim=16, dtype=torch.bfloat16,
@@ -565,8 +565,9 @@ def test_a_trial_failed_as_stale_while_its_process_times_it_does_not_end_the_tun
 
 
 def test_a_running_trial_without_any_heartbeat_goes_stale_from_its_start(tmp_path, monkeypatch):
-    # A journal written before heartbeats existed (or a process that died before its first beat) left RUNNING
-    # trials with no heartbeat: they were never failed, and counted against --trials for ever.
+    # A journal written without heartbeats (or by a process that died before its first beat) holds RUNNING trials
+    # with no heartbeat: unless they go stale from their start they are never failed, and count against --trials
+    # for ever.
     import time
 
     path = str(tmp_path / "tune.journal")

@@ -20,7 +20,7 @@ SWEEP = Path(__file__).resolve().parent.parent / "docs" / "bench" / "nvidia-h200
 
 
 # The recorded sweep timed the Triton template only: studies over it start from that template's default, not the
-# warp-specialized one the planner now prefers on the H200 (it has no timing here).
+# warp-specialized one the planner prefers on the H200 (it has no timing here).
 _TRITON_DEFAULT = planner.default_config(128, torch.bfloat16, device=known_gpu("h200"), warpspec=False)
 
 
@@ -126,7 +126,7 @@ def test_a_persistent_study_resumes(tmp_path):
 
 
 def test_processes_of_one_run_share_its_budget_and_stop_when_it_is_spent(tmp_path):
-    # Two workers of a multi-GPU run on one study (tunejob.run_parallel_many): the budget is theirs together, and
+    # Two workers of a multi-GPU run on one study (workers.run_parallel_many): the budget is theirs together, and
     # one stops before its next timing once the other has spent it. The "other worker" runs inside this one's
     # second timing, so the interleaving is fixed: this one times 2, the other the remaining 5.
     table = _recorded(128, False)
@@ -366,7 +366,7 @@ def test_the_default_is_timed_twice_like_the_top_configs():
 
 
 def test_on_timed_is_called_once_between_the_trials_and_the_finish():
-    # Where a tune lets its compile processes go (tunejob.run_study, CompilePool.release): after the last trial's
+    # Where a tune lets its compile processes go (job.run_study, CompilePool.release): after the last trial's
     # timing and before the winner is re-timed and verified, so they exit while the finish runs.
     table = _recorded(128, False)
     space = sorted(table, key=lambda c: tuple(c.to_dict().values()))[:20]
@@ -420,9 +420,9 @@ def test_a_dead_process_s_trial_in_timing_stops_counting_against_the_run_s_budge
 
 
 def test_a_warpspec_forward_default_is_timed_beside_its_other_schedule():
-    # The default's twin with `persistent` flipped comes right after it (docs/PERF.md v12: a short tune sampling
-    # the switch on its own missed the faster schedule); not for Triton defaults or a twin that does
-    # not fit (three stages of 128-row K/V tiles beside a persistent program's O buffer at d=128)
+    # The default's twin with `persistent` flipped comes right after it (a short tune sampling the switch on its own
+    # misses the faster schedule; docs/PERF.md, "The tuner's strategy and budget"); not for Triton defaults or a
+    # twin that does not fit (three stages of 128-row K/V tiles beside a persistent program's O buffer at d=128)
     h200 = known_gpu("h200")
     space = planner.candidates("fwd")
     first = lambda default, kernel="fwd": tuner.first_configs(device=h200, kernel=kernel, head_dim=128,
@@ -442,9 +442,10 @@ def test_a_warpspec_forward_default_is_timed_beside_its_other_schedule():
 
 
 def test_first_picks_take_turns_between_the_warpspec_kernels_and_the_triton_template():
-    # Ranked together by tile size, the Triton template's 128x256 / 256x128 / 64x256 shapes crowded out the
-    # warp-specialized kernel's (128, 128): a 16-trial d=64 causal N <= 1k study never timed it, and it was 13 %
-    # faster than the config the study kept (docs/PERF.md v17). Now the two families alternate, warpspec first.
+    # Ranked together by tile size, the Triton template's 128x256 / 256x128 / 64x256 shapes crowd out the
+    # warp-specialized kernel's (128, 128): a 16-trial d=64 causal N <= 1k study never timed it, and it is 13 %
+    # faster than the config that study kept (docs/TUNING.md, "How close the search gets to trying everything").
+    # So the two families alternate, warpspec first.
     h200 = known_gpu("h200")
     space = planner.candidates("fwd")
     feasible = [c for c in space if planner.check(c, h200, 64, torch.bfloat16, "fwd") is None]
@@ -461,8 +462,8 @@ def test_first_picks_take_turns_between_the_warpspec_kernels_and_the_triton_temp
 
 def test_two_programs_an_sm_is_a_shape_of_its_own_among_the_first_picks():
     # persistent=2 (one-consumer forwards, two an SM) changes the schedule as ping-pong does: ranked with the
-    # persistent one-consumer config of the same tiles it would never be picked beside it (docs/PERF.md v21: it won
-    # d=64's causal N <= 1k forward by 6 %).
+    # persistent one-consumer config of the same tiles it would never be picked beside it, and it is the d=64
+    # causal N <= 1k forward's winner, 6 % ahead (docs/PERF.md, "Two programs an SM").
     h200 = known_gpu("h200")
     feasible = [c for c in planner.candidates("fwd") if planner.check(c, h200, 64, torch.bfloat16, "fwd") is None]
     picks = [c for c in tuner.promising(feasible, 64, "fwd", k=12) if c.warpspec]
@@ -473,9 +474,9 @@ def test_two_programs_an_sm_is_a_shape_of_its_own_among_the_first_picks():
 
 
 def test_the_config_a_key_runs_now_is_timed_second_and_kept_unless_beaten():
-    # A re-tune of 10-16 trials twice replaced a shipped config by one it never timed beside it (docs/PERF.md v13).
-    # The incumbent, the config the written file holds for the key, is timed right after the default, re-timed
-    # with the top few, and so stays unless a config measures faster.
+    # A short re-tune (10-16 trials) can replace a shipped config by one it never timed beside it (docs/HISTORY.md,
+    # "Tuner and measurement"). So the incumbent, the config the written file holds for the key, is timed right after
+    # the default, re-timed with the top few, and stays unless a config measures faster.
     table = _recorded(128, True)
     space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
     h200 = known_gpu("h200")
@@ -561,9 +562,9 @@ def test_the_config_a_key_runs_now_is_timed_second_and_kept_unless_beaten():
 
 
 def test_the_winner_is_ranked_by_its_second_reading_not_a_flattering_first():
-    # On the H200 the first config a process timed read 3-8 % faster than when timed second, whichever it was
-    # (docs/PERF.md v27), and the default is timed first: its first reading must not decide. Here the default's
-    # first reading is 10 % fast, its true time 5 % behind a challenger's.
+    # On the H200 the first config a process times reads 3-8 % faster than when timed second, whichever it is
+    # (docs/PERF.md, "How it is measured"), and the default is timed first: its first reading must not decide. Here the
+    # default's first reading is 10 % fast, its true time 5 % behind a challenger's.
     table = _recorded(128, False)
     space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
     h200 = known_gpu("h200")
@@ -635,7 +636,8 @@ def test_the_incumbent_is_timed_whatever_the_budget_and_the_note_says_what_becam
 
 
 def test_a_timeout_shorter_than_the_first_timing_still_times_one_config():
-    # A study whose timeout had passed before its first ask timed nothing and raised "no config could be measured".
+    # A study whose timeout passes before its first ask still times one config, rather than timing nothing and
+    # raising "no config could be measured".
     table = _recorded(128, False)
     space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
     measure, calls = _replay(table)

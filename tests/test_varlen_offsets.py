@@ -143,7 +143,8 @@ def check_offsets_changed_unseen(device: str) -> None:
 
 
 def test_offsets_changed_unseen_stay_in_bounds_and_give_the_clamped_sequences(device):
-    # Before the clamp: an InterpreterError or a `double free or corruption` abort (CPU), an illegal address (GPU).
+    # Unclamped, such offsets give an InterpreterError or a `double free or corruption` abort (CPU), an illegal
+    # address (GPU).
     root = Path(__file__).resolve().parent.parent
     script = (
         f"from tests.test_varlen_offsets import check_offsets_changed_unseen; check_offsets_changed_unseen({device!r})"

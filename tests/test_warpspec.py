@@ -201,7 +201,7 @@ def test_persistent_grids_hold_a_program_an_sm_or_two(monkeypatch):
 
 def test_the_unchecked_descriptor_is_the_checked_one():
     # warpspec._descriptor's fast path (fastlaunch on) builds the dataclass without its __init__: same fields, and
-    # compiled_form is cached, so a launch's host time holds neither (docs/PERF.md v11)
+    # compiled_form is cached, so a launch's host time holds neither (docs/PERF.md, "Launch plans and direct launches")
     t = torch.empty(2, 3, 80, 64, dtype=torch.bfloat16)[:, :, 8:]
     for block in [(1, 1, 64, 64), (1, 1, 128, 64)]:
         fast, checked = warpspec._descriptor(t, block, checked=False), warpspec._descriptor(t, block)
@@ -292,7 +292,7 @@ def _probe(script: str, *args: str, timeout: int = 600):
 def test_offline_compiles_specialize_pointers_as_a_launch_does():
     # Triton's JIT marks a 16-byte-aligned tensor argument tt.divisibility=16, which lets the compiler vectorize its
     # loads; an offline compile (probe, hence the register and SASS checks here) must too, or it reads other code
-    # than runs (an in-kernel dQ cast compiled so showed scalar loads and more stack: docs/PERF.md v21).
+    # than runs (an in-kernel dQ cast compiled so showed scalar loads and more stack: docs/HISTORY.md, "Backward").
     pointers = _probe(_ATTRS_PROBE, timeout=300)
     assert [kind for kind, _ in pointers] == ["*fp32", "*fp32"]  # LSE, DELTA
     assert all(attrs == [["tt.divisibility", 16]] for _, attrs in pointers)
@@ -309,7 +309,8 @@ def test_planner_model_and_registers_match_the_compiler():
     # kernels of one and two consumers that fit and one that does not, and three forward consumers at d=128 B_c=128
     # that do not.
     # (Persistent and causal, the loop over tiles keeps 8-24 B of stack beside fitting accumulators, 128 B with
-    # three consumers at d=64: the rule does not count it, the tuner's timing does: docs/PERF.md v12.)
+    # three consumers at d=64: the rule does not count it, the tuner's timing does: docs/PERF.md, "Persistent kernels
+    # and paired causal tiles".)
     rows = [("fwd", 128, WS.to_dict(), False), ("fwd", 128, KernelConfig(128, 128, 4, 2, warpspec=2).to_dict(), True),
             ("fwd", 64, KernelConfig(192, 128, 4, 2, warpspec=1).to_dict(), True),
             ("fwd", 128, KernelConfig(64, 64, 4, 4, warpspec=1).to_dict(), False),
@@ -350,11 +351,11 @@ print(json.dumps(out))
 
 @ON_WS_TRITON
 def test_step_loops_leave_register_operands_carried_into_them_alone():
-    # An asynchronous wgmma reads a register A operand after it is issued; a value carried into a step loop for it
-    # must not be rewritten in the loop. docs/PERF.md v19 met an sm_90 compile that did (K and V as operands, the
-    # causal mask under a branch: wrong dK). scripts/sass_wgmma_operands.py reads the compiled loops; the shipped
-    # kinds of warpspec kernel (causal, where the branches are, the fused dQ, and d=64's K and V in registers) issue
-    # register-operand HGMMAs in their step loops and leave every operand carried into a loop alone.
+    # An asynchronous wgmma reads a register A operand after it is issued; a value carried into a step loop for it must
+    # not be rewritten in the loop. An sm_90 compile did (K and V as operands, the causal mask under a branch: wrong dK;
+    # docs/PERF.md, "The backward's dK/dV kernel and fused dQ"). scripts/sass_wgmma_operands.py reads the compiled
+    # loops; the shipped kinds of warpspec kernel (causal, where the branches are, the fused dQ, and d=64's K and V in
+    # registers) issue register-operand HGMMAs in their step loops and leave every operand carried into a loop alone.
     rows = [("bwd_dkdv", 64, True, "64,128,4,3,2,1"), ("bwd_dkdv", 64, False, "64,128,4,3,2,1"),
             ("bwd_dkdv", 128, True, "64,128,4,2,1,1"), ("bwd_dkdv", 128, False, "64,128,4,2,2,0"),
             ("fwd", 128, True, "128,128,4,2,2,1"), ("bwd_dq", 128, True, "128,64,4,3,1,1")]  # fmt: skip
@@ -371,7 +372,7 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
 
 def test_the_causal_tail_is_a_launch_variant_not_an_entrys(monkeypatch):
     # CAUSAL_TAIL renders only for causal persistent warpspec templates; a stored entry's hash names the code
-    # without it, whatever FA2TUNE_CAUSAL_TAIL says (a launch picks the variant, fa2tune/causal_tail.py)
+    # without it, whatever FA2TUNE_CAUSAL_TAIL says (a launch picks the variant, fa2tune/launch/causal_tail.py)
     common = dict(banded=False, varlen=False, even_m=True, even_n=True, causal_tail=True)
     for template in ("fwd_ws", "bwd_ws", "bwd_dq_ws"):
         on = Variant.for_template(template, causal=True, persistent=1, **common)
@@ -435,7 +436,8 @@ print(json.dumps(out))
 def test_the_causal_forward_masks_a_score_with_one_compare_and_one_select():
     # A query row i < N_Q sees keys j <= i + N_K − N_Q <= N_K − 1: the diagonal bound implies the end of K, so the
     # forward's mask block (the block of a step loop that an unmasked step branches over) needs one ISETP and one
-    # FSEL a score (docs/PERF.md v23: it issued 96 ISETP + 128 FSEL for 64 scores a thread at d=64 (64, 128) before).
+    # FSEL a score (docs/PERF.md, "The warp-specialized forward"; a mask that also tests the end of K issues 96 ISETP
+    # and 128 FSEL for 64 scores a thread at d=64 (64, 128)).
     # Scores a thread: block_m·block_n / 128 threads of a consumer warpgroup.
     rows = [("fwd", 64, True, "64,128,4,3,1,2"), ("fwd", 128, True, "128,128,4,2,2,1")]
     for row, found in zip(rows, _probe(_STEP_PROBE, json.dumps(rows)), strict=True):
@@ -450,9 +452,10 @@ def test_the_causal_forward_masks_a_score_with_one_compare_and_one_select():
 @ON_WS_TRITON
 def test_the_exponentials_run_before_the_waits_for_the_wgmmas_issued_under_them():
     # The forward issues QKᵀ_j and P_j-1·V_j-1, waits for QKᵀ_j, computes the softmax, then waits for P·V; dQ issues
-    # S_j, dP_j and dQ, waits for S_j, computes P_j, then waits for dP_j. ptxas hoisted the later wait above the
-    # exponentials when they shared its basic block, so nothing ran under the wgmmas (docs/PERF.md v27-v28). In the
-    # compiled step loop only the wait for the scores may precede the first MUFU.EX2; every later one follows the last.
+    # S_j, dP_j and dQ, waits for S_j, computes P_j, then waits for dP_j. ptxas hoists the later wait above the
+    # exponentials when they share its basic block, and then nothing runs under the wgmmas (docs/PERF.md, "The
+    # warp-specialized forward"). In the compiled step loop only the wait for the scores may precede the first MUFU.EX2;
+    # every later one follows the last.
     rows = [("fwd", 128, False, "128,128,4,2,1,1"), ("fwd", 64, False, "128,128,4,4,1,1"),
             ("bwd_dq", 128, True, "128,64,4,3,1,1")]  # fmt: skip
     for row, found in zip(rows, _probe(_STEP_PROBE, json.dumps(rows)), strict=True):

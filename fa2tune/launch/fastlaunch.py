@@ -4,7 +4,7 @@ checked against on a GPU (TESTED_TRITON); FA2TUNE_DIRECT_LAUNCH=0 turns it off, 
 `kernel[grid](*args, **constexprs)` goes through JITFunction.run on every call: it binds the ~40 arguments, works
 out their specialization (pointer alignment, ints equal to 1 or divisible by 16), renders the options into a cache
 key and only then calls the compiled binary's launcher. At N <= 1k a fwd+bwd call's kernels take about as long as
-the host takes to launch them, so the GPU waits for the host (docs/PERF.md v6, "host time").
+the host takes to launch them, so the GPU waits for the host (docs/PERF.md, "Host time per call").
 
 launch() lets Triton's JIT handle the first call of each argument key (it compiles, or loads from its cache) and
 keeps the CompiledKernel it returns; later calls with the same key call that kernel's launcher directly. The key
@@ -12,9 +12,9 @@ keeps the CompiledKernel it returns; later calls with the same key call that ker
 — so a binary is reused only for arguments the JIT would have compiled the same way. The interpreter and launch
 hooks (a profiler such as proton adds them) take the JIT path.
 
-Measured on the H200 (docs/PERF.md v7): a fwd+bwd call's host time 807 → 677 µs; fwd+bwd 1.16-1.41× faster at
-N = 256 and at N = 512 causal, d = 128, where the GPU waited for the host; the same speed (±1 %) from N = 1k on.
-tests/test_gpu.py checks the direct path's results against the JIT's bit for bit.
+Measured on the H200 (docs/PERF.md, "Launch plans and direct launches"): a fwd+bwd call's host time 807 → 677 µs;
+fwd+bwd 1.16-1.41× faster at N = 256 and at N = 512 causal, d = 128, where the GPU waited for the host; the same speed
+(±1 %) from N = 1k on. tests/test_gpu.py checks the direct path's results against the JIT's bit for bit.
 
 This reads three attributes of Triton's CompiledKernel (run, function, packed_metadata) that are not public API:
 hence on only for the versions checked (a new Triton gets the JIT path until tests/test_gpu.py has run with it
@@ -86,7 +86,7 @@ _runtime_knobs: Any = None  # triton.knobs.runtime, imported on the first launch
 def _hooks_installed() -> bool:
     """True when a launch hook is registered. Triton 3.6's hooks are HookChains, empty rather than None when unused;
     older versions use None or a callable. Asked on every launch, hence no import statement and no generator here
-    (they were ~13 µs of a launch's host time on the H200's host, cProfiled; docs/PERF.md v23)."""
+    (they cost ~13 µs of a launch's host time on the H200's host, cProfiled)."""
     global _runtime_knobs
     if _runtime_knobs is None:
         from triton import knobs
@@ -159,7 +159,7 @@ class Launcher:
     fixed, the tensors' dtypes too —, called with the tensors alone: Launcher(kernel, grid, scalars, kwargs)(*tensors).
 
     launch() works out a key of ~40 values for every call (each tensor, each scalar, each option) and looks the
-    binary up by it; a launch plan (fa2tune.launch.launcher) has fixed all but the tensors' addresses, so this keeps the
+    binary up by it; a launch plan (fa2tune.launch.plans) has fixed all but the tensors' addresses, so this keeps the
     binary by the one thing a call can still change — which tensors are 16-byte aligned — and calls it directly.
     The first call of each alignment goes through launch() (JIT, compile or cache), which also decides whether a
     direct launch is possible at all; hooks, the interpreter and a switched-off fastlaunch take launch()'s path."""
@@ -192,9 +192,9 @@ class Launcher:
 
 
 # ---- kernels whose leading parameters are TMA descriptors (the Gluon kernels of fa2tune.launch.warpspec) -------
-# Through launch(), such a launch built a descriptor object per tensor, keyed each, and Triton's CompiledKernel.run
-# then encoded every descriptor (a 128-byte CUtensorMap) before calling the binary's launcher: ~34 µs of host time
-# a launch on the H200 host, where the launcher itself takes 5.5 (docs/PERF.md v14, `bench_host_overhead.py
+# Through launch(), such a launch builds a descriptor object per tensor, keys each, and Triton's CompiledKernel.run then
+# encodes every descriptor (a 128-byte CUtensorMap) before calling the binary's launcher: ~34 µs of host time a launch
+# on the H200 host, where the launcher itself takes 5.5 (docs/PERF.md, "Host time per call"; `bench_host_overhead.py
 # --split`). A warpspec fwd+bwd call makes three such launches, and at N <= 1k the GPU waits for the host.
 
 # launch_tma's plans: (id(kernel), device, descriptor dtypes and blocks, pointer keys, scalars, options) ->
@@ -313,7 +313,7 @@ class TmaLauncher:
     [describe(t, block) for t, block in zip(tensors, blocks)], pointers the tensors after those.
 
     The contract that makes it cheap: every call passes tensors of the shapes, strides and dtypes of the first (a
-    launch plan's signature fixes them; fa2tune.launch.launcher builds one per signature). So an encoding is kept by the
+    launch plan's signature fixes them; fa2tune.launch.plans keeps one per signature). So an encoding is kept by the
     descriptors' addresses alone (one dict lookup a launch, not a key of address, shape and strides per descriptor),
     and the launcher plan by the pointers' alignment (launch_tma's key of ~40 values is worked out once). The first
     call of each alignment goes through launch_tma, which decides whether a direct launch is possible at all."""
