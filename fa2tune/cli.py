@@ -10,10 +10,12 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
-from .config.types import DTYPE_CHOICES  # torch-free: `fa2tune tune` starts its helper processes before importing torch
+# torch-free: `fa2tune tune` starts its helper processes before importing torch
+from .config.lengths import BUCKET_RANGES, SEQLEN_BUCKETS, TUNING_LENGTHS, bucket_of
+from .config.types import DTYPE_CHOICES, KERNELS
 
 USAGE_ERROR = 2  # a bad argument, or a device or directory the command cannot use: nothing was done
 INTERRUPTED = 130  # Ctrl-C, as a shell reports a process ended by SIGINT
@@ -164,9 +166,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 "kernel": p.kernel,
                 "head_dim": p.head_dim,
                 "dtype": args.dtype,
-                # asdict, not to_dict: every row of a table has every column, switches at 0 included
-                "accepted": [{**asdict(cfg), "sram_bytes": need} for cfg, need in p.accepted],
-                "rejected": [{**asdict(cfg), "sram_bytes": need, "reason": why} for cfg, need, why in p.rejected],
+                # params, not to_dict: every row of a table has every column, switches off included
+                "accepted": [{**cfg.params(), "sram_bytes": need} for cfg, need in p.accepted],
+                "rejected": [{**cfg.params(), "sram_bytes": need, "reason": why} for cfg, need, why in p.rejected],
             }
             for p in plans
         ]
@@ -188,10 +190,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _switches(cfg) -> str:
-    """The config's template switches in words ("" for the plain Triton template)."""
-    names = {"pipeline_qk": {1: "pipeline_qk"}, "warpspec": {1: "warpspec", 2: "warpspec ping-pong"},
-             "persistent": {1: "persistent", 2: "persistent, two programs an SM"}}  # fmt: skip
-    return " ".join(names[field][value] for field, value in asdict(cfg).items() if field in names and value)
+    """The config's template switches and schedule in words ("" for the plain Triton template)."""
+    schedule = cfg.schedule
+    words = [("pipeline_qk", cfg.pipeline_qk), ("warpspec", cfg.warp_specialized), ("ping-pong", cfg.pingpong),
+             ("fused dQ", cfg.fused_dq), ("persistent", schedule.persistent),
+             (", two programs an SM", schedule.programs_an_sm == 2), (", no split tail", not schedule.split_tail),
+             (", causal tail", schedule.causal_tail)]  # fmt: skip
+    return " ".join(word for word, on in words if on).replace(" ,", ",")
 
 
 def _cmd_codegen(args: argparse.Namespace) -> int:
@@ -201,6 +206,7 @@ def _cmd_codegen(args: argparse.Namespace) -> int:
     variant = Variant.for_template(
         args.template, causal=args.causal, banded=False, varlen=False, even_m=not args.ragged,
         even_n=not args.ragged, dot_fp32=args.interpret, pingpong=args.pingpong, persistent=args.persistent,
+        fused_dq=args.fused_dq,
     )  # fmt: skip
     print(codegen.render(args.template, variant), end="")
     return 0
@@ -217,9 +223,7 @@ def _window(text: str) -> tuple[int, int]:
 
 def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
     """--seqlens, or the bucket's default; a bucket tuned at a length it never serves would be wrong."""
-    from .config.store import BUCKET_RANGES
-
-    text = text or {"short": "512,1024", "medium": "2048,4096"}.get(bucket, "1024,4096,16384")
+    text = text or ",".join(map(str, TUNING_LENGTHS[bucket]))
     try:
         seqlens = tuple(int(n) for n in text.split(","))
     except ValueError:
@@ -227,7 +231,7 @@ def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
     problem = None
     if not seqlens or min(seqlens) < 1:
         problem = f"--seqlens must be comma-separated ints >= 1, got {text!r}"
-    elif bucket in BUCKET_RANGES and not all(BUCKET_RANGES[bucket][0] < n <= BUCKET_RANGES[bucket][1] for n in seqlens):
+    elif bucket != "all" and not all(bucket_of(n) == bucket for n in seqlens):
         low, high = BUCKET_RANGES[bucket]
         problem = f"--seqlen-bucket {bucket} serves lengths in ({low}, {high}]; --seqlens {text} goes outside it"
     if problem:
@@ -600,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--device", default="cuda:0")
     where.add_argument("--gpu", default=None, help="plan without the card: one of " + ", ".join(_known_gpus()))
     plan.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_CHOICES))
-    plan.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "bwd_dkdv", "bwd_dq"])
+    plan.add_argument("--kernel", default="fwd", choices=[*KERNELS, "bwd"])
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_cmd_plan)
 
@@ -618,7 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument(
         "--kernel",
         default="fwd",
-        choices=["fwd", "bwd", "bwd_dkdv", "bwd_dq", "all"],
+        choices=[*KERNELS, "bwd", "all"],
         help="bwd: both backward kernels; bwd_dkdv / bwd_dq one of them (after a change to its template)",
     )
     tune.add_argument(
@@ -629,15 +633,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.add_argument("--varlen", action="store_true", help="tune the packed-sequence (attention_varlen) variant")
     tune.add_argument("--jobs", type=_positive_int, default=None, help="compile processes (default: one per CPU core)")
+    lengths = {bucket: ",".join(map(str, TUNING_LENGTHS[bucket])) for bucket in SEQLEN_BUCKETS}
+    (_, short), (low, medium) = BUCKET_RANGES["short"], BUCKET_RANGES["medium"]
     tune.add_argument("--seqlens", default=None,
-                      help="tuning lengths, at batch·N = --tokens (default 1024,4096,16384 — less those the "
+                      help=f"tuning lengths, at batch·N = --tokens (default {lengths['all']} — less those the "
                            "file's short and medium entries for the key serve, 8192 added where fewer than two "
-                           "remain —; 512,1024 for --seqlen-bucket short; 2048,4096 for medium)")  # fmt: skip
-    tune.add_argument("--seqlen-bucket", default="all", choices=["all", "short", "medium"],
-                      help="short: an entry used only by calls with max(seqlen_q, seqlen_k) <= 1024, tuned at such "
-                           "lengths (a backward kernel timed inside the whole training call, where the host can be "
-                           "the bound); medium: the same for 1024 < max(seqlen_q, seqlen_k) <= 4096; all: the entry "
-                           "for every other length")  # fmt: skip
+                           f"remain —; {lengths['short']} for --seqlen-bucket short; {lengths['medium']} for "
+                           "medium)")  # fmt: skip
+    tune.add_argument("--seqlen-bucket", default="all", choices=SEQLEN_BUCKETS,
+                      help=f"short: an entry used only by calls with max(seqlen_q, seqlen_k) <= {short}, tuned at "
+                           "such lengths (a backward kernel timed inside the whole training call, where the host can "
+                           f"be the bound); medium: the same for {low} < max(seqlen_q, seqlen_k) <= {medium}; all: "
+                           "the entry for every other length")  # fmt: skip
     tune.add_argument("--tokens", type=_positive_int, default=16384, help="batch·N of each tuning length")
     tune.add_argument("--trials", type=_positive_int, default=40,
                       help="configs timed per study (>= 1; the config the file holds for the key is timed beside "
@@ -663,12 +670,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("codegen", help="print the generated Triton (or Gluon) source of one template variant")
     gen.add_argument("--template", default="fwd", choices=["fwd", "bwd", "fwd_ws", "bwd_ws", "bwd_dq_ws"],
                      help="fwd_ws / bwd_ws / bwd_dq_ws: the warp-specialized forward / dK/dV / dQ kernel (Gluon, "
-                     "Hopper), KernelConfig.warpspec")  # fmt: skip
+                     "Hopper), KernelConfig.warp_specialized")  # fmt: skip
     gen.add_argument("--causal", action="store_true")
     gen.add_argument("--ragged", action="store_true", help="lengths that are not multiples of the blocks")
     gen.add_argument("--interpret", action="store_true", help="the variant used under TRITON_INTERPRET=1")
-    gen.add_argument("--pingpong", action="store_true", help="fwd_ws: the ping-pong variant (warpspec=2)")
-    gen.add_argument("--persistent", action="store_true", help="fwd_ws: one program per SM walks the tiles")
+    gen.add_argument("--pingpong", action="store_true", help="fwd_ws: two consumers take turns (KernelConfig.pingpong)")
+    gen.add_argument("--fused-dq", action="store_true",
+                     help="bwd_ws: dQ added by the dK/dV kernel (KernelConfig.fused_dq)")  # fmt: skip
+    gen.add_argument("--persistent", action="store_true",
+                     help="the *_ws templates: programs walk the tiles (Schedule.persistent)")  # fmt: skip
     gen.set_defaults(func=_cmd_codegen)
     return parser
 

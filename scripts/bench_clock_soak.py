@@ -27,14 +27,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--config", default="128,128,4,2,1,1", help="block_m,block_n,warps,stages,warpspec,persistent")
+    parser.add_argument(
+        "--config",
+        default="128,128,4,2,ws,persistent",
+        help="block_m,block_n,warps,stages[,switch words of KernelConfig.label] (KernelConfig.parse)",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--idle", type=float, default=3.0)
     parser.add_argument("--seconds", type=float, default=3.0)
     args = parser.parse_args()
 
-    m, n, warps, stages, warpspec, persistent = (int(x) for x in args.config.split(","))
-    cfg = KernelConfig(m, n, warps, stages, warpspec=warpspec, persistent=persistent)
+    cfg = KernelConfig.parse(args.config)
     d, seqlen = args.head_dim, args.seqlen
     batch, heads = max(1, 16384 // seqlen), 2048 // d
     q, k, v = (torch.randn(batch, heads, seqlen, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The backward with dQ fused into the dK/dV kernel (bwd_dkdv warpspec 2) beside the shipped two-kernel backward and
+"""The backward with dQ fused into the dK/dV kernel (KernelConfig.fused_dq) beside the shipped two-kernel backward and
 cuDNN's, on a Hopper GPU: first every fused candidate's gradients against float64 autograd (and beside the shipped
 path's error), then TFLOP/s of backward FLOPs (2.5 × the forward's) at 16k tokens, heads·d = 2048, bf16.
 
@@ -19,6 +19,7 @@ import triton
 
 from fa2tune.config import planner
 from fa2tune.config.device import known_gpu
+from fa2tune.config.schedule import PER_TILE, PERSISTENT
 from fa2tune.config.types import KernelConfig
 from fa2tune.launch import launcher
 
@@ -30,10 +31,10 @@ def candidates(head_dim: int) -> dict[str, KernelConfig]:
     h200 = known_gpu("h200")
     found = {}
     for stages in (2, 3):
-        for persistent in (0, 1):
-            cfg = KernelConfig(64, 128, 4, stages, warpspec=2, persistent=persistent)
+        for schedule in (PER_TILE, PERSISTENT):
+            cfg = KernelConfig(64, 128, 4, stages, warp_specialized=True, fused_dq=True, schedule=schedule)
             if planner.check(cfg, h200, head_dim, DTYPE, "bwd_dkdv") is None:
-                found[f"fused s{stages}{' p' if persistent else ''}"] = cfg
+                found[f"fused s{stages}{' p' if schedule.persistent else ''}"] = cfg
     return found
 
 

@@ -14,9 +14,9 @@ programs an SM), beside the shipped config and cuDNN; bf16, batch·N = 16k token
 
 Measured on the H200 (docs/PERF.md v19): two an SM lift the one-consumer configs by 39-51 % at d=64, but beat the
 shipped configs only at d=64 causal N=512 (244 against 209 TFLOP/s; cuDNN 258). Since v21 this is a config switch,
-`persistent: 2` (planner.WS_TWO_AN_SM_REGISTERS, planner.programs_per_sm), which the tuner searches and the d=64
-causal N <= 1k forward entries use; this script stays as v19's measurement (its `two` mode patches every one-consumer
-config, not only persistent ones).
+`schedule: {persistent: true, programs_per_sm: 2}` (planner.WS_TWO_AN_SM_REGISTERS, planner.programs_per_sm), which
+the tuner searches and the d=64 causal N <= 1k forward entries use; this script stays as v19's measurement (its `two`
+mode patches every one-consumer config, not only persistent ones).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from fa2tune.config import planner
+from fa2tune.config.schedule import PER_TILE, PERSISTENT
 from fa2tune.config.types import KernelConfig
 from fa2tune.launch import launcher, warpspec
 from fa2tune.tune.timing import attention_flops, random_qkv, time_cuda
@@ -56,7 +57,8 @@ def two_programs_an_sm():
 
 def candidates() -> list[KernelConfig]:
     """One-consumer forward configs: (64, 128) 2 stages and (64, 64) 3 stages, one tile a program or persistent."""
-    return [KernelConfig(64, n, 4, s, warpspec=1, persistent=p) for n, s in ((128, 2), (64, 3)) for p in (0, 1)]
+    return [KernelConfig(64, n, 4, s, warp_specialized=True, schedule=schedule) for n, s in ((128, 2), (64, 3))
+            for schedule in (PER_TILE, PERSISTENT)]  # fmt: skip
 
 
 def measure(head_dim: int, seqlen: int, causal: bool) -> dict[str, float]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fa2tune.config import planner, store
+from fa2tune.config import lengths, planner, store
 from fa2tune.launch import causal_tail
 
 SHIPPED = Path(__file__).resolve().parents[1] / "tuned_configs" / "nvidia-h200.yaml"
@@ -38,12 +38,12 @@ def _lengths(spec: str) -> list[int]:
 def row(kernel: str, head_dim: int, seqlen: int, configs: dict, tokens: int, width: int, sms: int):
     """(config, tail heads, pairs-alone / even, with-tail / even) for one shape, or None where the shipped entry of
     its bucket is not a causal persistent one (it has no tail) or, for bwd_dq, does not run."""
-    bucket = store.bucket_of(seqlen)
+    bucket = lengths.bucket_of(seqlen)
     config = configs.get((kernel, head_dim, bucket))
-    if config is None or not config.persistent:
+    if config is None or not config.schedule.persistent:
         return None
     dkdv = configs.get(("bwd_dkdv", head_dim, bucket))
-    if kernel == "bwd_dq" and dkdv is not None and dkdv.warpspec == 2:
+    if kernel == "bwd_dq" and dkdv is not None and dkdv.fused_dq:
         return None  # that backward fuses dQ into its dK/dV kernel: no dQ kernel runs
     heads = width // head_dim
     batch_heads = max(1, tokens // seqlen) * heads

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How evenly a persistent causal forward spreads its work over the programs, by the order it takes tiles in.
 
-A persistent warpspec program (KernelConfig.persistent) walks work items first, first + programs, ...; causal Q
+A persistent warpspec program (Schedule.persistent) walks work items first, first + programs, ...; causal Q
 tiles differ in length (a head's last tile visits every K/V tile, its first one), so the order decides how long the
 busiest program runs. This counts K/V tiles per program — no GPU, no timing — for two orders:
   snake : v12's fwd_ws.py.jinja order (docs/PERF.md v12): tiles head by head, longest first within a head, every

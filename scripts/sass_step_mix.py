@@ -12,7 +12,7 @@ It also says where the step waits for its wgmmas (WARPGROUP.DEPBAR.LE gsb0, N: u
 flight) against its exponentials: a softmax meant to run under the previous P·V must come before the wait for none
 in flight — in v27's SASS ptxas had scheduled that wait ahead of it in every shipped forward (docs/PERF.md v27).
 
-    python scripts/sass_step_mix.py --kernel fwd --head-dim 64 --config 192,128,4,2,1,1
+    python scripts/sass_step_mix.py --kernel fwd --head-dim 64 --config 192,128,4,2,ws,persistent
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def wait_placement(instructions: list[tuple[int, str]], loop: StepLoop) -> tuple
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_compile_arguments(parser, "fwd", "192,128,4,2,1,1")
+    add_compile_arguments(parser, "fwd", "192,128,4,2,ws,persistent")
     args = parser.parse_args()
     instructions = parse(compile_sass(args.kernel, args.config, args.head_dim, args.causal))
     loop = step_loop(instructions)

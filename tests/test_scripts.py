@@ -126,7 +126,7 @@ def test_fused_dq_benchmark_times_what_the_planner_accepts():
     script = load_script("bench_fused_dq")
     assert list(script.candidates(128)) == ["fused s2"]
     assert list(script.candidates(64)) == ["fused s2", "fused s2 p", "fused s3", "fused s3 p"]
-    assert all(cfg.warpspec == 2 and cfg.block_n == 128 for cfg in script.candidates(64).values())
+    assert all(cfg.fused_dq and cfg.block_n == 128 for cfg in script.candidates(64).values())
 
 
 def test_two_programs_an_sm_experiment_patches_registers_and_grid_and_puts_them_back(monkeypatch):

@@ -1,9 +1,9 @@
 """Which config one attention call launches with: the tuned entry from the store, else the planner's default.
 
 Resolved once per (kernel, head_dim, dtype, mask kind, length bucket, device, config dir) and cached, so
-attention()'s hot path pays a dict lookup. A call looks up its length's bucket first ("short" for
-max(seqlen_q, seqlen_k) <= store.SHORT_SEQLEN), then "all". A tuned entry that does not fit the device it is used on
-is ignored with one warning.
+attention()'s hot path pays a dict lookup. A call looks up its length's bucket first (lengths.buckets_for: "short"
+for max(seqlen_q, seqlen_k) <= lengths.SHORT_SEQLEN, ...), then "all". A tuned entry that does not fit the device it
+is used on is ignored with one warning.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from ..config import planner, store
+from ..config import lengths, planner, store
 from ..config.device import INTERPRETER, inspect_cached
 from ..config.inputs import DTYPE_NAMES, interpreting
 from ..config.types import DeviceInfo, KernelConfig
@@ -58,7 +58,7 @@ def resolve(
     (None: the "all" bucket only).
     """
     info = device_info(device)
-    buckets = store.buckets_for(seqlen)
+    buckets = lengths.buckets_for(seqlen)
     cache_key = (kernel, head_dim, dtype, causal, window, varlen, buckets[0], info.slug,
                  os.environ.get("FA2TUNE_CONFIG_DIR"))  # fmt: skip
     hit = _cache.get(cache_key)

@@ -13,13 +13,13 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 
 from ..api import selection
-from ..config import planner
+from ..config import planner, schedule
 from ..config.inputs import (
     check_flag,
     check_offsets,
@@ -147,7 +147,7 @@ def _config(
 ) -> KernelConfig:
     if config is not None:
         return config
-    # The longer side picks the length bucket of the tuned configs (store.buckets_for).
+    # The longer side picks the length bucket of the tuned configs (lengths.buckets_for).
     longest = max(packing.max_seqlen_q, packing.max_seqlen_k) if packing is not None else max(q.shape[2], k.shape[2])
     return selection.resolve(kernel, q.shape[-1], q.dtype, mask.causal, q.device, window=mask.banded,
                              varlen=packing is not None, seqlen=longest)[0]  # fmt: skip
@@ -157,7 +157,7 @@ def _runnable(config: KernelConfig, kernel: str, explicit: bool, mask: Mask, pac
     """`config`, or — for a warpspec config this call cannot take (unaligned strides, band masks, packed sequences,
     fp32) — the Triton template's default: a tuned warpspec entry serves the calls it can and the others run as
     they would have before tuning. A warpspec config the caller gave explicitly is an error that says why."""
-    if not config.warpspec:
+    if not config.warp_specialized:
         return config
     reason = warpspec.unsupported(mask, packing is not None, **tensors)
     if reason is None:
@@ -171,7 +171,7 @@ def _runnable(config: KernelConfig, kernel: str, explicit: bool, mask: Mask, pac
 
 @functools.lru_cache(maxsize=256)
 def _triton_default(head_dim: int, dtype: torch.dtype, causal: bool, kernel: str, device) -> KernelConfig:
-    return planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device, warpspec=False)
+    return planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device, warp_specialized=False)
 
 
 # ---- launch plans ----------------------------------------------------------------------------------------------
@@ -194,9 +194,11 @@ _MAX_PLANS = 256  # signatures a process keeps; cleared when full
 
 def _plan_key(kind: str, tensors: tuple, mask: Mask, scale: float, configs: tuple) -> tuple:
     """A call's signature: what its plan was worked out from. The resolved configs come from the tuned files and the
-    planner through selection.resolve, whose cache generation and config directory are part of it."""
+    planner through selection.resolve, whose cache generation and config directory are part of it; the schedules'
+    debugging overrides (schedule.env_overrides) change what a config's launch runs."""
     return (kind, tuple([(t.shape, t.stride()) for t in tensors]), tensors[0].dtype, tensors[0].device, mask, scale,
-            configs, selection.generation, os.environ.get("FA2TUNE_CONFIG_DIR"), interpreting())  # fmt: skip
+            configs, selection.generation, os.environ.get("FA2TUNE_CONFIG_DIR"), interpreting(),
+            schedule.env_overrides())  # fmt: skip
 
 
 def _misaligned(*tensors: torch.Tensor) -> int:
@@ -270,14 +272,14 @@ def forward(
     launch = _forward_launcher(q, k, v, o, lse, mask, scale, runnable, packing)
     with _on_device(q):
         launch(q, k, v, o, lse)
-    _keep(key, _Plan(launch, bool(runnable.warpspec)), runnable != config, (q, k, v, o))
+    _keep(key, _Plan(launch, runnable.warp_specialized), runnable != config, (q, k, v, o))
     return o, lse
 
 
 def _forward_launcher(q, k, v, o, lse, mask: Mask, scale: float, config: KernelConfig, packing: Packing | None):
     """launch(q, k, v, o, lse) for calls with these tensors' shapes and strides and this packing: the forward's one
     kernel launch with everything but the tensors worked out."""
-    if config.warpspec:  # _runnable checked that this call can take it
+    if config.warp_specialized:  # _runnable checked that this call can take it
         return warpspec.forward_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config)
     (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), strides = _layout(q, k, packing)
     kernel = _kernel("fwd", "_attn_fwd", mask, seqlen_q, seqlen_k, config, packing is not None)
@@ -355,23 +357,24 @@ def backward(
     with _on_device(q):
         launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse)
     downgraded = dkdv_run != dkdv_config or dq_run != dq_config
-    _keep(key, _Plan(launch, bool(dkdv_run.warpspec or dq_run.warpspec)), downgraded, (q, k, v, do, dq, dk, dv))
+    _keep(key, _Plan(launch, dkdv_run.warp_specialized or dq_run.warp_specialized), downgraded,
+          (q, k, v, do, dq, dk, dv))  # fmt: skip
     return dq, dk, dv
 
 
 def _deterministic(config: KernelConfig, explicit: bool) -> KernelConfig:
-    """The dK/dV config a backward runs. With dQ fused in (bwd_dkdv warpspec 2) the dK/dV programs add their dQ
+    """The dK/dV config a backward runs. With dQ fused in (KernelConfig.fused_dq) the dK/dV programs add their dQ
     shares by TMA reductions in the order they arrive: fp32 sums whose last bits vary from run to run. Under
-    torch.use_deterministic_algorithms(True) a tuned fused config gives way to its twin with a dQ kernel (warpspec
-    1: same tiles, less shared memory), whose every sum has one order; an explicit one is an error."""
-    if config.warpspec != 2 or not torch.are_deterministic_algorithms_enabled():
+    torch.use_deterministic_algorithms(True) a tuned fused config gives way to its twin with a dQ kernel (fused_dq
+    off: same tiles, less shared memory), whose every sum has one order; an explicit one is an error."""
+    if not config.fused_dq or not torch.are_deterministic_algorithms_enabled():
         return config
     if explicit:
         raise RuntimeError(
-            f"dkdv_config {config} fuses dQ in (warpspec=2), which adds dQ in a run-to-run order, and "
-            "torch.use_deterministic_algorithms(True) is set: pass warpspec=1 for a deterministic backward"
+            f"dkdv_config {config} fuses dQ in (fused_dq=True), which adds dQ in a run-to-run order, and "
+            "torch.use_deterministic_algorithms(True) is set: pass fused_dq=False for a deterministic backward"
         )
-    return replace(config, warpspec=1)
+    return replace(config, fused_dq=False)
 
 
 def _gradient_buffers(q, k, v, lse):
@@ -383,7 +386,7 @@ def _gradient_buffers(q, k, v, lse):
 
 def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config, dq_config, packing):
     """launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse) for calls with these tensors' shapes and strides and
-    this packing: δ's preprocess kernel, then the dK/dV and dQ kernels — or, dQ fused in (bwd_dkdv warpspec 2), the
+    this packing: δ's preprocess kernel, then the dK/dV and dQ kernels — or, dQ fused in (KernelConfig.fused_dq), the
     dK/dV kernel adding into a zeroed fp32 dQ and its cast —, everything but the tensors worked out."""
     (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), strides = _layout(q, k, packing)
     varlen = packing is not None
@@ -393,7 +396,7 @@ def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config
     pre_rows, pre_batch = (q.shape[0], 1) if varlen else (seqlen_q, batch)
     pre = _kernel("bwd", "_attn_bwd_preprocess", mask, seqlen_q, seqlen_k, dq_config, varlen)
     pre_grid = (_cdiv(pre_rows, dq_config.block_m) * pre_batch * heads_q,)
-    fused_dq = dkdv_config.warpspec == 2  # the dK/dV kernel also adds scale·dS·K into an fp32 dQ
+    fused_dq = dkdv_config.fused_dq  # the dK/dV kernel also adds scale·dS·K into an fp32 dQ
     # with dQ fused in, the preprocess also zeroes the fp32 dQ: q's shape, contiguous (a meta tensor's strides)
     dq_acc_strides = strides(torch.empty(q.shape, device="meta")) if fused_dq else (0, 0, 0)
     pre_scalars = (*strides(o), *strides(do), *dq_acc_strides, heads_q, pre_rows)
@@ -402,7 +405,7 @@ def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config
     inputs = (*strides(q), *strides(k), *strides(v), *strides(do), *_lse_strides(lse, packing))
     sizes = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds, *_totals(q, k, packing))
 
-    if dkdv_config.warpspec:  # backward() checked that this call can take it
+    if dkdv_config.warp_specialized:  # backward() checked that this call can take it
         # the warpspec launchers take the TMA-read tensors first: the Triton ones below take the same order
         dkdv = warpspec.backward_dkdv_launcher(q, k, lse, causal=mask.causal, scale=scale, config=dkdv_config)
     else:
@@ -416,7 +419,7 @@ def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config
         dkdv = lambda q, k, v, do, dk, dv, lse, delta: dkdv_launch(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k)
     if fused_dq:
         dq_launch = None
-    elif dq_config.warpspec:  # backward() checked that this call can take it
+    elif dq_config.warp_specialized:  # backward() checked that this call can take it
         dq_launch = warpspec.backward_dq_launcher(q, k, lse, causal=mask.causal, scale=scale, config=dq_config)
     else:
         dq_kernel = _kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, dq_config, varlen)
@@ -452,13 +455,13 @@ def _backward_launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config
 
 
 def _to_ints(config: KernelConfig) -> list[int]:
-    return list(astuple(config))  # every field, in KernelConfig's order: _from_ints reads them back positionally
+    return config.to_ints()  # every field, the schedule's too: _from_ints reads them back
 
 
 def _from_ints(config: list[int]) -> KernelConfig | None:
     # [] means "resolve inside the op": the store lookup (file I/O) then runs at call time, never while
     # torch.compile traces the caller.
-    return KernelConfig(*config) if config else None
+    return KernelConfig.from_ints(config) if config else None
 
 
 def _mask_to_ints(mask: Mask) -> list[int]:

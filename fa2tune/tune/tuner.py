@@ -21,13 +21,14 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import optuna
 import torch
 
 from ..config import planner
-from ..config.types import DeviceInfo, KernelConfig
+from ..config.schedule import PER_TILE, PERSISTENT
+from ..config.types import PARAM_NAMES, REQUIRED_PARAMS, DeviceInfo, KernelConfig
 from .timing import failure_reason
 
 _log = logging.getLogger(__name__)
@@ -76,8 +77,8 @@ def study_name(
     return f"{name}/{variant}" if variant else name
 
 
-_DIMS = tuple(f.name for f in fields(KernelConfig))  # the search dimensions
-_REQUIRED = tuple(f.name for f in fields(KernelConfig) if f.default is MISSING)  # the switches default to 0
+_DIMS = PARAM_NAMES  # the search dimensions: KernelConfig.params
+_REQUIRED = REQUIRED_PARAMS  # the switches and the schedule have defaults
 # A re-tune keeps the config a key runs now unless another measures faster by more than this fraction: readings of
 # one config differ by up to ~1 % (do_bench medians, L2 flushed; one process's rounds, docs/PERF.md v22), and a swap
 # on a 0.1 % "win" (session 22's d=128 short dK/dV, 1.196 against 1.197 ms) rewrites a shipped entry — and every
@@ -85,9 +86,9 @@ _REQUIRED = tuple(f.name for f in fields(KernelConfig) if f.default is MISSING) 
 INCUMBENT_MARGIN = 0.01
 
 
-def _params(cfg: KernelConfig) -> dict[str, int]:
-    # Every dimension, switches at 0 included: an enqueued trial missing one would have Optuna sample it.
-    return {dim: getattr(cfg, dim) for dim in _DIMS}
+def _params(cfg: KernelConfig) -> dict[str, int | bool]:
+    # Every dimension, switches off included: an enqueued trial missing one would have Optuna sample it.
+    return cfg.params()
 
 
 def _completed(study: optuna.Study) -> dict[KernelConfig, float]:
@@ -95,7 +96,7 @@ def _completed(study: optuna.Study) -> dict[KernelConfig, float]:
     timing it (_claim) can hold two readings of one, and the winner's ms is its best reading."""
     best: dict[KernelConfig, float] = {}
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        cfg = KernelConfig(**trial.params)
+        cfg = KernelConfig.from_params(trial.params)
         best[cfg] = min(trial.value, best.get(cfg, trial.value))
     return best
 
@@ -104,7 +105,7 @@ def _proposed(trial: optuna.trial.FrozenTrial) -> KernelConfig | None:
     """The config a trial stands for: its parameters, or those it was enqueued with; None while another process
     is still suggesting them one by one (a shared study's running trial can hold block_m and not yet block_n)."""
     params = trial.params or trial.system_attrs.get("fixed_params", {})
-    return KernelConfig(**params) if all(dim in params for dim in _REQUIRED) else None
+    return KernelConfig.from_params(params) if all(dim in params for dim in _REQUIRED) else None
 
 
 def _built(wait: Wait, cfg: KernelConfig) -> bool:
@@ -233,12 +234,13 @@ def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k:
 
     def score(cfg: KernelConfig):
         regs = planner.accumulators_per_thread(cfg, head_dim, kernel)
-        return (regs > 192, -cfg.block_m * cfg.block_n, abs(cfg.num_stages - 3), -cfg.num_warps, -cfg.persistent)
+        persistent = cfg.schedule.persistent * cfg.schedule.programs_per_sm  # two an SM, one, one program a tile
+        return (regs > 192, -cfg.block_m * cfg.block_n, abs(cfg.num_stages - 3), -cfg.num_warps, -persistent)
 
     by_family: dict[bool, list[KernelConfig]] = {True: [], False: []}  # warpspec first
     for cfg in sorted(candidates, key=score):
-        family = by_family[cfg.warpspec > 0]
-        shape = lambda c: (c.block_m, c.block_n, c.warpspec, c.persistent == 2)
+        family = by_family[cfg.warp_specialized]
+        shape = lambda c: (c.block_m, c.block_n, c.pingpong, c.fused_dq, c.schedule.programs_an_sm == 2)
         if all(shape(p) != shape(cfg) for p in family):
             family.append(cfg)
     turns = itertools.zip_longest(by_family[True], by_family[False])
@@ -268,7 +270,7 @@ def first_configs(
     fits = lambda cfg: planner.check(cfg, device, head_dim, dtype, kernel) is None
     feasible = [c for c in candidates if fits(c)]
     # feasible holds a twin only where the switch exists (KernelConfig.combination_error) and the config fits
-    twin = replace(default, persistent=int(not default.persistent))
+    twin = replace(default, schedule=PER_TILE if default.schedule.persistent else PERSISTENT)
     first = [default]
     for cfg in (incumbent, twin if twin in feasible else None):
         if cfg is not None and cfg not in first and fits(cfg):
@@ -341,7 +343,7 @@ def tune(
     name = study_name(device, kernel, head_dim, dtype, causal, variant)
     candidates = list(space) if space is not None else planner.candidates(kernel)
     allowed = set(candidates)
-    choices = {dim: sorted({getattr(c, dim) for c in candidates}) for dim in _DIMS}
+    choices = {dim: sorted({params[dim] for params in map(_params, candidates)}) for dim in _DIMS}
     if default is None:
         default = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
     stored, stored_problem = incumbent, None  # the incumbent as given, and why it cannot be kept, for the note
@@ -353,7 +355,7 @@ def tune(
             candidates.append(base)
             allowed.add(base)
             for dim in choices:
-                choices[dim] = sorted(set(choices[dim]) | {getattr(base, dim)})
+                choices[dim] = sorted(set(choices[dim]) | {_params(base)[dim]})
 
     optuna.logging.set_verbosity(logging.WARNING)
     sampler = optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=3, constant_liar=batch_size > 1)
@@ -414,7 +416,7 @@ def tune(
             trial = study.ask()
             asked += 1
             opened.append(trial)
-            cfg = KernelConfig(**{dim: trial.suggest_categorical(dim, values) for dim, values in choices.items()})
+            cfg = KernelConfig.from_params({dim: trial.suggest_categorical(dim, v) for dim, v in choices.items()})
             reason = planner.check(cfg, device, head_dim, dtype, kernel)
             if reason is None and cfg not in allowed:
                 reason = "not in the search space"
