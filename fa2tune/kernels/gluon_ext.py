@@ -4,7 +4,7 @@
 memory by the tensor memory accelerator. Triton 3.6's Gluon IR builder has the op (`create_async_tma_reduce`, the
 one `tensor_descriptor.atomic_add` lowers to) but its Hopper `tma` module offers only copies; the fused-dQ backward
 (templates/bwd_ws.py.jinja, `fused_dq`) adds its fp32 dQ partials this way, as FlashAttention-3 does, instead of
-per-thread atomics (docs/PERF.md v11: those run at the L2's atomic rate). Like `tma.async_copy_shared_to_global`,
+per-thread atomics (those run at the L2's atomic rate). Like `tma.async_copy_shared_to_global`,
 it joins the thread's bulk async-group: `tma.store_wait(n)` waits for it to have read its source.
 """
 
