@@ -230,7 +230,7 @@ def _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, batch_heads: int, c
 def test_warpspec_causal_backward_with_a_tail_matches_reference(dkdv_config, dq_config, head_dim, dtype, monkeypatch):
     # the dK/dV and dQ kernels deal the tiles of their last heads out as the forward does (K/V heads for dK/dV,
     # its longest tiles the first): all three gradients against float64 autograd with the tail forced, GQA, keys
-    # longer and shorter than the queries; with dQ fused in (warpspec 2), dQ is the dK/dV programs' reductions
+    # longer and shorter than the queries; with dQ fused in (fused_dq), dQ is the dK/dV programs' reductions
     torch.manual_seed(head_dim + dkdv_config.block_n + 3)
     monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "1")
     plans = _recorded_causal_plans(monkeypatch)
@@ -360,7 +360,7 @@ def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype, m
     # The warp-specialized dK/dV and dQ kernels (templates/bwd_ws.py.jinja, bwd_dq_ws.py.jinja), each beside the
     # other or the Triton one: all three gradients against float64 autograd, GQA (dK/dV summed over two query heads
     # each), lengths across tiles, N_Q ≠ N_K, rows that see no key (causal, N_Q > N_K). Persistent: three programs
-    # walk every tile, as in the forward's test. Fused dQ (bwd_dkdv warpspec 2): no dQ kernel runs, dQ is the sum of
+    # walk every tile, as in the forward's test. Fused dQ (fused_dq): no dQ kernel runs, dQ is the sum of
     # the dK/dV programs' TMA reductions — over query heads' GQA groups, ragged tiles and rows past N_Q. Causal dQ of
     # two consumers with B_c = 64: the first releases, unread, the program's K/V tiles past its rows' diagonal.
     dkdv_config, dq_config = configs
@@ -389,8 +389,8 @@ def _assert_gradients_match_reference(grads, q, k, v, do, *, causal: bool) -> No
 @_HOPPER
 def test_fused_dq_backward_is_deterministic_when_torch_asks(monkeypatch):
     # dQ fused into the dK/dV kernel is summed by TMA reductions in arrival order; under
-    # torch.use_deterministic_algorithms(True) a resolved fused config runs its warpspec=1 twin (dQ kernel): the same
-    # bits on every run, and the same gradients as the fused run to rounding. An explicit fused config is an error.
+    # torch.use_deterministic_algorithms(True) a resolved fused config runs its fused_dq=False twin (dQ kernel): the
+    # same bits on every run, and the same gradients as the fused run to rounding. An explicit fused config is an error.
     torch.manual_seed(11)
     q, k, v, do = (torch.randn(1, 4, 1000, 64, dtype=torch.bfloat16, device="cuda") for _ in range(4))
     o, lse = launcher.forward(q, k, v, causal=True, scale=0.125)

@@ -504,9 +504,9 @@ def test_the_exponentials_run_before_the_waits_for_the_wgmmas_issued_under_them(
 
 
 def test_a_fused_dq_config_gives_way_to_its_twin_under_deterministic_algorithms(monkeypatch, device):
-    # dQ fused into the dK/dV kernel (warpspec 2) sums dQ by TMA reductions in arrival order: not bit-reproducible.
+    # dQ fused into the dK/dV kernel (fused_dq) sums dQ by TMA reductions in arrival order: not bit-reproducible.
     # torch's default allows that; under torch.use_deterministic_algorithms(True) a resolved fused config runs its
-    # warpspec=1 twin (a dQ kernel of its own) and an explicit one is an error naming the argument.
+    # fused_dq=False twin (a dQ kernel of its own) and an explicit one is an error naming the argument.
     fused = KernelConfig(64, 128, 4, 3, warp_specialized=True, fused_dq=True, schedule=PERSISTENT)
     ws1 = KernelConfig(64, 128, 4, 3, warp_specialized=True, schedule=PERSISTENT)
     assert launcher._deterministic(fused, explicit=True) is fused
