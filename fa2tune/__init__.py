@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # what static tools see; at run time __getattr__ below imports on first use
     from .api.attention import FlashAttnFunction, attention, attention_varlen
     from .api.attention_kernel import AttentionKernel, get_kernel
+    from .config.schedule import Schedule
     from .config.types import KernelConfig, Mask, Variant
 
 _HOMES = {
@@ -23,6 +24,7 @@ _HOMES = {
     "get_kernel": "api.attention_kernel",
     "KernelConfig": "config.types",
     "Mask": "config.types",
+    "Schedule": "config.schedule",
     "Variant": "config.types",
 }
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "FlashAttnFunction",
     "KernelConfig",
     "Mask",
+    "Schedule",
     "Variant",
     "attention",
     "attention_varlen",

@@ -166,8 +166,8 @@ def _split(repeats: int) -> int:
     q, k, v = (torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     o, lse = torch.empty_like(q), torch.empty(1, 2, 64, device="cuda", dtype=torch.float32)
     config = selection.resolve("fwd", 128, torch.bfloat16, True, "cuda", seqlen=64)[0]
-    if not config.warpspec:
-        config = KernelConfig(128, 128, 4, 2, warpspec=2)  # a shipped kind of d=128 causal warpspec config
+    if not config.warp_specialized:
+        config = KernelConfig(128, 128, 4, 2, warp_specialized=True, pingpong=True)  # a shipped kind of d=128 config
     ws_forward = lambda: warpspec.forward(q, k, v, o, lse, causal=True, scale=0.088, config=config)
     (kernel, grid, tma, describe, pointers, scalars), kwargs = _captured(ws_forward, "launch_tma")
     fastlaunch.launch_tma(kernel, grid, tma, describe, pointers, scalars, **kwargs)  # the JIT's call: compiles

@@ -3,10 +3,10 @@
 
 At N <= 1k a fwd+bwd call's kernels take a few hundred µs, the same order as the host's part of the call, so
 single readings swing. This times fa2tune's fwd+bwd with the length-bucket entries ("short" for N <= 1k, "medium"
-for 1k < N <= 4k: `--seqlens 2048,4096` measures those) and with them switched off (store.buckets_for patched to
-"all" only), alternating, several rounds; then, with --profile, compares do_bench's time with the sum of the
-kernels' times from torch.profiler: the difference is time the GPU waited for the host. Shapes as in
-bench_vs_sdpa.py: batch·N = 16k tokens, heads·d = 2048, bf16. Needs a CUDA GPU.
+for 1k < N <= 4k: `--seqlens 2048,4096` measures those) and with them switched off (lengths.buckets_for patched to
+"all" only), alternating, several rounds; then, with --profile, compares do_bench's
+time with the sum of the kernels' times from torch.profiler: the difference is time the GPU waited for the host.
+Shapes as in bench_vs_sdpa.py: batch·N = 16k tokens, heads·d = 2048, bf16.
 
     python scripts/bench_short_lengths.py --rounds 3 --profile
     python scripts/bench_short_lengths.py --graph    # each call also replayed from a CUDA graph, beside cuDNN's
@@ -113,9 +113,9 @@ def _threads_table(head_dims, seqlens, tokens: int, width: int, rounds: int) -> 
 def _use_bucket_entries(on: bool, real) -> None:
     """Bucket entries (short and medium) on, or every call resolved from the "all" entries."""
     from fa2tune.api import selection
-    from fa2tune.config import store
+    from fa2tune.config import lengths
 
-    store.buckets_for = real if on else (lambda seqlen: ("all",))
+    lengths.buckets_for = real if on else (lambda seqlen: ("all",))
     selection.clear_cache()
 
 
@@ -135,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
-    from fa2tune.config import store
+    from fa2tune.config import lengths
 
-    real = store.buckets_for
+    real = lengths.buckets_for
     head_dims, seqlens = [int(d) for d in args.head_dims.split(",")], [int(n) for n in args.seqlens.split(",")]
     print("fwd+bwd TFLOP/s, one reading per round: with the length bucket's entries | 'all' entries only")
     for head_dim in head_dims:

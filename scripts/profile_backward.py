@@ -8,7 +8,7 @@ does 7/5 of the counted work; the "own" rate below counts each kernel's own matm
 
     python scripts/profile_backward.py                                   # tuned configs, d=64/128, N=8k
     python scripts/profile_backward.py --head-dims 128 --dkdv 64,64,4,2 --dkdv 64,128,8,3 --causal
-    python scripts/profile_backward.py --head-dims 128 --dkdv 64,128,4,2,0,1   # the warp-specialized dK/dV (Hopper)
+    python scripts/profile_backward.py --head-dims 128 --dkdv 64,128,4,2,ws      # the warp-specialized dK/dV (Hopper)
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dkdv",
         action="append",
         default=[],
-        help="BLOCK_M,BLOCK_N,warps,stages[,pipeline_qk,warpspec] (KernelConfig's fields in order); repeatable",
+        help="BLOCK_M,BLOCK_N,warps,stages[,switch words of KernelConfig.label] (KernelConfig.parse); repeatable",
     )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from fa2tune.config.types import KernelConfig
 
-    configs = [None] + [KernelConfig(*map(int, c.split(","))) for c in args.dkdv]
+    configs = [None] + [KernelConfig.parse(c) for c in args.dkdv]
     print(f"{'d':>4} {'dK/dV config':<22} {'kernel':<22} {'ms':>7} {'own TFLOP/s':>11}")
     for d in map(int, args.head_dims.split(",")):
         _profile(d, args.seqlen, args.causal, configs)

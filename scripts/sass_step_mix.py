@@ -12,7 +12,7 @@ flight) against its exponentials: a softmax meant to run under the previous P·V
 in flight, and ptxas moves that wait ahead of it unless the softmax ends its basic block before the wait.
 No GPU needed (Triton ships ptxas and cuobjdump); tests/test_warpspec.py runs it on the shipped forward and dQ.
 
-    python scripts/sass_step_mix.py --kernel fwd --head-dim 64 --config 192,128,4,2,1,1
+    python scripts/sass_step_mix.py --kernel fwd --head-dim 64 --config 192,128,4,2,ws,persistent
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def wait_placement(instructions: list[tuple[int, str]], loop: StepLoop) -> tuple
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_compile_arguments(parser, "fwd", "192,128,4,2,1,1")
+    add_compile_arguments(parser, "fwd", "192,128,4,2,ws,persistent")
     args = parser.parse_args()
     instructions = parse(compile_sass(args.kernel, args.config, args.head_dim, args.causal))
     loop = step_loop(instructions)

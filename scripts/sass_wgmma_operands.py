@@ -9,7 +9,7 @@ local-memory spills, and the writes that give an operand carried into the loop t
 HGMMA before anything in the loop writes it, written, then read by an HGMMA accumulating elsewhere: what the
 miscompile below looked like; exit status 1 if there are any).
 
-    python scripts/sass_wgmma_operands.py --kernel bwd_dkdv --head-dim 64 --causal --config 64,128,4,3,1,0
+    python scripts/sass_wgmma_operands.py --kernel bwd_dkdv --head-dim 64 --causal --config 64,128,4,3,ws
 
 Why: with K and V as register operands and the causal mask under a branch, an sm_90 compile rewrites K's and V's
 registers on every step (wrong dK on the H200); with the mask applied without a branch, nothing in the loop writes
@@ -108,8 +108,7 @@ def compile_sass(kernel: str, config: str, head_dim: int, causal: bool) -> str:
     from fa2tune.config.types import KernelConfig
     from fa2tune.kernels import probe
 
-    m, n, warps, stages, warpspec, persistent = (int(x) for x in config.split(","))
-    cfg = KernelConfig(m, n, warps, stages, warpspec=warpspec, persistent=persistent)
+    cfg = KernelConfig.parse(config)
     report = probe.compile_config(kernel, cfg, head_dim, torch.bfloat16, causal=causal)
     if report.error:
         sys.exit(f"{cfg.label()}: {report.error}")
@@ -121,12 +120,16 @@ def add_compile_arguments(parser: argparse.ArgumentParser, kernel: str, config: 
     parser.add_argument("--kernel", default=kernel, choices=("fwd", "bwd_dkdv", "bwd_dq"))
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--config", default=config, help="block_m,block_n,warps,stages,warpspec,persistent")
+    parser.add_argument(
+        "--config",
+        default=config,
+        help="block_m,block_n,warps,stages[,switch words of KernelConfig.label] (KernelConfig.parse)",
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_compile_arguments(parser, "bwd_dkdv", "64,128,4,3,1,0")
+    add_compile_arguments(parser, "bwd_dkdv", "64,128,4,3,ws")
     parser.add_argument("--sass", default=None, help="read this cuobjdump -sass output instead of compiling")
     args = parser.parse_args()
     if args.sass:

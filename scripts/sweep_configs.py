@@ -11,7 +11,7 @@ clock dips every ~1.3 s under load), which a single pass in a fixed order turns 
 
     python scripts/sweep_configs.py --kernel fwd --head-dims 64,128 --seqlen 8192 --csv $OUT/sweep_fwd.csv
     python scripts/sweep_configs.py --kernel fwd --head-dims 128 --seqlen 1024 --block-m 128 --block-n 64,128 \
-        --warps 4 --stages 2,3 --warpspec 1,2 --persistent 0,1          # one tile per program, or one program per SM
+        --warps 4 --stages 2,3 --switches ws,ws+pingpong,ws+persistent   # one tile per program, or one program per SM
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import itertools
 import statistics
 import sys
 import time
-from dataclasses import asdict, fields
 
 import torch
 import torch.nn.functional as F
 
-from fa2tune.config.types import KernelConfig
+from fa2tune.config.types import PARAM_NAMES, KernelConfig
 from fa2tune.tune import compile_pool, timing, workload
 
 
@@ -44,8 +43,8 @@ def _outputs(kernel: str, cfg, x: workload.KernelInputs, causal: bool) -> tuple[
 
 
 def _label(row: dict) -> str:
-    """The row's config as logs name it (KernelConfig.label: "128x128 w4 s2 ws2 persistent")."""
-    return KernelConfig(**{f.name: row[f.name] for f in fields(KernelConfig)}).label()
+    """The row's config as logs name it (KernelConfig.label: "128x128 w4 s2 ws pingpong persistent")."""
+    return KernelConfig.from_params({name: row[name] for name in PARAM_NAMES}).label()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,14 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-n", default="32,64,128")
     parser.add_argument("--warps", default="4,8")
     parser.add_argument("--stages", default="2,3,4")
-    parser.add_argument("--pipeline-qk", default="0", help="forward only: 0, 1 or 0,1 (KernelConfig.pipeline_qk)")
     parser.add_argument(
-        "--warpspec",
-        default="0",
-        help="0, 1, 2 or a list (KernelConfig.warpspec: 1 and 2 in the forward, 1 in bwd_dkdv and bwd_dq); grid "
-        "points that break the kernel's rules (num_warps 4, block sizes of 64 rows per consumer) are left out",
+        "--switches",
+        default="",
+        help="the switch sets to sweep, comma-separated, each KernelConfig.label's words joined by + (qk, ws, "
+        "pingpong, fused-dq, persistent, x2, no-split-tail, causal-tail; empty: the Triton template without), e.g. "
+        ",qk or ws,ws+pingpong,ws+persistent; grid points that break the kernel's rules (num_warps 4, block sizes "
+        "of 64 rows per consumer) are left out",
     )
-    parser.add_argument("--persistent", default="0", help="warpspec kernels: 0, 1 or 0,1 (KernelConfig.persistent)")
     parser.add_argument("--causal", default="both", choices=["no", "yes", "both"],
                         help="which masks to sweep (a change that touches one mask's code need not time the other)")
     parser.add_argument("--rounds", type=int, default=1, help="time each config this many times, in rotated orders")
@@ -74,11 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")]
-    grid = itertools.product(
-        ints(args.block_m), ints(args.block_n), ints(args.warps), ints(args.stages), ints(args.pipeline_qk),
-        ints(args.warpspec), ints(args.persistent),
-    )  # fmt: skip
-    configs = [cfg for cfg in (KernelConfig(*values) for values in grid) if cfg.combination_error(args.kernel) is None]
+    grid = itertools.product(ints(args.block_m), ints(args.block_n), ints(args.warps), ints(args.stages),
+                             [words.replace("+", ",") for words in args.switches.split(",")])  # fmt: skip
+    configs = [KernelConfig.parse(",".join(map(str, values)).rstrip(",")) for values in grid]
+    configs = [cfg for cfg in configs if cfg.combination_error(args.kernel) is None]
     masks = {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]
     cases = itertools.product(ints(args.head_dims), masks, configs)
     jobs = [(args.kernel, d, causal, cfg, args.seqlen) for d, causal, cfg in cases]
@@ -94,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = "fwd" if args.kernel == "fwd" else "bwd"
     rows, measures, readings = [], {}, {}
     for index, (kernel, head_dim, causal, cfg, seqlen) in enumerate(jobs):
-        row = dict(kernel=kernel, head_dim=head_dim, causal=causal, **asdict(cfg), tflops=float("nan"))
+        row = dict(kernel=kernel, head_dim=head_dim, causal=causal, **cfg.params(), tflops=float("nan"))
         row["error"] = failures.get((kernel, head_dim, causal, cfg), "")
         if not row["error"]:
             if (head_dim, causal) not in measures:  # one set of random inputs per shape, shared by its configs
@@ -139,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {_label(r)}  {r['tflops']}")
             if ok:
                 print(f"  median {ok[len(ok) // 2]['tflops']}  worst {ok[-1]['tflops']}")
-            for name in ("pipeline_qk", "warpspec", "persistent"):
+            for name in PARAM_NAMES[4:]:  # the switches and the schedule
                 for switch in sorted({r[name] for r in ok}) if len({r[name] for r in ok}) > 1 else []:
                     best = next(r for r in ok if r[name] == switch)
                     print(f"  best with {name}={switch}: {_label(best)}  {best['tflops']}")

@@ -12,6 +12,7 @@ import torch
 import fa2tune
 from fa2tune.api import ops
 from fa2tune.config.inputs import check_window
+from fa2tune.config.schedule import Schedule
 from fa2tune.config.types import KernelConfig, Mask
 from fa2tune.launch import launcher
 from fa2tune.tune.reference import naive_attention, naive_attention_varlen
@@ -342,8 +343,6 @@ def test_flash_attn_function_checks_its_arguments(device):
         dict(num_stages=2.5),
         dict(num_stages=float("nan")),
         dict(pipeline_qk=True),
-        dict(warpspec=False),
-        dict(persistent="0"),
     ],
     ids=repr,
 )
@@ -353,6 +352,25 @@ def test_kernel_config_fields_are_integers(fields):
     name = next(iter(fields))
     with pytest.raises(TypeError, match=rf"KernelConfig.{name} must be an int, got"):
         KernelConfig(**{"block_m": 16, "block_n": 16, **fields})
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: KernelConfig(16, 16, warp_specialized=0), "KernelConfig.warp_specialized must be a bool, got int 0"),
+        (lambda: KernelConfig(16, 16, pingpong="0"), "KernelConfig.pingpong must be a bool, got str"),
+        (lambda: KernelConfig(16, 16, fused_dq=1.0), "KernelConfig.fused_dq must be a bool, got float"),
+        (lambda: KernelConfig(16, 16, schedule="0"), "KernelConfig.schedule must be a Schedule, got str"),
+        (lambda: Schedule(persistent=1), "Schedule.persistent must be a bool, got int 1"),
+        (lambda: Schedule(programs_per_sm=2.0), "Schedule.programs_per_sm must be an int, got float"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)  # fmt: skip
+def test_kernel_config_switches_are_bools_and_the_schedule_a_schedule(make, message):
+    # The switches that were integer codes (warpspec, persistent) are named flags: an int there is an error, not a
+    # code read one way or another.
+    with pytest.raises(TypeError, match=message):
+        make()
 
 
 def test_kernel_config_takes_numpy_integers_as_python_ints(device):

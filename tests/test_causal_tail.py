@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fa2tune.config.schedule import PERSISTENT
 from fa2tune.launch import causal_tail
 
 
@@ -128,9 +129,10 @@ def test_pair_loads_sum_whole_periods_as_the_units_would():
 
 
 def test_the_tail_is_turned_on_by_its_variable_only(monkeypatch):
+    enabled = lambda: PERSISTENT.deals_causal_tail(causal=True)  # a shipped schedule: the tail at its default
     monkeypatch.delenv("FA2TUNE_CAUSAL_TAIL", raising=False)
-    assert not causal_tail.enabled()  # off until it has run on a GPU (the module's enabled())
+    assert not enabled()  # off until it has run on a GPU (Schedule.causal_tail's default)
     monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "1")
-    assert causal_tail.enabled()
+    assert enabled()
     monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "0")
-    assert not causal_tail.enabled()
+    assert not enabled()

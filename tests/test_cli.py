@@ -57,12 +57,13 @@ def test_plan_json_for_a_known_gpu(capsys):
     # 250 block/warp/stage configs × pipeline_qk, and 54 warp-specialized ones (24, persistent or not; 6
     # one-consumer ones two programs an SM)
     assert len(out["accepted"]) + len(out["rejected"]) == 554
-    fields = {"block_m", "block_n", "num_warps", "num_stages", "pipeline_qk", "warpspec", "persistent", "sram_bytes"}
+    fields = {"block_m", "block_n", "num_warps", "num_stages", "pipeline_qk", "warp_specialized", "pingpong",
+              "fused_dq", "persistent", "programs_per_sm", "split_tail", "causal_tail", "sram_bytes"}  # fmt: skip
     assert set(out["accepted"][0]) == fields
     # 5 need more shared memory than the H200 has at d=128 (three or four stages of 128-row K and V tiles), and
     # one more register than its consumers have (192 rows, 128-row K/V tiles); persistent, another 3 more shared
     # memory (three stages of 128-row tiles beside the O buffer); two an SM, only (64, 64) with 2 stages fits twice
-    assert sum(r["warpspec"] > 0 for r in out["accepted"]) == 18 + 16 + 1
+    assert sum(r["warp_specialized"] for r in out["accepted"]) == 18 + 16 + 1
     assert all(r["sram_bytes"] <= 232448 for r in out["accepted"]) and all(r["reason"] for r in out["rejected"])
 
 

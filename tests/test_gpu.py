@@ -7,6 +7,7 @@ import torch
 
 import fa2tune
 from fa2tune.api import ops, selection
+from fa2tune.config.schedule import PERSISTENT
 from fa2tune.config.types import KernelConfig
 from fa2tune.launch import causal_tail, split_tail, warpspec
 from fa2tune.tune.reference import naive_attention
@@ -37,14 +38,14 @@ def test_production_shapes_match_reference(head_dim, causal, dtype):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_each_length_bucket_runs_its_shipped_entry_right(head_dim, causal, seqlen):
-    # The shipped file holds a bf16 forward entry per length bucket (store.BUCKET_RANGES); a call of a bucket's
+    # The shipped file holds a bf16 forward entry per length bucket (lengths.BUCKET_RANGES); a call of a bucket's
     # length launches that entry's config: forward and gradients against float64, output poisoned first.
     from fa2tune.api import selection
-    from fa2tune.config import store
+    from fa2tune.config import lengths
 
     config, source = selection.resolve("fwd", head_dim, torch.bfloat16, causal, "cuda", seqlen=seqlen)
     if torch.cuda.get_device_capability() == (9, 0) and "H200" in torch.cuda.get_device_name():
-        assert source.endswith("nvidia-h200.yaml"), f"no shipped {store.bucket_of(seqlen)} entry: {source}"
+        assert source.endswith("nvidia-h200.yaml"), f"no shipped {lengths.bucket_of(seqlen)} entry: {source}"
     torch.manual_seed(seqlen + head_dim)
     q, k, v = (torch.randn(1, 2, seqlen, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
                for _ in range(3))  # fmt: skip
@@ -129,13 +130,11 @@ def test_direct_launches_give_what_triton_s_launch_path_gives(causal, monkeypatc
 # the shipped d=64 short causal config ((64, 128) 3 stages two an SM); the lengths cross tile edges, and (causal,
 # N_Q > N_K) leaves rows that see no key. Causal with B_c < B_r, a program's last K/V tiles lie in its first
 # warpgroups' future (they release them unread): with ping-pong and persistent too.
-_WS_CONFIGS = [KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(128, 128, 4, 2, warpspec=1),
-               KernelConfig(128, 128, 4, 2, warpspec=2), KernelConfig(192, 128, 4, 2, warpspec=1),
-               KernelConfig(128, 64, 4, 3, warpspec=1), KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1),
-               KernelConfig(128, 128, 4, 2, warpspec=2, persistent=1), KernelConfig(192, 64, 4, 3, warpspec=1,
-               persistent=1), KernelConfig(64, 64, 4, 2, warpspec=1, persistent=2),
-               KernelConfig(128, 64, 4, 3, warpspec=2, persistent=1), KernelConfig(64, 128, 4, 3, warpspec=1,
-               persistent=2)]  # fmt: skip
+_WS_CONFIGS = [KernelConfig.parse(text) for text in (
+    "64,128,4,2,ws", "128,128,4,2,ws", "128,128,4,2,ws,pingpong", "192,128,4,2,ws", "128,64,4,3,ws",
+    "128,128,4,2,ws,persistent", "128,128,4,2,ws,pingpong,persistent", "192,64,4,3,ws,persistent",
+    "64,64,4,2,ws,persistent,x2", "128,64,4,3,ws,pingpong,persistent", "64,128,4,3,ws,persistent,x2")]  # fmt: skip
+_config_id = lambda c: c.label().replace(" ", "-")
 _WS_LENGTHS = [(1000, 1537), (1, 5), (257, 257), (300, 1000), (1000, 300)]
 _HOPPER = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9,
                              reason="needs Hopper")  # fmt: skip
@@ -153,13 +152,13 @@ def _ws_inputs(head_dim: int, dtype: torch.dtype, kv_heads: int = 2):
 
 @_HOPPER
 @pytest.mark.parametrize(
-    "config", _WS_CONFIGS, ids=lambda c: f"{c.block_m}x{c.block_n}s{c.num_stages}ws{c.warpspec}{'p' * c.persistent}"
+    "config", _WS_CONFIGS, ids=_config_id
 )
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @_WS_DIMS
 def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype, monkeypatch):
     torch.manual_seed(head_dim + config.block_m)
-    if config.persistent:
+    if config.schedule.persistent:
         # three programs walk every tile (as on a GPU of three SMs; six with two an SM): each meets tiles of several
         # heads and lengths, in the causal order's reversed rounds too, with its K/V ring and Q, O buffers carried
         # from tile to tile
@@ -177,8 +176,7 @@ def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype, mon
 
 @_HOPPER
 @pytest.mark.parametrize(
-    "config", [c for c in _WS_CONFIGS if c.persistent],
-    ids=lambda c: f"{c.block_m}x{c.block_n}s{c.num_stages}ws{c.warpspec}p{c.persistent}",
+    "config", [c for c in _WS_CONFIGS if c.schedule.persistent], ids=_config_id,
 )
 @_WS_DIMS
 def test_warpspec_causal_forward_with_a_tail_matches_reference(config, head_dim, dtype, monkeypatch):
@@ -186,14 +184,14 @@ def test_warpspec_causal_forward_with_a_tail_matches_reference(config, head_dim,
     # (fa2tune/launch/causal_tail.py): here on a number of programs for which the plan keeps both pairs and a tail, with
     # the keys longer than the queries, shorter (rows that see no key), and as long
     torch.manual_seed(head_dim + config.block_m + 7)
-    monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "1")  # off by default until this has run on a GPU (causal_tail.enabled)
+    monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "1")  # off by default until this has run on a GPU (Schedule.causal_tail)
     plans = _recorded_causal_plans(monkeypatch)
     for seqlen_q, seqlen_k in ((1000, 1537), (1000, 300), (777, 777)):
         q = torch.randn(2, 4, seqlen_q, head_dim, dtype=dtype, device="cuda")
         k, v = (torch.randn(2, 2, seqlen_k, head_dim, dtype=dtype, device="cuda") for _ in range(2))
         costs = causal_tail.forward_costs(-(-seqlen_q // config.block_m), config.block_m, config.block_n, seqlen_q,
                                           seqlen_k)  # fmt: skip
-        _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, 8, costs, config.persistent)
+        _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, 8, costs, config.schedule.programs_per_sm)
         out = torch.full_like(q, float("nan"))  # poisoned: every tile, paired or in the tail, must be written
         o, lse = ops.forward(q, k, v, causal=True, scale=head_dim**-0.5, config=config, out=out)
         main, tail_heads = plans[-1][1]
@@ -223,17 +221,17 @@ def _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, batch_heads: int, c
 @_HOPPER
 @pytest.mark.parametrize(
     "dkdv_config, dq_config",
-    [(KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(128, 64, 4, 3, warpspec=1, persistent=1)),
-     (KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1), None),
-     (KernelConfig(64, 64, 4, 3, warpspec=2, persistent=2), None),
-     (KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(64, 64, 4, 2, warpspec=1, persistent=2))],
+    [(KernelConfig.parse("64,128,4,2,ws,persistent"), KernelConfig.parse("128,64,4,3,ws,persistent")),
+     (KernelConfig.parse("64,128,4,3,ws,fused-dq,persistent"), None),
+     (KernelConfig.parse("64,64,4,3,ws,fused-dq,persistent,x2"), None),
+     (KernelConfig.parse("64,128,4,2,ws,persistent"), KernelConfig.parse("64,64,4,2,ws,persistent,x2"))],
     ids=["dkdv-dq", "fused-dq", "fused-dq-two-an-sm", "dq-two-an-sm"],
 )  # fmt: skip
 @_WS_DIMS
 def test_warpspec_causal_backward_with_a_tail_matches_reference(dkdv_config, dq_config, head_dim, dtype, monkeypatch):
     # the dK/dV and dQ kernels deal the tiles of their last heads out as the forward does (K/V heads for dK/dV,
     # its longest tiles the first): all three gradients against float64 autograd with the tail forced, GQA, keys
-    # longer and shorter than the queries; with dQ fused in (warpspec 2), dQ is the dK/dV programs' reductions
+    # longer and shorter than the queries; with dQ fused in (fused_dq), dQ is the dK/dV programs' reductions
     torch.manual_seed(head_dim + dkdv_config.block_n + 3)
     monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "1")
     plans = _recorded_causal_plans(monkeypatch)
@@ -243,7 +241,7 @@ def test_warpspec_causal_backward_with_a_tail_matches_reference(dkdv_config, dq_
         o, lse = ops.forward(q, k, v, causal=True, scale=head_dim**-0.5)
         costs = causal_tail.dkdv_costs(-(-seqlen_k // dkdv_config.block_n), dkdv_config.block_n, dkdv_config.block_m,
                                        seqlen_q, seqlen_k, 2)  # fmt: skip
-        _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, 8, costs, dkdv_config.persistent)
+        _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, 8, costs, dkdv_config.schedule.programs_per_sm)
         del plans[:]
         grads = ops.backward(do, q, k, v, o, lse, causal=True, scale=head_dim**-0.5, dkdv_config=dkdv_config,
                                   dq_config=dq_config)  # fmt: skip
@@ -253,8 +251,7 @@ def test_warpspec_causal_backward_with_a_tail_matches_reference(dkdv_config, dq_
 
 
 @_HOPPER
-@pytest.mark.parametrize("config", [c for c in _WS_CONFIGS if c.persistent == 1],
-                         ids=lambda c: f"{c.block_m}x{c.block_n}s{c.num_stages}ws{c.warpspec}")  # fmt: skip
+@pytest.mark.parametrize("config", [c for c in _WS_CONFIGS if c.schedule == PERSISTENT], ids=_config_id)
 @_WS_DIMS
 def test_warpspec_forward_with_a_split_tail_matches_reference(config, head_dim, dtype, monkeypatch):
     # a persistent forward whose last round is part empty cuts its tiles into pieces of their K/V tiles, merged
@@ -280,7 +277,7 @@ def test_warpspec_forward_with_a_split_tail_matches_reference(config, head_dim, 
 @pytest.mark.parametrize("head_dim", [32, 256])
 def test_warpspec_other_head_dims_and_gradients(head_dim):
     torch.manual_seed(head_dim)
-    config = KernelConfig(128, 64, 4, 2, warpspec=2)
+    config = KernelConfig.parse("128,64,4,2,ws,pingpong")
     q, k, v = (torch.randn(1, 3, 700, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
                for _ in range(3))  # fmt: skip
     o = fa2tune.attention(q, k, v, causal=True, config=config)
@@ -297,7 +294,7 @@ def test_warpspec_other_head_dims_and_gradients(head_dim):
 def test_warpspec_takes_what_tma_takes_and_the_rest_runs_triton(monkeypatch):
     from fa2tune.api import selection
 
-    config = KernelConfig(128, 128, 4, 2, warpspec=1)
+    config = KernelConfig.parse("128,128,4,2,ws")
     wide = torch.randn(1, 2, 300, 68, dtype=torch.bfloat16, device="cuda")[..., :64]  # row stride 136 B: not % 16
     q = torch.randn(1, 2, 300, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="warpspec needs q's address and strides in multiples of 16 bytes"):
@@ -322,7 +319,7 @@ def test_warpspec_direct_launches_give_what_the_jit_gives(monkeypatch):
     from fa2tune.launch import fastlaunch
 
     torch.manual_seed(5)
-    config = KernelConfig(128, 128, 4, 2, warpspec=2)
+    config = KernelConfig.parse("128,128,4,2,ws,pingpong")
     cases = [torch.randn(2, 4, n, 128, dtype=torch.bfloat16, device="cuda") for n in (300, 512, 77)]
 
     def run_all():
@@ -341,17 +338,18 @@ def test_warpspec_direct_launches_give_what_the_jit_gives(monkeypatch):
 @_HOPPER
 @pytest.mark.parametrize(
     "configs",
-    [(KernelConfig(64, 128, 4, 2, warpspec=1), None), (KernelConfig(64, 64, 4, 3, warpspec=1), None),
-     (KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(128, 64, 4, 2, warpspec=1)),
-     (None, KernelConfig(64, 128, 4, 3, warpspec=1)),
-     (KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(128, 64, 4, 3, warpspec=1)),
-     (KernelConfig(64, 64, 4, 3, warpspec=1, persistent=1), None),
-     (KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(128, 64, 4, 3, warpspec=1, persistent=1)),
-     (None, KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1)),
-     (KernelConfig(64, 128, 4, 2, warpspec=2), None), (KernelConfig(64, 64, 4, 3, warpspec=2, persistent=1), None),
-     (KernelConfig(64, 64, 4, 3, warpspec=1, persistent=2), KernelConfig(128, 64, 4, 3, warpspec=1)),
-     (KernelConfig(64, 64, 4, 3, warpspec=2, persistent=2), None),
-     (KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(64, 64, 4, 2, warpspec=1, persistent=2))],
+    [(KernelConfig.parse("64,128,4,2,ws"), None), (KernelConfig.parse("64,64,4,3,ws"), None),
+     (KernelConfig.parse("64,128,4,2,ws"), KernelConfig.parse("128,64,4,2,ws")),
+     (None, KernelConfig.parse("64,128,4,3,ws")),
+     (KernelConfig.parse("64,128,4,2,ws,persistent"), KernelConfig.parse("128,64,4,3,ws")),
+     (KernelConfig.parse("64,64,4,3,ws,persistent"), None),
+     (KernelConfig.parse("64,128,4,2,ws,persistent"), KernelConfig.parse("128,64,4,3,ws,persistent")),
+     (None, KernelConfig.parse("64,128,4,2,ws,persistent")),
+     (KernelConfig.parse("64,128,4,2,ws,fused-dq"), None),
+     (KernelConfig.parse("64,64,4,3,ws,fused-dq,persistent"), None),
+     (KernelConfig.parse("64,64,4,3,ws,persistent,x2"), KernelConfig.parse("128,64,4,3,ws")),
+     (KernelConfig.parse("64,64,4,3,ws,fused-dq,persistent,x2"), None),
+     (KernelConfig.parse("64,128,4,2,ws,persistent"), KernelConfig.parse("64,64,4,2,ws,persistent,x2"))],
     ids=["dkdv_2consumers", "dkdv_1consumer3stages", "both_2consumers", "dq_1consumer3stages",
          "dkdv_persistent_2consumers", "dkdv_persistent_1consumer3stages", "both_persistent",
          "dq_persistent_1consumer", "fused_dq_2consumers", "fused_dq_persistent_1consumer3stages",
@@ -363,11 +361,11 @@ def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype, m
     # The warp-specialized dK/dV and dQ kernels (templates/bwd_ws.py.jinja, bwd_dq_ws.py.jinja), each beside the
     # other or the Triton one: all three gradients against float64 autograd, GQA (dK/dV summed over two query heads
     # each), lengths across tiles, N_Q ≠ N_K, rows that see no key (causal, N_Q > N_K). Persistent: three programs
-    # walk every tile, as in the forward's test. Fused dQ (bwd_dkdv warpspec 2): no dQ kernel runs, dQ is the sum of
+    # walk every tile, as in the forward's test. Fused dQ (fused_dq): no dQ kernel runs, dQ is the sum of
     # the dK/dV programs' TMA reductions — over query heads' GQA groups, ragged tiles and rows past N_Q. Causal dQ of
     # two consumers with B_c = 64: the first releases, unread, the program's K/V tiles past its rows' diagonal.
     dkdv_config, dq_config = configs
-    if any(c is not None and c.persistent for c in configs):
+    if any(c is not None and c.schedule.persistent for c in configs):
         monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
     torch.manual_seed(head_dim + sum(c.block_n for c in configs if c is not None))
     # GQA and not: causal dK/dV programs of two consumers skip the second's Q tiles before its diagonal only when
@@ -392,14 +390,14 @@ def _assert_gradients_match_reference(grads, q, k, v, do, *, causal: bool) -> No
 @_HOPPER
 def test_fused_dq_backward_is_deterministic_when_torch_asks(monkeypatch):
     # dQ fused into the dK/dV kernel is summed by TMA reductions in arrival order; under
-    # torch.use_deterministic_algorithms(True) a resolved fused config runs its warpspec=1 twin (dQ kernel): the same
-    # bits on every run, and the same gradients as the fused run to rounding. An explicit fused config is an error.
+    # torch.use_deterministic_algorithms(True) a resolved fused config runs its fused_dq=False twin (dQ kernel): the
+    # same bits on every run, and the same gradients as the fused run to rounding. An explicit fused config is an error.
     torch.manual_seed(11)
     q, k, v, do = (torch.randn(1, 4, 1000, 64, dtype=torch.bfloat16, device="cuda") for _ in range(4))
     o, lse = ops.forward(q, k, v, causal=True, scale=0.125)
-    fused = KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1)
+    fused = KernelConfig.parse("64,128,4,3,ws,fused-dq,persistent")
     monkeypatch.setattr(selection, "resolve", lambda kernel, *a, **kw: (
-        fused if kernel == "bwd_dkdv" else KernelConfig(128, 64, 4, 3, warpspec=1), "test"))  # fmt: skip
+        fused if kernel == "bwd_dkdv" else KernelConfig.parse("128,64,4,3,ws"), "test"))  # fmt: skip
     ops.clear_plans()
     loose = ops.backward(do, q, k, v, o, lse, causal=True, scale=0.125)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
@@ -421,13 +419,14 @@ _OVERFLOW_LENGTHS = [(1, 1), (2, 2), (3, 3), (17, 17), (33, 33), (65, 65), (129,
 _OVERFLOW_CASES = [
     (64, torch.float16, False, KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)),
     (64, torch.bfloat16, True, KernelConfig(32, 64, 4, 2), KernelConfig(64, 32, 4, 2)),
-    (64, torch.float16, False, KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(128, 64, 4, 3, warpspec=1)),
-    (64, torch.bfloat16, True, KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(128, 64, 4, 3, warpspec=1)),
-    *((64, dtype, causal, KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1), None)
+    (64, torch.float16, False, KernelConfig.parse("64,128,4,2,ws"), KernelConfig.parse("128,64,4,3,ws")),
+    (64, torch.bfloat16, True, KernelConfig.parse("64,128,4,2,ws"), KernelConfig.parse("128,64,4,3,ws")),
+    *((64, dtype, causal, KernelConfig.parse("64,128,4,3,ws,fused-dq,persistent"), None)
       for dtype in (torch.float16, torch.bfloat16) for causal in (False, True)),
-    *((64, dtype, causal, KernelConfig(64, 64, 4, 3, warpspec=2, persistent=2), None)
+    *((64, dtype, causal, KernelConfig.parse("64,64,4,3,ws,fused-dq,persistent,x2"), None)
       for dtype in (torch.float16, torch.bfloat16) for causal in (False, True)),
-    *((128, dtype, False, KernelConfig(64, 128, 4, 2, warpspec=2), None) for dtype in (torch.float16, torch.bfloat16)),
+    *((128, dtype, False, KernelConfig.parse("64,128,4,2,ws,fused-dq"), None)
+      for dtype in (torch.float16, torch.bfloat16)),
 ]  # fmt: skip
 
 
@@ -440,7 +439,7 @@ def test_short_sequences_of_large_scores_give_finite_gradients_in_every_kernel(h
                                                                                 dq_config, monkeypatch):  # fmt: skip
     from .test_backward import _assert_grads_within_flash_attention_bound, _large_scores
 
-    if dkdv_config.persistent:
+    if dkdv_config.schedule.persistent:
         monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)  # three programs walk every head's tiles
     scale = 0.125  # d=64's: d=128 repeats each input's columns (scaled by 2^-0.5), for the same scores
     for seqlen_q, seqlen_k in _OVERFLOW_LENGTHS:
@@ -465,8 +464,8 @@ def test_warpspec_backward_direct_launches_give_what_the_jit_gives(causal, monke
     from fa2tune.launch import fastlaunch
 
     torch.manual_seed(7)
-    configs = dict(dkdv_config=KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1),
-                   dq_config=KernelConfig(128, 64, 4, 3, warpspec=1, persistent=1))  # fmt: skip
+    configs = dict(dkdv_config=KernelConfig.parse("64,128,4,2,ws,persistent"),
+                   dq_config=KernelConfig.parse("128,64,4,3,ws,persistent"))  # fmt: skip
     cases = []
     for n in (300, 512):
         q, k, v, do = (torch.randn(2, 4, n, 128, dtype=torch.bfloat16, device="cuda") for _ in range(4))
@@ -555,7 +554,7 @@ def test_a_split_tail_is_capturable_in_a_cuda_graph(monkeypatch):
     # the split tail allocates its pieces' workspace and launches the merge on each call (fa2tune/launch/split_tail.py):
     # captured, replays on new values equal eager calls bit for bit, as the test above asks of every launch
     torch.manual_seed(12)
-    config = KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1)
+    config = KernelConfig.parse("128,128,4,2,ws,persistent")
     monkeypatch.setattr(split_tail, "MIN_KV_STEPS", 2)
     tiles, kv_steps = 2 * 4 * -(-1000 // 128), -(-1000 // 128)
     programs = next(p for p in range(3, 64) if split_tail.plan(tiles, p, kv_steps)[1] > 1)

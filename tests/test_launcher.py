@@ -9,6 +9,7 @@ import torch
 
 import fa2tune
 from fa2tune.api import ops
+from fa2tune.config.schedule import PERSISTENT
 from fa2tune.config.types import KernelConfig
 from fa2tune.launch import grid
 from fa2tune.tune.reference import naive_attention
@@ -179,6 +180,7 @@ def test_forward_with_batch_heads_split_over_two_grid_axes(causal, device, monke
 
 def test_configs_cross_the_custom_op_boundary_whole():
     # torch.compile's path passes configs to the custom ops as int lists: every field, switches included, comes back
-    for cfg in (KernelConfig(64, 32, 4, 3, pipeline_qk=1), KernelConfig(128, 128, 4, 2, warpspec=2, persistent=1)):
+    pingpong = KernelConfig(128, 128, 4, 2, warp_specialized=True, pingpong=True, schedule=PERSISTENT)
+    for cfg in (KernelConfig(64, 32, 4, 3, pipeline_qk=1), pingpong):
         assert ops._from_ints(ops._to_ints(cfg)) == cfg
     assert ops._from_ints([]) is None  # "resolve inside the op"

@@ -10,6 +10,7 @@ import torch
 
 from fa2tune.config import planner
 from fa2tune.config.device import KNOWN_GPUS, known_gpu
+from fa2tune.config.schedule import PERSISTENT
 from fa2tune.config.types import KernelConfig
 
 VERDICTS = Path(__file__).resolve().parent.parent / "docs" / "planner" / "nvidia-h200-compiler-bf16.csv"
@@ -73,7 +74,7 @@ def test_every_rejection_has_a_reason_and_plan_partitions_candidates():
         assert len(plan.accepted) + len(plan.rejected) == len(planner.candidates(kernel)) == expected
         assert plan.accepted and plan.rejected
         for cfg, need, reason in plan.rejected:
-            if cfg.warpspec:  # an L4 (sm_89) has no wgmma: every warpspec config is out, for that reason
+            if cfg.warp_specialized:  # an L4 (sm_89) has no wgmma: every warpspec config is out, for that reason
                 assert reason.startswith("warpspec needs a Hopper GPU"), reason
                 continue
             assert reason.startswith(("shared memory", "registers")), reason
@@ -105,20 +106,19 @@ def test_default_config_prefers_the_h200_measurements():
     # The warp-specialized forward first (docs/PERF.md, "The warp-specialized forward"), persistent without a mask
     # ("Persistent kernels and paired causal tiles"), ping-pong for causal; at d=64 causal the Triton template's (the
     # config tuning picks there)
-    persistent = KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1)
+    persistent = KernelConfig(128, 128, 4, 2, warp_specialized=True, schedule=PERSISTENT)
     assert planner.default_config(128, torch.bfloat16, device=h200) == persistent
-    pingpong = KernelConfig(128, 128, 4, 2, warpspec=2)
+    pingpong = KernelConfig(128, 128, 4, 2, warp_specialized=True, pingpong=True)
     assert planner.default_config(128, torch.bfloat16, causal=True, device=h200) == pingpong
-    d64 = KernelConfig(192, 128, 4, 2, warpspec=1, persistent=1)
+    d64 = KernelConfig(192, 128, 4, 2, warp_specialized=True, schedule=PERSISTENT)
     assert planner.default_config(64, torch.bfloat16, device=h200) == d64
     assert planner.default_config(64, torch.bfloat16, causal=True, device=h200) == KernelConfig(128, 64, 8, 3)
     # then the Triton template's measured best: asked for, for fp32, off Hopper
-    assert planner.default_config(128, torch.bfloat16, device=h200, warpspec=False) == KernelConfig(256, 64, 8, 4)
-    assert planner.default_config(128, torch.bfloat16, causal=True, device=h200, warpspec=False) == KernelConfig(
-        128, 128, 8, 3
-    )
-    assert not planner.default_config(128, torch.float32, device=h200).warpspec
-    assert not planner.default_config(128, torch.bfloat16, device=known_gpu("a100-80gb")).warpspec
+    triton = dict(device=h200, warp_specialized=False)
+    assert planner.default_config(128, torch.bfloat16, **triton) == KernelConfig(256, 64, 8, 4)
+    assert planner.default_config(128, torch.bfloat16, causal=True, **triton) == KernelConfig(128, 128, 8, 3)
+    assert not planner.default_config(128, torch.float32, device=h200).warp_specialized
+    assert not planner.default_config(128, torch.bfloat16, device=known_gpu("a100-80gb")).warp_specialized
     # The L4 has 99 KiB per block: the H200's 192 KiB pick does not fit, a smaller one is chosen.
     l4 = known_gpu("l4")
     cfg = planner.default_config(128, torch.bfloat16, device=l4)

@@ -126,8 +126,9 @@ def test_workers_on_one_database_lose_nothing_when_one_is_killed_and_resumed(dat
     assert trials[killed].user_attrs["reason"] == study_storage.STALE_REASON
     assert [t.number for t in trials if t.state == optuna.trial.TrialState.RUNNING] == []
     # The budget, the study's distinct configs, each timed once by one of the hosts.
-    complete = {KernelConfig(**t.params): t.value for t in trials if t.state == optuna.trial.TrialState.COMPLETE}
-    timed = [KernelConfig(**t.params) for t in trials if "timing" in t.user_attrs]
+    complete = {KernelConfig.from_params(t.params): t.value for t in trials
+                if t.state == optuna.trial.TrialState.COMPLETE}  # fmt: skip
+    timed = [KernelConfig.from_params(t.params) for t in trials if "timing" in t.user_attrs]
     assert len(timed) == len(set(timed)) == TRIALS
     # Every trial a finished worker timed is in the database, with the reading it printed.
     for name in (alive, "resumed"):

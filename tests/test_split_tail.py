@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fa2tune.config.schedule import PERSISTENT
 from fa2tune.config.types import KernelConfig
 from fa2tune.launch import split_tail, warpspec
 from fa2tune.tune.reference import naive_attention
@@ -81,7 +82,8 @@ def test_merge_gives_the_split_tiles_attention_over_all_their_keys(seqlen_q, seq
                                                                 split=split)  # fmt: skip
     o = torch.full_like(q, float("nan"))
     lse = torch.full((batch, heads, seqlen_q), float("nan"), device=device)
-    merge_pieces = warpspec._module("fwd", KernelConfig(64, 64, 4, 2, warpspec=1, persistent=1), False)._merge_pieces
+    config = KernelConfig(64, 64, 4, 2, warp_specialized=True, schedule=PERSISTENT)
+    merge_pieces = warpspec._module("fwd", config, False)._merge_pieces
     split_tail.merge(merge_pieces, part_o, part_lse, o, lse, tiles=tiles, main=main, split=split, n_m=n_m,
                      heads_q=heads, seqlen_q=seqlen_q)  # fmt: skip
     ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double())

@@ -12,8 +12,9 @@ import yaml
 
 import fa2tune
 from fa2tune.api import attention_kernel, selection
-from fa2tune.config import store
-from fa2tune.config.types import KernelConfig
+from fa2tune.config import lengths, store
+from fa2tune.config.schedule import PERSISTENT, TWO_AN_SM
+from fa2tune.config.types import KERNELS, KernelConfig
 from fa2tune.kernels import codegen
 
 DEVICE = {"name": "Triton interpreter (CPU)", "slug": "cpu-interpreter"}
@@ -48,7 +49,7 @@ def test_round_trip_and_merge_keep_every_key(config_dir):
     store.write_entries(path, DEVICE, [_entry(64), _entry(128, cfg=KernelConfig(16, 16, 4, 1))])
     store.write_entries(path, DEVICE, [_entry(64, cfg=KernelConfig(32, 32, 8, 3)), _entry(64, causal=True)])
     data, entries = store.read_file(path)
-    assert data["schema_version"] == 1 and data["device"] == DEVICE
+    assert data["schema_version"] == 2 and data["device"] == DEVICE
     by_key = {(e.key.head_dim, e.key.causal): e.config for e in entries}
     assert by_key == {(64, False): KernelConfig(32, 32, 8, 3), (128, False): KernelConfig(16, 16, 4, 1),
                       (64, True): KernelConfig(64, 32, 4, 2)}  # fmt: skip
@@ -146,7 +147,7 @@ def test_a_file_is_parsed_once_per_content(config_dir, monkeypatch):
         attention_kernel.clear_cache()
         return {(kernel, head_dim, causal, n): selection.resolve(kernel, head_dim, torch.float32, causal, "cpu",
                                                                  seqlen=n)
-                for kernel in store.KERNEL_NAMES for head_dim in (16, 32, 64, 128) for causal in (False, True)
+                for kernel in KERNELS for head_dim in (16, 32, 64, 128) for causal in (False, True)
                 for n in (100, 2000, None)}  # fmt: skip
 
     assert resolve_many()[("fwd", 64, False, None)] == (_CFG, str(path))
@@ -168,7 +169,7 @@ def test_a_file_is_parsed_once_per_content(config_dir, monkeypatch):
     data, entries = store.read_file(path)
     data.clear()
     entries.clear()
-    assert len(store.read_file(path)[1]) == 3 and store.read_file(path)[0]["schema_version"] == 1
+    assert len(store.read_file(path)[1]) == 3 and store.read_file(path)[0]["schema_version"] == 2
 
 
 def test_the_store_parses_with_a_safe_loader_in_c_where_pyyaml_has_it():
@@ -351,7 +352,7 @@ def test_a_short_entry_serves_calls_up_to_1024_and_the_all_entry_the_rest(config
     short_cfg, long_cfg, dq_short = KernelConfig(16, 16, 4, 1), KernelConfig(32, 16, 4, 1), KernelConfig(16, 32, 4, 1)
     store.write_entries(path, DEVICE, [_entry(cfg=long_cfg), _entry(cfg=short_cfg, bucket="short"),
                                        _entry(kernel="bwd_dq", cfg=dq_short, bucket="short")])  # fmt: skip
-    assert store.buckets_for(1024) == ("short", "all") and store.buckets_for(4097) == store.buckets_for(None)
+    assert lengths.buckets_for(1024) == ("short", "all") and lengths.buckets_for(4097) == lengths.buckets_for(None)
     resolve = lambda kernel, n: selection.resolve(kernel, 64, torch.float32, False, device, seqlen=n)
     assert resolve("fwd", 1) == resolve("fwd", 1024) == (short_cfg, str(path))
     assert resolve("fwd", 1025) == resolve("fwd", None) == (long_cfg, str(path))
@@ -405,9 +406,9 @@ def test_a_medium_entry_serves_calls_past_1024_up_to_4096(config_dir, device):
     short_cfg, medium_cfg, long_cfg = KernelConfig(16, 16, 4, 1), KernelConfig(16, 32, 4, 2), KernelConfig(32, 16, 4, 1)
     store.write_entries(path, DEVICE, [_entry(cfg=long_cfg), _entry(cfg=short_cfg, bucket="short"),
                                        _entry(cfg=medium_cfg, bucket="medium")])  # fmt: skip
-    assert [store.bucket_of(n) for n in (None, 1, 1024, 1025, 4096, 4097)] == [
+    assert [lengths.bucket_of(n) for n in (None, 1, 1024, 1025, 4096, 4097)] == [
         "all", "short", "short", "medium", "medium", "all"]  # fmt: skip
-    assert store.buckets_for(2048) == ("medium", "all")
+    assert lengths.buckets_for(2048) == ("medium", "all")
     resolve = lambda n: selection.resolve("fwd", 64, torch.float32, False, device, seqlen=n)[0]
     assert [resolve(n) for n in (1024, 1025, 4096, 4097)] == [short_cfg, medium_cfg, medium_cfg, long_cfg]
     # With no medium entry for a kernel, its medium-length calls run the "all" one.
@@ -455,3 +456,70 @@ def test_every_shipped_entry_runs_the_current_kernel_code():
         _, entries = store.read_file(path)
         stale = [e.key for e in entries if e.template_hash != codegen.entry_code_hash(e.key, e.config)]
         assert not stale, f"{path.name}: stale entries {stale}; re-run scripts/gpu-tune-h200.sh"
+
+
+# Schema-1 configs (integer codes): each kernel with every code its configs took, and the config each reads as.
+_WS = dict(warp_specialized=True)
+_SCHEMA_1 = [
+    ("fwd", "128,64,8,3", {}, KernelConfig(128, 64, 8, 3)),
+    ("fwd", "128,128,4,2", {"warpspec": 1}, KernelConfig(128, 128, 4, 2, **_WS)),
+    ("fwd", "128,128,4,2", {"warpspec": 1, "persistent": 1}, KernelConfig(128, 128, 4, 2, **_WS, schedule=PERSISTENT)),
+    ("fwd", "64,128,4,2", {"warpspec": 1, "persistent": 2}, KernelConfig(64, 128, 4, 2, **_WS, schedule=TWO_AN_SM)),
+    ("fwd", "128,128,4,2", {"warpspec": 2}, KernelConfig(128, 128, 4, 2, **_WS, pingpong=True)),
+    ("fwd", "128,128,4,2", {"warpspec": 2, "persistent": 1},
+     KernelConfig(128, 128, 4, 2, **_WS, pingpong=True, schedule=PERSISTENT)),
+    ("bwd_dkdv", "32,64,4,3", {"warpspec": 0, "persistent": 0}, KernelConfig(32, 64, 4, 3)),
+    ("bwd_dkdv", "64,128,4,2", {"warpspec": 1}, KernelConfig(64, 128, 4, 2, **_WS)),
+    ("bwd_dkdv", "64,128,4,2", {"warpspec": 1, "persistent": 1},
+     KernelConfig(64, 128, 4, 2, **_WS, schedule=PERSISTENT)),
+    ("bwd_dkdv", "64,64,4,3", {"warpspec": 1, "persistent": 2}, KernelConfig(64, 64, 4, 3, **_WS, schedule=TWO_AN_SM)),
+    ("bwd_dkdv", "64,128,4,3", {"warpspec": 2}, KernelConfig(64, 128, 4, 3, **_WS, fused_dq=True)),
+    ("bwd_dkdv", "64,128,4,3", {"warpspec": 2, "persistent": 1},
+     KernelConfig(64, 128, 4, 3, **_WS, fused_dq=True, schedule=PERSISTENT)),
+    ("bwd_dkdv", "64,64,4,3", {"warpspec": 2, "persistent": 2},
+     KernelConfig(64, 64, 4, 3, **_WS, fused_dq=True, schedule=TWO_AN_SM)),
+    ("bwd_dq", "128,64,8,3", {"pipeline_qk": 0}, KernelConfig(128, 64, 8, 3)),
+    ("bwd_dq", "128,64,4,3", {"warpspec": 1}, KernelConfig(128, 64, 4, 3, **_WS)),
+    ("bwd_dq", "128,64,4,3", {"warpspec": 1, "persistent": 1}, KernelConfig(128, 64, 4, 3, **_WS, schedule=PERSISTENT)),
+    ("bwd_dq", "64,64,4,2", {"warpspec": 1, "persistent": 2}, KernelConfig(64, 64, 4, 2, **_WS, schedule=TWO_AN_SM)),
+]  # fmt: skip
+
+
+def _schema_1_file(path) -> None:
+    """A schema-1 file of _SCHEMA_1's configs, one entry each (head dims 1, 2, ... keep their keys apart), as that
+    schema's writer laid them out: the codes beside the tile fields, the baseline's config in codes too."""
+    entries = []
+    for i, (kernel, tiles, codes, _) in enumerate(_SCHEMA_1):
+        tile_fields = ("block_m", "block_n", "num_warps", "num_stages")
+        config = dict(zip(tile_fields, map(int, tiles.split(",")), strict=True), **codes)
+        entries.append({"key": {"head_dim": i + 1, "dtype": "bf16", "causal": i % 2 == 0, "kernel": kernel},
+                        "config": config, "ms": 1.0, "tflops": 100.0, "trials": 8, "spread": 0.01,
+                        "baseline": {"name": "planner-default", "config": config, "ms": 1.5},
+                        "triton_version": "3.6.0", "torch_version": "2.11.0", "template_hash": "0" * 16,
+                        "date": "2026-11-30"})  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"schema_version": 1, "device": DEVICE, "entries": entries}, sort_keys=False))
+
+
+def test_a_schema_1_file_reads_as_the_same_configs_and_is_rewritten_in_schema_2(config_dir):
+    # Schema 1 spelled the template and schedule as codes whose meaning depended on the kernel (warpspec 2: the
+    # forward's ping-pong, the dK/dV kernel's fused dQ; persistent 2: two programs an SM). Each reads as one config of
+    # the named flags, with the tail policies at their defaults (what schema-1 configs ran).
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    _schema_1_file(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing in it is malformed
+        data, entries = store.read_file(path)
+    assert data["schema_version"] == 1
+    expected = [config for _, _, _, config in _SCHEMA_1]
+    for config in expected:
+        assert config.schedule.split_tail and not config.schedule.causal_tail
+    assert [e.config for e in entries] == expected
+    assert all(e.config.combination_error(e.key.kernel) is None for e in entries)
+    assert [e.baseline["config"] for e in entries] == [e.config.to_dict() for e in entries]  # the record too
+    # Any write rewrites the file in schema 2, every entry kept with its config.
+    store.write_entries(path, DEVICE, [])
+    text = path.read_text()
+    assert text.startswith("schema_version: 2") and "warpspec" not in text and "persistent: true" in text
+    again = store.read_file(path)[1]
+    assert sorted((e.key.head_dim, e.config) for e in again) == sorted((e.key.head_dim, e.config) for e in entries)

@@ -19,8 +19,9 @@ import yaml
 
 import fa2tune
 from fa2tune.api import attention_kernel, selection
-from fa2tune.config import planner, store
-from fa2tune.config.types import KernelConfig
+from fa2tune.config import lengths, planner, schema_v1, store
+from fa2tune.config.schedule import Schedule
+from fa2tune.config.types import DTYPE_CHOICES, KERNELS, KernelConfig
 from fa2tune.kernels import codegen
 from fa2tune.tune.reference import naive_attention
 
@@ -51,7 +52,7 @@ def _dump(data: object) -> str:
 
 
 def _document(*entries: dict) -> dict:
-    return {"schema_version": 1, "device": {"name": "cpu", "slug": SLUG}, "entries": list(entries)}
+    return {"schema_version": store.SCHEMA_VERSION, "device": {"name": "cpu", "slug": SLUG}, "entries": list(entries)}
 
 
 def _default(kernel: str) -> tuple[KernelConfig, str]:
@@ -109,6 +110,10 @@ def _assert_falls_back(path, case: str) -> None:
 # The schema as the test sees it: which values each field of an entry takes.
 def _config_takes(name):
     def takes(value):
+        if name == "schedule":  # a mapping of its own fields, each mutated below; {} is the default schedule
+            return value == {} and type(value) is dict
+        if name in ("warp_specialized", "pingpong", "fused_dq"):
+            return type(value) is bool
         try:
             return type(value) is int and replace(KernelConfig(16, 16), **{name: value}) is not None
         except ValueError:
@@ -117,14 +122,21 @@ def _config_takes(name):
     return takes
 
 
+def _schedule_takes(name):
+    if name == "programs_per_sm":
+        return lambda v: type(v) is int and v in (1, 2)
+    return lambda v: type(v) is bool
+
+
 _NUMBER = lambda v: type(v) in (int, float)
 _SCHEMA = {
     ("key", "head_dim"): lambda v: type(v) is int and 1 <= v <= 256,
-    ("key", "dtype"): lambda v: type(v) is str and v in store.DTYPE_NAMES,
-    ("key", "kernel"): lambda v: type(v) is str and v in store.KERNEL_NAMES,
-    ("key", "seqlen_bucket"): lambda v: type(v) is str and v in store.SEQLEN_BUCKETS,
+    ("key", "dtype"): lambda v: type(v) is str and v in DTYPE_CHOICES,
+    ("key", "kernel"): lambda v: type(v) is str and v in KERNELS,
+    ("key", "seqlen_bucket"): lambda v: type(v) is str and v in lengths.SEQLEN_BUCKETS,
     **{("key", name): lambda v: type(v) is bool for name in ("causal", "window", "varlen")},
     **{("config", f.name): _config_takes(f.name) for f in fields(KernelConfig)},
+    **{("config", "schedule", f.name): _schedule_takes(f.name) for f in fields(Schedule)},
     ("ms",): _NUMBER,
     ("tflops",): lambda v: v is None or _NUMBER(v),
     ("spread",): lambda v: v is None or _NUMBER(v),
@@ -137,17 +149,25 @@ _REQUIRED |= {("config", f.name) for f in fields(KernelConfig) if f.default is M
 _REQUIRED |= {(f.name,) for f in fields(store.Entry) if f.name not in ("key", "config")}
 
 
+def _holder(entry: dict, where: tuple[str, ...]) -> dict:
+    """The mapping of `entry` that holds the field at path `where`, made where the entry leaves it out (a config's
+    schedule at its default)."""
+    for name in where[:-1]:
+        entry = entry.setdefault(name, {})
+    return entry
+
+
 def _mutations():
     """(name, entry): the bwd_dq entry with one thing wrong."""
     for where, takes in _SCHEMA.items():
         for value in BAD_VALUES:
             if not takes(value):
                 entry = _entry("bwd_dq")
-                (entry[where[0]] if len(where) == 2 else entry)[where[-1]] = value
+                _holder(entry, where)[where[-1]] = value
                 yield f"{'.'.join(where)}={value!r}", entry
         if where in _REQUIRED:
             entry = _entry("bwd_dq")
-            del (entry[where[0]] if len(where) == 2 else entry)[where[-1]]
+            del _holder(entry, where)[where[-1]]
             yield f"{'.'.join(where)} missing", entry
     for container in ("key", "config", None):
         entry = _entry("bwd_dq")
@@ -174,6 +194,23 @@ def test_a_malformed_entry_is_skipped_and_its_neighbours_used(path):
         assert len(messages) == 1 and "skipped what is malformed (entry 1: " in messages[0], f"{case}: {messages}"
         cases += 1
     assert cases > 300
+
+
+def test_a_malformed_schema_1_config_is_skipped_and_its_neighbours_used(path):
+    # A schema-1 file's configs hold integer codes (config.schema_v1): every wrong type or value in any of its fields,
+    # and a schema-2 field there, skips that entry alone.
+    takes = lambda name, v: type(v) is int and v in (0, 1, 2) if name in ("warpspec", "persistent") else (
+        _config_takes(name)(v))  # fmt: skip
+    cases = [(name, value) for name in schema_v1.FIELDS for value in BAD_VALUES if not takes(name, value)]
+    for name, value in [*cases, ("warp_specialized", True), ("schedule", {})]:
+        bad = _entry("bwd_dq")
+        bad["config"][name] = value
+        path.write_text(_dump({**_document(_entry("fwd"), bad, _entry("bwd_dkdv")), "schema_version": 1}))
+        got, messages = _lookups(path)
+        expected = {**{k: (CONFIGS[k], str(path)) for k in ("fwd", "bwd_dkdv")}, "bwd_dq": _default("bwd_dq")}
+        assert got == expected, (name, value)
+        assert len(messages) == 1 and "skipped what is malformed (entry 1: " in messages[0], (name, value, messages)
+    assert len(cases) > 100
 
 
 def test_many_malformed_entries_make_one_warning(path):
@@ -230,9 +267,9 @@ def _whole_file_cases(tmp_path) -> dict[str, str | bytes]:
         + "- *e\n" * (store.MAX_NODES // 40),
         "python tag": f"{python_tag}\n", "python tag in an entry": good.replace("planner-default", python_tag, 1),
     }  # fmt: skip
-    for name, version in (("string", "'1'"), ("float", "1.0"), ("bool", "true"), ("future", "2"), ("null", "null"),
-                          ("list", "[1]"), ("inf", ".inf")):  # fmt: skip
-        cases[f"schema_version {name}"] = good.replace("schema_version: 1", f"schema_version: {version}", 1)
+    for name, version in (("string", "'2'"), ("float", "2.0"), ("bool", "true"), ("future", "3"), ("null", "null"),
+                          ("list", "[2]"), ("inf", ".inf"), ("before schema 1", "0")):  # fmt: skip
+        cases[f"schema_version {name}"] = good.replace("schema_version: 2", f"schema_version: {version}", 1)
     for name, entries in (("mapping", "{}"), ("string", "x"), ("number", "3"), ("bool", "true")):
         cases[f"entries {name}"] = f"schema_version: 1\nentries: {entries}\n"
     return cases

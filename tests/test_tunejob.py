@@ -29,7 +29,7 @@ def _study(path, spec):
 
 def _timed(study) -> list[KernelConfig]:
     """The configs the study's trials timed (each timing keeps where its time went), once per timing."""
-    return [KernelConfig(**t.params) for t in study.trials if "timing" in t.user_attrs]
+    return [KernelConfig.from_params(t.params) for t in study.trials if "timing" in t.user_attrs]
 
 
 def test_two_workers_share_one_journal_and_lose_nothing(tmp_path, interpreter_only):
@@ -419,7 +419,8 @@ def test_a_killed_tune_s_trial_is_failed_and_its_resume_times_only_what_the_budg
     assert not [t.number for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
     # The killed trial may have finished its timing just before the kill without telling it: a reading the study
     # never got, so neither the budget nor this count takes it.
-    timed = [KernelConfig(**t.params) for t in study.trials if "timing" in t.user_attrs and t.number != killed]
+    timed = [KernelConfig.from_params(t.params) for t in study.trials
+             if "timing" in t.user_attrs and t.number != killed]  # fmt: skip
     assert len(timed) == len(set(timed)) == spec.trials  # the budget, each config timed once
     assert result.measured == spec.trials and entry.config in timed
     assert len(study.trials) <= 3 * spec.trials
@@ -458,8 +459,8 @@ def test_a_config_a_process_timed_while_another_waited_for_its_compile_is_not_ti
 
     def other_process_times_a():
         study = optuna.load_study(study_name="cpu-interpreter/fwd/d16/bfloat16/full", storage=url)
-        choices = {dim: optuna.distributions.CategoricalDistribution(sorted({getattr(c, dim) for c in (a, b)}))
-                   for dim in search_space.DIMS}  # fmt: skip
+        values = lambda dim: sorted({search_space.params(c)[dim] for c in (a, b)})
+        choices = {dim: optuna.distributions.CategoricalDistribution(values(dim)) for dim in search_space.DIMS}
         study.add_trial(optuna.trial.create_trial(params=search_space.params(a), distributions=choices, value=2.0,
                                                   user_attrs={"timed_by": 1, "timing": {}}))  # fmt: skip
 
@@ -511,7 +512,7 @@ def test_a_finish_waits_for_the_configs_other_processes_are_timing_and_ranks_the
     study.enqueue_trial(search_space.params(other))
     trial = study.ask()
     for dim, value in search_space.params(other).items():
-        assert trial.suggest_categorical(dim, sorted({getattr(c, dim) for c in (a, b, other)})) == value
+        assert trial.suggest_categorical(dim, sorted({search_space.params(c)[dim] for c in (a, b, other)})) == value
     trial.set_user_attr("timed_by", 1)
     told = threading.Timer(1.0, lambda: study.tell(trial, 2.0))
     told.start()

@@ -10,6 +10,7 @@ import torch
 
 from fa2tune.config import planner
 from fa2tune.config.device import known_gpu
+from fa2tune.config.schedule import PERSISTENT, TWO_AN_SM
 from fa2tune.config.types import KernelConfig
 from fa2tune.tune import search_space, study_trials, tuner
 from fa2tune.tune.cost import load_sweep
@@ -21,7 +22,7 @@ SWEEP = Path(__file__).resolve().parent.parent / "docs" / "bench" / "nvidia-h200
 
 # The recorded sweep timed the Triton template only: studies over it start from that template's default, not the
 # warp-specialized one the planner prefers on the H200 (it has no timing here).
-_TRITON_DEFAULT = planner.default_config(128, torch.bfloat16, device=known_gpu("h200"), warpspec=False)
+_TRITON_DEFAULT = planner.default_config(128, torch.bfloat16, device=known_gpu("h200"), warp_specialized=False)
 
 
 def _recorded(head_dim: int, causal: bool) -> dict[KernelConfig, float]:
@@ -268,7 +269,8 @@ def test_a_config_the_pool_has_not_built_yet_is_timed_at_once_not_waited_for(tmp
     import optuna
 
     study = optuna.load_study(study_name=result.study_name, storage=storage)
-    timings = {KernelConfig(**t.params): t.user_attrs["timing"] for t in study.trials if "timing" in t.user_attrs}
+    timings = {KernelConfig.from_params(t.params): t.user_attrs["timing"] for t in study.trials
+               if "timing" in t.user_attrs}  # fmt: skip
     assert set(timings) == set(timed)
     assert all(timing["built_here"] == (cfg not in built_by_pool) for cfg, timing in timings.items())
     assert all(timing["wait_s"] >= 0 and timing["measure_s"] >= 0 for timing in timings.values())
@@ -428,17 +430,18 @@ def test_a_warpspec_forward_default_is_timed_beside_its_other_schedule():
     first = lambda default, kernel="fwd": tuner.first_configs(device=h200, kernel=kernel, head_dim=128,
                                                               dtype=torch.bfloat16, causal=True, trials=10,
                                                               space=space, default=default)  # fmt: skip
-    pingpong = KernelConfig(128, 128, 4, 2, warpspec=2)
+    pingpong = KernelConfig(128, 128, 4, 2, warp_specialized=True, pingpong=True)
     configs = first(pingpong)
-    assert configs[:2] == [pingpong, KernelConfig(128, 128, 4, 2, warpspec=2, persistent=1)]
+    assert configs[:2] == [pingpong, replace(pingpong, schedule=PERSISTENT)]
     assert len(configs) == len(set(configs)) == 2 + 5
-    assert first(KernelConfig(128, 64, 4, 3, warpspec=1, persistent=1))[1] == KernelConfig(128, 64, 4, 3, warpspec=1)
-    for default in (KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 4, 3, warpspec=1)):
-        assert replace(default, persistent=1) not in first(default)
+    ws = KernelConfig(128, 64, 4, 3, warp_specialized=True)
+    assert first(replace(ws, schedule=PERSISTENT))[1] == ws
+    for default in (KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 4, 3, warp_specialized=True)):
+        assert replace(default, schedule=PERSISTENT) not in first(default)
     dq = tuner.first_configs(device=h200, kernel="bwd_dq", head_dim=128, dtype=torch.bfloat16, causal=True,
                              trials=10, space=planner.candidates("bwd_dq"),
-                             default=KernelConfig(128, 64, 4, 3, warpspec=1))  # fmt: skip
-    assert dq[1] == KernelConfig(128, 64, 4, 3, warpspec=1, persistent=1)
+                             default=KernelConfig(128, 64, 4, 3, warp_specialized=True))  # fmt: skip
+    assert dq[1] == KernelConfig(128, 64, 4, 3, warp_specialized=True, schedule=PERSISTENT)
 
 
 def test_first_picks_take_turns_between_the_warpspec_kernels_and_the_triton_template():
@@ -450,26 +453,26 @@ def test_first_picks_take_turns_between_the_warpspec_kernels_and_the_triton_temp
     space = planner.candidates("fwd")
     feasible = [c for c in space if planner.check(c, h200, 64, torch.bfloat16, "fwd") is None]
     picks = tuner.promising(feasible, 64, "fwd", k=8)
-    assert [c.warpspec > 0 for c in picks] == [True, False] * 4
-    assert KernelConfig(128, 128, 4, 3, warpspec=1, persistent=1) in picks
+    assert [c.warp_specialized for c in picks] == [True, False] * 4
+    assert KernelConfig(128, 128, 4, 3, warp_specialized=True, schedule=PERSISTENT) in picks
     for family in (True, False):  # one config per block shape (and warpspec mode) within a family
-        shapes = [(c.block_m, c.block_n, c.warpspec) for c in picks if (c.warpspec > 0) == family]
+        shapes = [(c.block_m, c.block_n, c.pingpong, c.fused_dq) for c in picks if c.warp_specialized == family]
         assert len(shapes) == len(set(shapes))
     # Where the space has no warp-specialized configs (not Hopper), the picks are the Triton ones as before.
-    triton_only = [c for c in feasible if not c.warpspec]
-    assert tuner.promising(triton_only, 64, "fwd", k=4) == [c for c in picks if not c.warpspec]
+    triton_only = [c for c in feasible if not c.warp_specialized]
+    assert tuner.promising(triton_only, 64, "fwd", k=4) == [c for c in picks if not c.warp_specialized]
 
 
 def test_two_programs_an_sm_is_a_shape_of_its_own_among_the_first_picks():
-    # persistent=2 (one-consumer forwards, two an SM) changes the schedule as ping-pong does: ranked with the
+    # two programs an SM (one-consumer forwards) changes the schedule as ping-pong does: ranked with the
     # persistent one-consumer config of the same tiles it would never be picked beside it, and it is the d=64
     # causal N <= 1k forward's winner, 6 % ahead (docs/PERF.md, "Two programs an SM").
     h200 = known_gpu("h200")
     feasible = [c for c in planner.candidates("fwd") if planner.check(c, h200, 64, torch.bfloat16, "fwd") is None]
-    picks = [c for c in tuner.promising(feasible, 64, "fwd", k=12) if c.warpspec]
-    assert KernelConfig(64, 128, 4, 3, warpspec=1, persistent=2) in picks
-    assert KernelConfig(64, 128, 4, 3, warpspec=1, persistent=1) in picks
-    wider = [c for c in tuner.promising(feasible, 64, "fwd", k=20) if c.persistent == 2]
+    picks = [c for c in tuner.promising(feasible, 64, "fwd", k=12) if c.warp_specialized]
+    assert KernelConfig(64, 128, 4, 3, warp_specialized=True, schedule=TWO_AN_SM) in picks
+    assert KernelConfig(64, 128, 4, 3, warp_specialized=True, schedule=PERSISTENT) in picks
+    wider = [c for c in tuner.promising(feasible, 64, "fwd", k=20) if c.schedule == TWO_AN_SM]
     assert [c.block_n for c in wider] == [128, 64]
 
 

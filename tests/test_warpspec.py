@@ -1,4 +1,4 @@
-"""The warp-specialized forward (KernelConfig.warpspec, templates/fwd_ws.py.jinja) without a GPU: its configs'
+"""The warp-specialized forward (KernelConfig.warp_specialized, templates/fwd_ws.py.jinja) without a GPU: its configs'
 rules, the planner's model against the compiler, code hashes, and the launcher's routing of calls it cannot take.
 Its results on a GPU are checked in tests/test_gpu.py."""
 
@@ -15,8 +15,9 @@ import torch
 
 import fa2tune
 from fa2tune.api import ops, selection
-from fa2tune.config import planner
+from fa2tune.config import planner, schema_v1
 from fa2tune.config.device import known_gpu
+from fa2tune.config.schedule import PER_TILE, PERSISTENT, TWO_AN_SM
 from fa2tune.config.store import EntryKey
 from fa2tune.config.types import KernelConfig, Variant
 from fa2tune.kernels import codegen
@@ -26,62 +27,80 @@ from fa2tune.tune.reference import naive_attention
 
 from .conftest import ON_WS_TRITON, assert_close
 
-WS = KernelConfig(128, 128, 4, 2, warpspec=1)
+WS = KernelConfig(128, 128, 4, 2, warp_specialized=True)
 
 
 def test_configs_combine_fields_by_warpspec_rules():
-    assert WS.consumers() == 2 and KernelConfig(192, 64, 4, 3, warpspec=1).consumers() == 3
+    assert WS.consumers() == 2 and KernelConfig(192, 64, 4, 3, warp_specialized=True).consumers() == 3
     assert KernelConfig(128, 64, 8, 3).consumers() == 0
-    assert KernelConfig(64, 128, 4, 2, warpspec=1).consumers("bwd_dkdv") == 2  # dK/dV: 64 K/V rows per consumer
-    assert KernelConfig(128, 64, 4, 2, warpspec=1).consumers("bwd_dq") == 2  # dQ: 64 query rows per consumer
-    assert KernelConfig.from_dict(WS.to_dict()) == WS and WS.to_dict()["warpspec"] == 1
-    assert "warpspec" not in KernelConfig(128, 64).to_dict()  # entries written before the switch read the same
+    assert (
+        KernelConfig(64, 128, 4, 2, warp_specialized=True).consumers("bwd_dkdv") == 2
+    )  # dK/dV: 64 K/V rows per consumer
+    assert KernelConfig(128, 64, 4, 2, warp_specialized=True).consumers("bwd_dq") == 2  # dQ: 64 query rows per consumer
+    assert KernelConfig.from_dict(WS.to_dict()) == WS and WS.to_dict()["warp_specialized"] == 1
+    assert "warp_specialized" not in KernelConfig(128, 64).to_dict()  # entries written before the switch read the same
     bad = {
         KernelConfig(192, 64): "block_m=192 needs warpspec",
-        KernelConfig(32, 64, 4, 2, warpspec=1): "warpspec takes block_m in (64, 128, 192)",
-        KernelConfig(128, 64, 8, 2, warpspec=1): "warpspec configs have num_warps=4",
-        KernelConfig(64, 64, 4, 2, warpspec=2): "warpspec=2 (ping-pong of two consumers) needs block_m=128",
+        KernelConfig(32, 64, 4, 2, warp_specialized=True): "warpspec takes block_m in (64, 128, 192)",
+        KernelConfig(128, 64, 8, 2, warp_specialized=True): "warpspec configs have num_warps=4",
+        KernelConfig(64, 64, 4, 2, warp_specialized=True, pingpong=True): (
+            "warpspec's pingpong (ping-pong of two consumers) needs block_m=128"
+        ),
     }
     for cfg, message in bad.items():
         assert cfg.combination_error().startswith(message)
         assert planner.check(cfg, known_gpu("h200"), 128, torch.bfloat16).startswith(message)
-    assert KernelConfig(64, 128, 4, 2, warpspec=1).combination_error("bwd_dkdv") is None
-    assert KernelConfig(64, 128, 4, 2, warpspec=2).combination_error("bwd_dkdv") is None  # dQ fused in
+    assert KernelConfig(64, 128, 4, 2, warp_specialized=True).combination_error("bwd_dkdv") is None
     assert (
-        KernelConfig(128, 128, 4, 2, warpspec=1)
+        KernelConfig(64, 128, 4, 2, warp_specialized=True, fused_dq=True).combination_error("bwd_dkdv") is None
+    )  # dQ fused in
+    assert (
+        KernelConfig(128, 128, 4, 2, warp_specialized=True)
         .combination_error("bwd_dkdv")
         .startswith(
-            "bwd_dkdv's warpspec takes warpspec in (1, 2), block_n in (64, 128) (64 K/V rows per consumer warpgroup) "
-            "and block_m in (64,)"
+            "bwd_dkdv's warpspec takes block_n in (64, 128) (64 K/V rows per consumer warpgroup) and block_m in (64,)"
         )
     )
     assert WS.combination_error("bwd_dq") is None
-    for cfg in (KernelConfig(192, 64, 4, 2, warpspec=1), KernelConfig(128, 64, 4, 2, warpspec=2)):
-        assert cfg.combination_error("bwd_dq").startswith("bwd_dq's warpspec takes warpspec in (1,), block_m in")
-    with pytest.raises(ValueError, match="warpspec must be 0, 1 or 2, got 3"):
-        KernelConfig(128, 64, 4, 2, warpspec=3)
+    assert (
+        KernelConfig(192, 64, 4, 2, warp_specialized=True)
+        .combination_error("bwd_dq")
+        .startswith("bwd_dq's warpspec takes block_m in")
+    )
+    assert (
+        KernelConfig(128, 64, 4, 2, warp_specialized=True, pingpong=True)
+        .combination_error("bwd_dq")
+        .startswith("warpspec's pingpong (ping-pong of two consumers) is a switch of warp-specialized forward configs")
+    )
+    with pytest.raises(ValueError, match="warpspec must be 0, 1 or 2, got 3"):  # a schema-1 file's code
+        schema_v1.config(dict(block_m=128, block_n=64, num_warps=4, num_stages=2, warpspec=3), "fwd")
     # persistent: a switch of the warpspec kernels only; written to YAML only when on
-    persistent = KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1)
+    persistent = KernelConfig(128, 128, 4, 2, warp_specialized=True, schedule=PERSISTENT)
     assert persistent.combination_error() is None and KernelConfig.from_dict(persistent.to_dict()) == persistent
-    assert "persistent" not in WS.to_dict() and persistent.to_dict()["persistent"] == 1
-    for cfg, kernel in ((KernelConfig(128, 64, 8, 2, persistent=1), "fwd"), (KernelConfig(64, 64, persistent=1),
-                                                                             "bwd_dq")):  # fmt: skip
+    assert "schedule" not in WS.to_dict() and persistent.to_dict()["schedule"]["persistent"] == 1
+    for cfg, kernel in ((KernelConfig(128, 64, 8, 2, schedule=PERSISTENT), "fwd"),
+                        (KernelConfig(64, 64, schedule=PERSISTENT), "bwd_dq")):  # fmt: skip
         assert cfg.combination_error(kernel).startswith("persistent is a switch of the warpspec kernels fwd, bwd_dkdv")
-    assert KernelConfig(64, 128, 4, 2, warpspec=1, persistent=1).combination_error("bwd_dkdv") is None
+    assert KernelConfig(64, 128, 4, 2, warp_specialized=True, schedule=PERSISTENT).combination_error("bwd_dkdv") is None
     assert persistent.combination_error("bwd_dq") is None
-    with pytest.raises(ValueError, match="persistent must be 0, 1 or 2, got 3"):
-        KernelConfig(128, 64, 4, 2, warpspec=1, persistent=3)
-    # persistent=2, two programs an SM: one-consumer warpspec configs only (of each kernel: 64 owned rows)
-    two = KernelConfig(64, 64, 4, 3, warpspec=1, persistent=2)
+    with pytest.raises(ValueError, match="persistent must be 0, 1 or 2, got 3"):  # a schema-1 file's code
+        schema_v1.config(dict(block_m=128, block_n=64, num_warps=4, num_stages=2, warpspec=1, persistent=3), "fwd")
+    # two programs an SM: one-consumer warpspec configs only (of each kernel: 64 owned rows)
+    two = KernelConfig(64, 64, 4, 3, warp_specialized=True, schedule=TWO_AN_SM)
     assert two.combination_error() is None and KernelConfig.from_dict(two.to_dict()) == two
-    assert two.combination_error("bwd_dkdv") is None and replace(two, warpspec=2).combination_error("bwd_dkdv") is None
+    assert (
+        two.combination_error("bwd_dkdv") is None and replace(two, fused_dq=True).combination_error("bwd_dkdv") is None
+    )
     assert two.combination_error("bwd_dq") is None and replace(two, block_n=128).combination_error("bwd_dq") is None
-    assert two.label() == "64x64 w4 s3 ws1 persistent x2"
+    assert two.label() == "64x64 w4 s3 ws persistent x2"
     for cfg, kernel in ((replace(two, block_m=128), "fwd"), (replace(two, block_m=128), "bwd_dq"),
                         (replace(two, block_n=128), "bwd_dkdv")):  # fmt: skip
-        assert cfg.combination_error(kernel).startswith("persistent=2 (two programs an SM)"), (cfg, kernel)
+        assert cfg.combination_error(kernel).startswith("warpspec's programs_per_sm=2 (two programs an SM)"), (
+            cfg,
+            kernel,
+        )
     with pytest.raises(ValueError, match=r"block_m must be one of \(16, 32, 64, 128, 256, 192\), got 96"):
-        KernelConfig(96, 64, 4, 2, warpspec=1)
+        KernelConfig(96, 64, 4, 2, warp_specialized=True)
 
 
 def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
@@ -103,34 +122,43 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     assert planner.check(KernelConfig(128, 64, 8, 3), read_under("3.9.0"), 128, torch.bfloat16) is None
     # dQ at d=128 with 128-row K/V tiles and two consumers: 64·(128 + 2.5·128)/128 = 224 > 240 − 24
     assert planner.check(WS, h200, 128, torch.bfloat16, "bwd_dq").startswith("registers: 224 fp32 accumulator")
-    dkdv = [c for c in planner.candidates("bwd_dkdv") if c.warpspec == 1 and c.persistent < 2]
+    dkdv = [
+        c for c in planner.candidates("bwd_dkdv") if c.warp_specialized and not c.fused_dq and c.schedule != TWO_AN_SM
+    ]
     assert len(dkdv) == 12 and all(planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") is None for c in dkdv[:8])
     # two one-consumer dK/dV programs an SM: 232 registers less 16 hold d=64's 64·(2·64 + 3·64)/128 + 32 = 192, not
     # d=128's 224; at d=64 with dQ fused in, 2 and 3 stages fit twice in shared memory, 4 do not
-    two = [c for c in planner.candidates("bwd_dkdv") if c.persistent == 2]
-    assert {(c.block_n, c.warpspec) for c in two} == {(64, 1), (64, 2)} and len(two) == 6
+    two = [c for c in planner.candidates("bwd_dkdv") if c.schedule == TWO_AN_SM]
+    assert {(c.block_n, c.fused_dq) for c in two} == {(64, False), (64, True)} and len(two) == 6
     fits = {c.label(): planner.check(c, h200, 64, torch.bfloat16, "bwd_dkdv") for c in two}
-    assert [name for name, reason in fits.items() if reason] == ["64x64 w4 s4 ws2 persistent x2"]
+    assert [name for name, reason in fits.items() if reason] == ["64x64 w4 s4 ws fused-dq persistent x2"]
     assert all(planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") for c in two)
-    # dQ fused in (warpspec 2) adds dSᵀ twice (2·2·128·64 B), a consumer's fp32 staging buffer of its 64 dQ columns
+    # dQ fused in (fused_dq) adds dSᵀ twice (2·2·128·64 B), a consumer's fp32 staging buffer of its 64 dQ columns
     # (2·64·64·4 B at d=128, the consumers splitting the columns; all 64 columns each at d=64) and 256 B for its
     # barriers: two stages at d=128 need 197,376 B (the sm_90 compile allocates 197,096), three 230,144, and a
     # persistent grid (dK, dV staged apart) 262,912 > the H200's 232,448
-    fused = KernelConfig(64, 128, 4, 2, warpspec=2)
+    fused = KernelConfig(64, 128, 4, 2, warp_specialized=True, fused_dq=True)
     assert planner.sram_bytes(fused, 128, torch.bfloat16, "bwd_dkdv") == 197376
-    assert planner.sram_bytes(KernelConfig(64, 128, 4, 3, warpspec=2), 128, torch.bfloat16, "bwd_dkdv") == 230144
+    assert (
+        planner.sram_bytes(
+            KernelConfig(64, 128, 4, 3, warp_specialized=True, fused_dq=True), 128, torch.bfloat16, "bwd_dkdv"
+        )
+        == 230144
+    )
     assert planner.check(fused, h200, 128, torch.bfloat16, "bwd_dkdv") is None
     # three stages fit at d=128 but spill (232 B of stack): ruled out, so the tuner's first fused pick is 2 stages
-    three = planner.check(KernelConfig(64, 128, 4, 3, warpspec=2), h200, 128, torch.bfloat16, "bwd_dkdv")
+    three = planner.check(
+        KernelConfig(64, 128, 4, 3, warp_specialized=True, fused_dq=True), h200, 128, torch.bfloat16, "bwd_dkdv"
+    )
     assert three.startswith("registers: dK/dV with dQ fused in at head_dim > 64 spills past 2 stages")
     space = [c for c in planner.candidates("bwd_dkdv") if not planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv")]
     first = tuner.first_configs(device=h200, kernel="bwd_dkdv", head_dim=128, dtype=torch.bfloat16, causal=False,
                                 trials=8, space=space)  # fmt: skip
     assert fused in first
-    persistent_fused = KernelConfig(64, 128, 4, 2, warpspec=2, persistent=1)
+    persistent_fused = KernelConfig(64, 128, 4, 2, warp_specialized=True, fused_dq=True, schedule=PERSISTENT)
     assert planner.check(persistent_fused, h200, 128, torch.bfloat16, "bwd_dkdv").startswith("shared memory")
     assert planner.check(persistent_fused, h200, 64, torch.bfloat16, "bwd_dkdv") is None
-    assert len([c for c in planner.candidates("bwd_dkdv") if c.warpspec == 2 and c.persistent < 2]) == 12
+    assert len([c for c in planner.candidates("bwd_dkdv") if c.fused_dq and c.schedule != TWO_AN_SM]) == 12
     # the fp32 dQ's TMA block: a consumer's share of the columns, ≤ 64 (d > 64 split between consumers; d = 64 whole)
     assert warpspec.dq_partial_block((1, 1, 64, 128), 2) == (1, 1, 64, 64)
     assert warpspec.dq_partial_block((1, 1, 64, 128), 1) == (1, 1, 64, 64)  # two 64-column reductions a step
@@ -140,63 +168,73 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     # none at d=128, where they would not fit
     assert planner.kv_in_registers(64) and planner.kv_in_registers(32) and not planner.kv_in_registers(128)
     assert not planner.kv_in_registers(64, causal=True)
-    for cfg in (KernelConfig(64, 128, 4, 3, warpspec=1), KernelConfig(64, 128, 4, 3, warpspec=2)):
+    for cfg in (
+        KernelConfig(64, 128, 4, 3, warp_specialized=True),
+        KernelConfig(64, 128, 4, 3, warp_specialized=True, fused_dq=True),
+    ):
         at64 = planner.accumulators_per_thread(cfg, 64, "bwd_dkdv")
-        planner_without = 64 * (2 * 64 + (3 * 64 if cfg.warpspec == 1 else 2.5 * 64)) / 128
+        planner_without = 64 * (2 * 64 + (3 * 64 if not cfg.fused_dq else 2.5 * 64)) / 128
         assert at64 == planner_without + 32 and planner.check(cfg, h200, 64, torch.bfloat16, "bwd_dkdv") is None
     # persistent dK/dV stages dK, dV apart from K, V: 2·128·(4·128 + 8·64) + 512 B > 227 KiB at 4 stages
     assert planner.check(dkdv[-1], h200, 128, torch.bfloat16, "bwd_dkdv").startswith("shared memory")
     # 4 stages of 128-row K and V tiles at d=128: 2·128·(128 + 8·128) + 512 B > the H200's 227 KiB; 3 fit
-    assert planner.check(KernelConfig(128, 128, 4, 4, warpspec=1), h200, 128, torch.bfloat16).startswith("shared")
-    assert planner.check(KernelConfig(128, 128, 4, 3, warpspec=1), h200, 128, torch.bfloat16) is None
-    ws = [c for c in planner.candidates("fwd") if c.warpspec]
+    assert planner.check(KernelConfig(128, 128, 4, 4, warp_specialized=True), h200, 128, torch.bfloat16).startswith(
+        "shared"
+    )
+    assert planner.check(KernelConfig(128, 128, 4, 3, warp_specialized=True), h200, 128, torch.bfloat16) is None
+    ws = [c for c in planner.candidates("fwd") if c.warp_specialized]
     assert len(ws) == 54 and all(c.combination_error() is None for c in ws)
-    assert [sum(c.persistent == p for c in ws) for p in (1, 2)] == [24, 6]  # two an SM: block_m = 64 only
+    assert [sum(c.schedule == p for c in ws) for p in (PERSISTENT, TWO_AN_SM)] == [24, 6]  # two an SM: block_m = 64
     # two programs an SM: each in half the SM's shared memory less its 1 KiB reserve, and compiled at maxnreg 128
-    two_an_sm = KernelConfig(64, 64, 4, 3, warpspec=1, persistent=2)
-    assert planner.check(replace(two_an_sm, persistent=1), h200, 128, torch.bfloat16) is None  # 131,584 B
-    assert "2 programs an SM (persistent=2) leave each 115,712 B" in planner.check(two_an_sm, h200, 128, torch.bfloat16)
+    two_an_sm = KernelConfig(64, 64, 4, 3, warp_specialized=True, schedule=TWO_AN_SM)
+    assert planner.check(replace(two_an_sm, schedule=PERSISTENT), h200, 128, torch.bfloat16) is None  # 131,584 B
+    assert "2 programs an SM (programs_per_sm=2) leave each 115,712 B" in planner.check(two_an_sm, h200, 128,
+                                                                                       torch.bfloat16)  # fmt: skip
     assert planner.check(replace(two_an_sm, num_stages=2), h200, 128, torch.bfloat16) is None  # 98,816 B
     assert (
         planner.ws_registers(two_an_sm)
         == planner.WS_TWO_AN_SM_REGISTERS
-        != planner.ws_registers(replace(two_an_sm, persistent=1))
+        != planner.ws_registers(replace(two_an_sm, schedule=PERSISTENT))
     )
     assert warpspec.compiled_form("fwd", two_an_sm, 64, True)[3]["maxnreg"] == 128
     # persistent stages O apart from Q: 2·128·(128 + 128 + 4·128) + 512 B fits, with 3 stages 256.5 KiB does not
-    assert planner.sram_bytes(KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1), 128, torch.bfloat16) == (
-        planner.sram_bytes(WS, 128, torch.bfloat16) + 2 * 128 * 128
-    )
-    assert planner.check(KernelConfig(128, 128, 4, 3, warpspec=1, persistent=1), h200, 128, torch.bfloat16).startswith(
-        "shared memory"
-    )
+    assert planner.sram_bytes(
+        KernelConfig(128, 128, 4, 2, warp_specialized=True, schedule=PERSISTENT), 128, torch.bfloat16
+    ) == (planner.sram_bytes(WS, 128, torch.bfloat16) + 2 * 128 * 128)
+    assert planner.check(
+        KernelConfig(128, 128, 4, 3, warp_specialized=True, schedule=PERSISTENT), h200, 128, torch.bfloat16
+    ).startswith("shared memory")
     # 192-row programs at d=128 with 128-row K/V tiles: three consumers of 160 registers would spill
-    assert planner.check(KernelConfig(192, 128, 4, 2, warpspec=1), h200, 128, torch.bfloat16).startswith("registers")
-    dq = [c for c in planner.candidates("bwd_dq") if c.warpspec]
+    assert planner.check(KernelConfig(192, 128, 4, 2, warp_specialized=True), h200, 128, torch.bfloat16).startswith(
+        "registers"
+    )
+    dq = [c for c in planner.candidates("bwd_dq") if c.warp_specialized]
     assert len(dq) == 30 and all(c.combination_error("bwd_dq") is None for c in dq)
-    assert planner.check(KernelConfig(128, 64, 4, 3, warpspec=1), h200, 128, torch.bfloat16, "bwd_dq") is None
+    assert (
+        planner.check(KernelConfig(128, 64, 4, 3, warp_specialized=True), h200, 128, torch.bfloat16, "bwd_dq") is None
+    )
     # one-consumer dQ programs two an SM: at d=128 only (64, 64) with 2 stages fits half an SM, 2·128·(3·64 + 4·64)
     # + 512 = 115,200 B of 115,712 (the sm_90 compile allocates 114,988), and 64·(128 + 2.5·128)/128 = 224
     # accumulators do not fit 232 − 24 registers; d=64 fits all but 3 and 4 stages of 128-row K/V tiles
-    fits = {(d, c.label()): planner.check(c, h200, d, torch.bfloat16, "bwd_dq") for c in dq if c.persistent == 2
+    fits = {(d, c.label()): planner.check(c, h200, d, torch.bfloat16, "bwd_dq") for c in dq if c.schedule == TWO_AN_SM
             for d in (64, 128)}  # fmt: skip
     assert [key for key, reason in fits.items() if reason is None] == [
-        (64, "64x64 w4 s2 ws1 persistent x2"), (128, "64x64 w4 s2 ws1 persistent x2"),
-        (64, "64x64 w4 s3 ws1 persistent x2"), (64, "64x64 w4 s4 ws1 persistent x2"),
-        (64, "64x128 w4 s2 ws1 persistent x2")]  # fmt: skip
-    assert fits[128, "64x64 w4 s3 ws1 persistent x2"].startswith("shared memory: needs 147,968 B")
-    assert fits[128, "64x128 w4 s2 ws1 persistent x2"].startswith("registers: 224 fp32 accumulator values")
+        (64, "64x64 w4 s2 ws persistent x2"), (128, "64x64 w4 s2 ws persistent x2"),
+        (64, "64x64 w4 s3 ws persistent x2"), (64, "64x64 w4 s4 ws persistent x2"),
+        (64, "64x128 w4 s2 ws persistent x2")]  # fmt: skip
+    assert fits[128, "64x64 w4 s3 ws persistent x2"].startswith("shared memory: needs 147,968 B")
+    assert fits[128, "64x128 w4 s2 ws persistent x2"].startswith("registers: 224 fp32 accumulator values")
     # dK/dV at d=256: 64·(2·256 + 3·64)/128 = 352 accumulators a consumer thread
     assert planner.check(dkdv[0], h200, 256, torch.bfloat16, "bwd_dkdv").startswith("registers")
 
 
 def test_persistent_grids_hold_a_program_an_sm_or_two(monkeypatch):
     monkeypatch.setattr(warpspec, "_sm_count", lambda index: 132)
-    one, two = (KernelConfig(64, 64, 4, 3, warpspec=1, persistent=p) for p in (1, 2))
+    one, two = (KernelConfig(64, 64, 4, 3, warp_specialized=True, schedule=s) for s in (PERSISTENT, TWO_AN_SM))
     assert warpspec._grid(one, 8, 1024, 0) == ((132,), 8192)
     assert warpspec._grid(two, 8, 1024, 0) == ((264,), 8192)
     assert warpspec._grid(two, 2, 3, 0) == ((6,), 6)  # never more programs than tiles
-    assert warpspec._grid(replace(two, persistent=0), 8, 1024, 0) == ((8, 1024), 8192)
+    assert warpspec._grid(replace(two, schedule=PER_TILE), 8, 1024, 0) == ((8, 1024), 8192)
 
 
 def test_the_unchecked_descriptor_is_the_checked_one():
@@ -206,43 +244,45 @@ def test_the_unchecked_descriptor_is_the_checked_one():
     for block in [(1, 1, 64, 64), (1, 1, 128, 64)]:
         fast, checked = warpspec._descriptor(t, block, checked=False), warpspec._descriptor(t, block)
         assert fast == checked and type(fast) is type(checked) and fast.strides == [15360, 5120, 64, 1]
-    config = KernelConfig(128, 64, 4, 3, warpspec=1)
+    config = KernelConfig(128, 64, 4, 3, warp_specialized=True)
     assert warpspec.compiled_form("bwd_dq", config, 128, True) is warpspec.compiled_form("bwd_dq", config, 128, True)
 
 
 def test_code_hash_names_the_template_and_its_switches():
     key = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="fwd")
-    hashes = {ws: codegen.entry_code_hash(key, KernelConfig(128, 128, 4, 2, warpspec=ws)) for ws in (0, 1, 2)}
-    persistent = codegen.entry_code_hash(key, KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1))
+    configs = {"triton": KernelConfig(128, 128, 4, 2), "ws": WS, "pingpong": replace(WS, pingpong=True)}
+    hashes = {name: codegen.entry_code_hash(key, cfg) for name, cfg in configs.items()}
+    persistent = codegen.entry_code_hash(key, KernelConfig(128, 128, 4, 2, warp_specialized=True, schedule=PERSISTENT))
     assert len({*hashes.values(), persistent}) == 4
-    assert persistent == codegen.code_hash("fwd", causal=True, warpspec=1, persistent=True)
+    assert persistent == codegen.code_hash("fwd", causal=True, warp_specialized=True, persistent=True)
     dkdv = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="bwd_dkdv")
-    assert codegen.entry_code_hash(dkdv, KernelConfig(64, 128, 4, 2, warpspec=1)) != codegen.entry_code_hash(
+    assert codegen.entry_code_hash(dkdv, KernelConfig(64, 128, 4, 2, warp_specialized=True)) != codegen.entry_code_hash(
         dkdv, KernelConfig(64, 128, 4, 2)
     )
-    assert codegen.template_for("bwd_dkdv", 1) == "bwd_ws"
-    assert hashes[1] == codegen.code_hash("fwd", causal=True, warpspec=1)
-    assert codegen.code_hash("fwd", causal=False, warpspec=1) != hashes[1]
-    assert codegen.template_for("fwd", 1) == "fwd_ws" and codegen.template_for("bwd_dq", 0) == "bwd"
-    assert codegen.template_for("bwd_dq", 1) == "bwd_dq_ws"
+    assert codegen.template_for("bwd_dkdv", True) == "bwd_ws"
+    assert hashes["ws"] == codegen.code_hash("fwd", causal=True, warp_specialized=True)
+    assert codegen.code_hash("fwd", causal=False, warp_specialized=True) != hashes["ws"]
+    assert codegen.template_for("fwd", True) == "fwd_ws" and codegen.template_for("bwd_dq", False) == "bwd"
+    assert codegen.template_for("bwd_dq", True) == "bwd_dq_ws"
     dq = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="bwd_dq")
     assert (
-        codegen.entry_code_hash(dq, KernelConfig(128, 64, 4, 3, warpspec=1))
-        == codegen.code_hash("bwd_dq", causal=True, warpspec=1)
+        codegen.entry_code_hash(dq, KernelConfig(128, 64, 4, 3, warp_specialized=True))
+        == codegen.code_hash("bwd_dq", causal=True, warp_specialized=True)
         != codegen.entry_code_hash(dq, KernelConfig(128, 64, 4, 3))
     )
     assert "def _attn_bwd_dq_ws(" in codegen.render("bwd_dq_ws", Variant.for_template(
         "bwd_dq_ws", causal=False, banded=False, varlen=False, even_m=True, even_n=True))  # fmt: skip
     assert "def _attn_bwd_dkdv_ws(" in codegen.render("bwd_ws", Variant.for_template(
         "bwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True))  # fmt: skip
-    # bwd_dkdv's warpspec 2 (dQ fused in) is code of its own; fused_dq is a switch of bwd_ws only
+    # bwd_dkdv's fused_dq (dQ fused in) is code of its own; fused_dq is a switch of bwd_ws only
     fused = Variant.for_template("bwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True,
                                  fused_dq=True)  # fmt: skip
     assert fused.fused_dq and "tma_reduce_add(dqacc_desc" in codegen.render("bwd_ws", fused)
     assert not Variant.for_template("bwd_dq_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True,
                                     fused_dq=True).fused_dq  # fmt: skip
-    assert codegen.code_hash("bwd_dkdv", causal=True, warpspec=2) != codegen.code_hash("bwd_dkdv", causal=True,
-                                                                                      warpspec=1)  # fmt: skip
+    assert codegen.code_hash("bwd_dkdv", causal=True, warp_specialized=True, fused_dq=True) != codegen.code_hash(
+        "bwd_dkdv", causal=True, warp_specialized=True
+    )
     variant = Variant.for_template(
         "fwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True, pingpong=True
     )
@@ -257,7 +297,7 @@ from fa2tune.kernels import probe
 from fa2tune.config.types import KernelConfig
 rows = []
 for kernel, head_dim, fields, causal in json.loads(sys.argv[1]):
-    report = probe.compile_config(kernel, KernelConfig(**fields), head_dim, torch.bfloat16, causal=causal)
+    report = probe.compile_config(kernel, KernelConfig.parse(fields), head_dim, torch.bfloat16, causal=causal)
     usage = probe.cuobjdump(report.cubin, "-res-usage")
     stack = [int(w.split(":")[1]) for w in usage.split() if w.startswith("STACK:")]
     rows.append([report.shared_bytes, report.error, stack])
@@ -271,7 +311,7 @@ from fa2tune.kernels import probe
 from fa2tune.config.types import KernelConfig
 seen = []
 probe._compile = lambda source, target, options: seen.append(source)
-probe.compile_config("bwd_dkdv", KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1), 64, torch.bfloat16)
+probe.compile_config("bwd_dkdv", KernelConfig.parse("64,128,4,3,ws,fused-dq,persistent"), 64, torch.bfloat16)
 kinds = list(seen[0].signature.values())
 print(json.dumps([[kind, seen[0].attrs.get((index,))] for index, kind in enumerate(kinds) if kind.startswith("*")]))
 """
@@ -311,24 +351,19 @@ def test_planner_model_and_registers_match_the_compiler():
     # (Persistent and causal, the loop over tiles keeps 8-24 B of stack beside fitting accumulators, 128 B with
     # three consumers at d=64: the rule does not count it, the tuner's timing does: docs/PERF.md, "Persistent kernels
     # and paired causal tiles".)
-    rows = [("fwd", 128, WS.to_dict(), False), ("fwd", 128, KernelConfig(128, 128, 4, 2, warpspec=2).to_dict(), True),
-            ("fwd", 64, KernelConfig(192, 128, 4, 2, warpspec=1).to_dict(), True),
-            ("fwd", 128, KernelConfig(64, 64, 4, 4, warpspec=1).to_dict(), False),
-            ("fwd", 128, KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1).to_dict(), False),
-            ("fwd", 64, KernelConfig(64, 128, 4, 2, warpspec=1, persistent=2).to_dict(), True),
-            ("fwd", 128, KernelConfig(64, 64, 4, 2, warpspec=1, persistent=2).to_dict(), True),
-            ("bwd_dkdv", 64, KernelConfig(64, 64, 4, 3, warpspec=2, persistent=2).to_dict(), True),
-            ("bwd_dq", 128, KernelConfig(64, 64, 4, 2, warpspec=1, persistent=2).to_dict(), True),
-            ("bwd_dkdv", 64, KernelConfig(64, 128, 4, 3, warpspec=1).to_dict(), True),
-            ("bwd_dkdv", 64, KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1).to_dict(), True),
-            ("bwd_dkdv", 64, KernelConfig(64, 64, 4, 3, warpspec=2).to_dict(), False),
-            ("bwd_dq", 128, KernelConfig(128, 64, 4, 3, warpspec=1).to_dict(), True),
-            ("bwd_dq", 128, KernelConfig(64, 128, 4, 2, warpspec=1).to_dict(), False),
-            ("bwd_dq", 128, KernelConfig(128, 128, 4, 2, warpspec=1).to_dict(), True),
-            ("fwd", 128, KernelConfig(192, 128, 4, 2, warpspec=1).to_dict(), False)]  # fmt: skip
+    rows = [("fwd", 128, "128,128,4,2,ws", False), ("fwd", 128, "128,128,4,2,ws,pingpong", True),
+            ("fwd", 64, "192,128,4,2,ws", True), ("fwd", 128, "64,64,4,4,ws", False),
+            ("fwd", 128, "128,128,4,2,ws,persistent", False), ("fwd", 64, "64,128,4,2,ws,persistent,x2", True),
+            ("fwd", 128, "64,64,4,2,ws,persistent,x2", True),
+            ("bwd_dkdv", 64, "64,64,4,3,ws,fused-dq,persistent,x2", True),
+            ("bwd_dq", 128, "64,64,4,2,ws,persistent,x2", True), ("bwd_dkdv", 64, "64,128,4,3,ws", True),
+            ("bwd_dkdv", 64, "64,128,4,3,ws,fused-dq,persistent", True),
+            ("bwd_dkdv", 64, "64,64,4,3,ws,fused-dq", False), ("bwd_dq", 128, "128,64,4,3,ws", True),
+            ("bwd_dq", 128, "64,128,4,2,ws", False), ("bwd_dq", 128, "128,128,4,2,ws", True),
+            ("fwd", 128, "192,128,4,2,ws", False)]  # fmt: skip
     reports = _probe(_PROBE, json.dumps(rows))
     for (kernel, head_dim, fields, _), (shared, error, stack) in zip(rows, reports, strict=True):
-        cfg = KernelConfig(**fields)
+        cfg = KernelConfig.parse(fields)
         assert error is None
         predicted = planner.sram_bytes(cfg, head_dim, torch.bfloat16, kernel)
         assert predicted - 512 <= shared <= predicted, (fields, shared, predicted)
@@ -356,9 +391,11 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
     # docs/PERF.md, "The backward's dK/dV kernel and fused dQ"). scripts/sass_wgmma_operands.py reads the compiled
     # loops; the shipped kinds of warpspec kernel (causal, where the branches are, the fused dQ, and d=64's K and V in
     # registers) issue register-operand HGMMAs in their step loops and leave every operand carried into a loop alone.
-    rows = [("bwd_dkdv", 64, True, "64,128,4,3,2,1"), ("bwd_dkdv", 64, False, "64,128,4,3,2,1"),
-            ("bwd_dkdv", 128, True, "64,128,4,2,1,1"), ("bwd_dkdv", 128, False, "64,128,4,2,2,0"),
-            ("fwd", 128, True, "128,128,4,2,2,1"), ("bwd_dq", 128, True, "128,64,4,3,1,1")]  # fmt: skip
+    rows = [("bwd_dkdv", 64, True, "64,128,4,3,ws,fused-dq,persistent"),
+            ("bwd_dkdv", 64, False, "64,128,4,3,ws,fused-dq,persistent"),
+            ("bwd_dkdv", 128, True, "64,128,4,2,ws,persistent"), ("bwd_dkdv", 128, False, "64,128,4,2,ws,fused-dq"),
+            ("fwd", 128, True, "128,128,4,2,ws,pingpong,persistent"),
+            ("bwd_dq", 128, True, "128,64,4,3,ws,persistent")]  # fmt: skip
     found = _probe(_SASS_PROBE, json.dumps(rows))
     for row, loops in zip(rows, found, strict=True):
         assert any(operands > 0 for _, operands, _ in loops), (row, loops)  # the check has something to check
@@ -380,7 +417,7 @@ def test_the_causal_tail_is_a_launch_variant_not_an_entrys(monkeypatch):
         assert not Variant.for_template(template, causal=False, persistent=1, **common).causal_tail
         assert not Variant.for_template(template, causal=True, persistent=0, **common).causal_tail
     key = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="fwd")
-    config = KernelConfig(128, 128, 4, 2, warpspec=2, persistent=1)
+    config = KernelConfig(128, 128, 4, 2, warp_specialized=True, pingpong=True, schedule=PERSISTENT)
     monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "1")
     with_tail = codegen.entry_code_hash(key, config)
     monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "0")
@@ -410,7 +447,11 @@ def test_the_causal_tail_variants_compile_and_leave_register_operands_alone():
     # The causal tail's variant (FA2TUNE_CAUSAL_TAIL=1) of the forward, dK/dV and dQ kernels, compiled for sm_90:
     # its step loops issue register-operand HGMMAs and rewrite none carried into them (as the test above asks of the
     # shipped code), and its tile arithmetic adds code: the tail is in what compiled
-    rows = [("fwd", 128, "128,128,4,2,2,1"), ("bwd_dkdv", 128, "64,128,4,2,1,1"), ("bwd_dq", 64, "128,128,4,3,1,1")]
+    rows = [
+        ("fwd", 128, "128,128,4,2,ws,pingpong,persistent"),
+        ("bwd_dkdv", 128, "64,128,4,2,ws,persistent"),
+        ("bwd_dq", 64, "128,128,4,3,ws,persistent"),
+    ]
     for row, found in zip(rows, _probe(_TAIL_SASS_PROBE, json.dumps(rows)), strict=True):
         assert any(operands > 0 for _, operands, _ in found["1"]), (row, found)
         assert all(clobbers == 0 for _, _, clobbers in found["1"]), (row, found)
@@ -439,7 +480,7 @@ def test_the_causal_forward_masks_a_score_with_one_compare_and_one_select():
     # FSEL a score (docs/PERF.md, "The warp-specialized forward"; a mask that also tests the end of K issues 96 ISETP
     # and 128 FSEL for 64 scores a thread at d=64 (64, 128)).
     # Scores a thread: block_m·block_n / 128 threads of a consumer warpgroup.
-    rows = [("fwd", 64, True, "64,128,4,3,1,2"), ("fwd", 128, True, "128,128,4,2,2,1")]
+    rows = [("fwd", 64, True, "64,128,4,3,ws,persistent,x2"), ("fwd", 128, True, "128,128,4,2,ws,pingpong,persistent")]
     for row, found in zip(rows, _probe(_STEP_PROBE, json.dumps(rows)), strict=True):
         blocks = found["skipped"]
         assert blocks, (row, "no mask block under a branch")
@@ -456,8 +497,8 @@ def test_the_exponentials_run_before_the_waits_for_the_wgmmas_issued_under_them(
     # exponentials when they share its basic block, and then nothing runs under the wgmmas (docs/PERF.md, "The
     # warp-specialized forward"). In the compiled step loop only the wait for the scores may precede the first MUFU.EX2;
     # every later one follows the last.
-    rows = [("fwd", 128, False, "128,128,4,2,1,1"), ("fwd", 64, False, "128,128,4,4,1,1"),
-            ("bwd_dq", 128, True, "128,64,4,3,1,1")]  # fmt: skip
+    rows = [("fwd", 128, False, "128,128,4,2,ws,persistent"), ("fwd", 64, False, "128,128,4,4,ws,persistent"),
+            ("bwd_dq", 128, True, "128,64,4,3,ws,persistent")]  # fmt: skip
     for row, found in zip(rows, _probe(_STEP_PROBE, json.dumps(rows)), strict=True):
         waits, first_exp2, last_exp2 = found["waits"]
         before = [address for address, _ in waits if address < first_exp2]
@@ -466,11 +507,11 @@ def test_the_exponentials_run_before_the_waits_for_the_wgmmas_issued_under_them(
 
 
 def test_a_fused_dq_config_gives_way_to_its_twin_under_deterministic_algorithms(monkeypatch, device):
-    # dQ fused into the dK/dV kernel (warpspec 2) sums dQ by TMA reductions in arrival order: not bit-reproducible.
+    # dQ fused into the dK/dV kernel (fused_dq) sums dQ by TMA reductions in arrival order: not bit-reproducible.
     # torch's default allows that; under torch.use_deterministic_algorithms(True) a resolved fused config runs its
     # warpspec=1 twin (a dQ kernel of its own) and an explicit one is an error naming the argument.
-    fused = KernelConfig(64, 128, 4, 3, warpspec=2, persistent=1)
-    ws1 = KernelConfig(64, 128, 4, 3, warpspec=1, persistent=1)
+    fused = KernelConfig(64, 128, 4, 3, warp_specialized=True, fused_dq=True, schedule=PERSISTENT)
+    ws1 = KernelConfig(64, 128, 4, 3, warp_specialized=True, schedule=PERSISTENT)
     assert fallback.deterministic(fused, explicit=True) is fused
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert fallback.deterministic(fused, explicit=False) == ws1
@@ -493,15 +534,15 @@ def test_a_tuned_warpspec_config_falls_back_to_triton_where_it_cannot_run(monkey
     if device == "cpu":
         with pytest.raises(ValueError, match="cannot run this call: warpspec runs on a CUDA GPU only"):
             fa2tune.attention(q, k, v, config=WS)
-    bad_dq = KernelConfig(192, 64, 4, 2, warpspec=1)
-    with pytest.raises(ValueError, match=r"dq_config .*bwd_dq's warpspec takes warpspec in \(1,\), block_m in \(64, 1"):
+    bad_dq = KernelConfig(192, 64, 4, 2, warp_specialized=True)
+    with pytest.raises(ValueError, match=r"dq_config .*bwd_dq's warpspec takes block_m in \(64, 1"):
         ops.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dq_config=bad_dq)
     with pytest.raises(ValueError, match="block_m=192 needs warpspec"):
         fa2tune.attention(q, k, v, config=KernelConfig(192, 64))
     if device == "cpu":
-        dkdv = KernelConfig(64, 128, 4, 2, warpspec=1)
+        dkdv = KernelConfig(64, 128, 4, 2, warp_specialized=True)
         with pytest.raises(ValueError, match=r"dkdv_config .* cannot run this call: warpspec runs on a CUDA GPU only"):
             ops.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dkdv_config=dkdv)
-        dq = KernelConfig(128, 64, 4, 3, warpspec=1)
+        dq = KernelConfig(128, 64, 4, 3, warp_specialized=True)
         with pytest.raises(ValueError, match=r"dq_config .* cannot run this call: warpspec runs on a CUDA GPU only"):
             ops.backward(q, q, k, v, q, q[..., 0], causal=False, scale=0.125, dq_config=dq)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import store
+from ..config import lengths
 from ..config.inputs import check_dtype, check_flag, check_int, check_prefix_len, check_qkv, check_varlen, check_window
 from ..config.types import MAX_HEAD_DIM, DeviceInfo, KernelConfig, integer
 from . import selection
@@ -27,10 +27,10 @@ class AttentionKernel:
         source: where the forward config came from — a YAML file path, or "planner-default".
         bwd_source: the same for the backward configs.
         short_config, short_source: the forward config for calls whose longer side is at most
-            store.SHORT_SEQLEN, and where it came from: the store's "short" entry if there is one, else the same
+            lengths.SHORT_SEQLEN, and where it came from: the store's "short" entry if there is one, else the same
             as config. (The backward looks its configs up the same way at each call.)
-        medium_config, medium_source: the same for calls whose longer side is past store.SHORT_SEQLEN and at most
-            store.MEDIUM_SEQLEN (the store's "medium" entry).
+        medium_config, medium_source: the same for calls whose longer side is past lengths.SHORT_SEQLEN and at most
+            lengths.MEDIUM_SEQLEN (the store's "medium" entry).
     """
 
     head_dim: int
@@ -82,7 +82,7 @@ class AttentionKernel:
                 f"got q with head_dim={q.shape[-1]}, dtype={q.dtype}: call fa2tune.get_kernel for that"
             )
         # The call's longer side picks the forward config, by the store's rule (what attention() does without one).
-        bucket = store.bucket_of(longest)
+        bucket = lengths.bucket_of(longest)
         config = self.short_config if bucket == "short" else self.medium_config if bucket == "medium" else None
         mask = dict(causal=self.causal, window=self.window, prefix_len=self.prefix_len)
         options = dict(scale=scale, return_lse=return_lse, config=config or self.config)
@@ -107,7 +107,7 @@ def _resolved(
                for kernel in ("fwd", "bwd_dkdv", "bwd_dq")]  # fmt: skip
     (fwd, source), (dkdv, bwd_source), (dq, _) = configs
     short, medium = (selection.resolve("fwd", head_dim, dtype, causal, device, window=banded, varlen=varlen, seqlen=n)
-                     for n in (store.SHORT_SEQLEN, store.MEDIUM_SEQLEN))  # fmt: skip
+                     for n in (lengths.longest("short"), lengths.longest("medium")))  # fmt: skip
     return AttentionKernel(head_dim, dtype, causal, selection.device_info(device), device, fwd, source, dkdv, dq,
                            bwd_source, window, prefix_len, varlen, *short, *medium)  # fmt: skip
 

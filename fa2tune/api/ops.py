@@ -8,8 +8,6 @@ traces the caller (the store reads files). Scripts, the tuner and tests call for
 
 from __future__ import annotations
 
-from dataclasses import astuple
-
 import torch
 
 from ..config.types import KernelConfig, Mask
@@ -87,13 +85,13 @@ def apply_op(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, pac
 
 
 def _to_ints(config: KernelConfig) -> list[int]:
-    return list(astuple(config))  # every field, in KernelConfig's order: _from_ints reads them back positionally
+    return config.to_ints()  # every field, the schedule's too: _from_ints reads them back
 
 
 def _from_ints(config: list[int]) -> KernelConfig | None:
     # [] means "resolve inside the op": the store lookup (file I/O) then runs at call time, never while
     # torch.compile traces the caller.
-    return KernelConfig(*config) if config else None
+    return KernelConfig.from_ints(config) if config else None
 
 
 def _mask_to_ints(mask: Mask) -> list[int]:

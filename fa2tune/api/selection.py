@@ -1,7 +1,8 @@
 """Which config one attention call launches with: the tuned entry from the store, else the planner's default.
 
 resolve() looks a call up by (kernel, head_dim, dtype, mask kind, length bucket, device, config dir): the call's
-length's bucket first ("short" for max(seqlen_q, seqlen_k) <= store.SHORT_SEQLEN), then "all". A tuned entry that
+length's bucket first (lengths.buckets_for: "short" for max(seqlen_q, seqlen_k) <= lengths.SHORT_SEQLEN, ...),
+then "all". A tuned entry that
 does not fit the device it is used on is ignored with one warning. for_call() keeps what resolve() gave per call
 signature, so attention()'s hot path pays one dict lookup for all its configs.
 """
@@ -12,7 +13,7 @@ import os
 
 import torch
 
-from ..config import planner, store
+from ..config import lengths, planner, store
 from ..config.device import device_info
 from ..config.inputs import DTYPE_NAMES, interpreting
 from ..config.types import KernelConfig, Mask
@@ -56,7 +57,7 @@ def resolve(
     (None: the "all" bucket only).
     """
     info = device_info(device)
-    buckets = store.buckets_for(seqlen)
+    buckets = lengths.buckets_for(seqlen)
     cache_key = (kernel, head_dim, dtype, causal, window, varlen, buckets[0], info.slug,
                  os.environ.get("FA2TUNE_CONFIG_DIR"))  # fmt: skip
     hit = _cache.get(cache_key)
@@ -107,7 +108,7 @@ def for_call(kernels: tuple[str, ...], q: torch.Tensor, k: torch.Tensor, mask: M
 
 
 def _resolve_call(kernels: tuple[str, ...], q: torch.Tensor, k: torch.Tensor, mask: Mask, packing) -> tuple:
-    # The longer side picks the length bucket of the tuned configs (store.buckets_for).
+    # The longer side picks the length bucket of the tuned configs (lengths.buckets_for).
     longest = max(q.shape[2], k.shape[2]) if packing is None else max(packing.max_seqlen_q, packing.max_seqlen_k)
     return tuple(resolve(kernel, q.shape[-1], q.dtype, mask.causal, q.device, window=mask.banded,
                          varlen=packing is not None, seqlen=longest)[0] for kernel in kernels)  # fmt: skip

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
 
 from .common import device_info, note_interpreter, resolve_device
 
@@ -69,9 +68,9 @@ def plan(args: argparse.Namespace) -> int:
                 "kernel": p.kernel,
                 "head_dim": p.head_dim,
                 "dtype": args.dtype,
-                # asdict, not to_dict: every row of a table has every column, switches at 0 included
-                "accepted": [{**asdict(cfg), "sram_bytes": need} for cfg, need in p.accepted],
-                "rejected": [{**asdict(cfg), "sram_bytes": need, "reason": why} for cfg, need, why in p.rejected],
+                # params, not to_dict: every row of a table has every column, switches off included
+                "accepted": [{**cfg.params(), "sram_bytes": need} for cfg, need in p.accepted],
+                "rejected": [{**cfg.params(), "sram_bytes": need, "reason": why} for cfg, need, why in p.rejected],
             }
             for p in plans
         ]
@@ -93,10 +92,13 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def _switches(cfg) -> str:
-    """The config's template switches in words ("" for the plain Triton template)."""
-    names = {"pipeline_qk": {1: "pipeline_qk"}, "warpspec": {1: "warpspec", 2: "warpspec ping-pong"},
-             "persistent": {1: "persistent", 2: "persistent, two programs an SM"}}  # fmt: skip
-    return " ".join(names[field][value] for field, value in asdict(cfg).items() if field in names and value)
+    """The config's template switches and schedule in words ("" for the plain Triton template)."""
+    schedule = cfg.schedule
+    words = [("pipeline_qk", cfg.pipeline_qk), ("warpspec", cfg.warp_specialized), ("ping-pong", cfg.pingpong),
+             ("fused dQ", cfg.fused_dq), ("persistent", schedule.persistent),
+             (", two programs an SM", schedule.programs_an_sm == 2), (", no split tail", not schedule.split_tail),
+             (", causal tail", schedule.causal_tail)]  # fmt: skip
+    return " ".join(word for word, on in words if on).replace(" ,", ",")
 
 
 def codegen(args: argparse.Namespace) -> int:
@@ -107,6 +109,7 @@ def codegen(args: argparse.Namespace) -> int:
     variant = Variant.for_template(
         args.template, causal=args.causal, banded=False, varlen=False, even_m=not args.ragged,
         even_n=not args.ragged, dot_fp32=args.interpret, pingpong=args.pingpong, persistent=args.persistent,
+        fused_dq=args.fused_dq,
     )  # fmt: skip
     print(codegen.render(args.template, variant), end="")
     return 0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..config.types import DTYPE_CHOICES  # torch-free, as everything this package imports at its top
+from ..config.lengths import BUCKET_RANGES, SEQLEN_BUCKETS, TUNING_LENGTHS
+from ..config.types import DTYPE_CHOICES, KERNELS  # torch-free, as everything this package imports at its top
 from . import arguments, commands, tune_command
 from .arguments import JOURNAL_SUFFIXES, MIN_TIMEOUT_S, STORAGE_DIALECTS
 from .common import USAGE_ERROR
@@ -53,7 +54,7 @@ def _add_plan(sub) -> None:
     where.add_argument("--device", default="cuda:0")
     where.add_argument("--gpu", default=None, help="plan without the card: one of " + ", ".join(arguments.known_gpus()))
     plan.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_CHOICES))
-    plan.add_argument("--kernel", default="fwd", choices=["fwd", "bwd", "bwd_dkdv", "bwd_dq"])
+    plan.add_argument("--kernel", default="fwd", choices=[*KERNELS, "bwd"])
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=commands.plan)
 
@@ -73,7 +74,7 @@ def _add_tune(sub) -> None:
     tune.add_argument(
         "--kernel",
         default="fwd",
-        choices=["fwd", "bwd", "bwd_dkdv", "bwd_dq", "all"],
+        choices=[*KERNELS, "bwd", "all"],
         help="bwd: both backward kernels; bwd_dkdv / bwd_dq one of them (after a change to its template)",
     )
     tune.add_argument(
@@ -94,15 +95,18 @@ def _add_tune(sub) -> None:
 
 
 def _add_tune_lengths(tune) -> None:
+    lengths = {bucket: ",".join(map(str, TUNING_LENGTHS[bucket])) for bucket in SEQLEN_BUCKETS}
+    (_, short), (low, medium) = BUCKET_RANGES["short"], BUCKET_RANGES["medium"]
     tune.add_argument("--seqlens", default=None,
-                      help="tuning lengths, at batch·N = --tokens (default 1024,4096,16384 — less those the "
+                      help=f"tuning lengths, at batch·N = --tokens (default {lengths['all']} — less those the "
                            "file's short and medium entries for the key serve, 8192 added where fewer than two "
-                           "remain —; 512,1024 for --seqlen-bucket short; 2048,4096 for medium)")  # fmt: skip
-    tune.add_argument("--seqlen-bucket", default="all", choices=["all", "short", "medium"],
-                      help="short: an entry used only by calls with max(seqlen_q, seqlen_k) <= 1024, tuned at such "
-                           "lengths (a backward kernel timed inside the whole training call, where the host can be "
-                           "the bound); medium: the same for 1024 < max(seqlen_q, seqlen_k) <= 4096; all: the entry "
-                           "for every other length")  # fmt: skip
+                           f"remain —; {lengths['short']} for --seqlen-bucket short; {lengths['medium']} for "
+                           "medium)")  # fmt: skip
+    tune.add_argument("--seqlen-bucket", default="all", choices=SEQLEN_BUCKETS,
+                      help=f"short: an entry used only by calls with max(seqlen_q, seqlen_k) <= {short}, tuned at "
+                           "such lengths (a backward kernel timed inside the whole training call, where the host can "
+                           f"be the bound); medium: the same for {low} < max(seqlen_q, seqlen_k) <= {medium}; all: "
+                           "the entry for every other length")  # fmt: skip
     tune.add_argument("--tokens", type=arguments.positive_int, default=16384, help="batch·N of each tuning length")
 
 
@@ -131,12 +135,15 @@ def _add_codegen(sub) -> None:
     gen = sub.add_parser("codegen", help="print the generated Triton (or Gluon) source of one template variant")
     gen.add_argument("--template", default="fwd", choices=["fwd", "bwd", "fwd_ws", "bwd_ws", "bwd_dq_ws"],
                      help="fwd_ws / bwd_ws / bwd_dq_ws: the warp-specialized forward / dK/dV / dQ kernel (Gluon, "
-                     "Hopper), KernelConfig.warpspec")  # fmt: skip
+                     "Hopper), KernelConfig.warp_specialized")  # fmt: skip
     gen.add_argument("--causal", action="store_true")
     gen.add_argument("--ragged", action="store_true", help="lengths that are not multiples of the blocks")
     gen.add_argument("--interpret", action="store_true", help="the variant used under TRITON_INTERPRET=1")
-    gen.add_argument("--pingpong", action="store_true", help="fwd_ws: the ping-pong variant (warpspec=2)")
-    gen.add_argument("--persistent", action="store_true", help="fwd_ws: one program per SM walks the tiles")
+    gen.add_argument("--pingpong", action="store_true", help="fwd_ws: two consumers take turns (KernelConfig.pingpong)")
+    gen.add_argument("--fused-dq", action="store_true",
+                     help="bwd_ws: dQ added by the dK/dV kernel (KernelConfig.fused_dq)")  # fmt: skip
+    gen.add_argument("--persistent", action="store_true",
+                     help="the *_ws templates: programs walk the tiles (Schedule.persistent)")  # fmt: skip
     gen.set_defaults(func=commands.codegen)
 
 

@@ -170,9 +170,9 @@ def _report(written: _Written) -> None:
 
 def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
     """--seqlens, or the bucket's default; a bucket tuned at a length it never serves would be wrong."""
-    from ..config.store import BUCKET_RANGES
+    from ..config.lengths import BUCKET_RANGES, TUNING_LENGTHS, bucket_of
 
-    text = text or {"short": "512,1024", "medium": "2048,4096"}.get(bucket, "1024,4096,16384")
+    text = text or ",".join(map(str, TUNING_LENGTHS[bucket]))
     try:
         seqlens = tuple(int(n) for n in text.split(","))
     except ValueError:
@@ -180,7 +180,7 @@ def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
     problem = None
     if not seqlens or min(seqlens) < 1:
         problem = f"--seqlens must be comma-separated ints >= 1, got {text!r}"
-    elif bucket in BUCKET_RANGES and not all(BUCKET_RANGES[bucket][0] < n <= BUCKET_RANGES[bucket][1] for n in seqlens):
+    elif bucket != "all" and not all(bucket_of(n) == bucket for n in seqlens):
         low, high = BUCKET_RANGES[bucket]
         problem = f"--seqlen-bucket {bucket} serves lengths in ({low}, {high}]; --seqlens {text} goes outside it"
     if problem:

@@ -13,11 +13,11 @@ import torch
 
 from .types import DTYPE_CHOICES, MAX_HEAD_DIM, integer
 
-# The dtypes the kernels take, and the short names used in YAML, the CLI and Triton signatures.
-DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+# The dtypes the kernels take, by their short names (types.DTYPE_CHOICES) as YAML, the CLI and Triton signatures
+# spell them.
+DTYPES_BY_NAME = dict(zip(DTYPE_CHOICES, (torch.bfloat16, torch.float16, torch.float32), strict=True))
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES_BY_NAME.items()}
 SUPPORTED_DTYPES = tuple(DTYPE_NAMES)
-assert tuple(DTYPES_BY_NAME) == DTYPE_CHOICES, "types.DTYPE_CHOICES must name the dtypes above, in order"
 
 # A window side or prefix past any sequence reaches every key, as an unbounded one does (Mask.bounds): larger ones
 # are kept at this, within the int64 that the custom op's schema and Triton's scalar arguments take.

@@ -13,8 +13,9 @@ So, in bytes (e = bytes per element, d = head dim padded to a power of two ≥ 1
     bwd_dkdv  e·d·(2·B_c + 2·S·B_r) + 8·S·B_r + scores   K_j, V_j owned; Q_i, dO_i, lse, δ streamed; scores ×2
     bwd_dq    e·d·(2·B_r + 2·S·B_c) + scores             Q_i, dO_i owned; K_j, V_j streamed
 and a config fits when that is ≤ the device's opt-in shared memory per block (Triton's OutOfResources test).
-A warpspec forward (KernelConfig.warpspec, the Gluon template fwd_ws) allocates its buffers itself: its Q tiles,
-S buffers of K_j and of V_j, and mbarriers (checked against compiles: ~300–400 B beyond the tiles):
+A warp-specialized kernel (KernelConfig.warp_specialized: the Gluon templates fwd_ws, bwd_ws, bwd_dq_ws) allocates its
+buffers itself: its Q tiles, S buffers of K_j and of V_j, and mbarriers (checked against compiles: ~300–400 B beyond
+the tiles):
     fwd_ws    e·d·(B_r + 2·S·B_c) + 512       (+ e·d·B_r persistent: O is staged apart from the next tile's Q)
     dkdv_ws   e·d·(2·B_c + 2·S·B_r) + 512         K, V owned (B_c = 64 per consumer); Q_i, dO_i streamed
                                                   (+ 2·e·d·B_c persistent: dK, dV staged apart from K, V)
@@ -43,9 +44,9 @@ from dataclasses import dataclass
 import torch
 
 from .device import INTERPRETER, inspect_cached, known_gpu
-from .types import MAX_HEAD_DIM, PERSISTENT_KERNELS, WS_BACKWARD_TILES, WS_BLOCK_M, DeviceInfo, KernelConfig
+from .schedule import PER_TILE, PERSISTENT, TWO_AN_SM
+from .types import KERNELS, MAX_HEAD_DIM, WS_BACKWARD_TILES, WS_BLOCK_M, DeviceInfo, KernelConfig
 
-KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (1, 2, 3, 4, 5)
@@ -64,7 +65,7 @@ _WS_SMEM_OVERHEAD = 512  # mbarriers and alignment; compiles measured 284–392 
 # 4·(consumers + 1) warps (the producer's warp rounds up to a warpgroup) on one SM of 64k registers; setmaxnreg
 # gives the producer the minimum (24) and the consumers the rest (one consumer: the compiler's 255).
 WS_REGISTERS = {1: (None, 255, 24), 2: (None, 240, 24), 3: (128, 160, 24)}
-# Two one-consumer programs an SM (KernelConfig.persistent = 2): each compiled at maxnreg 128 — half the register file
+# Two one-consumer programs an SM (Schedule.programs_per_sm = 2): each compiled at maxnreg 128 — half the register file
 # for its two warpgroups — of which setmaxnreg gives the consumer 232 (sm_90, no spill: the forward's d=64 (64, 128)
 # and d=128 (64, 64), the fused dK/dV kernel's d=64 (64, 64), the dQ kernel's d=128 (64, 64);
 # tests/test_warpspec.py).
@@ -74,7 +75,7 @@ WS_TWO_AN_SM_REGISTERS = (128, 232, 24)
 # 160 spill (cuobjdump STACK 40, 96, 248 B); 160 of 255, 160 of 240 and 96 of 160 do not (tests/test_warpspec.py).
 _WS_REGISTERS_BESIDE_ACCUMULATORS = {"fwd": 64, "bwd_dkdv": 16, "bwd_dq": 24}
 # dK/dV: (d, B_r, B_c) = (128, 64, 128) holds 224 of 240 and keeps a 32 B stack, measured 17 % faster than the Triton
-# template's dK/dV all the same (docs/PERF.md v10); (64, 128, 128) holds 256 and spills 264 B. dQ: (d, B_r, B_c) =
+# template's dK/dV all the same; (64, 128, 128) holds 256 and spills 264 B. dQ: (d, B_r, B_c) =
 # (128, 64, 128) holds 224 of 255 and does not spill; (128, 128, 128), 224 of 240, spills 48 B (causal 72).
 
 
@@ -130,18 +131,19 @@ def sram_bytes(
     """Predicted shared memory of one program of `kernel` with `cfg`, in bytes (see the module docstring)."""
     _check_kernel(kernel)
     e, d, m, n = dtype.itemsize, head_dim_padded(head_dim), cfg.block_m, cfg.block_n
-    if cfg.warpspec and kernel == "bwd_dkdv":
-        staging = 2 * n if cfg.persistent else 0  # dK, dV staged apart from the next tile's K, V; else in K's, V's
+    persistent = cfg.schedule.persistent
+    if cfg.warp_specialized and kernel == "bwd_dkdv":
+        staging = 2 * n if persistent else 0  # dK, dV staged apart from the next tile's K, V; else in K's, V's
         fused_dq = 0
-        if cfg.warpspec == 2:  # dSᵀ (n × m, 16-bit) twice, and an fp32 staging buffer of its dQ columns a consumer
+        if cfg.fused_dq:  # dSᵀ (n × m, 16-bit) twice, and an fp32 staging buffer of its dQ columns a consumer
             consumers = n // 64
             fused_dq = 2 * e * n * m + consumers * m * fused_dq_columns(d, consumers) * 4 + 256  # + 4 mbarriers
         return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + fused_dq + _WS_SMEM_OVERHEAD  # S Q_i, dO_i
-    if cfg.warpspec and kernel == "bwd_dq":
-        staging = m if cfg.persistent else 0  # dQ staged apart from the next tile's Q; else in Q's buffer
+    if cfg.warp_specialized and kernel == "bwd_dq":
+        staging = m if persistent else 0  # dQ staged apart from the next tile's Q; else in Q's buffer
         return e * d * (2 * m + staging + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD  # S buffers of K_j, V_j
-    if cfg.warpspec:
-        o_staging = m if cfg.persistent else 0  # else O is staged in Q's buffer
+    if cfg.warp_specialized:
+        o_staging = m if persistent else 0  # else O is staged in Q's buffer
         return e * d * (m + o_staging + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD
     wgmma = _uses_wgmma(n if kernel == "bwd_dkdv" else m, capability)
     # wgmma pipelines keep num_stages buffers of each streamed tile in flight, mma.sync pipelines one fewer.
@@ -160,7 +162,7 @@ def sram_bytes(
 
 
 def fused_dq_columns(head_dim: int, consumers: int) -> int:
-    """The dQ columns one consumer of a fused-dQ dK/dV kernel (bwd_dkdv warpspec 2) reduces at a time: its share —
+    """The dQ columns one consumer of a fused-dQ dK/dV kernel (KernelConfig.fused_dq) reduces at a time: its share —
     head_dim / consumers where head_dim > 64 (the consumers split the columns over all their K/V rows), all of them
     at 64 (each over its own rows): bwd_ws.py.jinja's SPLIT_DQ — in blocks of at most 64 (a 64 × 64 fp32 partial
     is 32 registers a thread)."""
@@ -171,9 +173,10 @@ def fused_dq_columns(head_dim: int, consumers: int) -> int:
 def kv_in_registers(head_dim: int, causal: bool = False) -> bool:
     """Whether the warp-specialized dK/dV kernel holds its K and V rows in registers as the Sᵀ and dPᵀ wgmmas' A
     operands (bwd_ws.py.jinja's KV_IN_REGS), rather than reading them from shared memory every step: at d <= 64,
-    where 2·64·d/128 16-bit values a thread fit beside the accumulators, and without a causal mask (docs/PERF.md
-    v19, v20). The register model (accumulators_per_thread) has no mask, so it counts them for both: a causal
-    compile holds fewer than it says."""
+    where 2·64·d/128 16-bit values a thread fit beside the accumulators, and without a causal mask: with the mask
+    under a branch the compile reused K's and V's registers for Pᵀ and dSᵀ (wrong dK), and a mask without a branch
+    cost more than the registers save. The register model (accumulators_per_thread) has no mask, so it counts
+    them for both: a causal compile holds fewer than it says."""
     return head_dim_padded(head_dim) <= 64 and not causal
 
 
@@ -186,18 +189,18 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
     d, m, n = head_dim_padded(head_dim), cfg.block_m, cfg.block_n
     # K and V as 16-bit register operands (half a register a value) of the dK/dV kernel's Sᵀ and dPᵀ at d <= 64
     kv_operands = 64 * d / 128 if kernel == "bwd_dkdv" and kv_in_registers(d) else 0
-    if cfg.warpspec == 2 and kernel == "bwd_dkdv":
+    if cfg.fused_dq and kernel == "bwd_dkdv":
         # dQ fused in: dSᵀ goes through shared memory (no 16-bit register copy); the dQ partial (64 × at most 64
         # fp32) is live only once Sᵀ, dPᵀ are dead. Compiled for sm_90, d=128 keeps 40 B (causal 112 B) of stack
-        # beside it, as persistent loops do (timing decides: docs/PERF.md v18); d=64 none
+        # beside it, as persistent loops do (timing decides); d=64 none
         return 64 * (2 * d + max(2.5 * m, fused_dq_columns(d, n // 64))) / 128 + kv_operands
-    if cfg.warpspec and kernel == "bwd_dkdv":
+    if cfg.warp_specialized and kernel == "bwd_dkdv":
         # each consumer warpgroup: its 64 rows of dK and dV, Sᵀ and dPᵀ (64 × B_r), and Pᵀ, dSᵀ as 16-bit operands
         return 64 * (2 * d + 2 * m + m) / 128 + kv_operands
-    if cfg.warpspec and kernel == "bwd_dq":
+    if cfg.warp_specialized and kernel == "bwd_dq":
         # each consumer warpgroup: its 64 rows of dQ, S (then P) and dP (64 × B_c), the in-flight dS_j-1 (16-bit)
         return 64 * (d + 2.5 * n) / 128
-    if cfg.warpspec:
+    if cfg.warp_specialized:
         return 64 * (d + n) / 128  # each consumer warpgroup: its 64 rows of Õ and S
     values = {"fwd": m * (d + n * (1 + cfg.pipeline_qk)), "bwd_dkdv": n * (2 * d + 2 * m), "bwd_dq": m * (d + 2 * n)}[
         kernel
@@ -207,12 +210,12 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
 
 def ws_registers(cfg: KernelConfig, kernel: str = "fwd") -> tuple[int | None, int, int]:
     """(maxnreg, registers of each consumer thread, of the producer's) a warpspec config of `kernel` compiles with."""
-    return WS_TWO_AN_SM_REGISTERS if cfg.persistent == 2 else WS_REGISTERS[cfg.consumers(kernel)]
+    return WS_TWO_AN_SM_REGISTERS if programs_per_sm(cfg) == 2 else WS_REGISTERS[cfg.consumers(kernel)]
 
 
 def programs_per_sm(cfg: KernelConfig) -> int:
-    """Programs a persistent grid of this config puts on each SM: 2 with persistent = 2, else 1."""
-    return 2 if cfg.persistent == 2 else 1
+    """Programs a persistent grid of this config puts on each SM (Schedule.programs_an_sm): 1 or 2."""
+    return cfg.schedule.programs_an_sm
 
 
 def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dtype, kernel: str = "fwd") -> str | None:
@@ -225,7 +228,7 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
         return combination
     if cfg.pipeline_qk and kernel != "fwd":
         return f"pipeline_qk is a forward switch; {kernel} has no QKᵀ loop to pipeline that way"
-    if cfg.warpspec:
+    if cfg.warp_specialized:
         reason = warpspec_unsupported(head_dim, dtype, device.capability, device.triton_version)
         if reason is not None:
             return reason
@@ -237,9 +240,9 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
                 f"registers: {regs:.0f} fp32 accumulator values per consumer thread, more than the {budget} its "
                 f"{consumer_registers} registers leave beside them: would spill"
             )
-        if kernel == "bwd_dkdv" and cfg.warpspec == 2 and head_dim > 64 and cfg.num_stages > 2:
+        if kernel == "bwd_dkdv" and cfg.fused_dq and head_dim > 64 and cfg.num_stages > 2:
             # measured, not modelled: (64, 128) 3 stages at d=128 compiles with 232 B of stack (2 stages: 40 B) and
-            # ran 25-30 % slower (docs/PERF.md v18); timed first by the tuner, it hid the 2-stage config
+            # ran 25-30 % slower; timed first by the tuner, it hid the 2-stage config
             return (
                 f"registers: dK/dV with dQ fused in at head_dim > 64 spills past 2 stages (sm_90: 232 B of stack at "
                 f"d=128, 3 stages), got num_stages={cfg.num_stages}"
@@ -257,7 +260,7 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
         if need > each:
             return (
                 f"shared memory: needs {need:,} B (model: {_model_terms(cfg, kernel)}); {shared} programs an SM "
-                f"(persistent={cfg.persistent}) leave each {each:,} B on {device.name}"
+                f"(programs_per_sm={cfg.schedule.programs_per_sm}) leave each {each:,} B on {device.name}"
             )
     regs = accumulators_per_thread(cfg, head_dim, kernel)
     if regs > MAX_ACCUMULATORS_PER_THREAD:
@@ -269,42 +272,47 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
 
 
 def _model_terms(cfg: KernelConfig, kernel: str) -> str:
-    s = cfg.num_stages
+    s, persistent = cfg.num_stages, cfg.schedule.persistent
     if kernel == "fwd":
         kv = f"{2 * s}×K/V" if s >= 2 else "1×K/V"
-        o_staging = f" + O {cfg.block_m}×d" if cfg.persistent else ""
+        o_staging = f" + O {cfg.block_m}×d" if persistent else ""
         return f"Q {cfg.block_m}×d{o_staging} + {kv} {cfg.block_n}×d"
     if kernel == "bwd_dkdv":
-        staging = f" + dK,dV {cfg.block_n}×d" if cfg.persistent else ""
+        staging = f" + dK,dV {cfg.block_n}×d" if persistent else ""
         return f"K,V {cfg.block_n}×d{staging} + {s}×(Q,dO) {cfg.block_m}×d"
-    staging = f" + dQ {cfg.block_m}×d" if cfg.persistent else ""
+    staging = f" + dQ {cfg.block_m}×d" if persistent else ""
     return f"Q,dO {cfg.block_m}×d{staging} + {s}×(K,V) {cfg.block_n}×d"
+
+
+# The schedules the search space offers a warp-specialized config: one program a tile, persistent, and two
+# programs an SM where the config has one consumer (KernelConfig.two_an_sm_shape); the tail policies at their
+# defaults.
+WS_SCHEDULES = (PER_TILE, PERSISTENT, TWO_AN_SM)
 
 
 def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     """The search space of `kernel`: block_m, block_n in {16..256}, num_warps in {4, 8}, num_stages in {1..5};
     the forward also pipeline_qk in {0, 1}, and the warp-specialized template: block_m in {64, 128, 192}, block_n
-    in {64, 128}, num_stages in {2, 3, 4}, persistent or not (at block_m = 64 also two programs an SM), with
-    ping-pong too at block_m = 128; bwd_dkdv and bwd_dq their warp-specialized templates, persistent or not:
-    bwd_dkdv at block_m 64, block_n in {64, 128}, with dQ fused in or not (warpspec 2 or 1), bwd_dq at block_m and
-    block_n in {64, 128}, num_stages in {2, 3, 4}, and their one-consumer programs (bwd_dkdv block_n = 64, bwd_dq
-    block_m = 64) also two an SM (check() drops them off Hopper)."""
+    in {64, 128}, num_stages in {2, 3, 4}, each of WS_SCHEDULES, with ping-pong too at block_m = 128; bwd_dkdv and
+    bwd_dq their warp-specialized templates, each of WS_SCHEDULES: bwd_dkdv at block_m 64, block_n in {64, 128},
+    with dQ fused in or not, bwd_dq at block_m and block_n in {64, 128}, num_stages in {2, 3, 4} (check() drops
+    them off Hopper)."""
     _check_kernel(kernel)
     switches = (0, 1) if kernel == "fwd" else (0,)
     grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES, switches)
     configs = [KernelConfig(m, n, w, s, p) for m, n, w, s, p in grid]
     if kernel == "fwd":
-        for m, n, s, p in itertools.product(WS_BLOCK_M, WS_BLOCK_N, WS_STAGES, (0, 1, 2)):
-            shapes = [KernelConfig(m, n, 4, s, warpspec=ws, persistent=p) for ws in ((1, 2) if m == 128 else (1,))]
-            configs += [c for c in shapes if p < 2 or c.two_an_sm_shape(kernel)]  # two an SM: one consumer only
+        for m, n, s, schedule in itertools.product(WS_BLOCK_M, WS_BLOCK_N, WS_STAGES, WS_SCHEDULES):
+            shapes = [KernelConfig(m, n, 4, s, warp_specialized=True, pingpong=pingpong, schedule=schedule)
+                      for pingpong in ((False, True) if m == 128 else (False,))]  # fmt: skip
+            configs += [c for c in shapes if c.combination_error(kernel) is None]  # two an SM: one consumer only
     if kernel in WS_BACKWARD_TILES:
         owned, owned_sizes, _, _, streamed_sizes = WS_BACKWARD_TILES[kernel]
-        persistent = (0, 1, 2) if kernel in PERSISTENT_KERNELS else (0,)
-        for a, b, s, p in itertools.product(owned_sizes, streamed_sizes, WS_STAGES, persistent):
+        for a, b, s, schedule in itertools.product(owned_sizes, streamed_sizes, WS_STAGES, WS_SCHEDULES):
             m, n = (b, a) if owned == "block_n" else (a, b)
-            modes = (1, 2) if kernel == "bwd_dkdv" else (1,)  # bwd_dkdv's 2: dQ fused in
-            shapes = [KernelConfig(m, n, 4, s, warpspec=ws, persistent=p) for ws in modes]
-            configs += [c for c in shapes if p < 2 or c.two_an_sm_shape(kernel)]
+            fused = (False, True) if kernel == "bwd_dkdv" else (False,)  # bwd_dkdv: dQ fused in or not
+            shapes = [KernelConfig(m, n, 4, s, warp_specialized=True, fused_dq=f, schedule=schedule) for f in fused]
+            configs += [c for c in shapes if c.combination_error(kernel) is None]
     return configs
 
 
@@ -336,15 +344,16 @@ def plan(device: DeviceInfo, head_dim: int, dtype: torch.dtype, kernel: str = "f
 # Fastest configs measured on the H200 (bf16, N=8k; docs/PERF.md, docs/bench/nvidia-h200-sweep-*.csv), tried
 # first on any GPU; a GPU with less shared memory falls through to the largest tile that fits.
 # Warp-specialized forwards first: on GPUs without wgmma check() rejects them and the Triton ones follow.
+_WS = dict(warp_specialized=True)
 _PREFERRED: dict[tuple[str, int, bool], list[KernelConfig]] = {
-    ("fwd", 64, False): [KernelConfig(192, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(128, 64, 8, 3)],
+    ("fwd", 64, False): [KernelConfig(192, 128, 4, 2, **_WS, schedule=PERSISTENT), KernelConfig(128, 64, 8, 3)],
     ("fwd", 64, True): [KernelConfig(128, 64, 8, 3)],
-    ("fwd", 128, False): [KernelConfig(128, 128, 4, 2, warpspec=1, persistent=1), KernelConfig(256, 64, 8, 4)],
-    ("fwd", 128, True): [KernelConfig(128, 128, 4, 2, warpspec=2), KernelConfig(128, 128, 8, 3)],
-    ("bwd_dkdv", 64, False): [KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(32, 128, 4, 3)],
-    ("bwd_dkdv", 128, False): [KernelConfig(64, 128, 4, 2, warpspec=1), KernelConfig(32, 64, 4, 3)],
+    ("fwd", 128, False): [KernelConfig(128, 128, 4, 2, **_WS, schedule=PERSISTENT), KernelConfig(256, 64, 8, 4)],
+    ("fwd", 128, True): [KernelConfig(128, 128, 4, 2, **_WS, pingpong=True), KernelConfig(128, 128, 8, 3)],
+    ("bwd_dkdv", 64, False): [KernelConfig(64, 128, 4, 2, **_WS), KernelConfig(32, 128, 4, 3)],
+    ("bwd_dkdv", 128, False): [KernelConfig(64, 128, 4, 2, **_WS), KernelConfig(32, 64, 4, 3)],
     ("bwd_dq", 64, False): [KernelConfig(128, 64, 4, 3)],
-    ("bwd_dq", 128, False): [KernelConfig(128, 64, 4, 3, warpspec=1), KernelConfig(128, 64, 8, 3)],
+    ("bwd_dq", 128, False): [KernelConfig(128, 64, 4, 3, **_WS), KernelConfig(128, 64, 8, 3)],
 }
 # Without a measurement: moderate tiles first (they ran within 10 % of the best in every H200 sweep), then smaller.
 _FALLBACK = {
@@ -381,7 +390,7 @@ def default_config(
     causal: bool = False,
     kernel: str = "fwd",
     device: DeviceInfo | None = None,
-    warpspec: bool = True,
+    warp_specialized: bool = True,
 ) -> KernelConfig:
     """The config used before any tuning: the H200's measured best where it fits the device, else the largest
     moderate tile that does.
@@ -395,7 +404,8 @@ def default_config(
         device: the GPU to fit; default: the current CUDA device, else the H200 table entry. For
             device.INTERPRETER, small tiles that keep the CPU interpreter quick and let tests cross many tile
             boundaries at small sequence lengths.
-        warpspec: False: a Triton-template config only (for inputs the warp-specialized forward does not take).
+        warp_specialized: False: a Triton-template config only (for inputs the warp-specialized kernels do not
+            take).
     """
     _check_kernel(kernel)
     if device is INTERPRETER:
@@ -406,7 +416,7 @@ def default_config(
     key = (kernel, d, causal if kernel == "fwd" else False)
     preferred = _PREFERRED.get(key, []) if dtype != torch.float32 else []
     for cfg in preferred + _FALLBACK[kernel]:
-        if cfg.warpspec and not warpspec:
+        if cfg.warp_specialized and not warp_specialized:
             continue
         if check(cfg, device, head_dim, dtype, kernel) is None:
             return cfg

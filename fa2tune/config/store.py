@@ -1,12 +1,13 @@
 """Tuned configs on disk: one YAML file per GPU slug, read at run time, written by the tuner.
 
-File layout (schema 1)::
+File layout (schema 2)::
 
-    schema_version: 1
+    schema_version: 2
     device: {name: NVIDIA H200, slug: nvidia-h200, capability: [9, 0], sm_count: 132, smem_per_block: 232448}
     entries:
     - key: {head_dim: 128, dtype: bf16, causal: false, kernel: fwd, seqlen_bucket: all, window: false, varlen: false}
-      config: {block_m: 256, block_n: 64, num_warps: 8, num_stages: 4}
+      config: {block_m: 128, block_n: 128, num_warps: 4, num_stages: 2, warp_specialized: true,
+               schedule: {persistent: true}}   # KernelConfig.to_dict: switches off are left out
       ms: 2.16            # median over the tuning lengths
       tflops: 509.3
       baseline: {name: planner-default, config: {...}, tflops: 487.0}
@@ -16,6 +17,10 @@ File layout (schema 1)::
       torch_version: 2.11.0
       template_hash: b42404956400aab5   # codegen.code_hash: the rendered kernel code this entry runs
       date: '2026-11-29'
+
+An entry's records and the checks that read them: config.entries. Files of schema 1, whose configs spelled the
+template and schedule as integer codes (`warpspec`, `persistent`), are read as the same configs (config.schema_v1); a
+write rewrites the whole file in schema 2.
 
 Writes are atomic (temporary file, flushed to disk, then renamed over the old one) under an inter-process lock, and
 merge: an entry replaces only the entry with the same key. Reads never raise: a missing, unreadable, corrupt or
@@ -27,38 +32,25 @@ safe C loader where PyYAML has libyaml): lookups of many shapes re-read its byte
 from __future__ import annotations
 
 import contextlib
-import datetime
 import fcntl
 import hashlib
 import itertools
 import os
-import reprlib
 import stat
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
 
+from . import paths
+from .entries import SCHEMA_VERSION, Entry, EntryKey, is_int, shown
 from .types import KernelConfig
 
-SCHEMA_VERSION = 1
-DTYPE_NAMES = ("bf16", "fp16", "fp32")  # inputs.DTYPE_NAMES' values; no torch needed to read YAML
-KERNEL_NAMES = ("fwd", "bwd_dkdv", "bwd_dq")  # planner.KERNELS; repeated so reading YAML needs no torch import
-# Configs per sequence length: "all" serves every length; "short" (optional) serves calls whose longer side,
-# max(seqlen_q, seqlen_k), is at most SHORT_SEQLEN — there a tile grid of a few programs per head and the masked
-# diagonal tiles weigh more, and the best config can differ from the long-sequence one (docs/TUNING.md); "medium"
-# (optional) serves SHORT_SEQLEN < length <= MEDIUM_SEQLEN: the "all" entry is tuned where the longest of its lengths
-# weighs most, and at N = 2k a causal d=64 forward ran 20 % slower with it than with the best config there
-# (docs/PERF.md v17).
-SEQLEN_BUCKETS = ("all", "short", "medium")
-SHORT_SEQLEN = 1024
-MEDIUM_SEQLEN = 4096
-# The lengths each bucket serves, lowest excluded: (lowest, highest].
-BUCKET_RANGES = {"short": (0, SHORT_SEQLEN), "medium": (SHORT_SEQLEN, MEDIUM_SEQLEN)}
+READABLE_VERSIONS = (1, SCHEMA_VERSION)  # what reads read: schema 1's configs through config.schema_v1
 
 # Bounds on what a file may hold before it is parsed or walked, so that no file (hand-edited, truncated, hostile)
 # costs more than a moment or breaks attention(). A file of every key a GPU can have tuned in practice is ~1 MiB and
@@ -68,143 +60,6 @@ MAX_NODES = 1_000_000  # values in a file, counting an alias as a copy: a "billi
 MAX_ENTRY_NODES = 10_000  # values in one entry (a tuned one holds ~40); past it the entry alone is skipped
 MAX_DEPTH = 16  # nesting levels; deeper would make later recursive walks (asdict, repr, the dumper) overflow
 TOP_LEVEL_KEYS = ("schema_version", "device", "entries")
-
-
-def bucket_of(seqlen: int | None) -> str:
-    """The length bucket of a call whose longer side is `seqlen` (None: unknown, "all")."""
-    if seqlen is not None:
-        for bucket, (low, high) in BUCKET_RANGES.items():
-            if low < seqlen <= high:
-                return bucket
-    return "all"
-
-
-def buckets_for(seqlen: int | None) -> tuple[str, ...]:
-    """The buckets a call of this length looks up, in order: its own, then "all"."""
-    bucket = bucket_of(seqlen)
-    return (bucket, "all") if bucket != "all" else ("all",)
-
-
-@dataclass(frozen=True)
-class EntryKey:
-    """What a tuned config is for."""
-
-    head_dim: int
-    dtype: str  # "bf16" | "fp16" | "fp32"
-    causal: bool
-    kernel: str  # "fwd" | "bwd_dkdv" | "bwd_dq"
-    seqlen_bucket: str = "all"
-    window: bool = False  # the band-mask variant (sliding window, prefix-LM); absent in older files = False
-    varlen: bool = False  # the packed-sequence variant
-
-    def __post_init__(self) -> None:
-        # A hand-edited or foreign file must fail here (and be skipped with a warning), not at launch time.
-        # A bool is an int to Python; `head_dim: true` is not head_dim 1.
-        if not _is_int(self.head_dim) or not 1 <= self.head_dim <= 256:
-            raise ValueError(f"head_dim must be an int in 1..256, got {_shown(self.head_dim)}")
-        for name, allowed in (("dtype", DTYPE_NAMES), ("kernel", KERNEL_NAMES), ("seqlen_bucket", SEQLEN_BUCKETS)):
-            if not isinstance(getattr(self, name), str) or getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {_shown(getattr(self, name))}")
-        for name in ("causal", "window", "varlen"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {_shown(getattr(self, name))}")
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One tuned result."""
-
-    key: EntryKey
-    config: KernelConfig
-    ms: float
-    tflops: float
-    baseline: dict
-    trials: int
-    spread: float | None  # None: not measured (CPU runs)
-    triton_version: str
-    torch_version: str
-    template_hash: str
-    date: str
-
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        data["config"] = self.config.to_dict()
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Entry:
-        """Builds an entry from a YAML mapping, checking every field's type. Raises ValueError saying which is wrong."""
-        data = _fields_of(data, cls, "entry")
-        record = {}
-        for name, value in data.items():
-            if name in ("key", "config"):
-                continue
-            if name == "date" and isinstance(value, datetime.date):  # a hand-edited file's unquoted date
-                value = value.isoformat()
-            allowed = _RECORD_TYPES[name]
-            if not isinstance(value, allowed) or isinstance(value, bool):  # no field takes a bool
-                names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-                raise ValueError(f"{name} must be {names}, got {_shown(value)}")
-            record[name] = value
-        key_fields = _fields_of(data["key"], EntryKey, "key")
-        try:
-            key = EntryKey(**key_fields)
-        except ValueError as exc:  # its checks name the field, not where it sits
-            raise ValueError(f"key {exc}") from None
-        return cls(key=key, config=_config_from_yaml(data["config"]), **record)
-
-
-# The YAML types of an entry's record fields (null: an unmeasured spread, a CPU run's TFLOP/s, no baseline).
-_NUMBER = (int, float)
-_RECORD_TYPES = {"ms": _NUMBER, "tflops": (*_NUMBER, type(None)), "baseline": (dict, type(None)), "trials": (int,),
-                 "spread": (*_NUMBER, type(None)), "triton_version": (str,), "torch_version": (str,),
-                 "template_hash": (str,), "date": (str,)}  # fmt: skip
-assert set(_RECORD_TYPES) == {f.name for f in fields(Entry)} - {"key", "config"}, "an Entry field without a YAML type"
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 40, 40
-
-
-def _shown(value: object) -> str:
-    """A short repr for messages: a file's value may be huge, or an alias bomb."""
-    if _is_int(value) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    try:
-        return _REPR.repr(value)
-    except ValueError:  # an int inside, past Python's digit limit for str()
-        return f"a {type(value).__name__}"
-
-
-def _fields_of(data: object, cls: type, what: str) -> dict:
-    """`data` as the keyword arguments of dataclass `cls`: a mapping of string keys, none unknown, none missing."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} must be a mapping, got {_shown(data)}")
-    known = {f.name: f for f in fields(cls)}
-    unknown = [k for k in data if k not in known]
-    if unknown:
-        raise ValueError(f"{what} has unknown keys {_shown(unknown)}")
-    missing = [n for n, f in known.items() if n not in data and MISSING is f.default is f.default_factory]
-    if missing:
-        raise ValueError(f"{what} lacks {missing}")
-    return data
-
-
-def _config_from_yaml(data: object) -> KernelConfig:
-    """A KernelConfig from YAML: every field an integer (not a bool, a float or a string: KernelConfig.from_dict
-    would coerce those), then KernelConfig's own range checks."""
-    data = _fields_of(data, KernelConfig, "config")
-    for name, value in data.items():
-        if not _is_int(value) or value.bit_length() > 64:
-            raise ValueError(f"config {name} must be an integer, got {_shown(value)}")
-    try:
-        return KernelConfig.from_dict(data)
-    except ValueError as exc:
-        raise ValueError(f"config {exc}") from None
 
 
 def config_dirs() -> list[Path]:
@@ -218,8 +73,7 @@ def config_dirs() -> list[Path]:
 
 
 def user_config_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fa2tune" / "configs"
+    return paths.cache_dir("configs")
 
 
 def shipped_config_dir() -> Path:
@@ -247,7 +101,7 @@ class _UniqueKeys:
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
                 continue  # a merge key (<<) may repeat what it merges; a collection key fails as unhashable
             if (key_node.tag, key_node.value) in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {_shown(key_node.value)}",
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {shown(key_node.value)}",
                                                         key_node.start_mark)  # fmt: skip
             seen.add((key_node.tag, key_node.value))
         return super().construct_mapping(node, deep)
@@ -336,15 +190,16 @@ def _parse(raw: bytes) -> _Parsed:
     if problem is not None:
         raise ValueError(problem)
     version = data.get("schema_version")
-    if not _is_int(version) or version != SCHEMA_VERSION:
-        raise ValueError(f"schema_version {_shown(version)}, this fa2tune reads {SCHEMA_VERSION}")
+    if not is_int(version) or version not in READABLE_VERSIONS:
+        readable = " and ".join(map(str, READABLE_VERSIONS))
+        raise ValueError(f"schema_version {shown(version)}, this fa2tune reads {readable}")
     if raw_entries is None:
         raw_entries = []
     if not isinstance(raw_entries, list):
-        raise ValueError(f"'entries' must be a list, got {_shown(raw_entries)}")
-    problems = [f"unknown top-level key {_shown(k)} ignored" for k in data if k not in TOP_LEVEL_KEYS]
+        raise ValueError(f"'entries' must be a list, got {shown(raw_entries)}")
+    problems = [f"unknown top-level key {shown(k)} ignored" for k in data if k not in TOP_LEVEL_KEYS]
     if not isinstance(data.get("device", {}), dict):
-        problems.append(f"'device' must be a mapping, got {_shown(data['device'])}")
+        problems.append(f"'device' must be a mapping, got {shown(data['device'])}")
     entries: dict[EntryKey, Entry] = {}
     first_of: dict[EntryKey, int] = {}
     for i, item in enumerate(raw_entries):
@@ -356,7 +211,7 @@ def _parse(raw: bytes) -> _Parsed:
             problem = _shape_error(count, deepest, MAX_ENTRY_NODES)
             if problem is not None:
                 raise ValueError(problem)
-            entry = Entry.from_dict(item)
+            entry = Entry.from_dict(item, version)
         except (TypeError, ValueError) as exc:
             problems.append(f"entry {i}: {' '.join(str(exc).split())}")
             continue

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
+
+from .schedule import PER_TILE, SCHEDULE_WORDS, Schedule
 
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
 WS_BLOCK_M = (64, 128, 192)  # warpspec forward programs: 1, 2 or 3 consumer warpgroups of 64 query rows
@@ -18,10 +21,10 @@ WS_BACKWARD_TILES = {
     "bwd_dq": ("block_m", WS_DQ_BLOCK_M, "query", "block_n", WS_DQ_BLOCK_N),
 }
 PERSISTENT_TEMPLATES = ("fwd_ws", "bwd_ws", "bwd_dq_ws")  # the warpspec templates with a `persistent` switch
-PERSISTENT_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")  # the kernels they run
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")  # the kernels a config is for: the forward, the backward's dK/dV and dQ
 MAX_HEAD_DIM = 256  # the largest head dimension the templates take
 # The short names of the dtypes the kernels take, as YAML and the CLI spell them (torch-free, for the CLI's parser;
-# inputs.DTYPES_BY_NAME maps them to torch dtypes).
+# inputs.DTYPE_NAMES maps torch dtypes to them).
 DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 
 
@@ -33,9 +36,16 @@ def integer(value: object) -> int | None:
     return int(value)
 
 
+_NUMBERS = ("block_m", "block_n", "num_warps", "num_stages", "pipeline_qk")  # KernelConfig's int fields
+_FLAGS = ("warp_specialized", "pingpong", "fused_dq")  # its bool fields
+_SCHEDULE_FIELDS = tuple(f.name for f in fields(Schedule))
+_SWITCH_WORDS = {"qk": "pipeline_qk", "ws": "warp_specialized", "pingpong": "pingpong", "fused-dq": "fused_dq"}
+
+
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters of one kernel: tile sizes, warps per program and software-pipelining depth.
+    """Launch parameters of one kernel: tile sizes, warps per program, software-pipelining depth, the template and
+    its switches, and the schedule of its programs.
 
     Attributes:
         block_m: B_r, rows of Q (forward) owned by one program.
@@ -44,23 +54,17 @@ class KernelConfig:
         num_stages: pipelining depth of the K/V loop (shared-memory buffers in flight).
         pipeline_qk: forward only, 0 or 1: issue the next tile's QKᵀ before this tile's softmax (templates'
             `pipeline_qk` switch), so the tensor cores and the softmax overlap within one warpgroup.
-        warpspec: 0 runs the Triton template (fwd.py.jinja, bwd.py.jinja); 1 a warp-specialized Gluon template
-            (Hopper only): in the forward (fwd_ws.py.jinja) a TMA producer warp and block_m / 64 consumer
-            warpgroups (block_m 64, 128 or 192; num_warps is then the first consumer's 4); 2 the same with the two
-            consumers of a block_m = 128 tile taking turns at the tensor cores (ping-pong). In bwd_dkdv
-            (bwd_ws.py.jinja) 1: block_n / 64 consumer warpgroups own the K/V rows, block_m = 64 Q rows a step; 2:
-            the same kernel also adds each step's dQ share into an fp32 dQ by TMA reductions, and no dQ kernel runs
-            (FlashAttention-2/3's five matmuls instead of seven; the bwd_dq config is then unused);
-            in bwd_dq (bwd_dq_ws.py.jinja) 1 only: block_m / 64 consumer warpgroups own the query rows, block_n K/V
-            rows a step.
-        persistent: the warpspec kernels (PERSISTENT_KERNELS: forward, dK/dV and dQ), 0 or 1: one program per SM
-            walks the tiles, and the producer loads the next tile's operands while the consumers finish this one
-            (the `persistent` switch of fwd_ws, bwd_ws and bwd_dq_ws.py.jinja); causal tiles are dealt in pairs, a
-            head's j-th longest with its j-th shortest, so every program gets the same work; 0: one program per tile.
-            2 (one-consumer configs of each of the three: two_an_sm_shape): persistent with two programs an SM,
-            each compiled for half the register file (planner.WS_TWO_AN_SM_REGISTERS) and in half the shared
-            memory, so one runs under the other's tile prologue and epilogue — what a one-consumer program lacks at
-            N <= 1k, where its loads and stores are a large share of a tile (docs/PERF.md v19, v21, v22).
+        warp_specialized: run the kernel's warp-specialized Gluon template (Hopper only) instead of the Triton one
+            (fwd.py.jinja, bwd.py.jinja): a TMA producer warp and consumer warpgroups of 64 rows each (num_warps is
+            then the first consumer's 4). The forward (fwd_ws.py.jinja) and the dQ kernel (bwd_dq_ws.py.jinja):
+            block_m / 64 consumers own the query rows, block_n K/V rows a step; the dK/dV kernel (bwd_ws.py.jinja):
+            block_n / 64 consumers own the K/V rows, block_m = 64 Q rows a step.
+        pingpong: forward only, warp-specialized, block_m = 128: its two consumers take turns at the tensor cores.
+        fused_dq: bwd_dkdv only, warp-specialized: the dK/dV kernel also adds each step's dQ share into an fp32 dQ
+            by TMA reductions, and no dQ kernel runs (FlashAttention-2/3's five matmuls instead of seven; the bwd_dq
+            config is then unused).
+        schedule: how the warp-specialized kernel's programs walk the tiles (Schedule: persistent or one program a
+            tile, programs an SM, tail policies); one program a tile for the Triton templates.
     """
 
     block_m: int
@@ -68,24 +72,50 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     pipeline_qk: int = 0
-    warpspec: int = 0
-    persistent: int = 0
+    warp_specialized: bool = False
+    pingpong: bool = False
+    fused_dq: bool = False
+    schedule: Schedule = PER_TILE
 
     def label(self) -> str:
-        """A short human name, as logs print it: "128x128 w4 s2 ws2 persistent"."""
-        persistent = "persistent" + " x2" * (self.persistent == 2)
-        switches = [name for name, on in (("qk", self.pipeline_qk), (f"ws{self.warpspec}", self.warpspec),
-                                          (persistent, self.persistent)) if on]  # fmt: skip
-        return " ".join([f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}", *switches])
+        """A short human name, as logs print it: "128x128 w4 s2 ws pingpong persistent" (the switch words:
+        _SWITCH_WORDS, then the schedule's, Schedule.label)."""
+        switches = [word for word, name in _SWITCH_WORDS.items() if getattr(self, name)]
+        schedule = self.schedule.label()
+        return " ".join([f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}", *switches,
+                         *([schedule] if schedule else [])])  # fmt: skip
+
+    @classmethod
+    def parse(cls, text: str) -> KernelConfig:
+        """A config from the short spelling scripts take on their command lines: block_m, block_n, num_warps,
+        num_stages, then label()'s switch words, comma-separated ("128,128,4,2,ws,pingpong,persistent")."""
+        parts = [part.strip() for part in text.split(",")]
+        words = set(parts[4:])
+        unknown = words - set(_SWITCH_WORDS) - set(SCHEDULE_WORDS)
+        if len(parts) < 4 or not all(part.isdigit() for part in parts[:4]) or unknown:
+            raise ValueError(
+                f"a config is block_m,block_n,num_warps,num_stages[,word...] with words from "
+                f"{[*_SWITCH_WORDS, *SCHEDULE_WORDS]}, got {text!r}"
+            )
+        switches = {name: word in words for word, name in _SWITCH_WORDS.items()}
+        switches["pipeline_qk"] = int(switches["pipeline_qk"])
+        return cls(*map(int, parts[:4]), **switches, schedule=Schedule.from_words(words))
 
     def __post_init__(self) -> None:
-        for field in fields(self):  # ints, as the kernels' compile-time constants and the custom op's int list take
-            value = getattr(self, field.name)
+        for name in _NUMBERS:  # ints, as the kernels' compile-time constants and the custom op's int list take
+            value = getattr(self, name)
             if type(value) is int:  # the common case first: the op path builds a config every call
                 continue
             if integer(value) is None:
-                raise TypeError(f"KernelConfig.{field.name} must be an int, got {type(value).__name__} {value!r}")
-            object.__setattr__(self, field.name, integer(value))  # a NumPy integer becomes a Python int
+                raise TypeError(f"KernelConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+            object.__setattr__(self, name, integer(value))  # a NumPy integer becomes a Python int
+        for name in _FLAGS:
+            if type(getattr(self, name)) is not bool:
+                value = getattr(self, name)
+                raise TypeError(f"KernelConfig.{name} must be a bool, got {type(value).__name__} {value!r}")
+        if type(self.schedule) is not Schedule:
+            value = self.schedule
+            raise TypeError(f"KernelConfig.schedule must be a Schedule, got {type(value).__name__} {value!r}")
         for name, allowed in (("block_m", _BLOCK_SIZES + WS_BLOCK_M[2:]), ("block_n", _BLOCK_SIZES)):
             value = getattr(self, name)
             if value not in allowed:
@@ -96,33 +126,14 @@ class KernelConfig:
             raise ValueError(f"num_stages must be in 1..8, got {self.num_stages!r}")
         if self.pipeline_qk not in (0, 1):
             raise ValueError(f"pipeline_qk must be 0 or 1, got {self.pipeline_qk!r}")
-        if self.warpspec not in (0, 1, 2):
-            raise ValueError(f"warpspec must be 0, 1 or 2, got {self.warpspec!r}")
-        if self.persistent not in (0, 1, 2):
-            raise ValueError(f"persistent must be 0, 1 or 2, got {self.persistent!r}")
 
     def combination_error(self, kernel: str = "fwd") -> str | None:
-        """Why these fields do not make one config of `kernel` ("fwd", "bwd_dkdv", "bwd_dq") together, or None.
-        Separate from __post_init__ so that a tuner sampling each field on its own can build any combination and
-        have planner.check reject it."""
-        if self.persistent and (not self.warpspec or kernel not in PERSISTENT_KERNELS):
-            return (
-                f"persistent is a switch of the warpspec kernels {', '.join(PERSISTENT_KERNELS)}, got "
-                f"warpspec={self.warpspec} for {kernel}"
-            )
-        if self.persistent == 2 and not self.two_an_sm_shape(kernel):
-            return (
-                f"persistent=2 (two programs an SM) is a switch of one-consumer warpspec configs: the forward's and "
-                f"the dQ kernel's (warpspec=1, block_m=64) and the dK/dV kernel's (block_n=64), got "
-                f"warpspec={self.warpspec}, block_m={self.block_m}, block_n={self.block_n} for {kernel}"
-            )
-        if not self.warpspec:
-            if self.block_m not in _BLOCK_SIZES:
-                return (
-                    f"block_m={self.block_m} needs warpspec (three consumer warpgroups); the Triton template "
-                    f"takes {_BLOCK_SIZES}"
-                )
-            return None
+        """Why these fields do not make one config of `kernel` (KERNELS) together, or None. Separate from
+        __post_init__ so that a tuner sampling each field on its own can build any combination and have
+        planner.check reject it."""
+        problem = self._schedule_error(kernel) or self._switch_error(kernel)
+        if problem is not None or not self.warp_specialized:
+            return problem
         if self.num_warps != 4 or self.pipeline_qk:
             return (
                 "warpspec configs have num_warps=4 (one warpgroup per consumer) and pipeline_qk=0, "
@@ -130,52 +141,134 @@ class KernelConfig:
             )
         if kernel in WS_BACKWARD_TILES:
             owned, owned_sizes, rows, streamed, streamed_sizes = WS_BACKWARD_TILES[kernel]
-            got = (self.warpspec, getattr(self, owned), getattr(self, streamed))
-            modes = (1, 2) if kernel == "bwd_dkdv" else (1,)  # bwd_dkdv's 2: dQ fused in (Variant.fused_dq)
-            if got[0] not in modes or got[1] not in owned_sizes or got[2] not in streamed_sizes:
+            got = (getattr(self, owned), getattr(self, streamed))
+            if got[0] not in owned_sizes or got[1] not in streamed_sizes:
                 return (
-                    f"{kernel}'s warpspec takes warpspec in {modes}, {owned} in {owned_sizes} (64 {rows} rows per "
-                    f"consumer warpgroup) and {streamed} in {streamed_sizes}, got {', '.join(map(str, got))}"
+                    f"{kernel}'s warpspec takes {owned} in {owned_sizes} (64 {rows} rows per consumer warpgroup) "
+                    f"and {streamed} in {streamed_sizes}, got {', '.join(map(str, got))}"
                 )
             return None
         if self.block_m not in WS_BLOCK_M:
             return f"warpspec takes block_m in {WS_BLOCK_M} (64 query rows per consumer warpgroup), got {self.block_m}"
-        if self.warpspec == 2 and self.block_m != 128:
-            return f"warpspec=2 (ping-pong of two consumers) needs block_m=128, got {self.block_m}"
+        if self.pingpong and self.block_m != 128:
+            return f"warpspec's pingpong (ping-pong of two consumers) needs block_m=128, got {self.block_m}"
+        return None
+
+    def _schedule_error(self, kernel: str) -> str | None:
+        """combination_error's rules of the schedule."""
+        schedule = self.schedule
+        if schedule.persistent and not self.warp_specialized:
+            return (
+                f"persistent is a switch of the warpspec kernels {', '.join(KERNELS)}, got warp_specialized=False "
+                f"for {kernel}"
+            )
+        problem = schedule.error()
+        if problem is not None:
+            return problem
+        if schedule.programs_per_sm == 2 and not self.two_an_sm_shape(kernel):
+            return (
+                f"warpspec's programs_per_sm=2 (two programs an SM) is a switch of one-consumer configs: the "
+                f"forward's and the dQ kernel's (block_m=64, no ping-pong) and the dK/dV kernel's (block_n=64), got "
+                f"warp_specialized={self.warp_specialized}, pingpong={self.pingpong}, block_m={self.block_m}, "
+                f"block_n={self.block_n} for {kernel}"
+            )
+        if not schedule.split_tail and (kernel != "fwd" or schedule.programs_per_sm != 1):
+            return (
+                f"warpspec's split_tail is a switch of the forward's persistent schedule of one program an SM, the "
+                f"one with a split tail; got split_tail=False for {kernel}, programs_per_sm={schedule.programs_per_sm}"
+            )
+        return None
+
+    def _switch_error(self, kernel: str) -> str | None:
+        """combination_error's rules of the template switches outside the schedule."""
+        if self.pingpong and (kernel != "fwd" or not self.warp_specialized):
+            return (
+                f"warpspec's pingpong (ping-pong of two consumers) is a switch of warp-specialized forward configs, "
+                f"got warp_specialized={self.warp_specialized} for {kernel}"
+            )
+        if self.fused_dq and (kernel != "bwd_dkdv" or not self.warp_specialized):
+            return (
+                f"warpspec's fused_dq (dQ added by the dK/dV kernel) is a switch of warp-specialized bwd_dkdv "
+                f"configs, got warp_specialized={self.warp_specialized} for {kernel}"
+            )
+        if not self.warp_specialized and self.block_m not in _BLOCK_SIZES:
+            return (
+                f"block_m={self.block_m} needs warpspec (three consumer warpgroups); the Triton template "
+                f"takes {_BLOCK_SIZES}"
+            )
         return None
 
     def two_an_sm_shape(self, kernel: str = "fwd") -> bool:
-        """Whether persistent=2 may run this config of `kernel`: a one-consumer program — of the forward or the
-        dQ kernel (warpspec 1, block_m 64: 64 query rows) or of the dK/dV kernel (block_n 64, dQ fused in or not) —
-        measured faster two an SM at N <= 1k (docs/PERF.md v21, v22); programs of more consumers hold most of an
-        SM already."""
+        """Whether two programs an SM (Schedule.programs_per_sm = 2) may run this config of `kernel`: a one-consumer
+        program — of the forward or the dQ kernel (64 query rows, no ping-pong) or of the dK/dV kernel (64 K/V rows,
+        dQ fused in or not) —, measured faster two an SM at N <= 1k; programs of more consumers hold most of an SM
+        already."""
+        if not self.warp_specialized:
+            return False
         if kernel in ("fwd", "bwd_dq"):
-            return self.warpspec == 1 and self.block_m == WS_BLOCK_M[0]
-        return kernel == "bwd_dkdv" and self.warpspec in (1, 2) and self.block_n == WS_DKDV_BLOCK_N[0]
+            return not self.pingpong and self.block_m == WS_BLOCK_M[0]
+        return kernel == "bwd_dkdv" and self.block_n == WS_DKDV_BLOCK_N[0]
 
     def consumers(self, kernel: str = "fwd") -> int:
         """Consumer warpgroups of a warpspec program of `kernel`, 64 rows each (of Q in the forward and bwd_dq, of
         K/V in bwd_dkdv); 0 for the Triton template."""
-        if not self.warpspec:
+        if not self.warp_specialized:
             return 0
         return getattr(self, WS_BACKWARD_TILES[kernel][0] if kernel in WS_BACKWARD_TILES else "block_m") // 64
 
-    def to_dict(self) -> dict[str, int]:
-        """The fields as a mapping; switches at their default (off) are left out, so entries written before a switch
-        existed and entries that do not use it read the same."""
-        data = asdict(self)
-        for switch in (f.name for f in fields(self) if f.default == 0):  # the switches: every field defaulting to off
-            if not data[switch]:
-                del data[switch]
+    def to_dict(self) -> dict:
+        """The fields as YAML stores them (store schema 2); switches off (pipeline_qk 0, flags False, one program a
+        tile) are left out, so entries that do not use a switch read as they did before it existed."""
+        data = {name: getattr(self, name) for name in ("block_m", "block_n", "num_warps", "num_stages")}
+        data.update({name: getattr(self, name) for name in ("pipeline_qk", *_FLAGS) if getattr(self, name)})
+        if self.schedule != PER_TILE:
+            data["schedule"] = self.schedule.to_dict()
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> KernelConfig:
-        """Builds a config from a mapping (a YAML entry); unknown keys are an error, not silently dropped."""
+        """Builds a config from a mapping (to_dict's, a YAML entry's); unknown keys are an error, not silently
+        dropped."""
         unknown = set(data) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown KernelConfig keys {sorted(unknown)}")
-        return cls(**{k: int(v) for k, v in data.items()})
+        values = {k: int(v) if k in _NUMBERS else v for k, v in data.items()}
+        if "schedule" in values:
+            values["schedule"] = Schedule.from_dict(values["schedule"])
+        return cls(**values)
+
+    def params(self) -> dict[str, int | bool]:
+        """Every field as one flat mapping of plain values, the schedule's beside the others (PARAM_NAMES): a
+        tuner's search dimensions."""
+        flat = {name: getattr(self, name) for name in (*_NUMBERS, *_FLAGS)}
+        return {**flat, **{name: getattr(self.schedule, name) for name in _SCHEDULE_FIELDS}}
+
+    @classmethod
+    def from_params(cls, params: dict) -> KernelConfig:
+        """The config of a flat mapping (params'; fields left out take their defaults)."""
+        schedule = Schedule(**{name: params[name] for name in _SCHEDULE_FIELDS if name in params})
+        return cls(**{k: v for k, v in params.items() if k not in _SCHEDULE_FIELDS}, schedule=schedule)
+
+    def to_ints(self) -> list[int]:
+        """Every field as an int, in PARAM_NAMES' order: what a custom op's schema carries (it takes no
+        dataclasses); from_ints reads it back."""
+        return [int(value) for value in self.params().values()]
+
+    @classmethod
+    def from_ints(cls, ints: list[int]) -> KernelConfig:
+        """The config of to_ints' list. Positional, and the schedule looked up (_schedule_of_ints): the custom op's
+        path builds a config every call."""
+        m, n, warps, stages, qk, ws, pingpong, fused_dq, *schedule = ints
+        return cls(m, n, warps, stages, qk, bool(ws), bool(pingpong), bool(fused_dq), _schedule_of_ints(*schedule))
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule_of_ints(persistent: int, programs_per_sm: int, split_tail: int, causal_tail: int) -> Schedule:
+    return Schedule(bool(persistent), programs_per_sm, bool(split_tail), bool(causal_tail))
+
+
+PARAM_NAMES = (*_NUMBERS, *_FLAGS, *_SCHEDULE_FIELDS)  # KernelConfig.params' keys, in order
+REQUIRED_PARAMS = tuple(f.name for f in fields(KernelConfig) if f.default is MISSING)  # the rest have defaults
 
 
 @dataclass(frozen=True)
@@ -192,13 +285,13 @@ class Variant:
         varlen: packed sequences (total_tokens, heads, head_dim) split by cumulative lengths; even_m/even_n are
             then False, as every sequence has its own length.
         pipeline_qk: the forward's unmasked loop issues the next QKᵀ before this softmax (KernelConfig.pipeline_qk).
-        pingpong: fwd_ws only: the two consumer warpgroups take turns at the tensor cores (KernelConfig.warpspec 2).
-        persistent: fwd_ws only: one program per SM walks the tiles (KernelConfig.persistent).
+        pingpong: fwd_ws only: the two consumer warpgroups take turns at the tensor cores (KernelConfig.pingpong).
+        persistent: the warpspec templates: programs walk the tiles (KernelConfig.schedule.persistent).
         fused_dq: bwd_ws only: the dK/dV kernel also adds each step's dQ share, scale·dS·K, into an fp32 dQ by TMA
-            reductions, and no dQ kernel runs (KernelConfig.warpspec 2 of bwd_dkdv).
+            reductions, and no dQ kernel runs (KernelConfig.fused_dq).
         causal_tail: the warpspec templates, causal and persistent: the launch's last heads' tiles may be dealt out
-            one at a time (fa2tune.launch.causal_tail); off, the code is the pairs' alone. Not an entry's switch: a
-            launch's, by FA2TUNE_CAUSAL_TAIL.
+            one at a time (fa2tune.launch.causal_tail); off, the code is the pairs' alone. A launch's variant, which
+            it renders when its plan has a tail (Schedule.deals_causal_tail), not an entry's.
     """
 
     causal: bool
@@ -226,7 +319,7 @@ class Variant:
         pipeline_qk: int | bool = False,
         dot_fp32: bool = False,
         pingpong: bool = False,
-        persistent: int | bool = False,
+        persistent: bool = False,
         fused_dq: bool = False,
         causal_tail: bool = False,
     ) -> Variant:

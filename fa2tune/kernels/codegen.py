@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import itertools
 import os
 import sys
 import tempfile
@@ -20,6 +21,9 @@ from pathlib import Path
 from types import ModuleType
 
 import jinja2
+
+from ..config import paths
+from ..config.types import KERNELS
 
 TEMPLATES = ("fwd", "bwd", "fwd_ws", "bwd_ws", "bwd_dq_ws")
 _lock = threading.Lock()
@@ -38,15 +42,15 @@ def templates_dir() -> Path:
     )
 
 
-# The template each kernel is rendered from (planner.KERNELS); tuned entries go stale with their own template only.
-# A config with warpspec runs the kernel's warp-specialized template instead (template_for).
-TEMPLATE_OF = {"fwd": "fwd", "bwd_dkdv": "bwd", "bwd_dq": "bwd"}
-WARPSPEC_TEMPLATE_OF = {"fwd": "fwd_ws", "bwd_dkdv": "bwd_ws", "bwd_dq": "bwd_dq_ws"}
+# The template each kernel (KERNELS) is rendered from; tuned entries go stale with their own template only. A
+# warp-specialized config runs the kernel's warp-specialized template instead (template_for).
+TEMPLATE_OF = dict(zip(KERNELS, ("fwd", "bwd", "bwd"), strict=True))
+WARPSPEC_TEMPLATE_OF = dict(zip(KERNELS, ("fwd_ws", "bwd_ws", "bwd_dq_ws"), strict=True))
 
 
-def template_for(kernel: str, warpspec: int = 0) -> str:
-    """The template `kernel` runs with a config whose warpspec switch is `warpspec` (KernelConfig.warpspec)."""
-    return WARPSPEC_TEMPLATE_OF[kernel] if warpspec else TEMPLATE_OF[kernel]
+def template_for(kernel: str, warp_specialized: bool = False) -> str:
+    """The template `kernel` runs with a config of this KernelConfig.warp_specialized."""
+    return WARPSPEC_TEMPLATE_OF[kernel] if warp_specialized else TEMPLATE_OF[kernel]
 
 
 @functools.cache
@@ -74,27 +78,32 @@ def code_hash(
     window: bool = False,
     varlen: bool = False,
     pipeline_qk: bool = False,
-    warpspec: int = 0,
+    warp_specialized: bool = False,
+    pingpong: bool = False,
+    fused_dq: bool = False,
     persistent: bool = False,
+    causal_tail: bool = False,
 ) -> str:
     """Hash of the Triton code a tuned entry for this kernel and mask runs: the rendered modules of its variants
     (each combination of even and ragged tails), provenance comments left out. A stored entry records it and goes
     stale exactly when that code changes — not when another kernel's template does, nor when a template gains a
     switch that is off for this entry, nor when a comment changes — so performance work on one variant does not void
     every shipped config.
-    pipeline_qk, warpspec, persistent: the entry's config switches of those names (KernelConfig), which select other
-    code.
+    pipeline_qk, warp_specialized, pingpong, fused_dq: the entry's config switches of those names (KernelConfig),
+    persistent and causal_tail its schedule's (Schedule), which select other code: a causal persistent entry with
+    the causal tail runs the tail's variant beside the pairs' one (a launch renders it where its plan has a tail).
     """
     from ..config.types import Variant
 
-    template = template_for(kernel, warpspec)
+    template = template_for(kernel, warp_specialized)
     one_variant = varlen or template in WARPSPEC_TEMPLATE_OF.values()  # no code of their own for even tails
     tails = [(False, False)] if one_variant else [(m, n) for m in (True, False) for n in (True, False)]
+    launch_tails = (False, True) if causal_tail and causal and persistent and template.endswith("_ws") else (False,)
     digest = hashlib.sha256(template.encode())
-    for even_m, even_n in tails:
+    for (even_m, even_n), tail in itertools.product(tails, launch_tails):
         variant = Variant.for_template(
             template, causal=causal, banded=window, varlen=varlen, even_m=even_m, even_n=even_n,
-            pipeline_qk=pipeline_qk, pingpong=warpspec == 2, persistent=persistent, fused_dq=warpspec == 2,
+            pipeline_qk=pipeline_qk, pingpong=pingpong, persistent=persistent, fused_dq=fused_dq, causal_tail=tail,
         )  # fmt: skip
         digest.update(_code_only(render(template, variant)).encode())
     return digest.hexdigest()[:16]
@@ -122,8 +131,9 @@ def entry_code_hash(key, config) -> str:
     switches of its config that select other code. The one rule the store's writer, its reader and the shipped-file
     test share."""
     return code_hash(key.kernel, causal=key.causal, window=key.window, varlen=key.varlen,
-                     pipeline_qk=bool(config.pipeline_qk), warpspec=config.warpspec,
-                     persistent=bool(config.persistent))  # fmt: skip
+                     pipeline_qk=bool(config.pipeline_qk), warp_specialized=config.warp_specialized,
+                     pingpong=config.pingpong, fused_dq=config.fused_dq, persistent=config.schedule.persistent,
+                     causal_tail=config.schedule.causal_tail)  # fmt: skip
 
 
 def _dependencies(name: str) -> set[str]:
@@ -164,11 +174,10 @@ def render(template: str, variant: object) -> str:
 
 
 def cache_dir() -> Path:
-    """Where rendered modules live: $FA2TUNE_CACHE_DIR, else $XDG_CACHE_HOME/fa2tune/kernels, else ~/.cache/..."""
+    """Where rendered modules live: $FA2TUNE_CACHE_DIR/kernels, else fa2tune's user cache (paths.cache_dir)."""
     if os.environ.get("FA2TUNE_CACHE_DIR"):
         return Path(os.environ["FA2TUNE_CACHE_DIR"]) / "kernels"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fa2tune" / "kernels"
+    return paths.cache_dir("kernels")
 
 
 def _write_once(directory: Path, name: str, source: str) -> Path:

@@ -24,11 +24,6 @@ from ..config.inputs import DTYPE_NAMES
 from ..config.types import KernelConfig, Variant
 from . import codegen
 
-_KERNEL_NAMES = {
-    "fwd": ("fwd", "_attn_fwd"),
-    "bwd_dkdv": ("bwd", "_attn_bwd_dkdv"),
-    "bwd_dq": ("bwd", "_attn_bwd_dq"),
-}
 _TENSORS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _FP32_TENSORS = {"LSE", "DELTA"}
 _FLOATS = {"qk_scale", "scale"}
@@ -89,9 +84,9 @@ def compile_config(
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_config needs Triton's compiler: unset TRITON_INTERPRET in this process")
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    if config.warpspec:
+    if config.warp_specialized:
         return _compile_warpspec(kernel, config, head_dim, dtype, causal, target)
-    template, name = _KERNEL_NAMES[kernel]
+    template, name = codegen.TEMPLATE_OF[kernel], f"_attn_{kernel}"  # the template's kernel of that name
     variant = Variant.for_template(
         template, causal=causal, banded=banded, varlen=varlen, even_m=True, even_n=True, pipeline_qk=config.pipeline_qk
     )
@@ -155,14 +150,15 @@ def _compile_warpspec(
 ) -> CompileReport:
     """A Gluon kernel (fwd_ws, bwd_ws for bwd_dkdv, bwd_dq_ws for bwd_dq) as warpspec.compiled_form launches it: its
     TMA descriptors' types come from CPU tensors of a (2, 16, 8192, head_dim) layout, which carry the shapes,
-    strides and block layouts a real launch specializes on. With FA2TUNE_CAUSAL_TAIL=1 a causal persistent config
-    compiles as a launch with a causal tail runs it (its causal_tail variant)."""
+    strides and block layouts a real launch specializes on. A causal config whose schedule deals a causal tail
+    (Schedule.deals_causal_tail: its causal_tail, or FA2TUNE_CAUSAL_TAIL) compiles as a launch with a tail runs it
+    (its causal_tail variant)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from ..launch import causal_tail, warpspec
+    from ..launch import warpspec
 
-    tail = causal and bool(config.persistent) and causal_tail.enabled()
+    tail = config.schedule.deals_causal_tail(causal)
     fn, q_block, kv_block, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal, tail)
     x = torch.empty(2, 16, 8192, head_dim, dtype=dtype)
     q_desc, kv_desc = warpspec._descriptor(x, q_block), warpspec._descriptor(x, kv_block)

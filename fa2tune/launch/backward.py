@@ -78,7 +78,7 @@ def backward(
     with on_device(q):
         launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse)
     downgraded = dkdv_run != dkdv_config or dq_run != dq_config
-    plans.keep(key, plans.Plan(launch, bool(dkdv_run.warpspec or dq_run.warpspec)), downgraded,
+    plans.keep(key, plans.Plan(launch, dkdv_run.warp_specialized or dq_run.warp_specialized), downgraded,
                (q, k, v, do, dq, dk, dv))  # fmt: skip
     return dq, dk, dv
 
@@ -94,7 +94,7 @@ def _launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config, dq_conf
     """launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse) for calls with these tensors' shapes and strides and
     this packing: δ's preprocess kernel, then the dK/dV and dQ kernels — or, dQ fused in (bwd_dkdv warpspec 2), the
     dK/dV kernel adding into a zeroed fp32 dQ and its cast —, everything but the tensors worked out."""
-    fused_dq = dkdv_config.warpspec == 2  # the dK/dV kernel also adds scale·dS·K into an fp32 dQ
+    fused_dq = dkdv_config.fused_dq  # the dK/dV kernel also adds scale·dS·K into an fp32 dQ
     pre_launch = _preprocess_launcher(q, k, o, do, mask, dq_config, fused_dq, packing)
     shared = _Shared.of(q, k, v, lse, do, mask, scale, packing)
     dkdv = _dkdv_launcher(q, k, lse, dk, dv, mask, scale, dkdv_config, shared)
@@ -165,7 +165,7 @@ class _Shared(NamedTuple):
 
 def _dkdv_launcher(q, k, lse, dk, dv, mask: Mask, scale: float, config: KernelConfig, shared: _Shared):
     """launch(q, k, v, do, dk, dv, [dq_acc,] lse, delta): the dK/dV kernel, one program per K/V tile and head."""
-    if config.warpspec:  # backward() checked that this call can take it
+    if config.warp_specialized:  # backward() checked that this call can take it
         # the warpspec launchers take the TMA-read tensors first: the Triton ones take the same order
         return warpspec.backward_dkdv_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config)
     batch, _, heads_kv, seqlen_q, seqlen_k, _ = shared.sizes
@@ -179,7 +179,7 @@ def _dkdv_launcher(q, k, lse, dk, dv, mask: Mask, scale: float, config: KernelCo
 
 def _dq_launcher(q, k, lse, dq, mask: Mask, scale: float, config: KernelConfig, shared: _Shared):
     """launch(q, k, v, do, dq, lse, delta): the dQ kernel, one program per Q tile and head."""
-    if config.warpspec:  # backward() checked that this call can take it
+    if config.warp_specialized:  # backward() checked that this call can take it
         return warpspec.backward_dq_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config)
     batch, heads_q, _, seqlen_q, seqlen_k, _ = shared.sizes
     dq_kernel = _layout.kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, config, shared.varlen)

@@ -5,9 +5,10 @@ A causal persistent program walks work units p, p + P, … (templates/*_ws.py.ji
 longest tile with its j-th shortest, so units take about equal time and programs that take units P apart get equal
 work. The grid's unit counts are powers of two against 132 SMs, so the last round is part empty — d=128: 1,024 pairs,
 7 rounds and 100 pairs, which take an 8th round while 32 SMs wait — and a forward with a full last round ran 3.0 %
-faster on the H200 (docs/PERF.md v30: N = 8448 against 8192, causal). A pair cannot be cut like the split tail's
-tiles (fa2tune/split_tail.py) without merging pieces; but it is two tiles of unequal length, and single tiles, longest
-first, fill the programs almost evenly.
+faster on the H200 (N = 8448 against 8192, causal). A pair cannot be cut like the split tail's tiles
+(fa2tune/launch/split_tail.py) without merging pieces; but it is two tiles of unequal length, and single tiles,
+longest first, fill the programs almost evenly. Which launches deal a tail: Schedule.deals_causal_tail (causal and
+persistent; its causal_tail switch, FA2TUNE_CAUSAL_TAIL for debugging).
 
 So the last `tail_heads` heads are not paired: the units before them run as ever, and their tiles, sorted by length
 (each head's longest first, each length's tiles head by head), are dealt a round of the programs' slots at a time —
@@ -16,31 +17,23 @@ then forward: a snake, under which a program's long tile of one round meets a sh
 compute their slots from the program id (`_tail_item`, templates/_ws_common.py.jinja): no table, and their counters
 stay in uniform registers. `plan` models each program's steps for tail sizes up to TAIL_ROUNDS_MAX rounds of work
 and keeps the shortest launch; for the grid's causal forward rows the model's longest program comes within 0.1–2.4 %
-of an even share, from 3.1–6.3 % over it with pairs alone (docs/PERF.md v31).
+of an even share, from 3.1–6.3 % over it with pairs alone.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 
-TILE_OVERHEAD_STEPS = 1.2  # a tile's fixed cost in K/V steps, as fitted to the grid (docs/PERF.md v29)
+TILE_OVERHEAD_STEPS = 1.2  # a tile's fixed cost in K/V steps, as fitted to the grid's timings
 TAIL_ROUNDS_MAX = 4  # the tail's largest size, in rounds of the programs' pairs. Its heads' K/V are read together
 # (d=128 N=8k: 4 MB a head, 16 heads in 4 rounds: past the H200's 50 MB of L2), which the model leaves out; the
 # grid's plans stay within a round at d=128 (4–16 MB) and take 3.7 at d=64 N=8k (22 heads of 2 MB)
 MIN_GAIN_STEPS = 0.5  # K/V steps of the longest program a tail, or a larger one, must save to be taken
 MAX_CANDIDATES = 48  # tail sizes modelled a plan, spread evenly up to TAIL_ROUNDS_MAX rounds: the host time of a
 # shape's first call
-
-
-def enabled() -> bool:
-    """FA2TUNE_CAUSAL_TAIL=1 turns the causal tail on; off otherwise. Off by default until it has run on a GPU: it
-    was written in a session that had none (compiled for sm_90 offline, its order checked on the CPU;
-    docs/PERF.md v31)."""
-    return os.environ.get("FA2TUNE_CAUSAL_TAIL", "0") not in ("", "0")
 
 
 def forward_costs(n_m: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int) -> tuple[float, ...]:

@@ -21,10 +21,11 @@ ARGUMENT_NAMES = {"fwd": "config", "bwd_dkdv": "dkdv_config", "bwd_dq": "dq_conf
 
 
 def runnable(config: KernelConfig, kernel: str, explicit: bool, mask: Mask, packing, **tensors) -> KernelConfig:
-    """`config`, or — for a warpspec config this call cannot take (unaligned strides, band masks, packed sequences,
-    fp32) — the Triton template's default. A warpspec config the caller gave explicitly is an error that says why.
+    """`config`, or — for a warp-specialized config this call cannot take (unaligned strides, band masks, packed
+    sequences, fp32) — the Triton template's default. A warp-specialized config the caller gave explicitly is an error
+    that says why.
     tensors: every tensor the kernel reads or writes through TMA, by the name an error should give; q among them."""
-    if not config.warpspec:
+    if not config.warp_specialized:
         return config
     reason = warpspec.unsupported(mask, packing is not None, **tensors)
     if reason is None:
@@ -37,22 +38,22 @@ def runnable(config: KernelConfig, kernel: str, explicit: bool, mask: Mask, pack
 
 @functools.lru_cache(maxsize=256)
 def _triton_default(head_dim: int, dtype: torch.dtype, causal: bool, kernel: str, device) -> KernelConfig:
-    return planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device, warpspec=False)
+    return planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device, warp_specialized=False)
 
 
 def deterministic(config: KernelConfig, explicit: bool) -> KernelConfig:
-    """The dK/dV config a backward runs. With dQ fused in (bwd_dkdv warpspec 2) the dK/dV programs add their dQ
+    """The dK/dV config a backward runs. With dQ fused in (KernelConfig.fused_dq) the dK/dV programs add their dQ
     shares by TMA reductions in the order they arrive: fp32 sums whose last bits vary from run to run. Under
     torch.use_deterministic_algorithms(True) a resolved fused config gives way to its twin with a dQ kernel
-    (warpspec 1: same tiles, less shared memory), whose every sum has one order; an explicit one is an error."""
-    if config.warpspec != 2 or not torch.are_deterministic_algorithms_enabled():
+    (fused_dq off: same tiles, less shared memory), whose every sum has one order; an explicit one is an error."""
+    if not config.fused_dq or not torch.are_deterministic_algorithms_enabled():
         return config
     if explicit:
         raise RuntimeError(
-            f"dkdv_config {config} fuses dQ in (warpspec=2), which adds dQ in a run-to-run order, and "
-            "torch.use_deterministic_algorithms(True) is set: pass warpspec=1 for a deterministic backward"
+            f"dkdv_config {config} fuses dQ in (fused_dq=True), which adds dQ in a run-to-run order, and "
+            "torch.use_deterministic_algorithms(True) is set: pass fused_dq=False for a deterministic backward"
         )
-    return replace(config, warpspec=1)
+    return replace(config, fused_dq=False)
 
 
 def check_combination(config: KernelConfig, kernel: str) -> None:

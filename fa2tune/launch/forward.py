@@ -64,7 +64,7 @@ def forward(
     launch = _launcher(q, k, v, o, lse, mask, scale, run, packing)
     with on_device(q):
         launch(q, k, v, o, lse)
-    plans.keep(key, plans.Plan(launch, bool(run.warpspec)), run != config, (q, k, v, o))
+    plans.keep(key, plans.Plan(launch, run.warp_specialized), run != config, (q, k, v, o))
     return o, lse
 
 
@@ -80,7 +80,7 @@ def checked_forward(q, k, v, mask: Mask, scale: float, config: KernelConfig, exp
 def _launcher(q, k, v, o, lse, mask: Mask, scale: float, config: KernelConfig, packing: Packing | None):
     """launch(q, k, v, o, lse) for calls with these tensors' shapes and strides and this packing: the forward's one
     kernel launch with everything but the tensors worked out."""
-    if config.warpspec:  # runnable() checked that this call can take it
+    if config.warp_specialized:  # runnable() checked that this call can take it
         return warpspec.forward_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config)
     (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), strides = layout(q, k, packing)
     fwd = _layout.kernel("fwd", "_attn_fwd", mask, seqlen_q, seqlen_k, config, packing is not None)

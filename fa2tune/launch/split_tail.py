@@ -3,10 +3,11 @@ K/V tiles, so that every program has work to the end, and the merge of the piece
 
 A persistent program walks work units p, p + P, … (templates/fwd_ws.py.jinja). The grid's tile counts are powers of
 two against 132 SMs, so the last round is part empty — 2,048 tiles: 15 rounds and 68 tiles, which take a 16th round
-while 64 SMs wait — and a launch with a full last round ran 2–3 % faster on the H200 (docs/PERF.md v30: N = 8448,
-2,112 tiles, against N = 8192 at d=128). Cut, the launch gained +0.95 % on average over 20 readings of the rows it
-cuts (d=128 N ≥ 4k, d=64 N=4k; −1.1 … +3.1 %, timed interleaved, v30): the pieces' fp32 stores, the merge (a launch
-of its own) and each piece's start and end take back part of what the cut saves.
+while 64 SMs wait — and a launch with a full last round ran 2–3 % faster on the H200 (N = 8448, 2,112 tiles, against
+N = 8192 at d=128). Cut, the launch gained +0.95 % on average over 20 readings of the rows it cuts (d=128 N ≥ 4k,
+d=64 N=4k; −1.1 … +3.1 %, timed interleaved): the pieces' fp32 stores, the merge (a launch of its own) and each
+piece's start and end take back part of what the cut saves. Which launches cut: Schedule.splits_tail (a forward
+without a mask, persistent, one program an SM; its split_tail switch, FA2TUNE_SPLIT_TAIL for debugging).
 
 The t = tiles mod P tiles after the full rounds are each cut into k pieces of consecutive K/V tiles: k·t pieces over
 P programs take ceil(k·t / P) pieces of 1/k of a tile each instead of one whole tile. Each piece writes O over its
@@ -20,22 +21,15 @@ which is exact up to float rounding (FlashDecoding's split-KV merge).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 MAX_SPLIT = 4  # pieces a tile: more makes each piece's start and end (a K/V step or so) a larger share
-PIECE_OVERHEAD_STEPS = 1.2  # a tile's (or piece's) fixed cost in K/V steps, as fitted to the grid (docs/PERF.md v29)
+PIECE_OVERHEAD_STEPS = 1.2  # a tile's (or piece's) fixed cost in K/V steps, as fitted to the grid's timings
 MIN_PIECE_STEPS = 2  # K/V tiles a piece at least visits
 # Tiles shorter than this are not cut: the pieces' stores and the merge (a launch of its own) cost about what the cut
 # saves there — at d=128 N=2k (16 steps of 128 keys) a split tail measured 0.9 % slower, at 4k (32) about even,
-# at d=64 N=2k +0.9 % (docs/PERF.md v30)
+# at d=64 N=2k +0.9 %
 MIN_KV_STEPS = 32
-
-
-def enabled() -> bool:
-    """FA2TUNE_SPLIT_TAIL=0 turns the split tail off (the A/B of docs/PERF.md v30); on otherwise."""
-    return os.environ.get("FA2TUNE_SPLIT_TAIL", "1") not in ("", "0")
 
 
 def plan(tiles: int, programs: int, kv_steps: int) -> tuple[int, int]:

@@ -1,5 +1,6 @@
-"""The warp-specialized kernels (KernelConfig.warpspec): the forward (templates/fwd_ws.py.jinja) and the backward's
-dK/dV and dQ kernels (templates/bwd_ws.py.jinja, bwd_dq_ws.py.jinja) — which calls they take, and their launches.
+"""The warp-specialized kernels (KernelConfig.warp_specialized): the forward (templates/fwd_ws.py.jinja) and the
+backward's dK/dV and dQ kernels (templates/bwd_ws.py.jinja, bwd_dq_ws.py.jinja) — which calls they take, and their
+launches.
 
 They are Gluon kernels: TMA descriptors of the tensors replace pointer arithmetic, so they take what TMA takes —
 16-byte-aligned base addresses and strides, a unit last stride — on a Hopper GPU (wgmma), in 16-bit floats, with
@@ -73,7 +74,7 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
 
 
 def dq_partial_block(q_block: tuple[int, ...], consumers: int) -> tuple[int, ...]:
-    """TMA block of the fp32 dQ that a fused-dQ dK/dV kernel (bwd_dkdv warpspec 2) adds its partials into: the
+    """TMA block of the fp32 dQ that a fused-dQ dK/dV kernel (KernelConfig.fused_dq) adds its partials into: the
     query-side block, planner.fused_dq_columns wide."""
     return (*q_block[:-1], planner.fused_dq_columns(q_block[-1], consumers))
 
@@ -87,9 +88,9 @@ def _descriptor_type():
 
 def _descriptor(t: torch.Tensor, block: tuple[int, ...], checked: bool = True):
     """Gluon's TMA descriptor of `t` in blocks of `block`. checked=False skips the dataclass's own validation and
-    __init__ (1.7 µs a descriptor instead of 10 µs checked, measured on the CPU machine; a warpspec backward builds
-    eleven, in the host time a short call waits for: docs/PERF.md v11), for inputs `unsupported` already passed and
-    with the Triton version fastlaunch checked these fields against."""
+    __init__ (1.7 µs a descriptor instead of 10 µs checked, measured on a CPU machine; a warpspec backward builds
+    eleven, in the host time a short call waits for), for inputs `unsupported` already passed and with the Triton
+    version fastlaunch checked these fields against."""
     layout = _shared_layout(block, t.dtype)
     if checked:
         return _descriptor_type()(t, list(t.shape), list(t.stride()), list(block), layout)
@@ -102,10 +103,10 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...], checked: bool = True):
 def _module(kernel: str, config: KernelConfig, causal: bool, tail: bool = False):
     """The rendered template module of a warpspec config of `kernel` (codegen keeps it per process); tail: its
     causal_tail variant (a causal persistent launch with a tail planned: fa2tune.launch.causal_tail)."""
-    template = codegen.template_for(kernel, config.warpspec)
+    template = codegen.template_for(kernel, config.warp_specialized)
     variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
-                                   pingpong=config.warpspec == 2, persistent=config.persistent,
-                                   fused_dq=config.warpspec == 2, causal_tail=tail)  # fmt: skip
+                                   pingpong=config.pingpong, persistent=config.schedule.persistent,
+                                   fused_dq=config.fused_dq, causal_tail=tail)  # fmt: skip
     return codegen.load(template, variant)
 
 
@@ -134,11 +135,11 @@ def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool
 
 def _grid(config: KernelConfig, row_tiles: int, batch_heads: int, device_index: int | None):
     """(grid, tiles): one program per tile of rows, (row_tiles, batch·heads); or, persistent, one per SM (a program
-    of these configs takes most of an SM's shared memory: planner.sram_bytes) — two with persistent = 2, which
-    planner.check lets only configs fitting twice have —, each walking tiles first, first + programs, ... of the
-    row_tiles · batch·heads."""
+    of these configs takes most of an SM's shared memory: planner.sram_bytes) — two with Schedule.programs_per_sm
+    = 2, which planner.check lets only configs fitting twice have —, each walking tiles first, first + programs, ...
+    of the row_tiles · batch·heads."""
     tiles = row_tiles * batch_heads
-    if not config.persistent:
+    if not config.schedule.persistent:
         return (row_tiles, batch_heads), tiles
     return (min(tiles, planner.programs_per_sm(config) * _sm_count(device_index)),), tiles
 
@@ -170,11 +171,11 @@ def _describe(t: torch.Tensor, block: tuple[int, ...]):
     return _descriptor(t, block, checked=not fastlaunch.enabled())
 
 
-def _causal_schedule(batch_heads: int, n_tiles: int, programs: int, costs) -> tuple[int, int]:
-    """(MAIN, TAIL_HEADS) of a causal persistent launch over batch_heads heads of n_tiles tiles on `programs`
-    programs: every tile in a pair, or with the causal tail on, fa2tune.launch.causal_tail's plan for the kernel's tile
-    costs (costs(): by rank, longest first)."""
-    if causal_tail.enabled():
+def _causal_schedule(config: KernelConfig, batch_heads: int, n_tiles: int, programs: int, costs) -> tuple[int, int]:
+    """(MAIN, TAIL_HEADS) of a causal persistent launch of `config` over batch_heads heads of n_tiles tiles on
+    `programs` programs: every tile in a pair, or where its schedule deals a causal tail (Schedule.deals_causal_tail),
+    fa2tune.launch.causal_tail's plan for the kernel's tile costs (costs(): by rank, longest first)."""
+    if config.schedule.deals_causal_tail(causal=True):
         return causal_tail.plan(batch_heads, programs, costs())
     return batch_heads * ((n_tiles + 1) // 2), 0
 
@@ -188,18 +189,18 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
                      config: KernelConfig):  # fmt: skip
     """launch(q, k, v, o, lse): writes O and the logsumexp (batch, heads_q, seqlen_q) of attention(q, k, v) with a
     warpspec config, for calls of these shapes and strides; the call must have passed `unsupported`. A persistent
-    forward without a mask whose last round would be part empty cuts that round's tiles into pieces
-    (fa2tune.launch.split_tail): one program an SM, and a merge launch after the kernel. A causal persistent one may
-    deal the tiles of its last heads out one at a time instead of in pairs (fa2tune.launch.causal_tail), as the
-    backward's kernels may."""
+    forward without a mask whose last round would be part empty cuts that round's tiles into pieces where its
+    schedule says so (Schedule.splits_tail; fa2tune.launch.split_tail), and runs a merge launch after the kernel. A
+    causal persistent one may deal the tiles of its last heads out one at a time instead of in pairs
+    (Schedule.deals_causal_tail; fa2tune.launch.causal_tail), as the backward's kernels may."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     row_tiles = -(-seqlen_q // config.block_m)
     grid, tiles = _grid(config, row_tiles, batch * heads_q, q.device.index)
     main, split, tail_heads = tiles, 1, 0
-    if config.persistent and causal:
-        main, tail_heads = _causal_schedule(batch * heads_q, row_tiles, grid[0], lambda: causal_tail.forward_costs(
-            row_tiles, config.block_m, config.block_n, seqlen_q, seqlen_k))  # fmt: skip
-    elif config.persistent == 1 and not causal and split_tail.enabled():
+    if config.schedule.persistent and causal:
+        costs = lambda: causal_tail.forward_costs(row_tiles, config.block_m, config.block_n, seqlen_q, seqlen_k)
+        main, tail_heads = _causal_schedule(config, batch * heads_q, row_tiles, grid[0], costs)
+    elif config.schedule.splits_tail("fwd", causal):
         main, split = split_tail.plan(tiles, grid[0], -(-seqlen_k // config.block_n))
     launch = _launcher(
         "fwd", config, causal, head_dim, grid, ("q", "kv", "kv", "q"),
@@ -226,16 +227,16 @@ def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, 
     each K/V head's query heads — with a warpspec bwd_dkdv config; δ (delta) as the Triton template's preprocess
     kernel leaves it (less dlse). The call must have passed `unsupported`.
 
-    With config.warpspec 2 (dQ fused in) it is launch(q, k, v, do, dk, dv, dq_acc, lse, delta), and also adds dQ
-    into dq_acc, a zeroed fp32 tensor of q's shape."""
+    With config.fused_dq (dQ fused in) it is launch(q, k, v, do, dk, dv, dq_acc, lse, delta), and also adds dQ into
+    dq_acc, a zeroed fp32 tensor of q's shape."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     n_kv = -(-seqlen_k // config.block_n)
     grid, tiles = _grid(config, n_kv, batch * heads_kv, q.device.index)
     main, tail_heads = tiles, 0
-    if config.persistent and causal:
-        main, tail_heads = _causal_schedule(batch * heads_kv, n_kv, grid[0], lambda: causal_tail.dkdv_costs(
+    if config.schedule.persistent and causal:
+        main, tail_heads = _causal_schedule(config, batch * heads_kv, n_kv, grid[0], lambda: causal_tail.dkdv_costs(
             n_kv, config.block_n, config.block_m, seqlen_q, seqlen_k, heads_q // heads_kv))  # fmt: skip
-    sides = ("q", "kv", "kv", "q", "kv", "kv") + (("dq_partial",) if config.warpspec == 2 else ())
+    sides = ("q", "kv", "kv", "q", "kv", "kv") + (("dq_partial",) if config.fused_dq else ())
     return _launcher(
         "bwd_dkdv", config, causal, head_dim, grid, sides,
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale,
@@ -251,9 +252,9 @@ def backward_dq_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
     row_tiles = -(-seqlen_q // config.block_m)
     grid, tiles = _grid(config, row_tiles, batch * heads_q, q.device.index)
     main, tail_heads = tiles, 0
-    if config.persistent and causal:
-        main, tail_heads = _causal_schedule(batch * heads_q, row_tiles, grid[0], lambda: causal_tail.forward_costs(
-            row_tiles, config.block_m, config.block_n, seqlen_q, seqlen_k))  # fmt: skip
+    if config.schedule.persistent and causal:
+        costs = lambda: causal_tail.forward_costs(row_tiles, config.block_m, config.block_n, seqlen_q, seqlen_k)
+        main, tail_heads = _causal_schedule(config, batch * heads_q, row_tiles, grid[0], costs)
     return _launcher(
         "bwd_dq", config, causal, head_dim, grid, ("q", "kv", "kv", "q", "q"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, scale,

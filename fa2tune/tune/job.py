@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from ..api import selection
-from ..config import planner, store
+from ..config import lengths, planner, store
 from ..config.inputs import DTYPES_BY_NAME
 from ..config.types import DeviceInfo, Mask
 from ..kernels import codegen
@@ -46,7 +46,7 @@ class StudySpec:
     seed: int = 0  # workers of one study get different seeds, so their first proposals differ
     window: tuple[int, int] | None = None  # tune the band-mask variant at this (left, right) window
     varlen: bool = False  # tune the packed-sequence variant (the batch packed as equal-length sequences)
-    seqlen_bucket: str = "all"  # "short" / "medium": an entry for calls of those lengths only (store.BUCKET_RANGES)
+    seqlen_bucket: str = "all"  # "short" / "medium": an entry for calls of those lengths only (lengths.BUCKET_RANGES)
     run: str | None = None  # set by run_parallel_many: `trials` is the budget of all its workers together
     # The config the file this tune writes holds for the key now (stale or not): timed beside the new candidates,
     # kept unless one is measured faster (tuner.first_configs says why). See incumbent().
@@ -275,8 +275,8 @@ def unserved_lengths(spec: StudySpec, path: Path) -> tuple[int, ...]:
     except (OSError, ValueError, yaml.YAMLError):
         return spec.seqlens
     keys = {e.key for e in entries}
-    served = {bucket for bucket in store.BUCKET_RANGES if replace(spec, seqlen_bucket=bucket).key in keys}
-    kept = tuple(n for n in spec.seqlens if store.bucket_of(n) not in served)  # the store's own length rule
+    served = {bucket for bucket in lengths.BUCKET_RANGES if replace(spec, seqlen_bucket=bucket).key in keys}
+    kept = tuple(n for n in spec.seqlens if lengths.bucket_of(n) not in served)  # the store's own length rule
     return kept if len(kept) >= 2 else tuple(sorted({*kept, *LONG_LENGTHS}))
 
 

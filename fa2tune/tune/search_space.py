@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..config import planner
-from ..config.types import DeviceInfo, KernelConfig
+from ..config.schedule import PER_TILE, PERSISTENT
+from ..config.types import PARAM_NAMES, REQUIRED_PARAMS, DeviceInfo, KernelConfig
 from .records import Target
 
-DIMS = tuple(f.name for f in fields(KernelConfig))  # the search dimensions
-REQUIRED = tuple(f.name for f in fields(KernelConfig) if f.default is MISSING)  # the switches default to 0
+DIMS = PARAM_NAMES  # the search dimensions: KernelConfig.params
+REQUIRED = REQUIRED_PARAMS  # the switches and the schedule have defaults
 
 
-def params(cfg: KernelConfig) -> dict[str, int]:
-    """cfg as Optuna parameters: every dimension, switches at 0 included (an enqueued trial missing one would have
+def params(cfg: KernelConfig) -> dict[str, int | bool]:
+    """cfg as Optuna parameters: every dimension, switches off included (an enqueued trial missing one would have
     Optuna sample it)."""
-    return {dim: getattr(cfg, dim) for dim in DIMS}
+    return cfg.params()
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def build(target: Target) -> Space:
     t = target
     candidates = list(t.space) if t.space is not None else planner.candidates(t.kernel)
     allowed = set(candidates)
-    choices = {dim: sorted({getattr(c, dim) for c in candidates}) for dim in DIMS}
+    choices = {dim: sorted({p[dim] for p in map(params, candidates)}) for dim in DIMS}
     default = t.default
     if default is None:
         default = planner.default_config(t.head_dim, t.dtype, causal=t.causal, kernel=t.kernel, device=t.device)
@@ -70,7 +71,7 @@ def build(target: Target) -> Space:
             candidates.append(base)
             allowed.add(base)
             for dim in choices:
-                choices[dim] = sorted(set(choices[dim]) | {getattr(base, dim)})
+                choices[dim] = sorted(set(choices[dim]) | {params(base)[dim]})
     feasible = [c for c in candidates if planner.check(c, t.device, t.head_dim, t.dtype, t.kernel) is None]
     return Space(candidates, frozenset(allowed), choices, feasible, default, incumbent, unfit)
 
@@ -94,12 +95,13 @@ def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k:
 
     def score(cfg: KernelConfig):
         regs = planner.accumulators_per_thread(cfg, head_dim, kernel)
-        return (regs > 192, -cfg.block_m * cfg.block_n, abs(cfg.num_stages - 3), -cfg.num_warps, -cfg.persistent)
+        persistent = cfg.schedule.persistent * cfg.schedule.programs_per_sm  # two an SM, one, one program a tile
+        return (regs > 192, -cfg.block_m * cfg.block_n, abs(cfg.num_stages - 3), -cfg.num_warps, -persistent)
 
     by_family: dict[bool, list[KernelConfig]] = {True: [], False: []}  # warpspec first
     for cfg in sorted(candidates, key=score):
-        family = by_family[cfg.warpspec > 0]
-        shape = lambda c: (c.block_m, c.block_n, c.warpspec, c.persistent == 2)
+        family = by_family[cfg.warp_specialized]
+        shape = lambda c: (c.block_m, c.block_n, c.pingpong, c.fused_dq, c.schedule.programs_an_sm == 2)
         if all(shape(p) != shape(cfg) for p in family):
             family.append(cfg)
     turns = itertools.zip_longest(by_family[True], by_family[False])
@@ -129,7 +131,7 @@ def first_configs(
     fits = lambda cfg: planner.check(cfg, device, head_dim, dtype, kernel) is None
     feasible = [c for c in candidates if fits(c)]
     # feasible holds a twin only where the switch exists (KernelConfig.combination_error) and the config fits
-    twin = replace(default, persistent=int(not default.persistent))
+    twin = replace(default, schedule=PER_TILE if default.schedule.persistent else PERSISTENT)
     first = [default]
     for cfg in (incumbent, twin if twin in feasible else None):
         if cfg is not None and cfg not in first and fits(cfg):

@@ -101,7 +101,7 @@ class _Search:
             self.asked += 1
             self.opened.append(trial)
             choices = self.space.choices.items()
-            cfg = KernelConfig(**{dim: trial.suggest_categorical(dim, values) for dim, values in choices})
+            cfg = KernelConfig.from_params({dim: trial.suggest_categorical(dim, values) for dim, values in choices})
             if not self._told_at_once(trial, cfg, batch):
                 batch.append((trial, cfg))  # a config already in a batch is timed once, with that batch
         return batch

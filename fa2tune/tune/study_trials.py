@@ -26,7 +26,7 @@ def completed(study: optuna.Study) -> dict[KernelConfig, float]:
     timing it (claim) can hold two readings of one, and the winner's ms is its best reading."""
     best: dict[KernelConfig, float] = {}
     for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
-        cfg = KernelConfig(**trial.params)
+        cfg = KernelConfig.from_params(trial.params)
         best[cfg] = min(trial.value, best.get(cfg, trial.value))
     return best
 
@@ -35,7 +35,7 @@ def proposed(trial: optuna.trial.FrozenTrial) -> KernelConfig | None:
     """The config a trial stands for: its parameters, or those it was enqueued with; None while another process
     is still suggesting them one by one (a shared study's running trial can hold block_m and not yet block_n)."""
     params = trial.params or trial.system_attrs.get("fixed_params", {})
-    return KernelConfig(**params) if all(dim in params for dim in REQUIRED) else None
+    return KernelConfig.from_params(params) if all(dim in params for dim in REQUIRED) else None
 
 
 def timed_configs(study: optuna.Study, but: int | None = None) -> set[KernelConfig]:
