@@ -22,7 +22,7 @@ from fa2tune.config.schedule import (
 from fa2tune.config.store import EntryKey
 from fa2tune.config.types import KernelConfig, Mask
 from fa2tune.kernels import codegen
-from fa2tune.launch import launcher
+from fa2tune.launch import plans
 
 NO_SPLIT = Schedule(persistent=True, split_tail=False)
 CAUSAL_TAIL = Schedule(persistent=True, causal_tail=True)
@@ -62,7 +62,7 @@ def test_the_variables_override_the_tails_where_a_launch_has_them(unset):
 
 def test_a_launch_plan_key_holds_the_schedule_and_the_variables(unset):
     q = torch.zeros(1, 2, 8, 16)
-    key = lambda config: launcher._plan_key("fwd", (q, q, q), Mask(), 0.25, config)
+    key = lambda config: plans.plan_key("fwd", (q, q, q), Mask(), 0.25, config)
     config = KernelConfig(128, 128, 4, 2, warp_specialized=True, schedule=PERSISTENT)
     assert len({key(config), key(replace(config, schedule=NO_SPLIT)), key(replace(config, schedule=TWO_AN_SM))}) == 3
     before = key(config)

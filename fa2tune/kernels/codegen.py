@@ -12,11 +12,13 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import io
 import itertools
 import os
 import sys
 import tempfile
 import threading
+import tokenize
 from pathlib import Path
 from types import ModuleType
 
@@ -110,15 +112,20 @@ def code_hash(
 
 
 def _code_only(source: str) -> str:
-    """The code of a rendered module without its comments and docstrings (its syntax tree, dumped): what a stored
-    entry's hash must follow. A reworded comment, or a module moved within the package that a docstring names,
-    leaves every tuned entry valid."""
-    tree = ast.parse(source)
-    for node in ast.walk(tree):
+    """The code of a rendered module without its comments, docstrings and blank lines: what a stored entry's hash
+    must follow. A reworded comment, or a module moved within the package that a docstring names, leaves every
+    tuned entry valid. Source text, not the syntax tree: ast.dump's output differs between Python versions (3.12
+    adds fields), and a stamp made under one must hold under every other."""
+    lines = source.splitlines()
+    for node in ast.walk(ast.parse(source)):
         body = getattr(node, "body", None)
-        if isinstance(body, list) and body and _is_docstring(body[0]):
-            node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree)
+        if isinstance(body, list) and body and _is_docstring(body[0]) and body[0].lineno > getattr(node, "lineno", 0):
+            lines[body[0].lineno - 1 : body[0].end_lineno] = [""] * (body[0].end_lineno - body[0].lineno + 1)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            row, column = token.start
+            lines[row - 1] = lines[row - 1][:column]
+    return "\n".join(line.rstrip() for line in lines if line.strip())
 
 
 def _is_docstring(statement: ast.stmt) -> bool:
