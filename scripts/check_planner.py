@@ -2,7 +2,7 @@
 """Compiles every planner candidate for a GPU and records what the compiler allocated: the data behind
 docs/PLANNER.md and the replay test tests/test_planner.py.
 
-Compiling for a target needs no card (see fa2tune.kernels.probe), so this runs on any machine; the verdict "fits" is
+Compiling for a target needs no card (see fa2tune.tune.probe), so this runs on any machine; the verdict "fits" is
 Triton's own launch test, `shared <= DeviceInfo.smem_per_block_optin`. Compiles run in a process pool.
 
     python scripts/check_planner.py --gpu h200 --head-dims 64,128 --dtype bf16 \
@@ -24,7 +24,7 @@ from fa2tune.config.types import KernelConfig
 
 
 def _compile(job: tuple[str, int, str, KernelConfig, tuple[int, int]]) -> dict:
-    from fa2tune.kernels.probe import compile_config
+    from fa2tune.tune.probe import compile_config
 
     kernel, head_dim, dtype, cfg, capability = job
     report = compile_config(kernel, cfg, head_dim, DTYPES_BY_NAME[dtype], causal=True, capability=capability)

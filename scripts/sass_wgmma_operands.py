@@ -106,7 +106,7 @@ def compile_sass(kernel: str, config: str, head_dim: int, causal: bool) -> str:
     import torch
 
     from fa2tune.config.types import KernelConfig
-    from fa2tune.kernels import probe
+    from fa2tune.tune import probe
 
     cfg = KernelConfig.parse(config)
     report = probe.compile_config(kernel, cfg, head_dim, torch.bfloat16, causal=causal)

@@ -160,7 +160,7 @@ def test_recording_still_matches_the_installed_compiler():
     # The window/prefix (banded) and packed (varlen) variants keep the same tiles: the planner's model holds
     # for them only if the compiler gives them the same shared memory as the recorded causal variant.
     script = (
-        "import json, sys, torch; from fa2tune.kernels.probe import compile_config\n"
+        "import json, sys, torch; from fa2tune.tune.probe import compile_config\n"
         "from fa2tune.config.types import KernelConfig\n"
         "rows = json.loads(sys.argv[1])\n"
         "print(json.dumps([compile_config(k, KernelConfig(*c), d, torch.bfloat16, causal=True, banded=i == 1,"

@@ -293,7 +293,7 @@ def test_code_hash_names_the_template_and_its_switches():
 
 _PROBE = """
 import json, sys, torch
-from fa2tune.kernels import probe
+from fa2tune.tune import probe
 from fa2tune.config.types import KernelConfig
 rows = []
 for kernel, head_dim, fields, causal in json.loads(sys.argv[1]):
@@ -307,7 +307,7 @@ print(json.dumps(rows))
 
 _ATTRS_PROBE = """
 import json, torch
-from fa2tune.kernels import probe
+from fa2tune.tune import probe
 from fa2tune.config.types import KernelConfig
 seen = []
 probe._compile = lambda source, target, options: seen.append(source)

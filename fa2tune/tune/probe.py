@@ -22,7 +22,7 @@ import torch
 from ..config import planner
 from ..config.inputs import DTYPE_NAMES
 from ..config.types import KernelConfig, Variant
-from . import codegen
+from ..kernels import codegen
 
 _TENSORS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _FP32_TENSORS = {"LSE", "DELTA"}
