@@ -265,8 +265,9 @@ LONG_LENGTHS = (8192, 16384)
 
 def unserved_lengths(spec: StudySpec, path: Path) -> tuple[int, ...]:
     """spec's lengths less those a short or medium entry in the file at `path` serves for the same key, so an "all"
-    entry is tuned where calls will use it (docs/PERF.md v17: tuned at 1k + 4k + 16k beside both bucket entries,
-    the d=64 causal forward's "all" entry chose a config ~4 % slower at N = 16k, the one length it served); where
+    entry is tuned where calls will use it (tuned at 1k + 4k + 16k beside both bucket entries, the d=64 causal
+    forward's "all" entry chose a config ~4 % slower at N = 16k, the one length it served: docs/PERF.md, "Length
+    buckets"); where
     fewer than two remain, LONG_LENGTHS join them. A bucket study's own lengths are returned as they are."""
     if spec.seqlen_bucket != "all":
         return spec.seqlens
