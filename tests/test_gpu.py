@@ -7,6 +7,8 @@ import torch
 
 import fa2tune
 from fa2tune.api import ops, selection
+from fa2tune.config import planner
+from fa2tune.config.device import device_info
 from fa2tune.config.schedule import PERSISTENT
 from fa2tune.config.types import KernelConfig
 from fa2tune.launch import causal_tail, split_tail, warpspec
@@ -224,14 +226,22 @@ def _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, batch_heads: int, c
     [(KernelConfig.parse("64,128,4,2,ws,persistent"), KernelConfig.parse("128,64,4,3,ws,persistent")),
      (KernelConfig.parse("64,128,4,3,ws,fused-dq,persistent"), None),
      (KernelConfig.parse("64,64,4,3,ws,fused-dq,persistent,x2"), None),
-     (KernelConfig.parse("64,128,4,2,ws,persistent"), KernelConfig.parse("64,64,4,2,ws,persistent,x2"))],
-    ids=["dkdv-dq", "fused-dq", "fused-dq-two-an-sm", "dq-two-an-sm"],
+     (KernelConfig.parse("64,128,4,2,ws,persistent"), KernelConfig.parse("64,64,4,2,ws,persistent,x2")),
+     (KernelConfig.parse("64,64,4,2,ws,fused-dq,persistent"), None)],
+    ids=["dkdv-dq", "fused-dq", "fused-dq-two-an-sm", "dq-two-an-sm", "fused-dq-64"],
 )  # fmt: skip
 @_WS_DIMS
 def test_warpspec_causal_backward_with_a_tail_matches_reference(dkdv_config, dq_config, head_dim, dtype, monkeypatch):
     # the dK/dV and dQ kernels deal the tiles of their last heads out as the forward does (K/V heads for dK/dV,
     # its longest tiles the first): all three gradients against float64 autograd with the tail forced, GQA, keys
-    # longer and shorter than the queries; with dQ fused in (fused_dq), dQ is the dK/dV programs' reductions
+    # longer and shorter than the queries; with dQ fused in (fused_dq), dQ is the dK/dV programs' reductions.
+    # An explicit config skips the planner, so a config that does not fit this head dim (at d=128 the fused dK/dV
+    # kernel spills past 2 stages, and 2 stages of 128 K/V rows persistent exceed shared memory) would fail to
+    # compile rather than test the tail: those combinations do not exist, and "fused-dq-64" covers d=128.
+    for kernel, config in (("bwd_dkdv", dkdv_config), ("bwd_dq", dq_config)):
+        reason = config and planner.check(config, device_info("cuda"), head_dim, dtype, kernel)
+        if reason:
+            pytest.skip(f"{config.label()} is no {kernel} config at head_dim={head_dim}: {reason}")
     torch.manual_seed(head_dim + dkdv_config.block_n + 3)
     monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "1")
     plans = _recorded_causal_plans(monkeypatch)
