@@ -210,12 +210,7 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
 
 def ws_registers(cfg: KernelConfig, kernel: str = "fwd") -> tuple[int | None, int, int]:
     """(maxnreg, registers of each consumer thread, of the producer's) a warpspec config of `kernel` compiles with."""
-    return WS_TWO_AN_SM_REGISTERS if programs_per_sm(cfg) == 2 else WS_REGISTERS[cfg.consumers(kernel)]
-
-
-def programs_per_sm(cfg: KernelConfig) -> int:
-    """Programs a persistent grid of this config puts on each SM (Schedule.programs_an_sm): 1 or 2."""
-    return cfg.schedule.programs_an_sm
+    return WS_TWO_AN_SM_REGISTERS if cfg.schedule.programs_an_sm == 2 else WS_REGISTERS[cfg.consumers(kernel)]
 
 
 def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dtype, kernel: str = "fwd") -> str | None:
@@ -253,7 +248,7 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
             f"shared memory: needs {need:,} B (model: {_model_terms(cfg, kernel)}), "
             f"{device.name} allows {device.smem_per_block:,} B per block"
         )
-    shared = programs_per_sm(cfg)
+    shared = cfg.schedule.programs_an_sm
     if shared > 1:
         # each program also leaves the SM's reserve (smem_per_sm - smem_per_block: 1 KiB on Hopper) to the system
         each = device.smem_per_sm // shared - (device.smem_per_sm - device.smem_per_block)

@@ -141,7 +141,7 @@ def _grid(config: KernelConfig, row_tiles: int, batch_heads: int, device_index: 
     tiles = row_tiles * batch_heads
     if not config.schedule.persistent:
         return (row_tiles, batch_heads), tiles
-    return (min(tiles, planner.programs_per_sm(config) * _sm_count(device_index)),), tiles
+    return (min(tiles, config.schedule.programs_an_sm * _sm_count(device_index)),), tiles
 
 
 def _launcher(
