@@ -74,7 +74,8 @@ def attention(
     return_lse: bool = False,
     config: KernelConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention softmax(q·kᵀ·scale)·v by FlashAttention-2: a drop-in for scaled_dot_product_attention.
+    """Exact attention softmax(q·kᵀ·scale)·v by FlashAttention-2, in scaled_dot_product_attention's layout (not its
+    signature: README, "Migrating").
 
     Args:
         q: (batch, heads_q, seqlen_q, head_dim), float16/bfloat16/float32, unit stride in head_dim.
