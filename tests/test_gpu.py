@@ -176,6 +176,53 @@ def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype, mon
         assert (lse[~seen] == float("-inf")).all()  # a row that sees no key: O = 0, lse = -inf
 
 
+# Head dims that are not powers of two run the warp-specialized forward a power-of-two chunk at a time
+# (fa2tune.config.head_chunks: 96 = 64 + 32, 240 = 128 + 64 + 32 + 16; 40 is read as 32 + 16 with the last 8 columns
+# zero-filled by TMA and never written): each head dim's default config (the planner's), persistent or ping-pong,
+# causal and not, GQA, ragged lengths, both 16-bit types.
+_CHUNKED_DIMS = [(16, torch.bfloat16), (40, torch.bfloat16), (80, torch.float16), (96, torch.bfloat16),
+                 (112, torch.bfloat16), (136, torch.float16), (160, torch.bfloat16), (192, torch.bfloat16),
+                 (200, torch.float16), (224, torch.bfloat16), (240, torch.bfloat16), (256, torch.bfloat16)]  # fmt: skip
+
+
+@_HOPPER
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim, dtype", _CHUNKED_DIMS, ids=lambda x: str(x).replace("torch.", ""))
+def test_warpspec_forward_at_every_head_dim_matches_reference(head_dim, dtype, causal, monkeypatch):
+    torch.manual_seed(head_dim)
+    config = planner.default_config(head_dim, dtype, causal=causal, kernel="fwd", device=device_info(0))
+    assert config.warp_specialized, config
+    if config.schedule.persistent:
+        monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)  # every program walks several tiles and heads
+    for q, k, v in _ws_inputs(head_dim, dtype):
+        out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+        o, lse = ops.forward(q, k, v, causal=causal, scale=head_dim**-0.5, config=config, out=out)
+        ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+        assert_close(o, ref_o.nan_to_num(0.0), dtype)
+        seen = torch.isfinite(ref_lse)
+        assert_close(lse[seen], ref_lse[seen], torch.float32, what="lse")
+        assert (lse[~seen] == float("-inf")).all()
+
+
+@_HOPPER
+@pytest.mark.parametrize("head_dim", [96, 192])
+def test_attention_at_chunked_head_dims_trains(head_dim):
+    # the whole call: the chunked forward, then the backward (the Triton templates' at these head dims) from its
+    # logsumexp, against float64 autograd
+    torch.manual_seed(head_dim + 1)
+    q, k, v = (torch.randn(2, 4, 700, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    o = fa2tune.attention(q, k, v, causal=True)
+    grad = torch.randn_like(o)
+    o.backward(grad)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_o, _ = naive_attention(*ref, causal=True)
+    ref_o.backward(grad.double())
+    assert_close(o, ref_o, torch.bfloat16)
+    for got, want in zip((q.grad, k.grad, v.grad), (t.grad for t in ref), strict=True):
+        assert_close(got, want, torch.bfloat16, what="grad")
+
+
 @_HOPPER
 @pytest.mark.parametrize(
     "config", [c for c in _WS_CONFIGS if c.schedule.persistent], ids=_config_id,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fa2tune.config import head_chunks
 from fa2tune.config.schedule import PERSISTENT
 from fa2tune.config.types import KernelConfig
 from fa2tune.launch import split_tail, warpspec
@@ -67,11 +68,14 @@ def _pieces_as_the_kernel_writes_them(q, k, v, *, tile_m, block_n, main, split):
     return part_o, part_lse, tiles, n_m
 
 
-@pytest.mark.parametrize("seqlen_q, seqlen_k, split", [(160, 256, 2), (128, 200, 3), (100, 130, 4)])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, split, head_dim",
+                         [(160, 256, 2, 32), (128, 200, 3, 32), (100, 130, 4, 40)])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_merge_gives_the_split_tiles_attention_over_all_their_keys(seqlen_q, seqlen_k, split, dtype, device):
+def test_merge_gives_the_split_tiles_attention_over_all_their_keys(seqlen_q, seqlen_k, split, head_dim, dtype, device):
+    # d=40: the kernel's pieces are 48 columns wide (its head-dim chunks, 32 + 16), O 40; the merge reads the pieces'
+    # columns and writes O's (here the 8 columns past O's are poison the merge must not carry into O)
     torch.manual_seed(seqlen_q + split)
-    batch, heads, head_dim, tile_m, block_n = 2, 3, 32, 64, 16
+    batch, heads, tile_m, block_n = 2, 3, 64, 16
     q = torch.randn(batch, heads, seqlen_q, head_dim, dtype=dtype, device=device)
     k = torch.randn(batch, heads, seqlen_k, head_dim, dtype=dtype, device=device)
     v = torch.randn(batch, heads, seqlen_k, head_dim, dtype=dtype, device=device)
@@ -80,10 +84,12 @@ def test_merge_gives_the_split_tiles_attention_over_all_their_keys(seqlen_q, seq
     main = tiles - 4  # the last four tiles (of two heads, with a ragged last tile among them) are cut
     part_o, part_lse, _, _ = _pieces_as_the_kernel_writes_them(q, k, v, tile_m=tile_m, block_n=block_n, main=main,
                                                                 split=split)  # fmt: skip
+    width = head_chunks.padded(head_dim)
+    part_o = torch.cat([part_o, part_o.new_full((*part_o.shape[:2], width - head_dim), float("nan"))], dim=2)
     o = torch.full_like(q, float("nan"))
     lse = torch.full((batch, heads, seqlen_q), float("nan"), device=device)
     config = KernelConfig(64, 64, 4, 2, warp_specialized=True, schedule=PERSISTENT)
-    merge_pieces = warpspec._module("fwd", config, False)._merge_pieces
+    merge_pieces = warpspec._module("fwd", config, False, head_dim)._merge_pieces
     split_tail.merge(merge_pieces, part_o, part_lse, o, lse, tiles=tiles, main=main, split=split, n_m=n_m,
                      heads_q=heads, seqlen_q=seqlen_q)  # fmt: skip
     ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double())

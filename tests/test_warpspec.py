@@ -15,7 +15,7 @@ import torch
 
 import fa2tune
 from fa2tune.api import ops, selection
-from fa2tune.config import planner, schema_v1
+from fa2tune.config import head_chunks, planner, schema_v1
 from fa2tune.config.device import known_gpu
 from fa2tune.config.schedule import PER_TILE, PERSISTENT, TWO_AN_SM
 from fa2tune.config.store import EntryKey
@@ -111,7 +111,15 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
         "warpspec needs a Hopper GPU (compute capability 9.x: wgmma), this one is 8.0"
     )
     assert planner.check(WS, h200, 128, torch.float32).startswith("warpspec takes float16/bfloat16")
-    assert planner.check(WS, h200, 96, torch.bfloat16).startswith("warpspec takes head_dim in (32, 64, 128, 256)")
+    # the forward is written out a head-dim chunk at a time: every multiple of 8 up to 256; the backward's kernels
+    # hold the head dim as one block: powers of two
+    fits_all = KernelConfig(128, 64, 4, 2, warp_specialized=True)
+    assert all(planner.check(fits_all, h200, d, torch.bfloat16) is None for d in (16, 40, 96, 136, 192, 248))
+    assert planner.check(WS, h200, 100, torch.bfloat16).startswith("warpspec's forward takes head_dim a multiple of 8")
+    dkdv_ws = KernelConfig(64, 128, 4, 2, warp_specialized=True)
+    assert planner.check(dkdv_ws, h200, 96, torch.bfloat16, "bwd_dkdv").startswith(
+        "warpspec's bwd_dkdv takes head_dim in (32, 64, 128, 256)"
+    )
     # The Gluon kernels compile on the Triton they were written for (3.9 renamed their TMA store): a card read under
     # another Triton rules them out, so a shipped warpspec entry is passed over with a warning, not compiled.
     read_under = lambda version: replace(h200, source="card", triton_version=version)
@@ -196,7 +204,7 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
         == planner.WS_TWO_AN_SM_REGISTERS
         != planner.ws_registers(replace(two_an_sm, schedule=PERSISTENT))
     )
-    assert warpspec.compiled_form("fwd", two_an_sm, 64, True)[3]["maxnreg"] == 128
+    assert warpspec.compiled_form("fwd", two_an_sm, 64, True)[2]["maxnreg"] == 128
     # persistent stages O apart from Q: 2·128·(128 + 128 + 4·128) + 512 B fits, with 3 stages 256.5 KiB does not
     assert planner.sram_bytes(
         KernelConfig(128, 128, 4, 2, warp_specialized=True, schedule=PERSISTENT), 128, torch.bfloat16
@@ -248,20 +256,47 @@ def test_the_unchecked_descriptor_is_the_checked_one():
     assert warpspec.compiled_form("bwd_dq", config, 128, True) is warpspec.compiled_form("bwd_dq", config, 128, True)
 
 
+def test_head_chunks_cover_every_head_dim_in_powers_of_two():
+    # every head dim 1…256 is covered by distinct powers of two >= 16, largest first, summing to the head dim rounded
+    # up to 16 (TMA zero-fills the columns past the tensor's end); the warp-specialized forward takes the multiples
+    # of 8 from 16 on (a row of 16-bit values is then whole 16-byte TMA units)
+    for d in range(1, 257):
+        widths = head_chunks.chunks(d)
+        assert head_chunks.padded(d) == sum(widths) == -(-d // 16) * 16
+        assert all(w >= 16 and w & (w - 1) == 0 for w in widths) and list(widths) == sorted(set(widths), reverse=True)
+        assert head_chunks.supported(d) == (d % 8 == 0 and d >= 16)
+    assert head_chunks.chunks(96) == (64, 32) and head_chunks.chunks(240) == (128, 64, 32, 16)
+    assert head_chunks.offsets((128, 64, 32, 16)) == (0, 128, 192, 224)
+    with pytest.raises(ValueError, match=r"head_dim must be in 1\.\.256, got 264"):
+        head_chunks.chunks(264)
+    # the rendered forward: a descriptor, a buffer ring, a wgmma and (for V) an accumulator a chunk, each chunk's TMA
+    # copy at its first column
+    source = codegen.render("fwd_ws", Variant.for_template(
+        "fwd_ws", causal=False, banded=False, varlen=False, even_m=False, even_n=False, head_dim=224))  # fmt: skip
+    assert "def _attn_fwd_ws(q_desc0, q_desc1, q_desc2, k_desc0, k_desc1, k_desc2, v_desc0, v_desc1, v_desc2," in source
+    assert "[b, hk, row, 192]" in source and "acc2 = gl.zeros([M, 32]" in source and "acc3" not in source
+    with pytest.raises(ValueError, match="fwd_ws is rendered for a head dim"):
+        Variant.for_template("fwd_ws", causal=False, banded=False, varlen=False, even_m=False, even_n=False)
+
+
 def test_code_hash_names_the_template_and_its_switches():
     key = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="fwd")
     configs = {"triton": KernelConfig(128, 128, 4, 2), "ws": WS, "pingpong": replace(WS, pingpong=True)}
     hashes = {name: codegen.entry_code_hash(key, cfg) for name, cfg in configs.items()}
     persistent = codegen.entry_code_hash(key, KernelConfig(128, 128, 4, 2, warp_specialized=True, schedule=PERSISTENT))
     assert len({*hashes.values(), persistent}) == 4
-    assert persistent == codegen.code_hash("fwd", causal=True, warp_specialized=True, persistent=True)
+    assert persistent == codegen.code_hash("fwd", causal=True, warp_specialized=True, persistent=True, head_dim=128)
     dkdv = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="bwd_dkdv")
     assert codegen.entry_code_hash(dkdv, KernelConfig(64, 128, 4, 2, warp_specialized=True)) != codegen.entry_code_hash(
         dkdv, KernelConfig(64, 128, 4, 2)
     )
     assert codegen.template_for("bwd_dkdv", True) == "bwd_ws"
-    assert hashes["ws"] == codegen.code_hash("fwd", causal=True, warp_specialized=True)
-    assert codegen.code_hash("fwd", causal=False, warp_specialized=True) != hashes["ws"]
+    assert hashes["ws"] == codegen.code_hash("fwd", causal=True, warp_specialized=True, head_dim=128)
+    assert codegen.code_hash("fwd", causal=False, warp_specialized=True, head_dim=128) != hashes["ws"]
+    # the warp-specialized forward is written out for its head dim's chunks: another head dim, other code; the
+    # Triton templates' code is the same at every head dim
+    assert codegen.entry_code_hash(replace(key, head_dim=96), WS) != hashes["ws"]
+    assert codegen.entry_code_hash(replace(key, head_dim=96), configs["triton"]) == hashes["triton"]
     assert codegen.template_for("fwd", True) == "fwd_ws" and codegen.template_for("bwd_dq", False) == "bwd"
     assert codegen.template_for("bwd_dq", True) == "bwd_dq_ws"
     dq = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="bwd_dq")
@@ -284,7 +319,7 @@ def test_code_hash_names_the_template_and_its_switches():
         "bwd_dkdv", causal=True, warp_specialized=True
     )
     variant = Variant.for_template(
-        "fwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True, pingpong=True
+        "fwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True, pingpong=True, head_dim=128
     )
     source = codegen.render("fwd_ws", variant)
     assert "CAUSAL = gl.constexpr(True)" in source and "PINGPONG = gl.constexpr(True)" in source
@@ -410,7 +445,7 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
 def test_the_causal_tail_is_a_launch_variant_not_an_entrys(monkeypatch):
     # CAUSAL_TAIL renders only for causal persistent warpspec templates; a stored entry's hash names the code
     # without it, whatever FA2TUNE_CAUSAL_TAIL says (a launch picks the variant, fa2tune/launch/causal_tail.py)
-    common = dict(banded=False, varlen=False, even_m=True, even_n=True, causal_tail=True)
+    common = dict(banded=False, varlen=False, even_m=True, even_n=True, causal_tail=True, head_dim=128)
     for template in ("fwd_ws", "bwd_ws", "bwd_dq_ws"):
         on = Variant.for_template(template, causal=True, persistent=1, **common)
         assert on.causal_tail and "CAUSAL_TAIL = gl.constexpr(True)" in codegen.render(template, on)

@@ -144,6 +144,8 @@ def _add_codegen(sub) -> None:
                      help="bwd_ws: dQ added by the dK/dV kernel (KernelConfig.fused_dq)")  # fmt: skip
     gen.add_argument("--persistent", action="store_true",
                      help="the *_ws templates: programs walk the tiles (Schedule.persistent)")  # fmt: skip
+    gen.add_argument("--head-dim", type=int, default=128,
+                     help="fwd_ws: the head dim it is written out for, a chunk at a time (default 128)")  # fmt: skip
     gen.set_defaults(func=commands.codegen)
 
 

@@ -8,7 +8,8 @@ What Triton actually places in shared memory (checked against the compiler: docs
     one buffer serves K_j then V_j. Stages multiply the K/V term — the term that decides fit;
   * S_ij and P_ij stay in registers on the wgmma path; on the mma.sync path P is re-laid out through shared
     memory before P·V, so there the seed's B_r·B_c term (+ scores below) is real.
-So, in bytes (e = bytes per element, d = head dim padded to a power of two ≥ 16):
+So, in bytes (e = bytes per element, d = head dim padded to a power of two ≥ 16; for the warp-specialized kernels
+below, to a multiple of 16: their head-dim chunks, fa2tune.config.head_chunks):
     fwd       e·d·(B_r + kv·B_c) + scores                kv = 2·S (num_stages ≥ 2; + 1 with pipeline_qk) or 1
     bwd_dkdv  e·d·(2·B_c + 2·S·B_r) + 8·S·B_r + scores   K_j, V_j owned; Q_i, dO_i, lse, δ streamed; scores ×2
     bwd_dq    e·d·(2·B_r + 2·S·B_c) + scores             Q_i, dO_i owned; K_j, V_j streamed
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import head_chunks
 from .device import INTERPRETER, inspect_cached, known_gpu
 from .schedule import PER_TILE, PERSISTENT, TWO_AN_SM
 from .types import KERNELS, MAX_HEAD_DIM, WS_BACKWARD_TILES, WS_BLOCK_M, DeviceInfo, KernelConfig
@@ -50,9 +52,10 @@ from .types import KERNELS, MAX_HEAD_DIM, WS_BACKWARD_TILES, WS_BLOCK_M, DeviceI
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (1, 2, 3, 4, 5)
-# The warp-specialized kernels (fwd_ws, bwd_ws, bwd_dq_ws .py.jinja): Hopper's wgmma and TMA, 16-bit inputs, head dims
-# whose rows are whole 16-byte TMA units and wgmma widths.
-WS_HEAD_DIMS = (32, 64, 128, 256)
+# The warp-specialized kernels (fwd_ws, bwd_ws, bwd_dq_ws .py.jinja): Hopper's wgmma and TMA, 16-bit inputs. The
+# forward takes every head dim head_chunks.supported admits (written out a power-of-two chunk at a time); the
+# backward's kernels hold the head dim as one block, so they take the powers of two alone.
+WS_BACKWARD_HEAD_DIMS = (32, 64, 128, 256)
 WS_DTYPES = (torch.float16, torch.bfloat16)
 # Gluon, the dialect they are written in, is experimental and its API moves between Triton releases (3.9 renamed
 # tma.async_copy_shared_to_global, and the kernels no longer compile): they run on the Triton they were written and
@@ -61,6 +64,9 @@ WS_TRITON = "3.6."
 WS_BLOCK_N = (64, 128)
 WS_STAGES = (2, 3, 4)
 _WS_SMEM_OVERHEAD = 512  # mbarriers and alignment; compiles measured 284–392 B
+# The forward's buffers a head-dim chunk past the first align apart: compiled for sm_90 at every head dim 16…256 step 8,
+# 2 chunks took 520–604 B beyond the tiles, 3 chunks 712, 4 chunks 744.
+_WS_CHUNK_OVERHEAD = 128
 # (maxnreg of the kernel, registers of each worker consumer, of the producer warp) by consumer count. A program is
 # 4·(consumers + 1) warps (the producer's warp rounds up to a warpgroup) on one SM of 64k registers; setmaxnreg
 # gives the producer the minimum (24) and the consumers the rest (one consumer: the compiler's 255).
@@ -80,17 +86,21 @@ _WS_REGISTERS_BESIDE_ACCUMULATORS = {"fwd": 64, "bwd_dkdv": 16, "bwd_dq": 24}
 
 
 def warpspec_unsupported(
-    head_dim: int, dtype: torch.dtype, capability: tuple[int, int], triton: str = ""
+    head_dim: int, dtype: torch.dtype, capability: tuple[int, int], triton: str = "", kernel: str = "fwd"
 ) -> str | None:
-    """Why the warp-specialized kernels (forward, dK/dV, dQ) cannot run this head dim / dtype / GPU, or None.
-    triton: the version of the Triton that would compile them ("": not known — a known-GPU table's model of a card)."""
+    """Why the warp-specialized kernel of `kernel` (forward, dK/dV, dQ) cannot run this head dim / dtype / GPU, or
+    None. triton: the version of the Triton that would compile them ("": not known — a known-GPU table's model of a
+    card)."""
     if capability[0] != 9:
         major, minor = capability
         return f"warpspec needs a Hopper GPU (compute capability 9.x: wgmma), this one is {major}.{minor}"
     if dtype not in WS_DTYPES:
         return f"warpspec takes float16/bfloat16 inputs, got {dtype}"
-    if head_dim not in WS_HEAD_DIMS:
-        return f"warpspec takes head_dim in {WS_HEAD_DIMS}, got {head_dim}"
+    if kernel == "fwd" and not head_chunks.supported(head_dim):
+        low, high, step = head_chunks.CHUNK_MIN, head_chunks.CHUNK_MAX, head_chunks.ALIGN
+        return f"warpspec's forward takes head_dim a multiple of {step} in {low}..{high}, got {head_dim}"
+    if kernel != "fwd" and head_dim not in WS_BACKWARD_HEAD_DIMS:
+        return f"warpspec's {kernel} takes head_dim in {WS_BACKWARD_HEAD_DIMS}, got {head_dim}"
     if triton and not triton.startswith(WS_TRITON):
         return f"warpspec's Gluon kernels are written for Triton {WS_TRITON}x; this is Triton {triton}"
     return None
@@ -105,8 +115,14 @@ def triton_version() -> str:
 
 
 def head_dim_padded(head_dim: int) -> int:
-    """Head dim rounded up to the power of two >= 16 that the kernels compute on (tl.dot needs K >= 16)."""
+    """Head dim rounded up to the power of two >= 16 that the Triton templates compute on (tl.dot needs K >= 16)."""
     return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def computed_width(cfg: KernelConfig, head_dim: int) -> int:
+    """The head-dim columns `cfg`'s kernel computes on: the warp-specialized kernels' chunks (head_chunks.padded),
+    the Triton templates' power of two (head_dim_padded)."""
+    return head_chunks.padded(head_dim) if cfg.warp_specialized else head_dim_padded(head_dim)
 
 
 def _check_kernel(kernel: str) -> None:
@@ -130,7 +146,7 @@ def sram_bytes(
 ) -> int:
     """Predicted shared memory of one program of `kernel` with `cfg`, in bytes (see the module docstring)."""
     _check_kernel(kernel)
-    e, d, m, n = dtype.itemsize, head_dim_padded(head_dim), cfg.block_m, cfg.block_n
+    e, d, m, n = dtype.itemsize, computed_width(cfg, head_dim), cfg.block_m, cfg.block_n
     persistent = cfg.schedule.persistent
     if cfg.warp_specialized and kernel == "bwd_dkdv":
         staging = 2 * n if persistent else 0  # dK, dV staged apart from the next tile's K, V; else in K's, V's
@@ -144,7 +160,8 @@ def sram_bytes(
         return e * d * (2 * m + staging + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD  # S buffers of K_j, V_j
     if cfg.warp_specialized:
         o_staging = m if persistent else 0  # else O is staged in Q's buffer
-        return e * d * (m + o_staging + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD
+        chunks = len(head_chunks.chunks(head_dim))
+        return e * d * (m + o_staging + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD + _WS_CHUNK_OVERHEAD * (chunks - 1)
     wgmma = _uses_wgmma(n if kernel == "bwd_dkdv" else m, capability)
     # wgmma pipelines keep num_stages buffers of each streamed tile in flight, mma.sync pipelines one fewer.
     s = max(1, cfg.num_stages if wgmma else cfg.num_stages - 1)
@@ -186,7 +203,7 @@ MAX_ACCUMULATORS_PER_THREAD = 255
 def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd") -> float:
     """fp32 accumulator values each thread holds (see the module docstring)."""
     _check_kernel(kernel)
-    d, m, n = head_dim_padded(head_dim), cfg.block_m, cfg.block_n
+    d, m, n = computed_width(cfg, head_dim), cfg.block_m, cfg.block_n
     # K and V as 16-bit register operands (half a register a value) of the dK/dV kernel's Sᵀ and dPᵀ at d <= 64
     kv_operands = 64 * d / 128 if kernel == "bwd_dkdv" and kv_in_registers(d) else 0
     if cfg.fused_dq and kernel == "bwd_dkdv":
@@ -224,7 +241,7 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
     if cfg.pipeline_qk and kernel != "fwd":
         return f"pipeline_qk is a forward switch; {kernel} has no QKᵀ loop to pipeline that way"
     if cfg.warp_specialized:
-        reason = warpspec_unsupported(head_dim, dtype, device.capability, device.triton_version)
+        reason = warpspec_unsupported(head_dim, dtype, device.capability, device.triton_version, kernel)
         if reason is not None:
             return reason
         consumer_registers = ws_registers(cfg, kernel)[1]
@@ -350,6 +367,29 @@ _PREFERRED: dict[tuple[str, int, bool], list[KernelConfig]] = {
     ("bwd_dq", 64, False): [KernelConfig(128, 64, 4, 3)],
     ("bwd_dq", 128, False): [KernelConfig(128, 64, 4, 3, **_WS), KernelConfig(128, 64, 8, 3)],
 }
+# At a head dim without a measurement, the warp-specialized shapes tried first, most work a program first: the first
+# that check() lets fit (shared memory, registers) is the default, so a head dim's default follows from the model and
+# not from a table of head dims — d=96 takes (128, 128) persistent, d=192 (128, 64) persistent, d=256 (128, 64).
+# Causal: ping-pong first (the two consumers' softmaxes under each other's wgmmas), as measured at d=128.
+_WS_ORDER: dict[tuple[str, bool], list[KernelConfig]] = {
+    ("fwd", False): [
+        KernelConfig(192, 128, 4, 2, **_WS, schedule=PERSISTENT),
+        KernelConfig(128, 128, 4, 2, **_WS, schedule=PERSISTENT),
+        KernelConfig(128, 128, 4, 2, **_WS),
+        KernelConfig(128, 64, 4, 2, **_WS, schedule=PERSISTENT),
+        KernelConfig(128, 64, 4, 2, **_WS),
+        KernelConfig(64, 128, 4, 2, **_WS),
+        KernelConfig(64, 64, 4, 2, **_WS),
+    ],
+    ("fwd", True): [
+        KernelConfig(128, 128, 4, 2, **_WS, pingpong=True),
+        KernelConfig(128, 64, 4, 2, **_WS, pingpong=True),
+        KernelConfig(64, 128, 4, 2, **_WS),
+        KernelConfig(64, 64, 4, 2, **_WS),
+    ],
+    ("bwd_dkdv", False): [KernelConfig(64, 128, 4, 2, **_WS), KernelConfig(64, 64, 4, 2, **_WS)],
+    ("bwd_dq", False): [KernelConfig(128, 64, 4, 3, **_WS), KernelConfig(64, 64, 4, 2, **_WS)],
+}
 # Without a measurement: moderate tiles first (they ran within 10 % of the best in every H200 sweep), then smaller.
 _FALLBACK = {
     "fwd": [
@@ -407,9 +447,12 @@ def default_config(
         return INTERPRETER_CONFIG
     if device is None:
         device = inspect_cached(torch.cuda.current_device()) if torch.cuda.is_available() else known_gpu("h200")
-    d = head_dim_padded(head_dim)
-    key = (kernel, d, causal if kernel == "fwd" else False)
-    preferred = _PREFERRED.get(key, []) if dtype != torch.float32 else []
+    masked = causal if kernel == "fwd" else False
+    measured = _PREFERRED.get((kernel, head_dim, masked))
+    if measured is None:  # the warp-specialized shapes by the model, then the Triton tiles of the power of two
+        like = _PREFERRED.get((kernel, head_dim_padded(head_dim), masked), [])
+        measured = _WS_ORDER[kernel, masked] + [cfg for cfg in like if not cfg.warp_specialized]
+    preferred = measured if dtype != torch.float32 else []
     for cfg in preferred + _FALLBACK[kernel]:
         if cfg.warp_specialized and not warp_specialized:
             continue

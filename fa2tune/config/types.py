@@ -6,6 +6,7 @@ import functools
 import numbers
 from dataclasses import MISSING, asdict, dataclass, fields
 
+from . import head_chunks
 from .schedule import PER_TILE, SCHEDULE_WORDS, Schedule
 
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -292,6 +293,8 @@ class Variant:
         causal_tail: the warpspec templates, causal and persistent: the launch's last heads' tiles may be dealt out
             one at a time (fa2tune.launch.causal_tail); off, the code is the pairs' alone. A launch's variant, which
             it renders when its plan has a tail (Schedule.deals_causal_tail), not an entry's.
+        qk_chunks, v_chunks: fwd_ws only: the head-dim chunks of Q/K and of V/O (fa2tune.config.head_chunks), whose
+            loads, buffers, wgmmas and accumulators the template writes out one a chunk; () elsewhere.
     """
 
     causal: bool
@@ -305,6 +308,8 @@ class Variant:
     persistent: bool = False
     fused_dq: bool = False
     causal_tail: bool = False
+    qk_chunks: tuple[int, ...] = ()
+    v_chunks: tuple[int, ...] = ()
 
     @classmethod
     def for_template(
@@ -322,19 +327,29 @@ class Variant:
         persistent: bool = False,
         fused_dq: bool = False,
         causal_tail: bool = False,
+        head_dim: int | None = None,
+        head_dim_v: int | None = None,
     ) -> Variant:
         """The variant `template` (codegen.TEMPLATES) renders for a call: the rules the launcher, codegen.code_hash
         and the probe must agree on, or a stored entry's hash would not name the code it runs. A band mask carries
         causality itself; packed sequences have no even tails; pipeline_qk exists in the forward template only.
         The warpspec templates have causal, persistent and causal_tail (with both), fwd_ws pingpong, bwd_ws fused_dq:
         TMA bounds every tile, so tails need no code of their own, and they take neither band masks nor packed
-        sequences (the launcher routes those to the Triton templates)."""
+        sequences (the launcher routes those to the Triton templates). fwd_ws is written out a head-dim chunk at a
+        time: it needs head_dim (and head_dim_v, V's, where it differs)."""
         if template.endswith("_ws"):
             forward = template == "fwd_ws"
             persistent = bool(persistent) and template in PERSISTENT_TEMPLATES
+            qk_chunks = v_chunks = ()
+            if forward:
+                if head_dim is None:
+                    raise ValueError("fwd_ws is rendered for a head dim: pass head_dim")
+                qk_chunks = head_chunks.chunks(head_dim)
+                v_chunks = head_chunks.chunks(head_dim if head_dim_v is None else head_dim_v)
             return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
                        persistent=persistent, fused_dq=fused_dq and template == "bwd_ws",
-                       causal_tail=causal_tail and causal and persistent)  # fmt: skip
+                       causal_tail=causal_tail and causal and persistent, qk_chunks=qk_chunks,
+                       v_chunks=v_chunks)  # fmt: skip
         return cls(
             causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,
             dot_fp32=dot_fp32, banded=banded, varlen=varlen, pipeline_qk=bool(pipeline_qk) and template == "fwd",

@@ -85,6 +85,7 @@ def code_hash(
     fused_dq: bool = False,
     persistent: bool = False,
     causal_tail: bool = False,
+    head_dim: int | None = None,
 ) -> str:
     """Hash of the Triton code a tuned entry for this kernel and mask runs: the rendered modules of its variants
     (each combination of even and ragged tails), provenance comments left out. A stored entry records it and goes
@@ -106,6 +107,7 @@ def code_hash(
         variant = Variant.for_template(
             template, causal=causal, banded=window, varlen=varlen, even_m=even_m, even_n=even_n,
             pipeline_qk=pipeline_qk, pingpong=pingpong, persistent=persistent, fused_dq=fused_dq, causal_tail=tail,
+            head_dim=head_dim,
         )  # fmt: skip
         digest.update(_code_only(render(template, variant)).encode())
     return digest.hexdigest()[:16]
@@ -140,7 +142,7 @@ def entry_code_hash(key, config) -> str:
     return code_hash(key.kernel, causal=key.causal, window=key.window, varlen=key.varlen,
                      pipeline_qk=bool(config.pipeline_qk), warp_specialized=config.warp_specialized,
                      pingpong=config.pingpong, fused_dq=config.fused_dq, persistent=config.schedule.persistent,
-                     causal_tail=config.schedule.causal_tail)  # fmt: skip
+                     causal_tail=config.schedule.causal_tail, head_dim=key.head_dim)  # fmt: skip
 
 
 def _dependencies(name: str) -> set[str]:

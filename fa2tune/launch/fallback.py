@@ -27,7 +27,7 @@ def runnable(config: KernelConfig, kernel: str, explicit: bool, mask: Mask, pack
     tensors: every tensor the kernel reads or writes through TMA, by the name an error should give; q among them."""
     if not config.warp_specialized:
         return config
-    reason = warpspec.unsupported(mask, packing is not None, **tensors)
+    reason = warpspec.unsupported(kernel, mask, packing is not None, **tensors)
     if reason is None:
         return config
     if explicit:

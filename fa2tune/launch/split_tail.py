@@ -66,10 +66,11 @@ def pieces(tiles: int, main: int, split: int) -> int:
     return (tiles - main) * split
 
 
-def workspace(tiles: int, main: int, split: int, tile_m: int, head_dim: int, device) -> tuple[torch.Tensor, ...]:
-    """(PART_O, PART_LSE) for the pieces of a launch: fp32 [pieces, tile_m, head_dim] and [pieces, tile_m]."""
+def workspace(tiles: int, main: int, split: int, tile_m: int, width: int, device) -> tuple[torch.Tensor, ...]:
+    """(PART_O, PART_LSE) for the pieces of a launch: fp32 [pieces, tile_m, width] and [pieces, tile_m]; width: the
+    O columns the kernel computes (its head-dim chunks, at least O's head dim)."""
     count = pieces(tiles, main, split)
-    return (torch.empty((count, tile_m, head_dim), device=device, dtype=torch.float32),
+    return (torch.empty((count, tile_m, width), device=device, dtype=torch.float32),
             torch.empty((count, tile_m), device=device, dtype=torch.float32))  # fmt: skip
 
 
@@ -78,9 +79,11 @@ def merge(kernel, part_o: torch.Tensor, part_lse: torch.Tensor, o: torch.Tensor,
     """Writes the split tiles' rows of o (batch, heads_q, seqlen_q, head_dim) and lse (batch, heads_q, seqlen_q)
     from their pieces (part_o, part_lse as the forward kernel wrote them) with `kernel`, the forward module's
     _merge_pieces (templates/fwd_ws.py.jinja)."""
-    tile_m, head_dim = part_o.shape[1], part_o.shape[2]
+    tile_m, width, head_dim = part_o.shape[1], part_o.shape[2], o.shape[3]
     rows = min(32, tile_m)
+    cols = 1 << (width - 1).bit_length()  # a power of two over the pieces' columns (and so O's)
     kernel[(tiles - main, tile_m // rows)](
         part_o, part_lse, o, lse, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), main, split,
-        n_m, heads_q, seqlen_q, HEAD_DIM=head_dim, TILE_M=tile_m, ROWS=rows, num_warps=4,
+        n_m, heads_q, seqlen_q, HEAD_DIM=head_dim, PART_WIDTH=width, COLS=cols, TILE_M=tile_m, ROWS=rows,
+        num_warps=4,
     )  # fmt: skip

@@ -5,6 +5,8 @@ launches.
 They are Gluon kernels: TMA descriptors of the tensors replace pointer arithmetic, so they take what TMA takes —
 16-byte-aligned base addresses and strides, a unit last stride — on a Hopper GPU (wgmma), in 16-bit floats, with
 the plain or causal mask. Every other call runs the Triton templates: the launcher asks `unsupported` first.
+The forward is written out a head-dim chunk at a time (fa2tune.config.head_chunks): it takes a TMA descriptor a
+chunk of each tensor, every one over the whole tensor, in blocks of the chunk's width.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import functools
 
 import torch
 
-from ..config import planner
+from ..config import head_chunks, planner
 from ..config.inputs import interpreting
 from ..config.types import KernelConfig, Mask, Variant
 from ..kernels import codegen
@@ -24,13 +26,14 @@ ROWS_PER_CONSUMER = 64  # the template's ROWS_PER_CONSUMER: one warpgroup's wgmm
 TMA_ALIGN = 16  # bytes: TMA's alignment of a tensor's base address and of every stride but the last
 
 
-def unsupported(mask: Mask, packed: bool, **tensors: torch.Tensor) -> str | None:
-    """Why a warp-specialized kernel cannot run this call (then the Triton template does), or None. tensors: every
-    tensor it reads or writes through TMA, by the name an error should give; q and k among them."""
+def unsupported(kernel: str, mask: Mask, packed: bool, **tensors: torch.Tensor) -> str | None:
+    """Why the warp-specialized kernel of `kernel` cannot run this call (then the Triton template does), or None.
+    tensors: every tensor it reads or writes through TMA, by the name an error should give; q and k among them."""
     q, k = tensors["q"], tensors["k"]
     if interpreting() or not q.is_cuda:
         return "warpspec runs on a CUDA GPU only, not Triton's interpreter"
-    reason = planner.warpspec_unsupported(q.shape[-1], q.dtype, _capability(q.device.index), planner.triton_version())
+    reason = planner.warpspec_unsupported(q.shape[-1], q.dtype, _capability(q.device.index), planner.triton_version(),
+                                          kernel)  # fmt: skip
     if reason is not None:
         return reason
     if mask.banded or packed:
@@ -100,24 +103,25 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...], checked: bool = True):
     return desc
 
 
-def _module(kernel: str, config: KernelConfig, causal: bool, tail: bool = False):
-    """The rendered template module of a warpspec config of `kernel` (codegen keeps it per process); tail: its
-    causal_tail variant (a causal persistent launch with a tail planned: fa2tune.launch.causal_tail)."""
+def _module(kernel: str, config: KernelConfig, causal: bool, head_dim: int, tail: bool = False):
+    """The rendered template module of a warpspec config of `kernel` at `head_dim` (codegen keeps it per process);
+    tail: its causal_tail variant (a causal persistent launch with a tail planned: fa2tune.launch.causal_tail)."""
     template = codegen.template_for(kernel, config.warp_specialized)
     variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
                                    pingpong=config.pingpong, persistent=config.schedule.persistent,
-                                   fused_dq=config.fused_dq, causal_tail=tail)  # fmt: skip
+                                   fused_dq=config.fused_dq, causal_tail=tail, head_dim=head_dim)  # fmt: skip
     return codegen.load(template, variant)
 
 
 @functools.lru_cache(maxsize=256)
 def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool, tail: bool = False):
-    """(Gluon kernel, TMA block of the query-side tensors, of the key-side ones, keyword arguments) that a warpspec
-    config of `kernel` ("fwd", "bwd_dkdv", "bwd_dq") runs: query side Q, O, dO, dQ; key side K, V, dK, dV; the
-    keywords are its constexprs and launch options (a shared dict: read it, do not change it). One definition for
-    the launches below and for probe.compile_config; cached, as every launch asks (7 µs uncached). tail: the causal
-    tail's variant (_module)."""
-    module = _module(kernel, config, causal, tail)
+    """(Gluon kernel, TMA blocks by side, keyword arguments) that a warpspec config of `kernel` ("fwd", "bwd_dkdv",
+    "bwd_dq") runs. Sides: "q" the query-side tensors (Q, O, dO, dQ), "kv" the key-side ones (K, V, dK, dV), each a
+    tuple of blocks, one a descriptor; the forward takes a descriptor a head-dim chunk (head_chunks), the backward
+    one a tensor. The keywords are its constexprs and launch options (a shared dict: read it, do not change it). One
+    definition for the launches below and for probe.compile_config; cached, as every launch asks (7 µs uncached).
+    tail: the causal tail's variant (_module)."""
+    module = _module(kernel, config, causal, head_dim, tail)
     if kernel == "fwd":  # consumers own query rows; K/V stream in block_n rows
         fn, q_rows, kv_rows = module._attn_fwd_ws, ROWS_PER_CONSUMER, config.block_n
     elif kernel == "bwd_dq":  # likewise
@@ -130,7 +134,9 @@ def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool
                   CONSUMER_REGS=consumer_regs, num_warps=4)  # fmt: skip
     if maxnreg is not None:
         kwargs["maxnreg"] = maxnreg
-    return fn, (1, 1, q_rows, head_dim), (1, 1, kv_rows, head_dim), kwargs
+    widths = head_chunks.chunks(head_dim) if kernel == "fwd" else (head_dim,)
+    blocks = {"q": tuple((1, 1, q_rows, w) for w in widths), "kv": tuple((1, 1, kv_rows, w) for w in widths)}
+    return fn, blocks, kwargs
 
 
 def _grid(config: KernelConfig, row_tiles: int, batch_heads: int, device_index: int | None):
@@ -155,14 +161,26 @@ def _launcher(
     tail: bool = False,
 ):
     """A function of the call's tensors that launches a warpspec config of `kernel` on `grid`: its arguments are the
-    tensors the kernel reads through TMA descriptors, in the kernel's order — sides names each one's block, "q" the
-    query-side one, "kv" the key-side one (compiled_form), "dq_partial" a fused-dQ partial's (dq_partial_block) —,
-    then its pointer parameters; scalars are the rest.
+    tensors the kernel reads through TMA descriptors, in the kernel's order — sides names each one's blocks, "q" the
+    query-side ones, "kv" the key-side ones (compiled_form), "dq_partial" a fused-dQ partial's (dq_partial_block) —,
+    then its pointer parameters; scalars are the rest. A tensor of several blocks (the forward's head-dim chunks) is
+    passed once and described once a block.
     Everything but the tensors is worked out here, once per call signature (launcher's plans keep the function).
     tail: the causal tail's variant (_module), for a launch with one."""
-    fn, q_block, kv_block, kwargs = compiled_form(kernel, config, head_dim, causal, tail)
-    by_side = {"q": q_block, "kv": kv_block, "dq_partial": dq_partial_block(q_block, kwargs["CONSUMERS"])}
-    return fastlaunch.TmaLauncher(fn, grid, tuple(by_side[side] for side in sides), _describe, scalars, kwargs)
+    fn, blocks, kwargs = compiled_form(kernel, config, head_dim, causal, tail)
+    by_side = dict(blocks, dq_partial=(dq_partial_block(blocks["q"][0], kwargs["CONSUMERS"]),))
+    flat = tuple(block for side in sides for block in by_side[side])
+    launcher = fastlaunch.TmaLauncher(fn, grid, flat, _describe, scalars, kwargs)
+    if len(flat) == len(sides):
+        return launcher
+    repeats = tuple(len(by_side[side]) for side in sides)
+    count = len(sides)
+
+    def launch_chunked(*tensors):
+        described = [t for t, times in zip(tensors[:count], repeats, strict=True) for _ in range(times)]
+        launcher(*described, *tensors[count:])
+
+    return launch_chunked
 
 
 def _describe(t: torch.Tensor, block: tuple[int, ...]):
@@ -210,10 +228,11 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
     if split == 1:
         return lambda q, k, v, o, lse: launch(q, k, v, o, lse, lse, lse)  # no pieces: lse stands in for PART_O/LSE
 
-    merge_pieces = _module("fwd", config, causal)._merge_pieces
+    merge_pieces = _module("fwd", config, causal, head_dim)._merge_pieces
 
     def launch_split(q, k, v, o, lse):
-        part_o, part_lse = split_tail.workspace(tiles, main, split, config.block_m, head_dim, q.device)
+        part_o, part_lse = split_tail.workspace(tiles, main, split, config.block_m, head_chunks.padded(head_dim),
+                                                q.device)  # fmt: skip
         launch(q, k, v, o, lse, part_o, part_lse)
         split_tail.merge(merge_pieces, part_o, part_lse, o, lse, tiles=tiles, main=main, split=split, n_m=row_tiles,
                          heads_q=heads_q, seqlen_q=seqlen_q)  # fmt: skip

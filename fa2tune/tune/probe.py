@@ -159,13 +159,16 @@ def _compile_warpspec(
     from ..launch import warpspec
 
     tail = config.schedule.deals_causal_tail(causal)
-    fn, q_block, kv_block, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal, tail)
+    fn, blocks, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal, tail)
     x = torch.empty(2, 16, 8192, head_dim, dtype=dtype)
-    q_desc, kv_desc = warpspec._descriptor(x, q_block), warpspec._descriptor(x, kv_block)
-    descriptors = {"q_desc": q_desc, "o_desc": q_desc, "do_desc": q_desc, "k_desc": kv_desc, "v_desc": kv_desc,
-                   "dk_desc": kv_desc, "dv_desc": kv_desc, "dq_desc": q_desc}  # fmt: skip
+    sides = {"q": "q", "o": "q", "do": "q", "dq": "q", "k": "kv", "v": "kv", "dk": "kv", "dv": "kv"}
+    descriptors = {}
+    for arg in fn.arg_names:  # q_desc, or q_desc0, q_desc1, … a head-dim chunk each (the forward)
+        name, _, chunk = arg.partition("_desc")
+        if name in sides:
+            descriptors[arg] = warpspec._descriptor(x, blocks[sides[name]][int(chunk or 0)])
     if "dqacc_desc" in fn.arg_names:  # bwd_dkdv with dQ fused in: the fp32 dQ its partials are added into
-        block = warpspec.dq_partial_block(q_block, kwargs["CONSUMERS"])
+        block = warpspec.dq_partial_block(blocks["q"][0], kwargs["CONSUMERS"])
         descriptors["dqacc_desc"] = warpspec._descriptor(torch.empty_like(x, dtype=torch.float32), block)
     scalars = {"LSE": "*fp32", "DELTA": "*fp32", "PART_O": "*fp32", "PART_LSE": "*fp32", "qk_scale": "fp32",
                "scale": "fp32", "GROUP": "i32"}  # fmt: skip
