@@ -7,6 +7,13 @@ Triton's own launch test, `shared <= DeviceInfo.smem_per_block_optin`. Compiles 
 
     python scripts/check_planner.py --gpu h200 --head-dims 64,128 --dtype bf16 \
         --csv docs/planner/nvidia-h200-compiler.csv
+
+--warpspec checks the warp-specialized kernels instead: every candidate planner.check accepts at each head dim,
+compiled plain and causal; a false accept is a config that fails to compile, needs more shared memory than the GPU
+has, or spills (the consumers' STACK > 0: a spill the register model should have seen). Head dims that round up to
+the same chunks (fa2tune.config.head_chunks) compile the same kernel: multiples of 16 cover them all.
+
+    python scripts/check_planner.py --warpspec --head-dims $(seq -s, 16 16 256) --csv $OUT/warpspec.csv
 """
 
 from __future__ import annotations
@@ -23,19 +30,50 @@ from fa2tune.config.inputs import DTYPES_BY_NAME
 from fa2tune.config.types import KernelConfig
 
 
-def _compile(job: tuple[str, int, str, KernelConfig, tuple[int, int]]) -> dict:
-    from fa2tune.tune.probe import compile_config
+def _compile(job: tuple[str, int, str, KernelConfig, tuple[int, int], bool]) -> dict:
+    from fa2tune.tune.probe import compile_config, cuobjdump
 
-    kernel, head_dim, dtype, cfg, capability = job
-    report = compile_config(kernel, cfg, head_dim, DTYPES_BY_NAME[dtype], causal=True, capability=capability)
+    kernel, head_dim, dtype, cfg, capability, causal = job
+    report = compile_config(kernel, cfg, head_dim, DTYPES_BY_NAME[dtype], causal=causal, capability=capability)
+    stack = ""
+    if report.cubin is not None and cfg.warp_specialized:
+        usage = cuobjdump(report.cubin, "-res-usage").split()
+        stack = max(int(word.split(":")[1]) for word in usage if word.startswith("STACK:"))
     return dict(
         kernel=kernel,
         head_dim=head_dim,
         dtype=dtype,
-        **cfg.to_dict(),
+        causal=causal,
+        block_m=cfg.block_m,
+        block_n=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        pipeline_qk=cfg.pipeline_qk,
+        config=cfg.label(),
         shared_bytes=report.shared_bytes if report.shared_bytes is not None else "",
+        stack_bytes=stack,
         error=report.error or "",
     )
+
+
+def summarize_warpspec(rows: list[dict], gpu: str = "h200") -> str:
+    """A markdown table of the warp-specialized candidates the planner accepted, by kernel: how many compiled, and its
+    false accepts — compile errors, shared memory past the GPU's, spills — with the worst offenders named."""
+    limit = device.known_gpu(gpu).smem_per_block
+    out = ["| kernel | accepted, compiled | compile errors | over shared memory | spills (STACK > 0) | worst |",
+           "|---|---|---|---|---|---|"]  # fmt: skip
+    for kernel in planner.KERNELS:
+        group = [r for r in rows if r["kernel"] == kernel]
+        if not group:
+            continue
+        errors = [r for r in group if r["error"]]
+        over = [r for r in group if not r["error"] and int(r["shared_bytes"]) > limit]
+        spills = [r for r in group if not r["error"] and int(r["stack_bytes"] or 0) > 0]
+        worst = max(spills, key=lambda r: int(r["stack_bytes"]), default=None)
+        named = "-" if worst is None else f"d={worst['head_dim']} {worst['config']} causal={worst['causal']}: " \
+                                          f"{worst['stack_bytes']} B"
+        out.append(f"| {kernel} | {len(group)} | {len(errors)} | {len(over)} | {len(spills)} | {named} |")
+    return "\n".join(out)
 
 
 def summarize(csv_path: str, gpu: str = "h200") -> str:
@@ -87,18 +125,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parser.add_argument("--csv", required=True)
     parser.add_argument("--summarize", action="store_true", help="only print the comparison table of an existing CSV")
+    parser.add_argument("--warpspec", action="store_true",
+                        help="the warp-specialized candidates the planner accepts, plain and causal (see above)")
     args = parser.parse_args(argv)
     if args.summarize:
         print(summarize(args.csv, args.gpu))
         return 0
     info = device.known_gpu(args.gpu)
-    jobs = [
-        (kernel, head_dim, args.dtype, cfg, info.capability)
-        for kernel in args.kernels.split(",")
-        for head_dim in map(int, args.head_dims.split(","))
-        for cfg in planner.candidates()
-        if not cfg.warp_specialized  # the Gluon template's model is checked by tests/test_warpspec.py
-    ]
+    if args.warpspec:
+        dtype = DTYPES_BY_NAME[args.dtype]
+        jobs = [
+            (kernel, head_dim, args.dtype, cfg, info.capability, causal)
+            for kernel in args.kernels.split(",")
+            for head_dim in map(int, args.head_dims.split(","))
+            for cfg in planner.candidates(kernel)
+            if cfg.warp_specialized and planner.check(cfg, info, head_dim, dtype, kernel) is None
+            for causal in (False, True)
+        ]
+    else:
+        jobs = [
+            (kernel, head_dim, args.dtype, cfg, info.capability, True)
+            for kernel in args.kernels.split(",")
+            for head_dim in map(int, args.head_dims.split(","))
+            for cfg in planner.candidates()
+            if not cfg.warp_specialized
+        ]
     start = time.time()
     os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
     rows = []
@@ -115,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{i + 1}/{len(jobs)} compiled, {time.time() - start:.0f} s", flush=True)
     failed = sum(1 for r in rows if r["error"])
     print(f"{len(rows)} configs compiled for {info.name} in {time.time() - start:.0f} s; {failed} failed to compile")
-    print(summarize(args.csv, args.gpu))
+    print(summarize_warpspec(rows, args.gpu) if args.warpspec else summarize(args.csv, args.gpu))
     return 0
 
 

@@ -435,6 +435,28 @@ def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype, m
         _assert_gradients_match_reference(grads, q, k, v, do, causal=causal)
 
 
+@_HOPPER
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim, dtype", _CHUNKED_DIMS, ids=lambda x: str(x).replace("torch.", ""))
+def test_warpspec_backward_at_every_head_dim_matches_reference(head_dim, dtype, causal, monkeypatch):
+    # the dK/dV and dQ kernels a chunk at a time, as the forward (head_chunks): each head dim's default configs (the
+    # planner's: warp-specialized where the register model lets them fit — dK/dV up to d=136, dQ everywhere —, the
+    # Triton template's beside them), persistent ones over three programs, GQA and not, ragged lengths
+    device = device_info(0)
+    configs = [planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
+               for kernel in ("bwd_dkdv", "bwd_dq")]  # fmt: skip
+    assert any(c.warp_specialized for c in configs), configs
+    if any(c.schedule.persistent for c in configs):
+        monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
+    torch.manual_seed(head_dim + 3)
+    for q, k, v in (*_ws_inputs(head_dim, dtype), *_ws_inputs(head_dim, dtype, kv_heads=4)):
+        do = torch.randn_like(q)
+        o, lse = ops.forward(q, k, v, causal=causal, scale=head_dim**-0.5)
+        grads = ops.backward(do, q, k, v, o, lse, causal=causal, scale=head_dim**-0.5, dkdv_config=configs[0],
+                             dq_config=configs[1])  # fmt: skip
+        _assert_gradients_match_reference(grads, q, k, v, do, causal=causal)
+
+
 def _assert_gradients_match_reference(grads, q, k, v, do, *, causal: bool) -> None:
     """dQ, dK, dV (grads) against float64 autograd through naive attention, at q's dtype's tolerance."""
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))

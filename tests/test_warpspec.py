@@ -111,15 +111,17 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
         "warpspec needs a Hopper GPU (compute capability 9.x: wgmma), this one is 8.0"
     )
     assert planner.check(WS, h200, 128, torch.float32).startswith("warpspec takes float16/bfloat16")
-    # the forward is written out a head-dim chunk at a time: every multiple of 8 up to 256; the backward's kernels
-    # hold the head dim as one block: powers of two
+    # the kernels are written out a head-dim chunk at a time: every multiple of 8 up to 256; dQ fused into the dK/dV
+    # kernel only where the head dim is one chunk
     fits_all = KernelConfig(128, 64, 4, 2, warp_specialized=True)
     assert all(planner.check(fits_all, h200, d, torch.bfloat16) is None for d in (16, 40, 96, 136, 192, 248))
-    assert planner.check(WS, h200, 100, torch.bfloat16).startswith("warpspec's forward takes head_dim a multiple of 8")
+    assert planner.check(WS, h200, 100, torch.bfloat16).startswith("warpspec takes head_dim a multiple of 8")
     dkdv_ws = KernelConfig(64, 128, 4, 2, warp_specialized=True)
-    assert planner.check(dkdv_ws, h200, 96, torch.bfloat16, "bwd_dkdv").startswith(
-        "warpspec's bwd_dkdv takes head_dim in (32, 64, 128, 256)"
+    assert planner.check(dkdv_ws, h200, 96, torch.bfloat16, "bwd_dkdv") is None
+    assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 96, torch.bfloat16, "bwd_dkdv") == (
+        "fused_dq takes a head dim of one chunk (a power of two), got 96"
     )
+    assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 64, torch.bfloat16, "bwd_dkdv") is None
     # The Gluon kernels compile on the Triton they were written for (3.9 renamed their TMA store): a card read under
     # another Triton rules them out, so a shipped warpspec entry is passed over with a warning, not compiled.
     read_under = lambda version: replace(h200, source="card", triton_version=version)
@@ -302,21 +304,21 @@ def test_code_hash_names_the_template_and_its_switches():
     dq = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="bwd_dq")
     assert (
         codegen.entry_code_hash(dq, KernelConfig(128, 64, 4, 3, warp_specialized=True))
-        == codegen.code_hash("bwd_dq", causal=True, warp_specialized=True)
+        == codegen.code_hash("bwd_dq", causal=True, warp_specialized=True, head_dim=128)
         != codegen.entry_code_hash(dq, KernelConfig(128, 64, 4, 3))
     )
     assert "def _attn_bwd_dq_ws(" in codegen.render("bwd_dq_ws", Variant.for_template(
-        "bwd_dq_ws", causal=False, banded=False, varlen=False, even_m=True, even_n=True))  # fmt: skip
+        "bwd_dq_ws", causal=False, banded=False, varlen=False, even_m=True, even_n=True, head_dim=128))  # fmt: skip
     assert "def _attn_bwd_dkdv_ws(" in codegen.render("bwd_ws", Variant.for_template(
-        "bwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True))  # fmt: skip
+        "bwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True, head_dim=128))  # fmt: skip
     # bwd_dkdv's fused_dq (dQ fused in) is code of its own; fused_dq is a switch of bwd_ws only
     fused = Variant.for_template("bwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True,
-                                 fused_dq=True)  # fmt: skip
+                                 fused_dq=True, head_dim=128)  # fmt: skip
     assert fused.fused_dq and "tma_reduce_add(dqacc_desc" in codegen.render("bwd_ws", fused)
     assert not Variant.for_template("bwd_dq_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True,
-                                    fused_dq=True).fused_dq  # fmt: skip
-    assert codegen.code_hash("bwd_dkdv", causal=True, warp_specialized=True, fused_dq=True) != codegen.code_hash(
-        "bwd_dkdv", causal=True, warp_specialized=True
+                                    fused_dq=True, head_dim=128).fused_dq  # fmt: skip
+    assert codegen.code_hash("bwd_dkdv", causal=True, warp_specialized=True, fused_dq=True, head_dim=128) != (
+        codegen.code_hash("bwd_dkdv", causal=True, warp_specialized=True, head_dim=128)
     )
     variant = Variant.for_template(
         "fwd_ws", causal=True, banded=False, varlen=False, even_m=True, even_n=True, pingpong=True, head_dim=128

@@ -52,10 +52,8 @@ from .types import KERNELS, MAX_HEAD_DIM, WS_BACKWARD_TILES, WS_BLOCK_M, DeviceI
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (1, 2, 3, 4, 5)
-# The warp-specialized kernels (fwd_ws, bwd_ws, bwd_dq_ws .py.jinja): Hopper's wgmma and TMA, 16-bit inputs. The
-# forward takes every head dim head_chunks.supported admits (written out a power-of-two chunk at a time); the
-# backward's kernels hold the head dim as one block, so they take the powers of two alone.
-WS_BACKWARD_HEAD_DIMS = (32, 64, 128, 256)
+# The warp-specialized kernels (fwd_ws, bwd_ws, bwd_dq_ws .py.jinja): Hopper's wgmma and TMA, 16-bit inputs, every
+# head dim head_chunks.supported admits (written out a power-of-two chunk at a time).
 WS_DTYPES = (torch.float16, torch.bfloat16)
 # Gluon, the dialect they are written in, is experimental and its API moves between Triton releases (3.9 renamed
 # tma.async_copy_shared_to_global, and the kernels no longer compile): they run on the Triton they were written and
@@ -86,21 +84,18 @@ _WS_REGISTERS_BESIDE_ACCUMULATORS = {"fwd": 64, "bwd_dkdv": 16, "bwd_dq": 24}
 
 
 def warpspec_unsupported(
-    head_dim: int, dtype: torch.dtype, capability: tuple[int, int], triton: str = "", kernel: str = "fwd"
+    head_dim: int, dtype: torch.dtype, capability: tuple[int, int], triton: str = ""
 ) -> str | None:
-    """Why the warp-specialized kernel of `kernel` (forward, dK/dV, dQ) cannot run this head dim / dtype / GPU, or
-    None. triton: the version of the Triton that would compile them ("": not known — a known-GPU table's model of a
-    card)."""
+    """Why the warp-specialized kernels (forward, dK/dV, dQ) cannot run this head dim / dtype / GPU, or None.
+    triton: the version of the Triton that would compile them ("": not known — a known-GPU table's model of a card)."""
     if capability[0] != 9:
         major, minor = capability
         return f"warpspec needs a Hopper GPU (compute capability 9.x: wgmma), this one is {major}.{minor}"
     if dtype not in WS_DTYPES:
         return f"warpspec takes float16/bfloat16 inputs, got {dtype}"
-    if kernel == "fwd" and not head_chunks.supported(head_dim):
+    if not head_chunks.supported(head_dim):
         low, high, step = head_chunks.CHUNK_MIN, head_chunks.CHUNK_MAX, head_chunks.ALIGN
-        return f"warpspec's forward takes head_dim a multiple of {step} in {low}..{high}, got {head_dim}"
-    if kernel != "fwd" and head_dim not in WS_BACKWARD_HEAD_DIMS:
-        return f"warpspec's {kernel} takes head_dim in {WS_BACKWARD_HEAD_DIMS}, got {head_dim}"
+        return f"warpspec takes head_dim a multiple of {step} in {low}..{high}, got {head_dim}"
     if triton and not triton.startswith(WS_TRITON):
         return f"warpspec's Gluon kernels are written for Triton {WS_TRITON}x; this is Triton {triton}"
     return None
@@ -154,14 +149,13 @@ def sram_bytes(
         if cfg.fused_dq:  # dSᵀ (n × m, 16-bit) twice, and an fp32 staging buffer of its dQ columns a consumer
             consumers = n // 64
             fused_dq = 2 * e * n * m + consumers * m * fused_dq_columns(d, consumers) * 4 + 256  # + 4 mbarriers
-        return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + fused_dq + _WS_SMEM_OVERHEAD  # S Q_i, dO_i
+        return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + fused_dq + _ws_overhead(head_dim)  # S Q_i, dO_i
     if cfg.warp_specialized and kernel == "bwd_dq":
         staging = m if persistent else 0  # dQ staged apart from the next tile's Q; else in Q's buffer
-        return e * d * (2 * m + staging + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD  # S buffers of K_j, V_j
+        return e * d * (2 * m + staging + 2 * cfg.num_stages * n) + _ws_overhead(head_dim)  # S buffers of K_j, V_j
     if cfg.warp_specialized:
         o_staging = m if persistent else 0  # else O is staged in Q's buffer
-        chunks = len(head_chunks.chunks(head_dim))
-        return e * d * (m + o_staging + 2 * cfg.num_stages * n) + _WS_SMEM_OVERHEAD + _WS_CHUNK_OVERHEAD * (chunks - 1)
+        return e * d * (m + o_staging + 2 * cfg.num_stages * n) + _ws_overhead(head_dim)
     wgmma = _uses_wgmma(n if kernel == "bwd_dkdv" else m, capability)
     # wgmma pipelines keep num_stages buffers of each streamed tile in flight, mma.sync pipelines one fewer.
     s = max(1, cfg.num_stages if wgmma else cfg.num_stages - 1)
@@ -176,6 +170,11 @@ def sram_bytes(
     if kernel == "bwd_dkdv":
         return e * d * (2 * n + 2 * s * m) + 8 * s * m + scores
     return e * d * (2 * m + 2 * s * n) + scores
+
+
+def _ws_overhead(head_dim: int) -> int:
+    """Shared memory a warp-specialized program holds beyond its tiles: mbarriers, and alignment a chunk."""
+    return _WS_SMEM_OVERHEAD + _WS_CHUNK_OVERHEAD * (len(head_chunks.chunks(head_dim)) - 1)
 
 
 def fused_dq_columns(head_dim: int, consumers: int) -> int:
@@ -194,7 +193,7 @@ def kv_in_registers(head_dim: int, causal: bool = False) -> bool:
     under a branch the compile reused K's and V's registers for Pᵀ and dSᵀ (wrong dK), and a mask without a branch
     cost more than the registers save. The register model (accumulators_per_thread) has no mask, so it counts
     them for both: a causal compile holds fewer than it says."""
-    return head_dim_padded(head_dim) <= 64 and not causal
+    return head_chunks.padded(head_dim) <= 64 and not causal
 
 
 MAX_ACCUMULATORS_PER_THREAD = 255
@@ -241,9 +240,11 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
     if cfg.pipeline_qk and kernel != "fwd":
         return f"pipeline_qk is a forward switch; {kernel} has no QKᵀ loop to pipeline that way"
     if cfg.warp_specialized:
-        reason = warpspec_unsupported(head_dim, dtype, device.capability, device.triton_version, kernel)
+        reason = warpspec_unsupported(head_dim, dtype, device.capability, device.triton_version)
         if reason is not None:
             return reason
+        if cfg.fused_dq and len(head_chunks.chunks(head_dim)) > 1:
+            return f"fused_dq takes a head dim of one chunk (a power of two), got {head_dim}"
         consumer_registers = ws_registers(cfg, kernel)[1]
         budget = consumer_registers - _WS_REGISTERS_BESIDE_ACCUMULATORS[kernel]
         regs = accumulators_per_thread(cfg, head_dim, kernel)

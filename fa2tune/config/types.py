@@ -293,8 +293,9 @@ class Variant:
         causal_tail: the warpspec templates, causal and persistent: the launch's last heads' tiles may be dealt out
             one at a time (fa2tune.launch.causal_tail); off, the code is the pairs' alone. A launch's variant, which
             it renders when its plan has a tail (Schedule.deals_causal_tail), not an entry's.
-        qk_chunks, v_chunks: fwd_ws only: the head-dim chunks of Q/K and of V/O (fa2tune.config.head_chunks), whose
-            loads, buffers, wgmmas and accumulators the template writes out one a chunk; () elsewhere.
+        qk_chunks, v_chunks: the warpspec templates: the head-dim chunks of Q/K (and dQ, dK) and of V/O (and dO, dV)
+            (fa2tune.config.head_chunks), whose loads, buffers, wgmmas and accumulators the template writes out one a
+            chunk; () for the Triton templates.
     """
 
     causal: bool
@@ -335,17 +336,18 @@ class Variant:
         causality itself; packed sequences have no even tails; pipeline_qk exists in the forward template only.
         The warpspec templates have causal, persistent and causal_tail (with both), fwd_ws pingpong, bwd_ws fused_dq:
         TMA bounds every tile, so tails need no code of their own, and they take neither band masks nor packed
-        sequences (the launcher routes those to the Triton templates). fwd_ws is written out a head-dim chunk at a
-        time: it needs head_dim (and head_dim_v, V's, where it differs)."""
+        sequences (the launcher routes those to the Triton templates). They are written out a head-dim chunk at a
+        time: they need head_dim (and head_dim_v, V's, where it differs); fused dQ only where it is one chunk."""
         if template.endswith("_ws"):
             forward = template == "fwd_ws"
             persistent = bool(persistent) and template in PERSISTENT_TEMPLATES
-            qk_chunks = v_chunks = ()
-            if forward:
-                if head_dim is None:
-                    raise ValueError("fwd_ws is rendered for a head dim: pass head_dim")
-                qk_chunks = head_chunks.chunks(head_dim)
-                v_chunks = head_chunks.chunks(head_dim if head_dim_v is None else head_dim_v)
+            if head_dim is None:
+                raise ValueError(f"{template} is rendered for a head dim: pass head_dim")
+            qk_chunks = head_chunks.chunks(head_dim)
+            v_chunks = head_chunks.chunks(head_dim if head_dim_v is None else head_dim_v)
+            if fused_dq and template == "bwd_ws" and len(qk_chunks) > 1:
+                raise ValueError(f"fused_dq takes a head dim of one chunk (a power of two), got {head_dim} = "
+                                 f"{' + '.join(map(str, qk_chunks))}")  # fmt: skip
             return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
                        persistent=persistent, fused_dq=fused_dq and template == "bwd_ws",
                        causal_tail=causal_tail and causal and persistent, qk_chunks=qk_chunks,

@@ -5,8 +5,8 @@ launches.
 They are Gluon kernels: TMA descriptors of the tensors replace pointer arithmetic, so they take what TMA takes —
 16-byte-aligned base addresses and strides, a unit last stride — on a Hopper GPU (wgmma), in 16-bit floats, with
 the plain or causal mask. Every other call runs the Triton templates: the launcher asks `unsupported` first.
-The forward is written out a head-dim chunk at a time (fa2tune.config.head_chunks): it takes a TMA descriptor a
-chunk of each tensor, every one over the whole tensor, in blocks of the chunk's width.
+They are written out a head-dim chunk at a time (fa2tune.config.head_chunks): they take a TMA descriptor a chunk
+of each tensor, every one over the whole tensor, in blocks of the chunk's width.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ def unsupported(kernel: str, mask: Mask, packed: bool, **tensors: torch.Tensor) 
     q, k = tensors["q"], tensors["k"]
     if interpreting() or not q.is_cuda:
         return "warpspec runs on a CUDA GPU only, not Triton's interpreter"
-    reason = planner.warpspec_unsupported(q.shape[-1], q.dtype, _capability(q.device.index), planner.triton_version(),
-                                          kernel)  # fmt: skip
+    reason = planner.warpspec_unsupported(q.shape[-1], q.dtype, _capability(q.device.index), planner.triton_version())
     if reason is not None:
         return reason
     if mask.banded or packed:
@@ -117,9 +116,9 @@ def _module(kernel: str, config: KernelConfig, causal: bool, head_dim: int, tail
 def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool, tail: bool = False):
     """(Gluon kernel, TMA blocks by side, keyword arguments) that a warpspec config of `kernel` ("fwd", "bwd_dkdv",
     "bwd_dq") runs. Sides: "q" the query-side tensors (Q, O, dO, dQ), "kv" the key-side ones (K, V, dK, dV), each a
-    tuple of blocks, one a descriptor; the forward takes a descriptor a head-dim chunk (head_chunks), the backward
-    one a tensor. The keywords are its constexprs and launch options (a shared dict: read it, do not change it). One
-    definition for the launches below and for probe.compile_config; cached, as every launch asks (7 µs uncached).
+    tuple of blocks, a descriptor a head-dim chunk (head_chunks). The keywords are its constexprs and launch options
+    (a shared dict: read it, do not change it). One definition for the launches below and for probe.compile_config;
+    cached, as every launch asks (7 µs uncached).
     tail: the causal tail's variant (_module)."""
     module = _module(kernel, config, causal, head_dim, tail)
     if kernel == "fwd":  # consumers own query rows; K/V stream in block_n rows
@@ -134,7 +133,7 @@ def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool
                   CONSUMER_REGS=consumer_regs, num_warps=4)  # fmt: skip
     if maxnreg is not None:
         kwargs["maxnreg"] = maxnreg
-    widths = head_chunks.chunks(head_dim) if kernel == "fwd" else (head_dim,)
+    widths = head_chunks.chunks(head_dim)
     blocks = {"q": tuple((1, 1, q_rows, w) for w in widths), "kv": tuple((1, 1, kv_rows, w) for w in widths)}
     return fn, blocks, kwargs
 
