@@ -1,10 +1,14 @@
-"""Benchmark reporting: geomean ratios against a baseline, the CSV round trip, the plots."""
+"""Benchmark reporting (fa2tune.bench.report, plots): geomean ratios against a baseline, the CSV round trip and the
+grid's older CSV form, merging and medians of runs, the plots."""
 
 from __future__ import annotations
 
 import math
 
-from fa2tune.tune import benchreport
+import pytest
+
+from fa2tune.bench import plots
+from fa2tune.bench import report as benchreport
 
 
 def _rows():
@@ -23,7 +27,9 @@ def _rows():
 def test_ratios_and_geomean():
     rows = _rows()
     r = benchreport.ratios(rows, "fa2tune", "sdpa_cudnn", "fwd")
-    assert r == {(64, 512, False): 2.0, (64, 512, True): 0.5, (64, 1024, False): 2.0, (64, 1024, True): 2.0}
+    # keyed by shape: (dtype, batch, heads, heads_kv, N, d, causal); the grid's batch·N = 16k and heads·d = 2048
+    assert r == {("bf16", 32, 32, 32, 512, 64, False): 2.0, ("bf16", 32, 32, 32, 512, 64, True): 0.5,
+                 ("bf16", 16, 32, 32, 1024, 64, False): 2.0, ("bf16", 16, 32, 32, 1024, 64, True): 2.0}  # fmt: skip
     assert math.isclose(benchreport.geomean(r.values()), (2.0 * 0.5 * 2.0 * 2.0) ** 0.25)
     assert benchreport.ratios(rows, "fa2tune", "flex", "fwd") == {}  # NaN baselines are skipped, not divided
 
@@ -43,7 +49,7 @@ def test_csv_round_trip_and_plots(tmp_path):
         (r["provider"], r["seqlen"], r["causal"], r["tflops"]) for r in rows[:-1]
     ]
     assert math.isnan(back[-1]["tflops"])
-    (png,) = benchreport.write_plots(back, tmp_path / "plots", "test")
+    (png,) = plots.write_plots(back, tmp_path / "plots", "test")
     assert png.name == "d64-fwd.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -71,3 +77,40 @@ def test_merge_rows_replaces_what_was_measured_and_keeps_the_rest():
     assert [r["tflops"] for r in merged[: len(base)]] == [100.0, 100.0, 150.0, 190.0, 100.0, 100.0, 100.0, 100.0]
     assert merged[len(base) :] == [new[2]]  # a shape base lacked goes after its rows
     assert benchreport.merge_rows(base, [_row("fa2tune", 512, True, 1.0, mode="fwd")])[-1]["mode"] == "fwd"
+
+
+def test_the_grids_older_csv_reads_as_the_grids_shapes(tmp_path):
+    # docs/bench/<gpu>.csv predates the batch, heads and dtype columns: its rows are the grid's (batch·N = 16k,
+    # heads·d = 2048, bf16; a gqa column gives the K/V heads), so they merge with rows `fa2tune bench` measures.
+    old = tmp_path / "grid.csv"
+    old.write_text("provider,head_dim,seqlen,causal,mode,tflops,gqa\n"
+                   "fa2tune,64,512,False,fwd,397.6,\nfa2tune,128,2048,True,fwd+bwd,nan,4\n")  # fmt: skip
+    mha, gqa = benchreport.read_rows(old)
+    assert (mha["batch"], mha["heads"], mha["heads_kv"], mha["dtype"], mha["tflops"]) == (32, 32, 32, "bf16", 397.6)
+    assert (gqa["batch"], gqa["heads"], gqa["heads_kv"], gqa["causal"]) == (8, 16, 4, True) and math.isnan(gqa["ms"])
+    new = dict(mha, tflops=401.0, ms=1.5)
+    merged = benchreport.merge_rows([mha, gqa], [new, dict(new, heads_kv=8)])
+    assert len(merged) == 3 and merged[0]["tflops"] == 401.0 and merged[0]["ms"] == 1.5
+    assert merged[1] is gqa and merged[2]["heads_kv"] == 8  # another K/V head count is another shape, added
+    benchreport.write_rows(merged, old)
+    assert [r["heads_kv"] for r in benchreport.read_rows(old)] == [32, 4, 8]
+
+
+def test_a_summary_names_a_shape_off_the_grid_with_its_batch_and_heads():
+    rows = [dict(_row(p, 256, False, t, mode="fwd"), batch=3, heads=8, heads_kv=2, dtype="fp16")
+            for p, t in (("fa2tune", 90.0), ("sdpa_flash", 60.0))]  # fmt: skip
+    (line,) = benchreport.summary(rows)
+    assert "geomean 1.50x over 1 shapes" in line and "at d=64 N=256 causal=False fp16 B=3 H=8/2" in line
+
+
+@pytest.mark.parametrize("value, written", [(644.3149, 644.3), (12.04, 12.0), (0.0123456, 0.0123), (2.2e-05, 2.2e-05)])
+def test_numbers_keep_a_decimal_on_a_gpu_and_three_digits_below_ten(value, written):
+    assert benchreport.rounded(value) == written and math.isnan(benchreport.rounded(math.nan))
+
+
+def test_plots_are_named_by_head_dim_and_mode_and_by_heads_only_where_two_share_those(tmp_path):
+    rows = [dict(_row("fa2tune", n, False, 100.0 + n, mode="fwd"), heads=h, heads_kv=kv)
+            for n in (256, 512) for h, kv in ((8, 8), (8, 2))]  # fmt: skip
+    rows.append(dict(_row("fa2tune", 256, True, 50.0, mode="fwd+bwd"), head_dim=128))
+    written = sorted(p.name for p in plots.write_plots(rows, tmp_path, ""))
+    assert written == ["d128-fwd_bwd.png", "d64-fwd-h8.png", "d64-fwd-h8kv2.png"]
