@@ -7,8 +7,7 @@ import math
 
 import pytest
 
-from fa2tune.bench import plots
-from fa2tune.bench import report as benchreport
+from fa2tune.bench import plots, report
 
 
 def _rows():
@@ -26,16 +25,16 @@ def _rows():
 
 def test_ratios_and_geomean():
     rows = _rows()
-    r = benchreport.ratios(rows, "fa2tune", "sdpa_cudnn", "fwd")
+    r = report.ratios(rows, "fa2tune", "sdpa_cudnn", "fwd")
     # keyed by shape: (dtype, batch, heads, heads_kv, N, d, causal); the grid's batch·N = 16k and heads·d = 2048
     assert r == {("bf16", 32, 32, 32, 512, 64, False): 2.0, ("bf16", 32, 32, 32, 512, 64, True): 0.5,
                  ("bf16", 16, 32, 32, 1024, 64, False): 2.0, ("bf16", 16, 32, 32, 1024, 64, True): 2.0}  # fmt: skip
-    assert math.isclose(benchreport.geomean(r.values()), (2.0 * 0.5 * 2.0 * 2.0) ** 0.25)
-    assert benchreport.ratios(rows, "fa2tune", "flex", "fwd") == {}  # NaN baselines are skipped, not divided
+    assert math.isclose(report.geomean(r.values()), (2.0 * 0.5 * 2.0 * 2.0) ** 0.25)
+    assert report.ratios(rows, "fa2tune", "flex", "fwd") == {}  # NaN baselines are skipped, not divided
 
 
 def test_summary_names_the_worst_shape():
-    lines = benchreport.summary(_rows())
+    lines = report.summary(_rows())
     cudnn = next(line for line in lines if "sdpa_cudnn" in line)
     assert "geomean 1.41x over 4 shapes" in cudnn and "worst 0.50x at d=64 N=512 causal=True" in cudnn
     assert "below 1x: 1" in cudnn and not any("flex" in line for line in lines)
@@ -43,8 +42,8 @@ def test_summary_names_the_worst_shape():
 
 def test_csv_round_trip_and_plots(tmp_path):
     rows = _rows()
-    benchreport.write_rows(rows, tmp_path / "bench.csv")
-    back = benchreport.read_rows(tmp_path / "bench.csv")
+    report.write_rows(rows, tmp_path / "bench.csv")
+    back = report.read_rows(tmp_path / "bench.csv")
     assert [(r["provider"], r["seqlen"], r["causal"], r["tflops"]) for r in back[:-1]] == [
         (r["provider"], r["seqlen"], r["causal"], r["tflops"]) for r in rows[:-1]
     ]
@@ -63,20 +62,20 @@ def test_median_of_runs_takes_each_rows_median_across_processes():
     # could measure stays NaN.
     runs = [[_row("fa2tune", 512, True, a), _row("sdpa_cudnn", 512, True, b), _row("flex", 512, True, c)]
             for a, b, c in ((160.1, 189.7, math.nan), (208.9, 189.3, math.nan), (185.2, 190.0, math.nan))]  # fmt: skip
-    fa2tune, cudnn, flex = benchreport.median_of_runs(runs)
+    fa2tune, cudnn, flex = report.median_of_runs(runs)
     assert (fa2tune["provider"], fa2tune["tflops"]) == ("fa2tune", 185.2) and cudnn["tflops"] == 189.7
     assert math.isnan(flex["tflops"])
     runs[1][0]["tflops"] = math.nan  # an even count of readings: the mean of the middle two
-    assert benchreport.median_of_runs(runs)[0]["tflops"] == round((160.1 + 185.2) / 2, 1)
+    assert report.median_of_runs(runs)[0]["tflops"] == round((160.1 + 185.2) / 2, 1)
 
 
 def test_merge_rows_replaces_what_was_measured_and_keeps_the_rest():
     base = [_row(p, n, c, 100.0) for n in (512, 1024) for c in (False, True) for p in ("fa2tune", "sdpa_cudnn")]
     new = [_row("fa2tune", 512, True, 150.0), _row("sdpa_cudnn", 512, True, 190.0), _row("fa2tune", 2048, True, 1.0)]
-    merged = benchreport.merge_rows(base, new)
+    merged = report.merge_rows(base, new)
     assert [r["tflops"] for r in merged[: len(base)]] == [100.0, 100.0, 150.0, 190.0, 100.0, 100.0, 100.0, 100.0]
     assert merged[len(base) :] == [new[2]]  # a shape base lacked goes after its rows
-    assert benchreport.merge_rows(base, [_row("fa2tune", 512, True, 1.0, mode="fwd")])[-1]["mode"] == "fwd"
+    assert report.merge_rows(base, [_row("fa2tune", 512, True, 1.0, mode="fwd")])[-1]["mode"] == "fwd"
 
 
 def test_the_grids_older_csv_reads_as_the_grids_shapes(tmp_path):
@@ -85,27 +84,27 @@ def test_the_grids_older_csv_reads_as_the_grids_shapes(tmp_path):
     old = tmp_path / "grid.csv"
     old.write_text("provider,head_dim,seqlen,causal,mode,tflops,gqa\n"
                    "fa2tune,64,512,False,fwd,397.6,\nfa2tune,128,2048,True,fwd+bwd,nan,4\n")  # fmt: skip
-    mha, gqa = benchreport.read_rows(old)
+    mha, gqa = report.read_rows(old)
     assert (mha["batch"], mha["heads"], mha["heads_kv"], mha["dtype"], mha["tflops"]) == (32, 32, 32, "bf16", 397.6)
     assert (gqa["batch"], gqa["heads"], gqa["heads_kv"], gqa["causal"]) == (8, 16, 4, True) and math.isnan(gqa["ms"])
     new = dict(mha, tflops=401.0, ms=1.5)
-    merged = benchreport.merge_rows([mha, gqa], [new, dict(new, heads_kv=8)])
+    merged = report.merge_rows([mha, gqa], [new, dict(new, heads_kv=8)])
     assert len(merged) == 3 and merged[0]["tflops"] == 401.0 and merged[0]["ms"] == 1.5
     assert merged[1] is gqa and merged[2]["heads_kv"] == 8  # another K/V head count is another shape, added
-    benchreport.write_rows(merged, old)
-    assert [r["heads_kv"] for r in benchreport.read_rows(old)] == [32, 4, 8]
+    report.write_rows(merged, old)
+    assert [r["heads_kv"] for r in report.read_rows(old)] == [32, 4, 8]
 
 
 def test_a_summary_names_a_shape_off_the_grid_with_its_batch_and_heads():
     rows = [dict(_row(p, 256, False, t, mode="fwd"), batch=3, heads=8, heads_kv=2, dtype="fp16")
             for p, t in (("fa2tune", 90.0), ("sdpa_flash", 60.0))]  # fmt: skip
-    (line,) = benchreport.summary(rows)
+    (line,) = report.summary(rows)
     assert "geomean 1.50x over 1 shapes" in line and "at d=64 N=256 causal=False fp16 B=3 H=8/2" in line
 
 
 @pytest.mark.parametrize("value, written", [(644.3149, 644.3), (12.04, 12.0), (0.0123456, 0.0123), (2.2e-05, 2.2e-05)])
 def test_numbers_keep_a_decimal_on_a_gpu_and_three_digits_below_ten(value, written):
-    assert benchreport.rounded(value) == written and math.isnan(benchreport.rounded(math.nan))
+    assert report.rounded(value) == written and math.isnan(report.rounded(math.nan))
 
 
 def test_plots_are_named_by_head_dim_and_mode_and_by_heads_only_where_two_share_those(tmp_path):

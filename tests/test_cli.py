@@ -690,3 +690,23 @@ def test_messages_go_to_the_fa2tune_logger_and_can_be_silenced(capsys, caplog):
     finally:
         logger.setLevel(level)
     assert caplog.records == [] and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("triton, numpy, refused", [("3.6.0", "2.4.0", True), ("3.6.0", "2.3.5", False),
+                                                    ("3.9.0", "2.4.0", False)])  # fmt: skip
+def test_device_cpu_refuses_a_numpy_that_tritons_interpreter_fails_on(triton, numpy, refused, capsys, monkeypatch):
+    # `pip install .` pulls the newest numpy, on which Triton 3.6's interpreter fails deep inside a kernel launch
+    # ("only 0-dimensional arrays can be converted to Python scalars"): --device cpu says what to install instead.
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    installed = {"triton": triton, "numpy": numpy}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed.get(name) or real(name))
+    if not refused:
+        assert cli.main(["show", "--device", "cpu", "--json"]) == 0
+        return
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"in Triton {triton} fails on numpy {numpy}" in err
+    assert "pip install 'numpy<2.4'" in err and "fa2tune[cpu]" in err
