@@ -183,3 +183,18 @@ def test_processes_measure_in_fresh_processes_and_merge_each_rows_median(tmp_pat
     merged = report.read_rows(grid)
     assert [(r["seqlen"], r["tflops"]) for r in merged] == [(8192, 644.0), (33, 180.0)]
     assert "the median of 3 processes" in capsys.readouterr().err
+
+
+def test_without_a_reference_no_provider_is_timed(monkeypatch):
+    # A shape whose reference cannot run (out of memory, say) leaves nothing to check a provider against: every
+    # row says so, none gets a number, and the benchmark goes on.
+    def no_reference(shape):
+        def run(q, k, v):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+        return run
+
+    monkeypatch.setattr(measure, "_reference", no_reference)
+    shape = Shape(1, 2, 2, 16, 8, False, "fp32", "fwd")
+    (row,) = measure.measure_shape(shape, [providers.PROVIDERS["sdpa_math"]], "cpu")
+    assert math.isnan(row["tflops"]) and row["note"].startswith("the reference failed: OutOfMemoryError: CUDA out")

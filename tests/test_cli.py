@@ -669,9 +669,10 @@ def test_messages_go_to_the_fa2tune_logger_and_can_be_silenced(capsys, caplog):
 
     argv = ["bench", "--device", "cpu", "--batch", "1", "--heads", "1", "--seqlen", "8", "--head-dim", "8",
             "--mode", "fwd", "--causal", "no", "--providers", "sdpa_math"]  # fmt: skip
-    assert cli.main(["--quiet", *argv]) == 0
-    out, err = capsys.readouterr()
-    assert err == "" and "sdpa_math" in out
+    for quiet in (["--quiet", *argv], [*argv, "-q"]):  # before the command or among its options
+        assert cli.main(quiet) == 0
+        out, err = capsys.readouterr()
+        assert err == "" and "sdpa_math" in out
     assert cli.main(argv) == 0
     assert "[1/1] fwd bf16 B=1 H=1 N=8 d=8" in capsys.readouterr().err
     chosen = [providers.PROVIDERS["sdpa_math"]]

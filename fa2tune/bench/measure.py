@@ -47,16 +47,22 @@ def measure_shape(shape: Shape, providers: list[Provider], device: str) -> list[
     q, k, v = random_qkv(shape.batch, shape.heads, shape.seqlen, shape.head_dim, dtype=DTYPES_BY_NAME[shape.dtype],
                          device=device, heads_kv=shape.heads_kv, requires_grad=training)  # fmt: skip
     do = torch.randn_like(q) if training else None
-    ref = _flat(_call(_reference(shape), (q, k, v), do)())
+    try:
+        ref, failed = _flat(_call(_reference(shape), (q, k, v), do)()), ""
+    except Exception as exc:  # no reference (out of memory, say): no provider can be checked, so none is timed
+        ref, failed = None, f"the reference failed: {_first_line(exc)}"
     rows = []
     for provider in providers:
-        ms, rel_err, note = _measure_one(provider, shape, (q, k, v), do, ref, device)
-        tflops = shape.flops() / (ms * 1e-3) / 1e12 if not math.isnan(ms) else math.nan
-        rows.append(dict(provider=provider.name, mode=shape.mode, dtype=shape.dtype, batch=shape.batch,
-                         heads=shape.heads, heads_kv=shape.heads_kv, seqlen=shape.seqlen, head_dim=shape.head_dim,
-                         causal=shape.causal, ms=rounded(ms), tflops=rounded(tflops), rel_err=rounded(rel_err),
-                         note=note))  # fmt: skip
+        got = (math.nan, math.nan, failed) if failed else _measure_one(provider, shape, (q, k, v), do, ref, device)
+        rows.append(_row(shape, provider.name, *got))
     return rows
+
+
+def _row(shape: Shape, provider: str, ms: float, rel_err: float, note: str) -> dict:
+    tflops = shape.flops() / (ms * 1e-3) / 1e12 if not math.isnan(ms) else math.nan
+    return dict(provider=provider, mode=shape.mode, dtype=shape.dtype, batch=shape.batch, heads=shape.heads,
+                heads_kv=shape.heads_kv, seqlen=shape.seqlen, head_dim=shape.head_dim, causal=shape.causal,
+                ms=rounded(ms), tflops=rounded(tflops), rel_err=rounded(rel_err), note=note)  # fmt: skip
 
 
 def _measure_one(provider: Provider, shape: Shape, qkv, do, ref, device) -> tuple[float, float, str]:
@@ -75,8 +81,12 @@ def _measure_one(provider: Provider, shape: Shape, qkv, do, ref, device) -> tupl
     except Exception as exc:  # a provider that does not take the shape (or fails) costs its row, not the benchmark
         if device != "cpu":
             torch.cuda.empty_cache()  # after an out-of-memory error, the next provider gets the memory back
-        return math.nan, math.nan, f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+        return math.nan, math.nan, _first_line(exc)
     return ms, err, ""
+
+
+def _first_line(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
 
 
 def _reference(shape: Shape):

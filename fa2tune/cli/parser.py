@@ -21,12 +21,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(USAGE_ERROR, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+_QUIET = "no notes or progress on stderr, only warnings and errors (results still print)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fa2tune", description="Exact FlashAttention-2 in Triton, tuned per GPU.")
     parser.add_argument("--version", action="version", version=_version(),
                         help="print fa2tune's version and those of Triton and PyTorch installed, and exit")
-    parser.add_argument("-q", "--quiet", action="store_true",
-                        help="no notes or progress on stderr, only warnings and errors (results still print)")
+    parser.add_argument("-q", "--quiet", action="store_true", help=_QUIET)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_check(sub)
     _add_inspect(sub)
@@ -35,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_show(sub)
     _add_codegen(sub)
     _add_bench(sub)
+    for command in sub.choices.values():  # `fa2tune tune ... -q` as well as `fa2tune -q tune ...`
+        command.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=_QUIET)
     return parser
 
 
