@@ -6,7 +6,7 @@ single readings swing. This times fa2tune's fwd+bwd with the length-bucket entri
 for 1k < N <= 4k: `--seqlens 2048,4096` measures those) and with them switched off (lengths.buckets_for patched to
 "all" only), alternating, several rounds; then, with --profile, compares do_bench's
 time with the sum of the kernels' times from torch.profiler: the difference is time the GPU waited for the host.
-Shapes as in bench_vs_sdpa.py: batch·N = 16k tokens, heads·d = 2048, bf16.
+Shapes as in `fa2tune bench --preset grid`: batch·N = 16k tokens, heads·d = 2048, bf16.
 
     python scripts/bench_short_lengths.py --rounds 3 --profile
     python scripts/bench_short_lengths.py --graph    # each call also replayed from a CUDA graph, beside cuDNN's

@@ -124,8 +124,9 @@ def test_tune_on_cpu_writes_yaml_that_the_runtime_then_uses(tmp_path, capsys, mo
 
     args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "2", "--causal", "no", "--kernel", "fwd"]
     assert cli.main([*args, "--config-dir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "say nothing about GPU speed" in out and "wrote" in out and "winner" in out
+    out, err = capsys.readouterr()
+    assert "say nothing about GPU speed" in err and "wrote" in out and "winner" in out  # notes on stderr
+    assert "trial 1/2" in err and "trial" not in out  # progress too: stdout holds the report alone
     _, entries = store.read_file(tmp_path / "cpu-interpreter.yaml")
     (entry,) = entries
     # each study's timed configs, fastest first: the winner leads its list
@@ -285,9 +286,9 @@ def test_tune_all_beside_a_bucket_entry_is_timed_where_the_entry_serves(tmp_path
     assert cli.main([*args, "--seqlen-bucket", "short"]) == 0
     assert cli.main(args) == 0
     assert seen[-1].seqlens == (4096, 16384) and seen[-1].seqlen_bucket == "all"
-    assert 'its "all" entry serves longer calls and is tuned at 4096,16384' in capsys.readouterr().out
+    assert 'its "all" entry serves longer calls and is tuned at 4096,16384' in capsys.readouterr().err
     assert cli.main([*args, "--seqlens", "1024,2048"]) == 0  # lengths given: taken as they are, no note
-    assert seen[-1].seqlens == (1024, 2048) and "serves longer calls" not in capsys.readouterr().out
+    assert seen[-1].seqlens == (1024, 2048) and "serves longer calls" not in capsys.readouterr().err
 
 
 def test_a_window_may_start_with_minus_one_without_the_equals_form():
@@ -474,6 +475,13 @@ def _running_and_failed(storage: str) -> tuple[int, list]:
     return running, [t.user_attrs.get("reason") for t in trials if t.state == optuna.trial.TrialState.FAIL]
 
 
+def _last_line_after_notes(err: str) -> str:
+    """The last line of a command's stderr, after checking that every line before it is a note or progress."""
+    *before, last = err.splitlines()
+    assert all(line.startswith(("note: ", "  ")) for line in before), before
+    return last
+
+
 def test_ctrl_c_in_a_tune_is_one_line_exit_130_and_says_what_was_kept(tmp_path, capsys, fake_timing):
     # Ctrl-C printed a 69-line traceback (170 with workers) and left the trial it interrupted RUNNING.
     from fa2tune.config import store
@@ -482,18 +490,18 @@ def test_ctrl_c_in_a_tune_is_one_line_exit_130_and_says_what_was_kept(tmp_path, 
     args = [*_CPU_TUNE, "--trials", "3", "--config-dir", str(tmp_path)]
     fake_timing.interrupt_at = (1, 2)  # in the second config's timing
     assert cli.main(args) == 130
-    assert capsys.readouterr().err.splitlines()[1:] == ["fa2tune: interrupted; nothing written"]
+    assert _last_line_after_notes(capsys.readouterr().err) == "fa2tune: interrupted; nothing written"
     fake_timing.studies = 0
     assert cli.main([*args, "--storage", str(journal)]) == 130
     said = f"fa2tune: interrupted; nothing written; 1 timed trial kept in {journal} (the same command reuses them)"
-    assert capsys.readouterr().err.splitlines()[1:] == [said]
+    assert _last_line_after_notes(capsys.readouterr().err) == said
     assert _running_and_failed(str(journal)) == (0, ["interrupted"])  # the interrupted trial told, not left RUNNING
     # The second study interrupted: the first one's entry is written, and said so.
     fake_timing.studies = 0
     fake_timing.interrupt_at = (2, 1)  # the first timing of the second study
     assert cli.main([*args, "--causal", "both"]) == 130
     yaml = tmp_path / "cpu-interpreter.yaml"
-    assert capsys.readouterr().err.splitlines()[1:] == [f"fa2tune: interrupted; 1 entry written to {yaml}"]
+    assert _last_line_after_notes(capsys.readouterr().err) == f"fa2tune: interrupted; 1 entry written to {yaml}"
     assert len(store.read_file(yaml)[1]) == 1
 
 
@@ -518,16 +526,18 @@ def test_ctrl_c_while_workers_time_ends_every_process_of_the_tune_with_one_line(
             "--config-dir", str(tmp_path)]  # fmt: skip
     tune = subprocess.Popen([sys.executable, "-m", "fa2tune", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env=env, start_new_session=True)  # fmt: skip
-    out, deadline = b"", time.time() + 240
-    while b" best " not in out and time.time() < deadline:  # a worker has timed a trial: the workers are at work
-        out += os.read(tune.stdout.fileno(), 4096) or b""
-        assert tune.poll() is None, out
+    said, deadline = b"", time.time() + 240
+    while b" best " not in said and time.time() < deadline:  # a worker has timed a trial: the workers are at work
+        said += os.read(tune.stderr.fileno(), 4096) or b""  # progress goes to stderr
+        assert tune.poll() is None, said
     os.killpg(tune.pid, signal.SIGINT)
-    _, err = tune.communicate(timeout=120)
-    lines = err.decode().splitlines()
+    out, err = tune.communicate(timeout=120)
+    lines = (said + err).decode().splitlines()
     assert tune.returncode == 130, lines
     assert lines[-1].startswith("fa2tune: interrupted; nothing written; ") and "timed trial" in lines[-1], lines
-    assert len(lines) == 2 and lines[0].startswith("note: --device cpu")  # no traceback from any process
+    # no traceback from any process: before the last line, only the notes and the progress lines
+    assert out == b"" and lines[0].startswith("note: --device cpu"), lines
+    assert all(line.startswith(("note: ", "  cpu")) or "studies shared by" in line for line in lines[:-1]), lines
 
     def left() -> list[int]:
         pids = []
@@ -593,3 +603,111 @@ def test_ctrl_c_while_the_compile_pool_compiles_lets_it_go_without_a_traceback(t
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
     assert child.returncode == 130 and err == b""
+
+
+def test_version_names_fa2tune_triton_and_torch(capsys):
+    import importlib.metadata
+
+    import fa2tune
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    out = capsys.readouterr().out.strip()
+    assert exc.value.code == 0 and out.startswith(f"fa2tune {fa2tune.__version__} (triton ")
+    assert f"torch {importlib.metadata.version('torch')}" in out
+
+
+def test_every_option_of_every_command_has_help():
+    import argparse
+
+    def options(parser, path):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from options(sub, f"{path} {name}")
+            else:
+                yield path, action
+
+    found = list(options(cli.build_parser(), "fa2tune"))
+    assert {path for path, _ in found} >= {f"fa2tune {c}" for c in ("check", "tune", "bench", "plan", "show")}
+    missing = [f"{path} {'/'.join(action.option_strings)}" for path, action in found if not action.help]
+    assert missing == []
+
+
+def test_check_json_holds_a_result_per_case(capsys, device):
+    assert cli.main(["check", "--device", device, "--dtype", "fp16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["passed"] is True and data["failed"] == 0
+    assert len(data["results"]) == 4 * len(verification.default_shapes(on_gpu=device != "cpu"))
+    first = data["results"][0]
+    assert first["dtype"] == "fp16" and first["mask"] == "full" and 0 <= first["rel_err"] < 2e-3 and first["passed"]
+
+
+def test_tune_json_holds_each_studys_winner_as_written(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune")
+    from fa2tune.config import store
+
+    args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "2", "--causal", "no", "--kernel", "fwd"]
+    assert cli.main([*args, "--config-dir", str(tmp_path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)  # progress and notes stay on stderr
+    (entry,) = store.read_file(tmp_path / "cpu-interpreter.yaml")[1]
+    (study,) = data["studies"]
+    assert data["config_file"] == str(tmp_path / "cpu-interpreter.yaml") and "trial 1/2" in err
+    assert (study["kernel"], study["causal"], study["winner"]) == ("fwd", False, entry.config.to_dict())
+    assert study["trials"][0]["config"] == study["winner"] and study["ms"] > 0
+
+
+def test_messages_go_to_the_fa2tune_logger_and_can_be_silenced(capsys, caplog):
+    # The command's notes and progress are records of the "fa2tune" logger: --quiet leaves only results on the
+    # command line, and a program that calls the library sets the logger's level as for any library.
+    import logging
+
+    from fa2tune.bench import measure, providers
+    from fa2tune.bench.shapes import Shape
+
+    argv = ["bench", "--device", "cpu", "--batch", "1", "--heads", "1", "--seqlen", "8", "--head-dim", "8",
+            "--mode", "fwd", "--causal", "no", "--providers", "sdpa_math"]  # fmt: skip
+    for quiet in (["--quiet", *argv], [*argv, "-q"]):  # before the command or among its options
+        assert cli.main(quiet) == 0
+        out, err = capsys.readouterr()
+        assert err == "" and "sdpa_math" in out
+    assert cli.main(argv) == 0
+    assert "[1/1] fwd bf16 B=1 H=1 N=8 d=8" in capsys.readouterr().err
+    chosen = [providers.PROVIDERS["sdpa_math"]]
+    shape = Shape(1, 1, 1, 8, 8, False, "fp32", "fwd")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fa2tune"):
+        measure.measure([shape], chosen, "cpu")
+    assert [r.name for r in caplog.records] == ["fa2tune.bench"]
+    caplog.clear()
+    capsys.readouterr()
+    logger = logging.getLogger("fa2tune")
+    level = logger.level
+    try:
+        logger.setLevel(logging.WARNING)  # what a library user writes to silence it
+        measure.measure([shape], chosen, "cpu")
+    finally:
+        logger.setLevel(level)
+    assert caplog.records == [] and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("triton, numpy, refused", [("3.6.0", "2.4.0", True), ("3.6.0", "2.3.5", False),
+                                                    ("3.9.0", "2.4.0", False)])  # fmt: skip
+def test_device_cpu_refuses_a_numpy_that_tritons_interpreter_fails_on(triton, numpy, refused, capsys, monkeypatch):
+    # `pip install .` pulls the newest numpy, on which Triton 3.6's interpreter fails deep inside a kernel launch
+    # ("only 0-dimensional arrays can be converted to Python scalars"): --device cpu says what to install instead.
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    installed = {"triton": triton, "numpy": numpy}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed.get(name) or real(name))
+    if not refused:
+        assert cli.main(["show", "--device", "cpu", "--json"]) == 0
+        return
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"in Triton {triton} fails on numpy {numpy}" in err
+    assert "pip install 'numpy<2.4'" in err and "fa2tune[cpu]" in err

@@ -53,6 +53,43 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_ints(text: str) -> tuple[int, ...]:
+    """--seqlen of bench: comma-separated counts, each at least one."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def head_dims(text: str) -> tuple[int, ...]:
+    """--head-dim of bench: comma-separated head dims, each as head_dim takes it."""
+    return tuple(head_dim(part) for part in text.split(","))
+
+
+def modes(text: str) -> tuple[str, ...]:
+    """--mode of bench: fwd, fwd+bwd, or both comma-separated."""
+    from ..bench.shapes import MODES
+
+    values = tuple(part.strip() for part in text.split(","))
+    if not all(value in MODES for value in values):
+        raise argparse.ArgumentTypeError(f"expected {' or '.join(MODES)} (comma-separated for both), got {text!r}")
+    return values
+
+
+def provider_names(text: str) -> tuple[str, ...]:
+    """--providers of bench: names of fa2tune.bench's providers, comma-separated."""
+    from ..bench import PROVIDER_NAMES
+
+    values = tuple(part.strip() for part in text.split(","))
+    unknown = [value for value in values if value not in PROVIDER_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"expected names from {', '.join(PROVIDER_NAMES)}, got {', '.join(unknown)}")
+    return values
+
+
 def timeout(text: str) -> float:
     """--timeout: seconds per study, finite and at least MIN_TIMEOUT_S."""
     try:

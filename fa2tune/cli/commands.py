@@ -9,36 +9,46 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import device_info, note_interpreter, resolve_device
+from .common import device_info, note_interpreter, resolve_device, to_json
 
 
 def check(args: argparse.Namespace) -> int:
-    """`fa2tune check`: the forward against a float64 reference on odd shapes, every mask, each dtype asked."""
+    """`fa2tune check`: the forward against a float64 reference on odd shapes, every mask, each dtype asked; a
+    table (or --json), exit code 1 if any case failed."""
     device = resolve_device(args.device)
     note_interpreter(device)
+    results = _check_results(device, args.dtype.split(","))
+    failed = sum(not r["passed"] for r in results)
+    if args.json:
+        print(to_json({"device": device, "passed": not failed, "failed": failed, "results": results}))
+        return 1 if failed else 0
+    print(f"{'batch,hq,hkv,nq,nk,d':>24} {'dtype':>9} {'mask':>14} {'rel err O':>10} {'rel err lse':>11}  result")
+    for r in results:
+        print(f"{','.join(map(str, r['shape'])):>24} {r['dtype']:>9} {r['mask']:>14} {r['rel_err']:>10.1e} "
+              f"{r['lse_rel_err']:>11.1e}  {'ok' if r['passed'] else 'FAIL'}")  # fmt: skip
+    print("all checks passed" if not failed else f"{failed} checks FAILED")
+    return 1 if failed else 0
 
+
+def _check_results(device: str, dtype_names: list[str]) -> list[dict]:
+    """One result per shape, dtype and mask (full, causal, a window, causal packed sequences), in table order."""
     from ..config.inputs import DTYPES_BY_NAME
     from ..config.types import Mask
     from ..tune import verification
 
-    dtypes = [DTYPES_BY_NAME[d] for d in args.dtype.split(",")]
-    print(f"{'batch,hq,hkv,nq,nk,d':>24} {'dtype':>9} {'mask':>14} {'rel err O':>10} {'rel err lse':>11}  result")
-    failed = 0
+    results = []
     for shape in verification.default_shapes(on_gpu=device != "cpu"):
         left = max(8, shape[4] // 4)  # a window that leaves whole K tiles out at the larger lengths
         masks = [("full", Mask(), False), ("causal", Mask(causal=True), False),
                  (f"window {left},0", Mask(causal=True, window=(left, -1)), False),
                  ("causal varlen", Mask(causal=True), True)]  # fmt: skip
-        for dtype in dtypes:
-            for name, mask, varlen in masks:
-                r = verification.check_forward(shape, dtype=dtype, causal=mask, device=device, varlen=varlen)
-                failed += not r.passed
-                print(
-                    f"{','.join(map(str, r.shape)):>24} {str(dtype).replace('torch.', ''):>9} {name:>14} "
-                    f"{r.rel_err:>10.1e} {r.lse_rel_err:>11.1e}  {'ok' if r.passed else 'FAIL'}"
-                )
-    print("all checks passed" if not failed else f"{failed} checks FAILED")
-    return 1 if failed else 0
+        for name in dtype_names:
+            for mask_name, mask, varlen in masks:
+                r = verification.check_forward(shape, dtype=DTYPES_BY_NAME[name], causal=mask, device=device,
+                                               varlen=varlen)  # fmt: skip
+                results.append({"shape": list(r.shape), "dtype": name, "mask": mask_name, "rel_err": r.rel_err,
+                                "lse_rel_err": r.lse_rel_err, "passed": r.passed})  # fmt: skip
+    return results
 
 
 def inspect(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from .arguments import sqlite_path
-from .common import INTERRUPTED, fail
+from .common import INTERRUPTED, end_progress_line, fail
 
 
 def _write_problem(path: Path, created: list[Path]) -> str | None:
@@ -91,6 +91,6 @@ def interrupted(entries: int, path: Path | None, storage: str | None, names: set
     if storage is not None and kept != 0:
         trials = f"{kept} timed trial{'' if kept == 1 else 's'}" if kept is not None else "the trials timed so far"
         said.append(f"{trials} kept in {storage} (the same command reuses them)")
-    lead = "\n" if sys.stdout.isatty() else ""  # after a progress line left open with \r
-    print(f"{lead}fa2tune: interrupted; {'; '.join(said)}", file=sys.stderr)
+    end_progress_line()
+    print(f"fa2tune: interrupted; {'; '.join(said)}", file=sys.stderr)
     return INTERRUPTED

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .common import USAGE_ERROR, fail, note_interpreter, resolve_device
+from .common import end_progress_line, fail, log, note_interpreter, progress, resolve_device, to_json
 from .outputs import check_writable, interrupted
 
 
@@ -36,8 +35,8 @@ def tune(args: argparse.Namespace) -> int:
     config_dir, storage, target = _destination(args, devices)
     note_interpreter(devices[0])
     if devices[0] == "cpu":
-        print("note: CPU timings (Triton's interpreter) say nothing about GPU speed; this run only exercises the "
-              "pipeline on tiny shapes.")  # fmt: skip
+        log.info("note: CPU timings (Triton's interpreter) say nothing about GPU speed; this run only exercises the "
+                 "pipeline on tiny shapes.")  # fmt: skip
     written, names = _Written(), set()
     # One pool of compile processes for every study of a single-GPU tune (multi-GPU workers start their own).
     jobs = args.jobs or os.cpu_count() or 1
@@ -60,7 +59,10 @@ def tune(args: argparse.Namespace) -> int:
         if pool is not None:
             pool.close()
     attention_kernel.clear_cache()
-    _report(written)
+    if args.json:
+        print(to_json(_as_json(written)))
+    else:
+        _report(written)
     return 0
 
 
@@ -120,9 +122,9 @@ def _study_names(specs: list, device: str) -> set[str]:
 def _tune_on_several(specs: list, devices: list[str], config_dir: Path, storage: str, written: _Written) -> None:
     from ..tune import job, workers
 
-    print(f"{len(specs)} studies shared by {len(devices)} workers ({storage})", flush=True)
+    log.info("%d studies shared by %d workers (%s)", len(specs), len(devices), storage)
     done = workers.run_parallel_many(specs, devices, progress=_worker_progress(specs, devices))
-    print()
+    end_progress_line()
     for spec, (result, entry, _) in zip(specs, done, strict=True):
         written.path = job.write(entry, devices[0], config_dir)
         written.rows.append((spec.kernel, spec.causal, result))
@@ -133,15 +135,15 @@ def _tune_one_by_one(specs: list, device: str, config_dir: Path, pool, written: 
 
     for number, spec in enumerate(specs):
 
-        def progress(done, total, best_ms, elapsed, spec=spec):
-            print(f"\r  {spec.kernel} causal={spec.causal}: trial {done}/{total}  best {best_ms:.3f} ms  "
-                  f"{elapsed:.0f} s", end="", flush=True)  # fmt: skip
+        def on_trial(done, total, best_ms, elapsed, spec=spec):
+            progress(f"  {spec.kernel} causal={spec.causal}: trial {done}/{total}  best {best_ms:.3f} ms  "
+                     f"{elapsed:.0f} s")  # fmt: skip
 
         then = specs[number + 1] if number + 1 < len(specs) else None  # its first configs compile meanwhile
         result, entry = job.run_study(
-            spec, device, on_trial=progress, compile_pool=pool, then=then, release_pool=then is None
+            spec, device, on_trial=on_trial, compile_pool=pool, then=then, release_pool=then is None
         )
-        print()
+        end_progress_line()
         written.path = job.write(entry, device, config_dir)
         written.rows.append((spec.kernel, spec.causal, result))
 
@@ -168,6 +170,19 @@ def _report(written: _Written) -> None:
             print(f"  {kernel} causal={causal}: {r.incumbent_note}")
 
 
+def _as_json(written: _Written) -> dict:
+    """What _report prints, as data: the file written and, per study, the winner, the timings and what was timed."""
+    studies = []
+    for kernel, causal, r in written.rows:
+        timed = sorted({t.config: t.ms for t in r.history if t.ms is not None}.items(), key=lambda item: item[1])
+        studies.append({"kernel": kernel, "causal": causal, "study": r.study_name, "winner": r.best.to_dict(),
+                        "winner_label": r.best.label(), "ms": r.best_ms, "default_ms": r.default_ms,
+                        "incumbent_ms": r.incumbent_ms, "median_ms": r.median_ms, "timed": r.measured,
+                        "within_2pct_at": r.within_2pct_at, "wall_s": r.wall_s, "incumbent_note": r.incumbent_note,
+                        "trials": [{"config": cfg.to_dict(), "ms": ms} for cfg, ms in timed]})  # fmt: skip
+    return {"config_file": str(written.path), "studies": studies}
+
+
 def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
     """--seqlens, or the bucket's default; a bucket tuned at a length it never serves would be wrong."""
     from ..config.lengths import BUCKET_RANGES, TUNING_LENGTHS, bucket_of
@@ -184,8 +199,7 @@ def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
         low, high = BUCKET_RANGES[bucket]
         problem = f"--seqlen-bucket {bucket} serves lengths in ({low}, {high}]; --seqlens {text} goes outside it"
     if problem:
-        print(f"fa2tune: {problem}", file=sys.stderr)
-        sys.exit(2)
+        fail(problem)
     return seqlens
 
 
@@ -195,9 +209,9 @@ def _at_served_lengths(spec, target):
 
     lengths = job.unserved_lengths(spec, target)
     if lengths != spec.seqlens:
-        print(f"note: {spec.kernel} causal={spec.causal}: {target.name} has length-bucket entries for this key, so "
-              f"its \"all\" entry serves longer calls and is tuned at {','.join(map(str, lengths))} "
-              f"(--seqlens chooses)")  # fmt: skip
+        log.info(f"note: {spec.kernel} causal={spec.causal}: {target.name} has length-bucket entries for this key, "
+                 f"so its \"all\" entry serves longer calls and is tuned at {','.join(map(str, lengths))} "
+                 f"(--seqlens chooses)")  # fmt: skip
     return replace(spec, seqlens=lengths)
 
 
@@ -210,7 +224,7 @@ def _worker_progress(specs, devices):
         spec = specs[index]
         states[worker] = (f"{devices[worker]} {spec.kernel} causal={spec.causal}: {timed}/{trials} "
                           f"best {best_ms:.3f} ms {elapsed:.0f} s")  # fmt: skip
-        print("\r  " + " | ".join(states[w] for w in sorted(states)), end="", flush=True)
+        progress("  " + " | ".join(states[w] for w in sorted(states)))
 
     return show
 
@@ -230,6 +244,5 @@ def _all_cuda_devices() -> list[str]:
 
     count = torch.cuda.device_count()
     if count == 0:
-        print("fa2tune: --device all found no CUDA device", file=sys.stderr)
-        sys.exit(USAGE_ERROR)
+        fail("--device all found no CUDA device")
     return [f"cuda:{i}" for i in range(count)]

@@ -1,0 +1,158 @@
+"""Benchmark rows → the numbers and pictures people read: the CSV, geomean ratios against each baseline, TFLOP/s
+plots, and the rows of several runs or files combined.
+
+A row is a dict with the columns of COLUMNS (measure.py makes them). A CSV of the grid's older form (provider,
+head_dim, seqlen, causal, mode, tflops and perhaps gqa) is read as the grid's rows: bf16, batch·N and heads·d of
+shapes.GRID_TOKENS and shapes.GRID_WIDTH.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import math
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+
+from .shapes import GRID_TOKENS, GRID_WIDTH
+
+COLUMNS = ("provider", "mode", "dtype", "batch", "heads", "heads_kv", "seqlen", "head_dim", "causal", "ms", "tflops",
+           "rel_err", "note")  # fmt: skip
+_INTS = ("batch", "heads", "heads_kv", "seqlen", "head_dim")
+_FLOATS = ("ms", "tflops", "rel_err")
+# What makes two rows the same measurement (merge, median), and the same shape (ratios between providers).
+_SHAPE = ("mode", "dtype", "batch", "heads", "heads_kv", "seqlen", "head_dim", "causal")
+
+
+def rounded(value: float) -> float:
+    """A row's number as written: one decimal from 10 up (TFLOP/s and milliseconds of a GPU), three significant
+    digits below (errors, the interpreter's TFLOP/s)."""
+    if math.isnan(value):
+        return value
+    return round(value, 1) if abs(value) >= 10 else float(f"{value:.3g}")
+
+
+def complete(row: dict) -> dict:
+    """row with the columns that the grid's older rows leave out filled in by the grid's rule; typed fields."""
+    row = dict(row)
+    row["head_dim"], row["seqlen"] = int(row["head_dim"]), int(row["seqlen"])
+    row.setdefault("dtype", "bf16")
+    row.setdefault("batch", max(1, GRID_TOKENS // row["seqlen"]))
+    row.setdefault("heads", max(1, GRID_WIDTH // row["head_dim"]))
+    row.setdefault("heads_kv", int(row["heads"]) // int(row.pop("gqa", None) or 1))
+    for name in _INTS:
+        row[name] = int(row[name])
+    if isinstance(row["causal"], str):
+        row["causal"] = row["causal"] in ("True", "true", "1", "yes")
+    for name in _FLOATS:
+        value = row.get(name, math.nan)
+        row[name] = float(value) if value not in ("", "nan", None) else math.nan
+    row.setdefault("note", "")
+    return row
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Rows of a benchmark CSV, completed and typed (complete)."""
+    with open(path) as handle:
+        return [complete(row) for row in csv.DictReader(handle)]
+
+
+def write_rows(rows: Iterable[dict], path: str | Path) -> None:
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(complete(row) for row in rows)
+
+
+def shape_key(row: dict) -> tuple:
+    """The shape a row measured: (mode, dtype, batch, heads, heads_kv, seqlen, head_dim, causal)."""
+    row = complete(row)
+    return tuple(row[name] for name in _SHAPE)
+
+
+def _key(row: dict) -> tuple:
+    return (row["provider"], *shape_key(row))
+
+
+def median_of_runs(runs: list[list[dict]]) -> list[dict]:
+    """One row per measurement of several runs of the same shapes, its tflops and ms the medians of the runs'
+    numbers (NaN readings left out; NaN if every run had one), in the first run's order.
+
+    Why: a training call at N <= 512 waits for its host, and its readings differ between processes by up to 35 %;
+    one process's reading is a draw, the median of several is the row."""
+    readings: dict[tuple, list[dict]] = {}
+    first: dict[tuple, dict] = {}
+    for run in runs:
+        for row in map(complete, run):
+            first.setdefault(_key(row), row)
+            if not math.isnan(row["tflops"]):
+                readings.setdefault(_key(row), []).append(row)
+    out = []
+    for key, row in first.items():
+        got = readings.get(key, [])
+        middle = {name: rounded(statistics.median(r[name] for r in got)) if got else math.nan
+                  for name in ("tflops", "ms")}  # fmt: skip
+        out.append({**row, **middle, **({"note": ""} if got else {})})
+    return out
+
+
+def merge_rows(base: list[dict], new: list[dict]) -> list[dict]:
+    """base with every row that new also has replaced by new's (the same provider and shape), in base's order;
+    new's other rows after them. How a re-measured part of the grid goes into docs/bench/<gpu>.csv."""
+    by_key = {_key(row): row for row in new}
+    merged = [by_key.pop(_key(row), row) for row in base]
+    return merged + [row for row in new if _key(row) in by_key]
+
+
+def ratios(rows: list[dict], provider: str, baseline: str, mode: str) -> dict[tuple, float]:
+    """provider / baseline TFLOP/s for every shape of `mode` where both have a number, by shape (the _SHAPE
+    fields without mode)."""
+    table = {_key(r): r["tflops"] for r in map(complete, rows) if r["mode"] == mode}
+    out = {}
+    for (name, *shape), value in table.items():
+        base = table.get((baseline, *shape))
+        if name == provider and base and not math.isnan(value) and not math.isnan(base):
+            out[tuple(shape[1:])] = value / base
+    return out
+
+
+def geomean(values: Iterable[float]) -> float:
+    values = list(values)
+    if not values:
+        return math.nan
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def shape_words(shape: tuple) -> str:
+    """A ratios() key in words: d, N, the mask, and the dtype, batch and heads where they are not the grid's."""
+    dtype, batch, heads, heads_kv, seqlen, head_dim, causal = shape
+    words = f"d={head_dim} N={seqlen} causal={causal}"
+    if (dtype, batch, heads, heads_kv) != ("bf16", max(1, GRID_TOKENS // seqlen), max(1, GRID_WIDTH // head_dim),
+                                           max(1, GRID_WIDTH // head_dim)):  # fmt: skip
+        words += f" {dtype} B={batch} H={heads}" + (f"/{heads_kv}" if heads_kv != heads else "")
+    return words
+
+
+def summary(rows: list[dict], provider: str = "fa2tune") -> list[str]:
+    """One line per (mode, baseline): geomean ratio, worst shape, and how many shapes are below 1."""
+    lines = []
+    rows = [complete(r) for r in rows]
+    baselines = sorted({r["provider"] for r in rows} - {provider})
+    for mode in sorted({r["mode"] for r in rows}):
+        for baseline in baselines:
+            r = ratios(rows, provider, baseline, mode)
+            if not r:
+                continue
+            worst = min(r, key=r.get)
+            below = sum(v < 1 for v in r.values())
+            lines.append(
+                f"{mode:>8} vs {baseline:<15} geomean {geomean(r.values()):.2f}x over {len(r)} shapes; "
+                f"worst {r[worst]:.2f}x at {shape_words(worst)}; below 1x: {below}"
+            )
+    return lines
+
+
+def can_plot() -> bool:
+    """Whether matplotlib is installed (the `bench` extra): the plots need it, nothing else does."""
+    return importlib.util.find_spec("matplotlib") is not None
