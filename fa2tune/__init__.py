@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # what static tools see; at run time __getattr__ below imports on first use
     from .api.attention import FlashAttnFunction, attention, attention_varlen
     from .api.attention_kernel import AttentionKernel, get_kernel
+    from .api.flash_attn_compat import flash_attn_func, flash_attn_varlen_func
+    from .api.sdpa import SdpaPatch, patch_sdpa, scaled_dot_product_attention
     from .config.schedule import Schedule
     from .config.types import KernelConfig, Mask, Variant
 
@@ -22,6 +24,11 @@ _HOMES = {
     "attention_varlen": "api.attention",
     "AttentionKernel": "api.attention_kernel",
     "get_kernel": "api.attention_kernel",
+    "flash_attn_func": "api.flash_attn_compat",
+    "flash_attn_varlen_func": "api.flash_attn_compat",
+    "SdpaPatch": "api.sdpa",
+    "patch_sdpa": "api.sdpa",
+    "scaled_dot_product_attention": "api.sdpa",
     "KernelConfig": "config.types",
     "Mask": "config.types",
     "Schedule": "config.schedule",
@@ -33,10 +40,15 @@ __all__ = [
     "KernelConfig",
     "Mask",
     "Schedule",
+    "SdpaPatch",
     "Variant",
     "attention",
     "attention_varlen",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
     "get_kernel",
+    "patch_sdpa",
+    "scaled_dot_product_attention",
 ]
 assert sorted(_HOMES) == __all__
 __version__ = "0.1.0"

@@ -74,11 +74,13 @@ def attention(
     return_lse: bool = False,
     config: KernelConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Exact attention softmax(q·kᵀ·scale)·v by FlashAttention-2, in scaled_dot_product_attention's layout (not its
-    signature: README, "Migrating").
+    """Exact attention softmax(q·kᵀ·scale)·v by FlashAttention-2, in scaled_dot_product_attention's layout but not
+    its signature: fa2tune.scaled_dot_product_attention and fa2tune.flash_attn_func take those calls as they are.
 
     Args:
-        q: (batch, heads_q, seqlen_q, head_dim), float16/bfloat16/float32, unit stride in head_dim.
+        q: (batch, heads_q, seqlen_q, head_dim), float16/bfloat16/float32, unit stride in head_dim. Sizes alone
+            cannot tell this from flash_attn's (batch, seqlen, heads, head_dim): such a tensor gives a wrong result
+            whenever its shapes happen to fit; pass its .transpose(1, 2), or call fa2tune.flash_attn_func.
         k, v: (batch, heads_kv, seqlen_k, head_dim), same dtype and device; heads_q % heads_kv == 0 (GQA/MQA).
         causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned, as FlashAttention-2);
             a query that sees no key gets an output of 0 and a logsumexp of -inf.

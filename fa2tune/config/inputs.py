@@ -126,13 +126,29 @@ def check_qkv(q: object, k: object, v: object) -> AttentionShape:
     """
     _check_tensors(q, k, v, "(batch, heads, seqlen, head_dim) as in scaled_dot_product_attention")
     batch, heads_q, seqlen_q, head_dim = q.shape
-    if k.shape[0] != batch or v.shape[0] != batch:
-        raise ValueError(f"q, k and v must have the same batch size, got {batch}, {k.shape[0]}, {v.shape[0]}")
-    _check_heads(heads_q, k.shape[1], v.shape[1])
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(f"k and v must have the same sequence length, got k={k.shape[2]}, v={v.shape[2]}")
+    try:
+        if k.shape[0] != batch or v.shape[0] != batch:
+            raise ValueError(f"q, k and v must have the same batch size, got {batch}, {k.shape[0]}, {v.shape[0]}")
+        _check_heads(heads_q, k.shape[1], v.shape[1])
+        if k.shape[2] != v.shape[2]:
+            raise ValueError(f"k and v must have the same sequence length, got k={k.shape[2]}, v={v.shape[2]}")
+    except ValueError as error:
+        raise ValueError(f"{error}{_LAYOUT_HINT}") from None
     _check_head_dim(head_dim, k.shape[3], v.shape[3])
     return AttentionShape(batch, heads_q, k.shape[1], seqlen_q, k.shape[2], head_dim)
+
+
+# What a shape mismatch in SDPA's layout often means: sizes cannot tell the two layouts apart, so this is a hint.
+_LAYOUT_HINT = (
+    " (the layout is (batch, heads, seqlen, head_dim), as scaled_dot_product_attention's; for flash_attn's "
+    "(batch, seqlen, heads, head_dim) pass .transpose(1, 2) of each tensor, or call fa2tune.flash_attn_func)"
+)
+
+
+def unit_last_stride(t: object) -> object:
+    """`t` with the unit stride in head_dim that the kernels read, copied only when it has none: for the calls that
+    take any strides, as PyTorch's SDPA and flash_attn do (attention() asks for it instead)."""
+    return t.contiguous() if isinstance(t, torch.Tensor) and t.dim() > 0 and t.stride(-1) != 1 else t
 
 
 def check_varlen(
