@@ -111,6 +111,20 @@ def test_mask_function_runs_each_pattern_and_layout_as_sdpas_mask(pattern, layou
     torch.testing.assert_close(out[kept].double(), want[kept], atol=2e-5, rtol=2e-5)
 
 
+def test_flash_attention_2s_packed_sequence_arguments_run_each_sequence_alone():
+    # cu_seq_lens_q/k and max_length_q/k (a flattening data collator's flash-attention arguments) with no mask built:
+    # each packed sequence attends causally within itself, as under flash_attention_2.
+    lengths = torch.tensor([7, 1, 12])
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 4, 20, 16), torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
+    out, _ = fa2tune_hf.attention_forward(_Layer(), q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                          max_length_q=12, max_length_k=12)  # fmt: skip
+    sequence = torch.repeat_interleave(torch.arange(3), lengths)
+    dense = (sequence[:, None] == sequence[None, :]) & torch.ones(20, 20, dtype=torch.bool).tril()
+    torch.testing.assert_close(out.double(), _reference(q, k, v, dense[None, None], 0.3), atol=2e-5, rtol=2e-5)
+
+
 def test_the_window_of_a_sliding_window_mask_is_the_size_minus_one_to_the_left():
     # transformers' sliding_window counts the query's own key (q - w < kv <= q); fa2tune's window counts the keys
     # to its left, as flash_attn's window_size: (w - 1, 0). Bidirectional: |q - kv| <= w on either side, (w, w).

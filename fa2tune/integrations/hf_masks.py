@@ -14,6 +14,7 @@ transformers is imported on first use, never with this module.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import warnings
@@ -84,6 +85,13 @@ class Rows:
         row, pos = index // length, index % length
         return cls(row, pos, row, pos, cu, cu, longest, longest)
 
+    def to(self, device: torch.device) -> Rows:
+        """These rows on `device` (a model split over devices builds its masks on the first)."""
+        if self.q_pos.device == device:
+            return self
+        moved = {name: getattr(self, name).to(device) for name in _ROW_TENSORS}
+        return dataclasses.replace(self, **moved)
+
     @property
     def total_q(self) -> int:
         return self.q_pos.numel()
@@ -91,6 +99,9 @@ class Rows:
     @property
     def total_k(self) -> int:
         return self.k_pos.numel()
+
+
+_ROW_TENSORS = ("q_batch", "q_pos", "k_batch", "k_pos", "cu_seqlens_q", "cu_seqlens_k")
 
 
 def _offsets(lengths: torch.Tensor) -> tuple[torch.Tensor, int]:

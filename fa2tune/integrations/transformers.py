@@ -179,20 +179,40 @@ def _packed_by_arguments(kwargs: dict, batch: int, q_length: int, kv_length: int
 def _run(pattern: Pattern, rows: Rows | None, query, key, value, scaling) -> torch.Tensor:
     """(batch, q_length, heads_q, v_head_dim): fa2tune.attention over whole rows, else attention_varlen over Rows."""
     query, key, value, scale, v_dim = _prepared(query, key, value, scaling)
-    options = dict(causal=pattern.causal, scale=scale, window=pattern.window())
+    if rows is None:
+        longest = max(query.shape[2], key.shape[2])
+    else:
+        rows = rows.to(query.device)
+        longest = max(rows.max_seqlen_q, rows.max_seqlen_k)
+    options = dict(causal=pattern.causal, scale=scale, window=_binding(pattern, longest))
     if rows is None:
         out = attention(query, key, value, **options).transpose(1, 2)
     else:
-        batch, heads, q_length, head_dim = query.shape
-        out = query.new_zeros(batch, q_length, heads, head_dim)  # padded queries' output: 0
-        if rows.total_q and rows.total_k:
-            q = query.transpose(1, 2)[rows.q_batch, rows.q_pos]
-            k = key.transpose(1, 2)[rows.k_batch, rows.k_pos]
-            v = value.transpose(1, 2)[rows.k_batch, rows.k_pos]
-            packed = attention_varlen(q, k, v, rows.cu_seqlens_q, rows.cu_seqlens_k, rows.max_seqlen_q,
-                                      rows.max_seqlen_k, **options)  # fmt: skip
-            out = out.index_put((rows.q_batch, rows.q_pos), packed)
+        out = _run_rows(rows, query, key, value, options)
     return out[..., :v_dim] if out.shape[-1] != v_dim else out
+
+
+def _binding(pattern: Pattern, longest: int) -> tuple[int, int] | None:
+    """The pattern's window, or None where it cannot hide a key: in sequences of at most `longest` queries and keys
+    no key is further than longest - 1 from a query's aligned position (a window the kernels need not apply)."""
+    window, reach = pattern.window(), longest - 1
+    if window is None or (window[0] >= reach and (pattern.causal or window[1] >= reach)):
+        return None
+    return window
+
+
+def _run_rows(rows: Rows, query, key, value, options: dict) -> torch.Tensor:
+    """attention_varlen over the rows that take part, scattered back to (batch, q_length, heads_q, head_dim)."""
+    batch, heads, q_length, head_dim = query.shape
+    out = query.new_zeros(batch, q_length, heads, head_dim)  # padded queries' output: 0
+    if not (rows.total_q and rows.total_k):
+        return out
+    q = query.transpose(1, 2)[rows.q_batch, rows.q_pos]
+    k = key.transpose(1, 2)[rows.k_batch, rows.k_pos]
+    v = value.transpose(1, 2)[rows.k_batch, rows.k_pos]
+    packed = attention_varlen(q, k, v, rows.cu_seqlens_q, rows.cu_seqlens_k, rows.max_seqlen_q, rows.max_seqlen_k,
+                              **options)  # fmt: skip
+    return out.index_put((rows.q_batch, rows.q_pos), packed)
 
 
 def _prepared(query, key, value, scaling):
