@@ -209,22 +209,35 @@ def test_a_custom_name_without_the_mask_function_would_attend_to_padding():
     assert (got[0, left_padded] - want[0, left_padded]).abs().max() > 1e-2
 
 
-def test_packed_sequences_and_generation_match_sdpa():
-    model = _model("mistral", torch.float32).eval()
+def test_packed_sequences_match_sdpa():
     # Three sequences packed into one row by their position_ids (no padding mask), as padding-free training packs.
+    model = _model("mistral", torch.float32).eval()
     position_ids = torch.cat([torch.arange(7), torch.arange(9), torch.arange(4)])[None]
     packed = dict(input_ids=torch.randint(0, VOCAB, (1, 20)), position_ids=position_ids)
-    prompt = _batch(11)  # generation from left-padded prompts: rows 0 and 2
+    logits = {}
+    for implementation in ("sdpa", "fa2tune"):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            logits[implementation] = model(**packed).logits
+    torch.testing.assert_close(logits["fa2tune"], logits["sdpa"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation_from_left_padded_prompts_matches_sdpa(cache):
+    # Greedy decoding through a cache (the sliding-window layers' too): prefill, then one query a step. A static
+    # cache has slots past the tokens seen, and generate() builds its masks before each forward.
+    model = _model("mistral", torch.float32).eval()
+    prompt = _batch(11)  # rows 0 (left-padded) and 2
     prompt = dict(input_ids=prompt["input_ids"][0::2], attention_mask=prompt["attention_mask"][0::2])
     outputs = {}
     for implementation in ("sdpa", "fa2tune"):
         model.set_attn_implementation(implementation)
-        with torch.no_grad():
-            logits = model(**packed).logits
-        tokens = model.generate(**prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
-        outputs[implementation] = (logits, tokens)
-    torch.testing.assert_close(outputs["fa2tune"][0], outputs["sdpa"][0], atol=1e-5, rtol=1e-5)
-    assert torch.equal(outputs["fa2tune"][1], outputs["sdpa"][1])
+        outputs[implementation] = model.generate(**prompt, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                                                 cache_implementation=cache, return_dict_in_generate=True,
+                                                 output_logits=True)  # fmt: skip
+    assert torch.equal(outputs["fa2tune"].sequences, outputs["sdpa"].sequences)
+    for got, want in zip(outputs["fa2tune"].logits, outputs["sdpa"].logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 # --- what fa2tune refuses -----------------------------------------------------------------------------------------

@@ -121,6 +121,15 @@ class MaskPlan:
     kv_length: int
     rows: Rows | None
 
+    # The shape of the mask it stands for. generate() with a static cache builds the masks before the forward and
+    # passes them in as attention_mask; transformers' mask builders then read its ndim (a 2-D mask is a padding
+    # mask) and hand it back to fa2tune_mask, which returns it as it is.
+    ndim = 4
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, 1, self.q_length, self.kv_length)
+
 
 @dataclass(frozen=True)
 class _Known:
@@ -289,6 +298,13 @@ def fa2tune_mask(
     arguments = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      **kwargs)  # fmt: skip
+    if isinstance(attention_mask, MaskPlan):  # built before the forward (generate() with a static cache)
+        if attention_mask.shape != (batch_size, 1, q_length, kv_length):
+            raise ValueError(
+                f"attention_mask is fa2tune's mask for shape {attention_mask.shape}, but this forward needs "
+                f"{(batch_size, 1, q_length, kv_length)}"
+            )
+        return attention_mask
     found = recognize(mask_function)
     if found is None:
         return _dense(f"the mask function {getattr(mask_function, '__qualname__', mask_function)!r}", arguments)
