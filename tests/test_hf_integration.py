@@ -276,3 +276,20 @@ def test_register_is_idempotent_and_importing_the_module_imports_no_transformers
     assert masking_utils.AttentionMaskInterface._global_mapping["fa2tune"] is hf_masks.fa2tune_mask
     script = "import sys, fa2tune.integrations.transformers; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
+def test_register_names_the_install_when_transformers_is_missing_or_old(monkeypatch):
+    real_import = fa2tune_hf.importlib.import_module
+
+    def without_transformers(name, *args):
+        if name.split(".")[0] == "transformers":
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(fa2tune_hf.importlib, "import_module", without_transformers)
+    with pytest.raises(ImportError, match=r"pip install 'fa2tune\[hf\]'"):
+        fa2tune_hf.register()
+    monkeypatch.setattr(fa2tune_hf.importlib, "import_module", real_import)
+    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    with pytest.raises(ImportError, match=r"needs transformers >= 5\.17 .*got 4\.57\.1"):
+        fa2tune_hf.register()

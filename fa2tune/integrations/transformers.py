@@ -141,7 +141,8 @@ def _refuse_unsupported(dropout: object, softcap: object, kwargs: dict) -> None:
             f"fa2tune has no attention dropout, but the model passes dropout={dropout} (in training, its "
             "config.attention_dropout): set config.attention_dropout = 0.0, or use attn_implementation='sdpa'"
         )
-    for name, value in (("softcap", softcap), *((name, kwargs.get(name)) for name in _UNSUPPORTED if name in kwargs)):
+    given = {"softcap": softcap, **{name: kwargs[name] for name in _UNSUPPORTED if name in kwargs}}
+    for name, value in given.items():
         if value is not None:
             raise NotImplementedError(
                 f"fa2tune does not compute {_UNSUPPORTED[name]} ({name}), which this model uses: use "
