@@ -290,6 +290,7 @@ def test_register_names_the_install_when_transformers_is_missing_or_old(monkeypa
     with pytest.raises(ImportError, match=r"pip install 'fa2tune\[hf\]'"):
         fa2tune_hf.register()
     monkeypatch.setattr(fa2tune_hf.importlib, "import_module", real_import)
-    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    # The module register() imports: sys.modules', which a model's step may have replaced since this file's import.
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
     with pytest.raises(ImportError, match=r"needs transformers >= 5\.17 .*got 4\.57\.1"):
         fa2tune_hf.register()

@@ -255,7 +255,7 @@ def _contiguous(valid: torch.Tensor) -> bool:
     return bool(((count == 0) | (last - first + 1 == count)).all())
 
 
-def padded_rows(pattern: Pattern, padding: torch.Tensor | None, batch: int, q_length: int, kv_length: int,
+def _padded_rows(pattern: Pattern, padding: torch.Tensor | None, batch: int, q_length: int, kv_length: int,
                 q_start: int, device: torch.device | str = "cpu") -> Rows | str | None:  # fmt: skip
     """The rows for a padded batch: None when every row takes part whole, else Rows, else why fa2tune cannot run
     it. The queries sit at key positions q_start..q_start + q_length - 1.
@@ -269,7 +269,7 @@ def padded_rows(pattern: Pattern, padding: torch.Tensor | None, batch: int, q_le
         return Rows.from_valid(padding.new_ones(batch, q_length), padding)
     q_end = q_start + q_length
     if q_start < 0 or q_end > kv_length:
-        return "the queries' positions run outside the keys'"
+        return "queries at positions outside the keys'"
     all_valid = padding is None or bool(padding[:, :q_end].all())
     if not pattern.causal:
         if all_valid and (padding is None or bool(padding.all())) and q_end == kv_length:
@@ -318,7 +318,7 @@ def fa2tune_mask(
     padding = _key_padding(attention_mask, kv_length, kv_offset)
     if padding is not None:
         padding = padding.expand(batch_size, kv_length)
-    rows = padded_rows(
+    rows = _padded_rows(
         pattern, padding, batch_size, q_length, kv_length, q_offset - kv_offset, kwargs.get("device", "cpu")
     )
     if isinstance(rows, str):
