@@ -214,3 +214,18 @@ def test_sweep_causal_option_times_only_the_masks_asked_for(monkeypatch, tmp_pat
                            "--device", "cpu", "--csv", str(csv_path)]) == 0  # fmt: skip
         assert {causal for causal, _ in calls} == expected and len(calls) == 2 * len(expected)
         assert {row["causal"] for row in csv.DictReader(open(csv_path))} == {str(c) for c in expected}
+
+
+def test_hf_training_benchmark_times_a_step_under_each_implementation(capsys):
+    # scripts/bench_hf_training.py on a tiny Llama with padded rows: a row for "sdpa" and one for "fa2tune", each
+    # with a step time, tokens/s over the unpadded tokens, and the loss, which the two implementations share.
+    pytest.importorskip("transformers")
+    script = load_script("bench_hf_training")
+    sizes = ["--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "97", "--seqlen", "20"]
+    assert script.main([*sizes, "--batch", "2", "--pad", "0.25", "--warmup", "0", "--steps", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "30 unpadded tokens" in lines[1]
+    rows = {line.split()[0]: line.split() for line in lines[3:5]}
+    assert set(rows) == {"sdpa", "fa2tune"} and all(float(row[3].replace(",", "")) > 0 for row in rows.values())
+    assert float(rows["sdpa"][4]) == pytest.approx(float(rows["fa2tune"][4]), abs=2e-3)
+    assert lines[5].startswith("fa2tune speed / sdpa speed:")

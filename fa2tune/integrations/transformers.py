@@ -1,0 +1,243 @@
+"""fa2tune as a Hugging Face transformers attention implementation, `attn_implementation="fa2tune"`:
+
+    from fa2tune.integrations import transformers as fa2tune_hf
+    fa2tune_hf.register()
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="fa2tune")
+
+register() puts attention_forward in transformers' AttentionInterface and hf_masks.fa2tune_mask in its
+AttentionMaskInterface under one name. Both are needed: for an attention name without a mask function transformers
+builds no mask and hands the attention function attention_mask=None, so a padded row would attend to its padding.
+
+Importing this module does not import transformers (fa2tune needs none of it); register() does, and says how to
+install it when it is missing. docs/API.md, "Hugging Face transformers", has the exact semantics.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from ..api.attention import attention, attention_varlen
+from .hf_masks import MaskPlan, Pattern, Rows, fa2tune_mask
+
+NAME = "fa2tune"
+# The oldest transformers the integration is tested with (the `hf` extra in pyproject.toml says the same).
+MIN_TRANSFORMERS = (5, 17)
+# sdpa_mask's arguments that fa2tune_mask reads: the mask interface's calling convention.
+_MASK_ARGUMENTS = ("batch_size", "q_length", "kv_length", "q_offset", "kv_offset", "mask_function", "attention_mask")
+# Attention-function arguments that change the result and that fa2tune's kernels do not compute.
+_UNSUPPORTED = {
+    "softcap": "logit soft-capping",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "an additive position bias",
+}
+
+__all__ = ["NAME", "attention_forward", "register"]
+
+
+def register(name: str = NAME) -> str:
+    """Registers fa2tune with transformers as `attn_implementation=name`, for every model loaded or switched
+    (`model.set_attn_implementation(name)`) after it; calling it again changes nothing. Returns `name`.
+
+    Raises:
+        ImportError: transformers is not installed, or older than MIN_TRANSFORMERS / without the mask interface.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str, got {name!r}")
+    attention_interface, mask_interface = _interfaces()
+    attention_interface.register(name, attention_forward)
+    mask_interface.register(name, fa2tune_mask)
+    return name
+
+
+def _interfaces() -> tuple[type, type]:
+    """transformers' AttentionInterface and AttentionMaskInterface, once its version is checked."""
+    need = ".".join(map(str, MIN_TRANSFORMERS))
+    try:
+        hf = importlib.import_module("transformers")
+        masking = importlib.import_module("transformers.masking_utils")
+    except ImportError as error:
+        raise ImportError(
+            f"fa2tune's transformers integration needs Hugging Face transformers >= {need}: "
+            "pip install 'fa2tune[hf]' (or pip install transformers)"
+        ) from error
+    version = _version(hf.__version__)
+    parameters = inspect.signature(masking.sdpa_mask).parameters
+    if version < MIN_TRANSFORMERS or not all(p in parameters for p in _MASK_ARGUMENTS):
+        raise ImportError(
+            f"fa2tune's transformers integration needs transformers >= {need} (its mask interface), "
+            f"got {hf.__version__}: pip install -U transformers"
+        )
+    return hf.AttentionInterface, masking.AttentionMaskInterface
+
+
+def _version(text: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as 5.25.0 or 5.26.0.dev0."""
+    match = re.match(r"(\d+)\.(\d+)", text)
+    return (int(match[1]), int(match[2])) if match else (0, 0)
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: MaskPlan | torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract, run by fa2tune.
+
+    Args:
+        module: the calling attention layer (its `is_causal` is read when no mask was built).
+        query: (batch, heads_q, q_length, head_dim); key, value: (batch, heads_kv, kv_length, head_dim), GQA as
+            fa2tune.attention takes it.
+        attention_mask: what fa2tune_mask built (a MaskPlan, or SDPA's boolean mask for a mask fa2tune does not
+            run, which goes to SDPA), a 4-D mask the caller built (SDPA too), or None: no mask was built, and
+            `is_causal`/`sliding_window` say the pattern, as for flash_attention_2.
+        dropout, softcap, and kwargs s_aux, sinks, position_bias: NotImplementedError unless 0/None.
+        scaling: the softmax scale (default 1/sqrt(head_dim)).
+
+    Returns:
+        (output (batch, q_length, heads_q, v_head_dim), None): no attention weights. Queries at padded positions
+        get an output of 0, as with flash_attention_2 (SDPA computes values there that a padded loss ignores).
+    """
+    _refuse_unsupported(dropout, softcap, kwargs)
+    if isinstance(attention_mask, torch.Tensor):
+        return _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+    batch, _, q_length, _ = query.shape
+    kv_length = key.shape[2]
+    if attention_mask is None:
+        plan = MaskPlan(_pattern(module, is_causal, sliding_window), batch, q_length, kv_length, None)
+    elif isinstance(attention_mask, MaskPlan):
+        plan = attention_mask
+        if (plan.batch, plan.q_length, plan.kv_length) != (batch, q_length, kv_length):
+            raise ValueError(
+                f"attention_mask was built for batch {plan.batch}, {plan.q_length} queries and {plan.kv_length} keys, "
+                f"but the attention got batch {batch}, {q_length} queries and {kv_length} keys"
+            )
+    else:
+        raise TypeError(
+            "attention_mask must be what fa2tune's mask function built, a 4-D torch.Tensor or None, got "
+            f"{type(attention_mask).__name__}"
+        )
+    rows = plan.rows if plan.rows is not None else _packed_by_arguments(kwargs, batch, q_length, kv_length)
+    return _run(plan.pattern, rows, query, key, value, scaling), None
+
+
+def _refuse_unsupported(dropout: object, softcap: object, kwargs: dict) -> None:
+    if dropout:
+        raise NotImplementedError(
+            f"fa2tune has no attention dropout, but the model passes dropout={dropout} (in training, its "
+            "config.attention_dropout): set config.attention_dropout = 0.0, or use attn_implementation='sdpa'"
+        )
+    given = {"softcap": softcap, **{name: kwargs[name] for name in _UNSUPPORTED if name in kwargs}}
+    for name, value in given.items():
+        if value is not None:
+            raise NotImplementedError(
+                f"fa2tune does not compute {_UNSUPPORTED[name]} ({name}), which this model uses: use "
+                "attn_implementation='sdpa' or 'eager' for it"
+            )
+    if kwargs.get("output_attentions"):
+        warnings.warn("fa2tune returns no attention weights (output_attentions=True gives None)", stacklevel=3)
+
+
+def _pattern(module: torch.nn.Module, is_causal: bool | None, sliding_window: object) -> Pattern:
+    """The pattern when no mask was built: the arguments' (the layer's is_causal when the call gives none)."""
+    causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    if sliding_window is not None and (type(sliding_window) is not int or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    return Pattern(causal=causal, sliding_window=sliding_window)
+
+
+def _packed_by_arguments(kwargs: dict, batch: int, q_length: int, kv_length: int) -> Rows | None:
+    """Rows from flash_attention_2's packed-sequence arguments (cu_seq_lens_q/k, max_length_q/k), when given."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None or cu_k is None:
+        return None
+    if batch != 1:
+        raise ValueError(f"cu_seq_lens_q/k describe sequences packed into one batch row, got a batch of {batch}")
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    max_q = int(cu_q.diff().max()) if max_q is None else int(max_q)
+    max_k = int(cu_k.diff().max()) if max_k is None else int(max_k)
+    zeros_q = torch.zeros(q_length, dtype=torch.long, device=cu_q.device)
+    zeros_k = torch.zeros(kv_length, dtype=torch.long, device=cu_k.device)
+    positions_q, positions_k = torch.arange(q_length, device=cu_q.device), torch.arange(kv_length, device=cu_k.device)
+    return Rows(zeros_q, positions_q, zeros_k, positions_k, cu_q, cu_k, max_q, max_k)
+
+
+def _run(pattern: Pattern, rows: Rows | None, query, key, value, scaling) -> torch.Tensor:
+    """(batch, q_length, heads_q, v_head_dim): fa2tune.attention over whole rows, else attention_varlen over Rows."""
+    query, key, value, scale, v_dim = _prepared(query, key, value, scaling)
+    if rows is None:
+        longest = max(query.shape[2], key.shape[2])
+    else:
+        rows = rows.to(query.device)
+        longest = max(rows.max_seqlen_q, rows.max_seqlen_k)
+    options = dict(causal=pattern.causal, scale=scale, window=_binding(pattern, longest))
+    if rows is None:
+        out = attention(query, key, value, **options).transpose(1, 2)
+    else:
+        out = _run_rows(rows, query, key, value, options)
+    return out[..., :v_dim] if out.shape[-1] != v_dim else out
+
+
+def _binding(pattern: Pattern, longest: int) -> tuple[int, int] | None:
+    """The pattern's window, or None where it cannot hide a key: in sequences of at most `longest` queries and keys
+    no key is further than longest - 1 from a query's aligned position (a window the kernels need not apply)."""
+    window, reach = pattern.window(), longest - 1
+    if window is None or (window[0] >= reach and (pattern.causal or window[1] >= reach)):
+        return None
+    return window
+
+
+def _run_rows(rows: Rows, query, key, value, options: dict) -> torch.Tensor:
+    """attention_varlen over the rows that take part, scattered back to (batch, q_length, heads_q, head_dim)."""
+    batch, heads, q_length, head_dim = query.shape
+    out = query.new_zeros(batch, q_length, heads, head_dim)  # padded queries' output: 0
+    if not (rows.total_q and rows.total_k):
+        return out
+    q = query.transpose(1, 2)[rows.q_batch, rows.q_pos]
+    k = key.transpose(1, 2)[rows.k_batch, rows.k_pos]
+    v = value.transpose(1, 2)[rows.k_batch, rows.k_pos]
+    packed = attention_varlen(q, k, v, rows.cu_seqlens_q, rows.cu_seqlens_k, rows.max_seqlen_q, rows.max_seqlen_k,
+                              **options)  # fmt: skip
+    return out.index_put((rows.q_batch, rows.q_pos), packed)
+
+
+def _prepared(query, key, value, scaling):
+    """q, k, v in autocast's dtype when autocast is on (as SDPA under autocast), with one head_dim (zeros appended
+    to the narrower: they add nothing to q·k nor to the output kept), the scale, and value's head_dim."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    qk_dim, v_dim = query.shape[-1], value.shape[-1]
+    scale = qk_dim**-0.5 if scaling is None else scaling
+    if v_dim < qk_dim:
+        value = F.pad(value, (0, qk_dim - v_dim))
+    elif v_dim > qk_dim:
+        query, key = F.pad(query, (0, v_dim - qk_dim)), F.pad(key, (0, v_dim - qk_dim))
+    return query, key, value, scale, v_dim
+
+
+def _sdpa(module, query, key, value, mask: torch.Tensor, dropout, scaling, is_causal, kwargs: dict):
+    """A materialized mask goes to transformers' own SDPA path (a mask fa2tune does not run, or the caller's)."""
+    if mask.dim() != 4:
+        raise ValueError(
+            "attention_mask as a tensor must be 4-D (batch, 1 or heads, q_length, kv_length), got shape "
+            f"{tuple(mask.shape)}; pass the 2-D padding mask to the model, which builds the attention's mask"
+        )
+    sdpa = importlib.import_module("transformers.integrations.sdpa_attention").sdpa_attention_forward
+    return sdpa(module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)

@@ -1,0 +1,296 @@
+"""attn_implementation="fa2tune" in Hugging Face transformers: masks, padding, GQA, sliding windows and training,
+against the same models under "sdpa" and in float64 (run through Triton's interpreter on the CPU).
+
+Skipped when transformers is not installed (it is the optional `hf` extra)."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import masking_utils  # noqa: E402
+
+from fa2tune.integrations import hf_masks  # noqa: E402
+from fa2tune.integrations import transformers as fa2tune_hf  # noqa: E402
+
+VOCAB = 61
+# A mask fa2tune hands to SDPA warns (RuntimeWarning): an error here, except where a test expects one.
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    assert fa2tune_hf.register() == "fa2tune"
+
+
+# --- the mask function, one attention call at a time -------------------------------------------------------------
+
+N = 21  # tokens per row, not a multiple of 16
+# name -> (transformers' mask function, whether fa2tune keeps every query of a row or only its valid ones)
+PATTERNS = {
+    "causal": (masking_utils.causal_mask_function, False),
+    "sliding4": (masking_utils.sliding_window_causal_mask_function(4), False),
+    "bidirectional": (masking_utils.bidirectional_mask_function, True),
+    "bidirectional_sliding3": (masking_utils.sliding_window_bidirectional_mask_function(3), True),
+}
+
+
+def _layout(name: str) -> tuple[torch.Tensor | None, int, int, int]:
+    """(2-D padding mask over positions 0.., q_length, kv_length, q_offset) for a batch of 3 rows."""
+    padding = torch.ones(3, N, dtype=torch.bool)
+    if name == "full":
+        return None, N, N, 0
+    if name == "left":
+        padding[0, :5] = padding[2, :1] = False
+        return padding, N, N, 0
+    if name == "right":
+        padding[1, 13:] = padding[2, 20:] = False
+        return padding, N, N, 0
+    if name == "gap":  # padding between a row's tokens
+        padding[1, 6:9] = False
+        return padding, N, N, 0
+    padding[0, :5] = False
+    if name == "decode":  # the last 3 tokens, the others cached
+        return padding, 3, N, N - 3
+    if name == "static":  # a static cache: 6 slots past the tokens seen so far, 2 of them queried now
+        return padding, 2, N + 6, N - 2
+    raise ValueError(name)
+
+
+LAYOUTS = ("full", "left", "right", "gap", "decode", "static")
+# The cases fa2tune hands to SDPA: a sliding window over a gap; a bidirectional window over padding or a cache.
+FALLBACKS = {("sliding4", "gap")} | {("bidirectional_sliding3", name) for name in LAYOUTS if name != "full"}
+
+
+class _Layer(torch.nn.Module):
+    is_causal = True
+    num_key_value_groups = 2
+
+
+def _reference(q, k, v, dense: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 attention under a (batch, 1, q_length, kv_length) boolean mask; (batch, q_length, heads, d)."""
+    q, k, v = (t.double() for t in (q, k, v))
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~dense, float("-inf"))
+    weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query that sees no key: 0
+    return (weights @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_mask_function_runs_each_pattern_and_layout_as_sdpas_mask(pattern, layout):
+    mask_function, every_query = PATTERNS[pattern]
+    padding, q_length, kv_length, q_offset = _layout(layout)
+    arguments = dict(batch_size=3, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=0,
+                     mask_function=mask_function, attention_mask=padding)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = hf_masks.fa2tune_mask(**arguments)
+    falls_back = (pattern, layout) in FALLBACKS
+    assert isinstance(plan, torch.Tensor) == falls_back and len(caught) == falls_back
+    torch.manual_seed(len(pattern) * 7 + len(layout))
+    q = torch.randn(3, 4, q_length, 16)
+    k, v = (torch.randn(3, 2, kv_length, 16) for _ in range(2))
+    out, weights = fa2tune_hf.attention_forward(_Layer(), q, k, v, plan, scaling=0.3)
+    dense = masking_utils.sdpa_mask(**arguments, allow_is_causal_skip=False)
+    want = _reference(q, k, v, dense, 0.3)
+    # Queries at padded positions: fa2tune gives 0 (as flash_attention_2); their values are compared where fa2tune
+    # keeps every query (bidirectional) or SDPA ran the call.
+    kept = torch.ones(3, q_length, dtype=torch.bool)
+    if not (every_query or falls_back) and padding is not None:
+        kept = masking_utils.prepare_padding_mask(padding, kv_length, 0)[:, q_offset : q_offset + q_length]
+        assert out[~kept].abs().max() == 0 if (~kept).any() else True
+    assert weights is None and out.shape == (3, q_length, 4, 16)
+    torch.testing.assert_close(out[kept].double(), want[kept], atol=2e-5, rtol=2e-5)
+
+
+def test_flash_attention_2s_packed_sequence_arguments_run_each_sequence_alone():
+    # cu_seq_lens_q/k and max_length_q/k (a flattening data collator's flash-attention arguments) with no mask built:
+    # each packed sequence attends causally within itself, as under flash_attention_2.
+    lengths = torch.tensor([7, 1, 12])
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 4, 20, 16), torch.randn(1, 2, 20, 16), torch.randn(1, 2, 20, 16)
+    out, _ = fa2tune_hf.attention_forward(_Layer(), q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                          max_length_q=12, max_length_k=12)  # fmt: skip
+    sequence = torch.repeat_interleave(torch.arange(3), lengths)
+    dense = (sequence[:, None] == sequence[None, :]) & torch.ones(20, 20, dtype=torch.bool).tril()
+    torch.testing.assert_close(out.double(), _reference(q, k, v, dense[None, None], 0.3), atol=2e-5, rtol=2e-5)
+
+
+def test_the_window_of_a_sliding_window_mask_is_the_size_minus_one_to_the_left():
+    # transformers' sliding_window counts the query's own key (q - w < kv <= q); fa2tune's window counts the keys
+    # to its left, as flash_attn's window_size: (w - 1, 0). Bidirectional: |q - kv| <= w on either side, (w, w).
+    found = hf_masks.recognize(masking_utils.sliding_window_causal_mask_function(7))
+    assert found is not None and found[0].window() == (6, 0) and found[1] is None
+    found = hf_masks.recognize(masking_utils.sliding_window_bidirectional_mask_function(7))
+    assert found is not None and found[0].window() == (7, 7)
+    chunked = masking_utils.chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))
+    assert hf_masks.recognize(chunked) is None
+    assert hf_masks.recognize(lambda b, h, q, kv: kv <= q) is None  # unknown code: never guessed
+
+
+# --- whole models -------------------------------------------------------------------------------------------------
+
+
+def _model(kind: str, dtype: torch.dtype) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                 attn_implementation="sdpa")  # fmt: skip
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
+    else:  # a sliding window shorter than the rows
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**sizes, sliding_window=5))
+    return model.to(dtype).train()
+
+
+def _batch(length: int = 19) -> dict[str, torch.Tensor]:
+    """Three rows: left-padded, right-padded, whole; padded positions labelled -100."""
+    torch.manual_seed(1)
+    input_ids = torch.randint(0, VOCAB, (3, length))
+    attention_mask = torch.ones(3, length, dtype=torch.long)
+    attention_mask[0, :6] = 0
+    attention_mask[1, length - 5 :] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def _step(model, implementation: str, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(logits at the unpadded positions, loss, every parameter's gradient) of one training step."""
+    model.set_attn_implementation(implementation)
+    model.zero_grad()
+    out = model(**batch)
+    out.loss.backward()
+    grads = {name: p.grad.double() for name, p in model.named_parameters() if p.grad is not None}
+    return out.logits[batch["attention_mask"].bool()].double(), out.loss.double(), grads
+
+
+def _error(got, want) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_training_step_matches_sdpa_on_padded_rows(kind, dtype):
+    # The same step under "sdpa" and "fa2tune", each measured against the model in float64 under "sdpa":
+    # fa2tune's logits, loss and gradients may be off by a few times what SDPA's are, plus a per-dtype floor (in
+    # bfloat16 fa2tune rounds P and dS to bfloat16 before their products, as FlashAttention does; the CPU's SDPA
+    # keeps them in float32).
+    model, batch = _model(kind, dtype), _batch()
+    want = _step(copy.deepcopy(model).double(), "sdpa", batch)
+    sdpa, ours = _step(model, "sdpa", batch), _step(model, "fa2tune", batch)
+    floor = 1e-5 if dtype == torch.float32 else 5e-3
+    assert _error(ours[0], want[0]) <= 4 * _error(sdpa[0], want[0]) + floor
+    assert _error(ours[1], want[1]) <= 4 * _error(sdpa[1], want[1]) + floor
+    assert want[2].keys() == ours[2].keys() and len(ours[2]) > 10
+    for name, grad in want[2].items():
+        assert _error(ours[2][name], grad) <= 4 * _error(sdpa[2][name], grad) + floor, name
+
+
+def test_a_custom_name_without_the_mask_function_would_attend_to_padding():
+    # Why register() adds a mask function: without one, transformers hands attention_mask=None to the attention
+    # function, and the left-padded row's logits move. (The test above passing is what the mask function buys.)
+    model, batch = _model("llama", torch.float32).eval(), _batch()
+    transformers.AttentionInterface.register("fa2tune_no_mask", fa2tune_hf.attention_forward)
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        want = model(**batch).logits
+        model.set_attn_implementation("fa2tune_no_mask")
+        got = model(**batch).logits
+    left_padded = batch["attention_mask"][0].bool()
+    assert (got[0, left_padded] - want[0, left_padded]).abs().max() > 1e-2
+
+
+def test_packed_sequences_match_sdpa():
+    # Three sequences packed into one row by their position_ids (no padding mask), as padding-free training packs.
+    model = _model("mistral", torch.float32).eval()
+    position_ids = torch.cat([torch.arange(7), torch.arange(9), torch.arange(4)])[None]
+    packed = dict(input_ids=torch.randint(0, VOCAB, (1, 20)), position_ids=position_ids)
+    logits = {}
+    for implementation in ("sdpa", "fa2tune"):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            logits[implementation] = model(**packed).logits
+    torch.testing.assert_close(logits["fa2tune"], logits["sdpa"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generation_from_left_padded_prompts_matches_sdpa(cache):
+    # Greedy decoding through a cache (the sliding-window layers' too): prefill, then one query a step. A static
+    # cache has slots past the tokens seen, and generate() builds its masks before each forward.
+    model = _model("mistral", torch.float32).eval()
+    prompt = _batch(11)  # rows 0 (left-padded) and 2
+    prompt = dict(input_ids=prompt["input_ids"][0::2], attention_mask=prompt["attention_mask"][0::2])
+    outputs = {}
+    for implementation in ("sdpa", "fa2tune"):
+        model.set_attn_implementation(implementation)
+        outputs[implementation] = model.generate(**prompt, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                                                 cache_implementation=cache, return_dict_in_generate=True,
+                                                 output_logits=True)  # fmt: skip
+    assert torch.equal(outputs["fa2tune"].sequences, outputs["sdpa"].sequences)
+    for got, want in zip(outputs["fa2tune"].logits, outputs["sdpa"].logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# --- what fa2tune refuses -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arguments", "match"),
+    [
+        (dict(dropout=0.1), "attention dropout"),
+        (dict(softcap=30.0), "soft-capping"),
+        (dict(s_aux=torch.zeros(4)), "attention sinks"),
+        (dict(position_bias=torch.zeros(1, 4, 5, 5)), "position bias"),
+    ],
+    ids=["dropout", "softcap", "s_aux", "position_bias"],
+)
+def test_what_fa2tune_does_not_compute_raises(arguments, match):
+    q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    with pytest.raises(NotImplementedError, match=match):
+        fa2tune_hf.attention_forward(_Layer(), q, k, v, None, **arguments)
+
+
+def test_a_mask_of_the_wrong_kind_or_size_raises():
+    q, k, v = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    with pytest.raises(ValueError, match="must be 4-D"):
+        fa2tune_hf.attention_forward(_Layer(), q, k, v, torch.ones(1, 5, dtype=torch.bool))
+    plan = hf_masks.fa2tune_mask(1, 6, 6, mask_function=masking_utils.causal_mask_function)
+    with pytest.raises(ValueError, match="built for batch 1, 6 queries"):
+        fa2tune_hf.attention_forward(_Layer(), q, k, v, plan)
+    with pytest.raises(TypeError, match="attention_mask must be"):
+        fa2tune_hf.attention_forward(_Layer(), q, k, v, "causal")
+
+
+def test_register_is_idempotent_and_importing_the_module_imports_no_transformers():
+    assert fa2tune_hf.register() == fa2tune_hf.register() == "fa2tune"
+    assert transformers.AttentionInterface._global_mapping["fa2tune"] is fa2tune_hf.attention_forward
+    assert masking_utils.AttentionMaskInterface._global_mapping["fa2tune"] is hf_masks.fa2tune_mask
+    script = "import sys, fa2tune.integrations.transformers; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
+def test_register_names_the_install_when_transformers_is_missing_or_old(monkeypatch):
+    real_import = fa2tune_hf.importlib.import_module
+
+    def without_transformers(name, *args):
+        if name.split(".")[0] == "transformers":
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(fa2tune_hf.importlib, "import_module", without_transformers)
+    with pytest.raises(ImportError, match=r"pip install 'fa2tune\[hf\]'"):
+        fa2tune_hf.register()
+    monkeypatch.setattr(fa2tune_hf.importlib, "import_module", real_import)
+    # The module register() imports: sys.modules', which a model's step may have replaced since this file's import.
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
+    with pytest.raises(ImportError, match=r"needs transformers >= 5\.17 .*got 4\.57\.1"):
+        fa2tune_hf.register()
