@@ -102,9 +102,10 @@ def _add_tune(sub) -> None:
                       help="which masks get a study: causal, no mask, or both (one study each)")  # fmt: skip
     tune.add_argument(
         "--kernel",
-        default="fwd",
+        default="all",
         choices=[*KERNELS, "bwd", "all"],
-        help="bwd: both backward kernels; bwd_dkdv / bwd_dq one of them (after a change to its template)",
+        help="all (default): the forward and both backward kernels, what training runs; fwd: the forward alone "
+        "(inference); bwd: both backward kernels; bwd_dkdv / bwd_dq one of them (after a change to its template)",
     )
     tune.add_argument(
         "--window",

@@ -389,7 +389,9 @@ _WS_ORDER: dict[tuple[str, bool], list[KernelConfig]] = {
         KernelConfig(64, 64, 4, 2, **_WS),
     ],
     ("bwd_dkdv", False): [KernelConfig(64, 128, 4, 2, **_WS), KernelConfig(64, 64, 4, 2, **_WS)],
-    ("bwd_dq", False): [KernelConfig(128, 64, 4, 3, **_WS), KernelConfig(64, 64, 4, 2, **_WS)],
+    # dQ at d >= 224 fits one consumer only: per tile it spills 56-144 B (sm_90), persistent 0-56 (causal)
+    ("bwd_dq", False): [KernelConfig(128, 64, 4, 3, **_WS), KernelConfig(64, 64, 4, 2, **_WS, schedule=PERSISTENT),
+                        KernelConfig(64, 64, 4, 2, **_WS)],
 }
 # Without a measurement: moderate tiles first (they ran within 10 % of the best in every H200 sweep), then smaller.
 _FALLBACK = {
