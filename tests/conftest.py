@@ -22,13 +22,18 @@ os.environ.pop("FA2TUNE_CONFIG_DIR", None)
 import pytest
 
 from fa2tune.config import planner
+from fa2tune.launch import fastlaunch
 
-# Tests of code written against one Triton's internals (the Gluon kernels' API, its compiled launchers' form): on
-# another Triton the product gates those paths off (planner.WS_TRITON, fastlaunch's form check) and these have
-# nothing to test. CI pins that Triton.
+# Tests of code written against given Tritons' internals: the Gluon kernels' API (planner.WS_TRITONS) and the compiled
+# launchers' form (fastlaunch.TESTED_TRITON). On another Triton the product gates those paths off and these have
+# nothing to test. CI runs the suite under each Triton of WS_TRITONS.
 ON_WS_TRITON = pytest.mark.skipif(
-    not planner.triton_version().startswith(planner.WS_TRITON),
-    reason=f"written against Triton {planner.WS_TRITON}x's internals; this is Triton {planner.triton_version()}",
+    not planner.triton_version().startswith(planner.WS_TRITONS),
+    reason=f"the Gluon kernels are written for Triton {planner.WS_TRITONS}; this is Triton {planner.triton_version()}",
+)
+ON_DIRECT_LAUNCH_TRITON = pytest.mark.skipif(
+    not planner.triton_version().startswith(fastlaunch.TESTED_TRITON),
+    reason=f"direct launches are checked on Triton {fastlaunch.TESTED_TRITON}; this is {planner.triton_version()}",
 )
 
 # Per-dtype tolerances against a float64 reference: |out - ref| <= atol + rtol·|ref|.

@@ -11,7 +11,7 @@ import torch
 
 from fa2tune.launch import fastlaunch
 
-from .conftest import ON_WS_TRITON
+from .conftest import ON_DIRECT_LAUNCH_TRITON
 
 
 class _Compiled:
@@ -275,7 +275,7 @@ def _launch_tma(kernel, q, k, pointer, n=64, grid=(132,)):
     fastlaunch.launch_tma(kernel, grid, tma, _describe, (pointer,), (n,), BLOCK=64, num_warps=4)
 
 
-@ON_WS_TRITON
+@ON_DIRECT_LAUNCH_TRITON
 def test_launch_tma_calls_the_launcher_as_triton_s_wrapper_would(fake_cuda):
     kernel, q, k, lse = _TmaKernel(), _TmaTensor(4096), _TmaTensor(1 << 20), _CudaTensor(1 << 24, torch.float32)
     _launch_tma(kernel, q, k, lse)  # first call: the JIT
@@ -290,7 +290,7 @@ def test_launch_tma_calls_the_launcher_as_triton_s_wrapper_would(fake_cuda):
     assert direct[13] is q and direct[13 + 1 : 13 + 5] == q.shape  # the expansion really happened (no TMA meta)
 
 
-@ON_WS_TRITON
+@ON_DIRECT_LAUNCH_TRITON
 def test_launch_tma_encodes_a_descriptor_once_per_address(fake_cuda, monkeypatch):
     kernel, q, k, lse = _TmaKernel(), _TmaTensor(4096), _TmaTensor(1 << 20), _CudaTensor(1 << 24, torch.float32)
     _launch_tma(kernel, q, k, lse)
@@ -313,7 +313,7 @@ def test_launch_tma_encodes_a_descriptor_once_per_address(fake_cuda, monkeypatch
     assert len(plan.encoded) <= 2
 
 
-@ON_WS_TRITON
+@ON_DIRECT_LAUNCH_TRITON
 def test_a_tma_launcher_launches_as_launch_tma_would_and_encodes_once_per_addresses(fake_device, monkeypatch):
     kernel, q, k, lse = _TmaKernel(), _TmaTensor(4096), _TmaTensor(1 << 20), _CudaTensor(1 << 24, torch.float32)
     blocks = ((1, 1, 64, 128), (1, 1, 128, 128))
@@ -338,7 +338,7 @@ def test_a_tma_launcher_launches_as_launch_tma_would_and_encodes_once_per_addres
     assert len(kernel.jit_calls) == 2
 
 
-@ON_WS_TRITON
+@ON_DIRECT_LAUNCH_TRITON
 def test_launch_tma_keeps_the_jit_path_for_a_launch_form_it_does_not_know(fake_cuda, monkeypatch):
     kernel, q, k, lse = _TmaKernel(scratch=256), _TmaTensor(4096), _TmaTensor(1 << 20), _CudaTensor(1 << 24)
     for _ in range(3):  # scratch memory to allocate per launch: CompiledKernel.run's job, not the plan's

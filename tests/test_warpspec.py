@@ -122,14 +122,16 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
         "fused_dq takes a head dim of one chunk (a power of two), got 96"
     )
     assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 64, torch.bfloat16, "bwd_dkdv") is None
-    # The Gluon kernels compile on the Triton they were written for (3.9 renamed their TMA store): a card read under
-    # another Triton rules them out, so a shipped warpspec entry is passed over with a warning, not compiled.
+    # The Gluon kernels compile on the Tritons they were written for (3.6, and 3.9, which renamed their TMA copies): a
+    # card read under another Triton rules them out, so a shipped warpspec entry is passed over with a warning, not
+    # compiled.
     read_under = lambda version: replace(h200, source="card", triton_version=version)
     assert planner.check(WS, read_under("3.6.0"), 128, torch.bfloat16) is None
-    assert planner.check(WS, read_under("3.9.0"), 128, torch.bfloat16) == (
-        "warpspec's Gluon kernels are written for Triton 3.6.x; this is Triton 3.9.0"
+    assert planner.check(WS, read_under("3.9.0"), 128, torch.bfloat16) is None
+    assert planner.check(WS, read_under("3.10.0"), 128, torch.bfloat16) == (
+        "warpspec's Gluon kernels are written for Triton 3.6.x and 3.9.x; this is Triton 3.10.0"
     )
-    assert planner.check(KernelConfig(128, 64, 8, 3), read_under("3.9.0"), 128, torch.bfloat16) is None
+    assert planner.check(KernelConfig(128, 64, 8, 3), read_under("3.10.0"), 128, torch.bfloat16) is None
     # dQ at d=128 with 128-row K/V tiles and two consumers: 64·(128 + 2.5·128)/128 = 224 > 240 − 24
     assert planner.check(WS, h200, 128, torch.bfloat16, "bwd_dq").startswith("registers: 224 fp32 accumulator")
     dkdv = [
@@ -375,6 +377,11 @@ def test_offline_compiles_specialize_pointers_as_a_launch_does():
     assert all(attrs == [["tt.divisibility", 16]] for _, attrs in pointers)
 
 
+# A spill of two registers around a loop (8 B of stack) is not the register model's business: Triton 3.9 keeps one
+# where 3.6 kept none (a fused-dQ dK/dV consumer at d=64 with 63 registers to spare).
+SPILL_NOISE = 8
+
+
 @ON_WS_TRITON
 def test_planner_model_and_registers_match_the_compiler():
     # Compiled for sm_90 without a card (Triton ships ptxas and cuobjdump): the shared memory the model predicts is
@@ -405,7 +412,7 @@ def test_planner_model_and_registers_match_the_compiler():
         predicted = planner.sram_bytes(cfg, head_dim, torch.bfloat16, kernel)
         assert predicted - 512 <= shared <= predicted, (fields, shared, predicted)
         reason = planner.check(cfg, known_gpu("h200"), head_dim, torch.bfloat16, kernel) or ""
-        assert stack and (max(stack) > 0) == reason.startswith("registers"), (fields, stack, reason)
+        assert stack and (max(stack) > SPILL_NOISE) == reason.startswith("registers"), (fields, stack, reason)
     assert reason.startswith("registers: 128 fp32 accumulator values per consumer thread")  # the last row spills
 
 

@@ -55,10 +55,11 @@ NUM_STAGES = (1, 2, 3, 4, 5)
 # The warp-specialized kernels (fwd_ws, bwd_ws, bwd_dq_ws .py.jinja): Hopper's wgmma and TMA, 16-bit inputs, every
 # head dim head_chunks.supported admits (written out a power-of-two chunk at a time).
 WS_DTYPES = (torch.float16, torch.bfloat16)
-# Gluon, the dialect they are written in, is experimental and its API moves between Triton releases (3.9 renamed
-# tma.async_copy_shared_to_global, and the kernels no longer compile): they run on the Triton they were written and
-# measured on, and elsewhere every call takes the Triton template.
-WS_TRITON = "3.6."
+# Gluon, the dialect they are written in, is experimental and its API moves between Triton releases (3.9 renamed the
+# TMA copies: fa2tune.kernels.gluon_ext names them for both): they run on the Tritons they compile and pass the offline
+# sm_90 checks under (tests/test_warpspec.py; measured on a GPU under 3.6), and elsewhere every call takes the Triton
+# template.
+WS_TRITONS = ("3.6.", "3.9.")
 WS_BLOCK_N = (64, 128)
 WS_STAGES = (2, 3, 4)
 _WS_SMEM_OVERHEAD = 512  # mbarriers and alignment; compiles measured 284–392 B
@@ -78,6 +79,10 @@ WS_TWO_AN_SM_REGISTERS = (128, 232, 24)
 # sm_90, (d, B_r, B_c) = (256, 64, 128) with 192 of 255, (256, 128, 128) 192 of 240 and (128, 192, 128) 128 of
 # 160 spill (cuobjdump STACK 40, 96, 248 B); 160 of 255, 160 of 240 and 96 of 160 do not (tests/test_warpspec.py).
 _WS_REGISTERS_BESIDE_ACCUMULATORS = {"fwd": 64, "bwd_dkdv": 16, "bwd_dq": 24}
+# What another Triton's code needs beyond that, by (kernel, consumers): Triton 3.9's three forward consumers (160
+# registers each) spill 24–120 B at B_c = 128 from d=32 on (sm_90 compiles; 3.6: none), and not at d=16's 72
+# accumulator values or B_c = 64's 64: their budget is 24 registers less.
+_TRITON_REGISTERS_BESIDE_EXTRA = {"3.9.": {("fwd", 3): 24}}
 # dK/dV: (d, B_r, B_c) = (128, 64, 128) holds 224 of 240 and keeps a 32 B stack, measured 17 % faster than the Triton
 # template's dK/dV all the same; (64, 128, 128) holds 256 and spills 264 B. dQ: (d, B_r, B_c) =
 # (128, 64, 128) holds 224 of 255 and does not spill; (128, 128, 128), 224 of 240, spills 48 B (causal 72).
@@ -96,8 +101,9 @@ def warpspec_unsupported(
     if not head_chunks.supported(head_dim):
         low, high, step = head_chunks.CHUNK_MIN, head_chunks.CHUNK_MAX, head_chunks.ALIGN
         return f"warpspec takes head_dim a multiple of {step} in {low}..{high}, got {head_dim}"
-    if triton and not triton.startswith(WS_TRITON):
-        return f"warpspec's Gluon kernels are written for Triton {WS_TRITON}x; this is Triton {triton}"
+    if triton and not triton.startswith(WS_TRITONS):
+        written = " and ".join(f"{prefix}x" for prefix in WS_TRITONS)
+        return f"warpspec's Gluon kernels are written for Triton {written}; this is Triton {triton}"
     return None
 
 
@@ -170,6 +176,14 @@ def sram_bytes(
     if kernel == "bwd_dkdv":
         return e * d * (2 * n + 2 * s * m) + 8 * s * m + scores
     return e * d * (2 * m + 2 * s * n) + scores
+
+
+def _registers_beside(kernel: str, consumers: int, triton: str) -> int:
+    """Registers a warp-specialized consumer of `kernel` keeps beside its accumulators when `triton` (the card's
+    reading; "" for a table entry: the installed Triton) compiles it."""
+    triton = triton or triton_version()
+    extra = next((table for prefix, table in _TRITON_REGISTERS_BESIDE_EXTRA.items() if triton.startswith(prefix)), {})
+    return _WS_REGISTERS_BESIDE_ACCUMULATORS[kernel] + extra.get((kernel, consumers), 0)
 
 
 def _ws_overhead(head_dim: int) -> int:
@@ -246,7 +260,7 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
         if cfg.fused_dq and len(head_chunks.chunks(head_dim)) > 1:
             return f"fused_dq takes a head dim of one chunk (a power of two), got {head_dim}"
         consumer_registers = ws_registers(cfg, kernel)[1]
-        budget = consumer_registers - _WS_REGISTERS_BESIDE_ACCUMULATORS[kernel]
+        budget = consumer_registers - _registers_beside(kernel, cfg.consumers(kernel), device.triton_version)
         regs = accumulators_per_thread(cfg, head_dim, kernel)
         if regs > budget:
             return (
@@ -455,6 +469,9 @@ def default_config(
     if measured is None:  # the warp-specialized shapes by the model, then the Triton tiles of the power of two
         like = _PREFERRED.get((kernel, head_dim_padded(head_dim), masked), [])
         measured = _WS_ORDER[kernel, masked] + [cfg for cfg in like if not cfg.warp_specialized]
+    elif measured[0].warp_specialized:  # measured warp-specialized best; where it does not fit, the model's shapes
+        ws = [cfg for cfg in measured if cfg.warp_specialized]
+        measured = ws + _WS_ORDER[kernel, masked] + [cfg for cfg in measured if not cfg.warp_specialized]
     preferred = measured if dtype != torch.float32 else []
     for cfg in preferred + _FALLBACK[kernel]:
         if cfg.warp_specialized and not warp_specialized:

@@ -1,4 +1,10 @@
-"""Gluon operations that Triton 3.6 builds but does not expose on Hopper.
+"""The Gluon TMA operations the warp-specialized templates call, under one name whatever the Triton version.
+
+`tma_load` (global to shared, completing on an mbarrier) and `tma_store` (shared to global, in the thread's bulk
+async-group that `tma.store_wait` waits on): Triton 3.6 calls them `tma.async_copy_global_to_shared` and
+`tma.async_copy_shared_to_global`; Triton 3.9 renamed them `tma.async_load` and `tma.async_store` (same arguments
+in the same order) and made the old names raise. The templates call these aliases, so one rendered kernel compiles
+under both.
 
 `tma_reduce_add`: a TMA bulk reduction (`cp.reduce.async.bulk.tensor ... .add`), shared memory added into global memory
 by the tensor memory accelerator. Triton 3.6's Gluon IR builder has the op (`create_async_tma_reduce`, the one
@@ -13,11 +19,21 @@ from __future__ import annotations
 
 from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import tma
+
+_RENAMED = hasattr(tma, "async_load")  # Triton 3.9 on: async_load / async_store / async_atomic_add
 
 
 @builtin
-def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+def _tma_reduce_add_36(tensor_desc, coord, src, _semantic=None):
     """Adds shared-memory tile `src` (the descriptor's block shape and layout) into `tensor_desc`'s tensor at
     `coord`, element-wise and atomically per element."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+if _RENAMED:
+    tma_load, tma_store, tma_reduce_add = tma.async_load, tma.async_store, tma.async_atomic_add
+else:
+    tma_load, tma_store = tma.async_copy_global_to_shared, tma.async_copy_shared_to_global
+    tma_reduce_add = _tma_reduce_add_36
