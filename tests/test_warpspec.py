@@ -119,9 +119,21 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     dkdv_ws = KernelConfig(64, 128, 4, 2, warp_specialized=True)
     assert planner.check(dkdv_ws, h200, 96, torch.bfloat16, "bwd_dkdv") is None
     assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 96, torch.bfloat16, "bwd_dkdv") == (
-        "fused_dq takes a head dim of one chunk (a power of two), got 96"
+        "fused_dq takes a head dim of one chunk (a power of two), got 96 = 64 + 32"
     )
     assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 64, torch.bfloat16, "bwd_dkdv") is None
+    # V's head dim of its own: dQ never fused in, both head dims taken by warpspec, the model at the larger
+    assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 64, torch.bfloat16, "bwd_dkdv", head_dim_v=32) == (
+        "fused_dq takes V's head dim equal to Q's and K's, got 32 and 64"
+    )
+    assert planner.check(fits_all, h200, 128, torch.bfloat16, head_dim_v=100).startswith(
+        "warpspec takes head_dim a multiple of 8 in 16..256, got 100"
+    )
+    for d, dv in ((192, 128), (128, 192), (64, 96)):
+        for kernel, cfg in (("fwd", fits_all), ("bwd_dkdv", dkdv_ws), ("bwd_dq", fits_all)):
+            assert planner.check(cfg, h200, d, torch.bfloat16, kernel, head_dim_v=dv) == planner.check(
+                cfg, h200, max(d, dv), torch.bfloat16, kernel
+            )
     # The Gluon kernels compile on the Triton they were written for (3.9 renamed their TMA store): a card read under
     # another Triton rules them out, so a shipped warpspec entry is passed over with a warning, not compiled.
     read_under = lambda version: replace(h200, source="card", triton_version=version)
