@@ -17,9 +17,9 @@ def apply_eager(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, 
     """(O, logsumexp) through the eager autograd path (launcher.EagerAttention), the configs the caller left out
     resolved as attention() resolves them: the forward's, and the backward's for the backward to come."""
     if config is None:
-        configs = selection.for_call(selection.FORWARD_BACKWARD, q, k, mask, packing)
+        configs = selection.for_call(selection.FORWARD_BACKWARD, q, k, v, mask, packing)
     else:
-        configs = (config, *selection.for_call(selection.BACKWARD, q, k, mask, packing))
+        configs = (config, *selection.for_call(selection.BACKWARD, q, k, v, mask, packing))
     return launcher.EagerAttention.apply(q, k, v, mask, scale, packing, configs, config is not None)
 
 
@@ -32,7 +32,7 @@ def _apply(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packi
         # Nothing to differentiate (inference, torch.no_grad, inputs without grad): the forward alone. The
         # autograd.Function's own host time (14 µs of a trivial one on the development machine) would buy nothing,
         # and a short inference call waits for its host.
-        fwd = selection.for_call(selection.FORWARD, q, k, mask, packing)[0] if config is None else config
+        fwd = selection.for_call(selection.FORWARD, q, k, v, mask, packing)[0] if config is None else config
         return launcher.checked_forward(q, k, v, mask, scale, fwd, config is not None, packing)
     return ops.apply_op(q, k, v, mask, scale, config, packing)
 

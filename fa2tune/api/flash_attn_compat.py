@@ -144,8 +144,8 @@ def _attend(q, k, v, causal, window_size, softmax_scale, packing: Packing | None
     if not check_flag("deterministic", deterministic) or not _needs_grad(q, k, v):
         return _apply(q, k, v, mask, scale, None, packing)
     if launcher.is_eager(q, k, v):
-        return launcher.EagerAttention.apply(q, k, v, mask, scale, packing, _deterministic_configs(q, k, mask, packing),
-                                             False)  # fmt: skip
+        configs = _deterministic_configs(q, k, v, mask, packing)
+        return launcher.EagerAttention.apply(q, k, v, mask, scale, packing, configs, False)
     if not torch.are_deterministic_algorithms_enabled():
         warnings.warn(
             "fa2tune: deterministic=True under torch.compile or tracing holds only with "
@@ -161,8 +161,8 @@ def _needs_grad(q, k, v) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def _deterministic_configs(q, k, mask: Mask, packing: Packing | None) -> tuple:
+def _deterministic_configs(q, k, v, mask: Mask, packing: Packing | None) -> tuple:
     """The call's (forward, dK/dV, dQ) configs with dQ never fused into the dK/dV kernel: the fused kernel adds dQ
     by TMA reductions in arrival order, its twin with a dQ kernel in one order (launch.fallback.deterministic)."""
-    fwd, dkdv, dq = selection.for_call(selection.FORWARD_BACKWARD, q, k, mask, packing)
+    fwd, dkdv, dq = selection.for_call(selection.FORWARD_BACKWARD, q, k, v, mask, packing)
     return fwd, dataclasses.replace(dkdv, fused_dq=False) if dkdv.fused_dq else dkdv, dq
