@@ -34,7 +34,8 @@ def flash_attn_func(
 
     Args:
         q: (batch, seqlen_q, heads_q, head_dim) — flash_attn's layout, not SDPA's; float16/bfloat16 (float32 too).
-        k, v: (batch, seqlen_k, heads_kv, head_dim); heads_kv divides heads_q (MQA/GQA).
+        k, v: (batch, seqlen_k, heads_kv, head_dim); heads_kv divides heads_q (MQA/GQA). v's head dim may be its
+            own (as flash_attn 3's hdim_v: MLA's 192/128); out then has it.
         dropout_p: must be 0.0 (NotImplementedError: fa2tune has no dropout).
         softmax_scale: default 1/sqrt(head_dim).
         causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned, as flash_attn's and
@@ -48,7 +49,7 @@ def flash_attn_func(
             (batch, heads_q, seqlen_q), as flash_attn's; fa2tune never forms the probabilities, so S_dmask is None.
 
     Returns:
-        out (batch, seqlen_q, heads_q, head_dim), contiguous, in q's dtype; differentiable in q, k and v.
+        out (batch, seqlen_q, heads_q, v's head_dim), contiguous, in q's dtype; differentiable in q, k and v.
     """
     _refuse_unsupported(dropout_p, softcap, alibi_slopes)
     _check_flash_layout(q, k, v)
@@ -80,7 +81,7 @@ def flash_attn_varlen_func(
     """flash_attn.flash_attn_varlen_func's signature and results, on fa2tune's kernels (fa2tune.attention_varlen).
 
     Args:
-        q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim).
+        q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim); v's head dim may be its own.
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative sequence lengths, on q's device.
         max_seqlen_q, max_seqlen_k: the longest sequence of each.
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic: as flash_attn_func,
@@ -89,7 +90,7 @@ def flash_attn_varlen_func(
         block_table: must be None (NotImplementedError: no paged KV cache).
 
     Returns:
-        out (total_q, heads_q, head_dim) in q's dtype; differentiable in q, k and v.
+        out (total_q, heads_q, v's head_dim) in q's dtype; differentiable in q, k and v.
     """
     _refuse_unsupported(dropout_p, softcap, alibi_slopes)
     if block_table is not None:
