@@ -90,8 +90,10 @@ def compile_config(
     if config.warp_specialized:
         return _compile_warpspec(kernel, config, head_dim, dtype, causal, target, head_dim_v)
     template, name = codegen.TEMPLATE_OF[kernel], f"_attn_{kernel}"  # the template's kernel of that name
-    variant = Variant.for_template(template, causal=causal, banded=banded, varlen=varlen, even_m=True, even_n=True,
-                                   pipeline_qk=config.pipeline_qk, head_dim=head_dim, head_dim_v=head_dim_v)  # fmt: skip
+    variant = Variant.for_template(
+        template, causal=causal, banded=banded, varlen=varlen, even_m=True, even_n=True, pipeline_qk=config.pipeline_qk,
+        head_dim=head_dim, head_dim_v=head_dim_v,
+    )  # fmt: skip
     fn = getattr(codegen.load(template, variant), name)
     head_dim_pad = planner.head_dim_padded(head_dim)
     ints = _example_ints(head_dim_pad, heads=16, group=1)
@@ -147,14 +149,19 @@ def _compile(source, target, options: dict) -> CompileReport:
 
 
 def _compile_warpspec(
-    kernel: str, config: KernelConfig, head_dim: int, dtype: torch.dtype, causal: bool, target,
+    kernel: str,
+    config: KernelConfig,
+    head_dim: int,
+    dtype: torch.dtype,
+    causal: bool,
+    target,
     head_dim_v: int | None = None,
 ) -> CompileReport:
     """A Gluon kernel (fwd_ws, bwd_ws for bwd_dkdv, bwd_dq_ws for bwd_dq) as warpspec.compiled_form launches it: its
     TMA descriptors' types come from CPU tensors of a (2, 16, 8192, head_dim) layout (V's side: head_dim_v), which
-    carry the shapes, strides and block layouts a real launch specializes on. A causal config whose schedule deals a causal tail
-    (Schedule.deals_causal_tail: its causal_tail, or FA2TUNE_CAUSAL_TAIL) compiles as a launch with a tail runs it
-    (its causal_tail variant)."""
+    carry the shapes, strides and block layouts a real launch specializes on. A causal config whose schedule deals a
+    causal tail (Schedule.deals_causal_tail: its causal_tail, or FA2TUNE_CAUSAL_TAIL) compiles as a launch with a
+    tail runs it (its causal_tail variant)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
