@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fa2tune
-from fa2tune.api import sdpa
+from fa2tune.api import ops, sdpa
 from fa2tune.config.types import KernelConfig, Variant
 from fa2tune.kernels import codegen
 from fa2tune.launch import fallback
@@ -138,14 +138,16 @@ def test_get_kernel_resolves_both_head_dims_and_refuses_other_calls(device):
     assert fa2tune.get_kernel(32, head_dim_v=32, device=device) is fa2tune.get_kernel(32, device=device)
 
 
-def test_fused_dq_gives_way_where_v_has_a_head_dim_of_its_own():
+def test_fused_dq_gives_way_where_v_has_a_head_dim_of_its_own(device):
     # The dK/dV kernel with dQ fused in takes one head dim for Q, K and V: a resolved config (of the larger head dim,
     # where a tuned entry may fuse) runs its twin with a dQ kernel, an explicit one is refused naming the argument.
     fused = KernelConfig(64, 128, 4, 2, warp_specialized=True, fused_dq=True)
     assert fallback.unfused_for_v(fused, False, 64, 32) == replace(fused, fused_dq=False)
     assert fallback.unfused_for_v(fused, True, 64, 64) is fused
+    q, k, v = _qkv((1, 2, 2, 8, 8, 64, 32), torch.float32, device, seed=10)
+    o, lse = fa2tune.attention(q, k, v, return_lse=True)
     with pytest.raises(ValueError, match=r"dkdv_config .* takes V's head dim equal to Q's and K's, got 32 and 64"):
-        fallback.unfused_for_v(fused, True, 64, 32)
+        ops.backward(torch.ones_like(o), q, k, v, o, lse, causal=False, scale=0.125, dkdv_config=fused)
     with pytest.raises(ValueError, match=r"fused_dq takes V's head dim equal to Q's and K's, got 32 and 64"):
         Variant.for_template("bwd_ws", causal=False, banded=False, varlen=False, even_m=False, even_n=False,
                              fused_dq=True, head_dim=64, head_dim_v=32)  # fmt: skip
