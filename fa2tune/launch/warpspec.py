@@ -217,11 +217,10 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
                      config: KernelConfig, head_dim_v: int | None = None):  # fmt: skip
     """launch(q, k, v, o, lse): writes O and the logsumexp (batch, heads_q, seqlen_q) of attention(q, k, v) with a
     warpspec config, for calls of these shapes and strides and V's head dim head_dim_v (None: q's); the call must
-    have passed `unsupported`. A persistent
-    forward without a mask whose last round would be part empty cuts that round's tiles into pieces where its
-    schedule says so (Schedule.splits_tail; fa2tune.launch.split_tail), and runs a merge launch after the kernel. A
-    causal persistent one may deal the tiles of its last heads out one at a time instead of in pairs
-    (Schedule.deals_causal_tail; fa2tune.launch.causal_tail), as the backward's kernels may."""
+    have passed `unsupported`. A persistent forward without a mask whose last round would be part empty cuts that
+    round's tiles into pieces where its schedule says so (Schedule.splits_tail; fa2tune.launch.split_tail), and runs
+    a merge launch after the kernel. A causal persistent one may deal the tiles of its last heads out one at a time
+    instead of in pairs (Schedule.deals_causal_tail; fa2tune.launch.causal_tail), as the backward's kernels may."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     head_dims = (head_dim, head_dim_v or head_dim)
     row_tiles = -(-seqlen_q // config.block_m)
