@@ -315,11 +315,11 @@ def test_a_varlen_kernel_call_checks_its_packing_before_reading_it(device):
 
 
 def test_flash_attn_function_checks_its_arguments(device):
-    # Unchecked, a v of head_dim 8 under a q of 16 runs (reading past v's rows), a mask of 1 is taken as causal, and
+    # Unchecked, a k of head_dim 8 under a q of 16 runs (reading past k's rows), a mask of 1 is taken as causal, and
     # a Mask with a side of 2^70 raises OverflowError inside Triton.
     q, k, v = _qkv(device, seed=6)
-    with pytest.raises(ValueError, match=r"q, k and v must have the same head_dim, got q=16, k=16, v=8"):
-        fa2tune.FlashAttnFunction.apply(q, k, v[..., :8].contiguous(), False, 0.3, None)
+    with pytest.raises(ValueError, match=r"k's head_dim must equal q's .*, got q=16, k=8"):
+        fa2tune.FlashAttnFunction.apply(q, k[..., :8].contiguous(), v, False, 0.3, None)
     with pytest.raises(TypeError, match=r"mask must be True or False \(causal\) or a fa2tune.Mask, got 1"):
         fa2tune.FlashAttnFunction.apply(q, k, v, 1, 0.3, None)
     with pytest.raises(TypeError, match=r"scale must be a float or None, got str"):

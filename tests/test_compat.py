@@ -250,7 +250,8 @@ def test_patch_sdpa_refuses_to_undo_over_a_later_replacement():
     [
         ("float64", lambda d: [torch.randn(1, 2, 5, 8, dtype=torch.float64, device=d)] * 3, {}),
         ("3-D", lambda d: [torch.randn(2, 5, 8, device=d)] * 3, {}),
-        ("value head dim", lambda d: [torch.randn(1, 2, 5, 8, device=d)] * 2 + [torch.randn(1, 2, 5, 4, device=d)], {}),
+        ("value head dim > 256",
+         lambda d: [torch.randn(1, 2, 5, 8, device=d)] * 2 + [torch.randn(1, 2, 5, 264, device=d)], {}),
         ("batch broadcast", lambda d: [torch.randn(2, 2, 5, 8, device=d)] + [torch.randn(1, 2, 5, 8, device=d)] * 2,
          {}),
         ("scale 0", lambda d: [torch.randn(1, 2, 5, 8, device=d)] * 3, dict(scale=0.0)),

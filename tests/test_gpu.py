@@ -658,3 +658,86 @@ def test_a_split_tail_is_capturable_in_a_cuda_graph(monkeypatch):
             static.copy_(value)
         graph.replay()
         assert torch.equal(captured, step(*values))
+
+
+# V's head dim apart from Q's and K's (dv != d, as MLA-style models use: 192/128). A call resolves the configs of the
+# larger head dim (planner.config_head_dim): warp-specialized where they take both head dims, the shipped d=64 dK/dV
+# entry (dQ fused in) giving way to its twin with a dQ kernel at (64, 32).
+_V_HEAD_DIMS = [(192, 128, torch.bfloat16), (128, 64, torch.bfloat16), (96, 160, torch.float16),
+                (64, 32, torch.bfloat16)]  # fmt: skip
+_v_dims_id = lambda x: str(x).replace("torch.", "")
+
+
+def _v_inputs(head_dim: int, head_dim_v: int, dtype: torch.dtype, kv_heads: int = 2):
+    """(q, k, v) as _ws_inputs gives them, v of head_dim_v."""
+    for seqlen_q, seqlen_k in _WS_LENGTHS:
+        q = torch.randn(2, 4, seqlen_q, head_dim, dtype=dtype, device="cuda")
+        k = torch.randn(2, kv_heads, seqlen_k, head_dim, dtype=dtype, device="cuda")
+        yield q, k, torch.randn(2, kv_heads, seqlen_k, head_dim_v, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim, head_dim_v, dtype", _V_HEAD_DIMS, ids=_v_dims_id)
+def test_attention_with_a_v_head_dim_of_its_own_trains(head_dim, head_dim_v, dtype, causal):
+    # the whole call, as attention() resolves it, through autograd: GQA and not, ragged lengths, N_Q ≠ N_K, rows
+    # that see no key (causal, N_Q > N_K)
+    torch.manual_seed(head_dim + head_dim_v)
+    for q, k, v in (*_v_inputs(head_dim, head_dim_v, dtype), *_v_inputs(head_dim, head_dim_v, dtype, kv_heads=4)):
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        o = fa2tune.attention(*leaves, causal=causal)
+        assert o.shape == (*q.shape[:3], head_dim_v)
+        do = torch.randn_like(o)
+        grads = torch.autograd.grad(o, leaves, do)
+        ref, _ = naive_attention(q.detach().double(), k.detach().double(), v.detach().double(), causal=causal)
+        assert_close(o, ref.nan_to_num(0.0), dtype)
+        _assert_gradients_match_reference(grads, *(t.detach() for t in (q, k, v)), do, causal=causal)
+
+
+@_HOPPER
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim, head_dim_v, dtype", _V_HEAD_DIMS[:3], ids=_v_dims_id)
+def test_warpspec_kernels_with_a_v_head_dim_of_its_own_match_reference(head_dim, head_dim_v, dtype, causal,
+                                                                       monkeypatch):  # fmt: skip
+    # each warp-specialized kernel, given explicitly: the larger head dim's default (a one-consumer dK/dV config
+    # where that default is the Triton template's), V, O, dO and dV read and written in V's own chunks; persistent
+    # ones over three programs; output poisoned first
+    device = device_info(0)
+    configs = [planner.default_config(max(head_dim, head_dim_v), dtype, causal=causal, kernel=kernel, device=device)
+               for kernel in ("fwd", "bwd_dkdv", "bwd_dq")]  # fmt: skip
+    configs = [c if c.warp_specialized else KernelConfig.parse("64,64,4,2,ws") for c in configs]
+    if any(c.schedule.persistent for c in configs):
+        monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
+    torch.manual_seed(head_dim + head_dim_v + 1)
+    scale = head_dim**-0.5
+    for q, k, v in (*_v_inputs(head_dim, head_dim_v, dtype), *_v_inputs(head_dim, head_dim_v, dtype, kv_heads=4)):
+        out = torch.full((*q.shape[:3], head_dim_v), float("nan"), dtype=dtype, device="cuda")
+        o, lse = ops.forward(q, k, v, causal=causal, scale=scale, config=configs[0], out=out)
+        ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+        assert_close(o, ref_o.nan_to_num(0.0), dtype)
+        seen = torch.isfinite(ref_lse)
+        assert_close(lse[seen], ref_lse[seen], torch.float32, what="lse")
+        do = torch.randn_like(o)
+        grads = ops.backward(do, q, k, v, o, lse, causal=causal, scale=scale, dkdv_config=configs[1],
+                             dq_config=configs[2])  # fmt: skip
+        _assert_gradients_match_reference(grads, q, k, v, do, causal=causal)
+
+
+@_HOPPER
+@pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (96, 160)])
+def test_warpspec_split_tail_with_a_v_head_dim_of_its_own_matches_reference(head_dim, head_dim_v, monkeypatch):
+    # the pieces' partial O has O's columns, V's chunks (split_tail.workspace), merged into O of V's head dim
+    torch.manual_seed(head_dim_v)
+    config = KernelConfig.parse("128,64,4,2,ws,persistent")
+    monkeypatch.setattr(split_tail, "MIN_KV_STEPS", 2)
+    splits, merge = [], split_tail.merge
+    monkeypatch.setattr(split_tail, "merge", lambda *args, **kw: (splits.append(kw["split"]), merge(*args, **kw)))
+    q, k, v = next(_v_inputs(head_dim, head_dim_v, torch.bfloat16))  # N_Q = 1000, N_K = 1537
+    tiles, kv_steps = 2 * 4 * -(-1000 // config.block_m), -(-1537 // config.block_n)
+    programs = next(p for p in range(3, 64) if split_tail.plan(tiles, p, kv_steps)[1] > 1)
+    monkeypatch.setattr(warpspec, "_sm_count", lambda index: programs)
+    out = torch.full((2, 4, 1000, head_dim_v), float("nan"), dtype=torch.bfloat16, device="cuda")
+    o, lse = ops.forward(q, k, v, causal=False, scale=head_dim**-0.5, config=config, out=out)
+    assert splits == [split_tail.plan(tiles, programs, kv_steps)[1]]
+    ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double())
+    assert_close(o, ref_o, torch.bfloat16)
+    assert_close(lse, ref_lse, torch.float32, what="lse")

@@ -75,15 +75,24 @@ def test_kv_length_mismatch(device):
 
 
 def test_head_dim_mismatch(device):
-    q, _, _ = _qkv(device, d=16)
-    _, k, v = _qkv(device, d=32)
-    with pytest.raises(ValueError, match=r"same head_dim, got q=16, k=32, v=32"):
+    # K's head dim is Q's (the scores are q·kᵀ), V's may be its own (tests/test_head_dim_v.py runs those)
+    q, _, v = _qkv(device, d=16)
+    _, k, _ = _qkv(device, d=32)
+    with pytest.raises(ValueError, match=r"k's head_dim must equal q's \(the scores are q·kᵀ\), got q=16, k=32"):
         fa2tune.attention(q, k, v)
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"k's head_dim must equal q's .*, got q=16, k=32"):
+        fa2tune.attention_varlen(*packed, cu, cu, 8, 8)
 
 
 def test_head_dim_too_large(device):
     q, k, v = _qkv(device, d=320, nq=1, nk=1)
-    with pytest.raises(ValueError, match=r"head_dim must be in 1..256, got 320"):
+    with pytest.raises(ValueError, match=r"q's head_dim must be in 1..256, got 320"):
+        fa2tune.attention(q, k, v)
+    q, k, _ = _qkv(device, nq=1, nk=1)
+    v = torch.randn(1, 2, 1, 264, device=device)
+    with pytest.raises(ValueError, match=r"v's head_dim must be in 1..256, got 264"):
         fa2tune.attention(q, k, v)
 
 

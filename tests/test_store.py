@@ -360,15 +360,20 @@ def test_a_short_entry_serves_calls_up_to_1024_and_the_all_entry_the_rest(config
     assert resolve("bwd_dq", 4096)[1] == "planner-default"  # no "all" entry for dq: the default, not the short one
     # A call's longer side picks the bucket: 64 queries against 2048 keys is not short.
     q, k = torch.empty(1, 2, 64, 64, device=device), torch.empty(1, 2, 2048, 64, device=device)
-    assert selection.config_for(None, "fwd", q, q, Mask(), None) == short_cfg
-    assert selection.config_for(None, "fwd", q, k, Mask(), None) == long_cfg
+    assert selection.config_for(None, "fwd", q, q, q, Mask(), None) == short_cfg
+    assert selection.config_for(None, "fwd", q, k, k, Mask(), None) == long_cfg
+    # V's head dim of its own: the call resolves at the larger head dim (planner.config_head_dim), the 64 stored
+    narrow = torch.empty(1, 2, 64, 32, device=device)
+    assert selection.config_for(None, "fwd", narrow, narrow, q, Mask(), None) == short_cfg
+    assert selection.config_for(None, "fwd", q, q, narrow, Mask(), None) == short_cfg
+    assert selection.config_for(None, "fwd", narrow, narrow, narrow, Mask(), None) != short_cfg  # nothing at 32
     # Packed sequences: the longest sequence of either side.
     seen = []
     real_resolve = selection.resolve
     packing = launcher.Packing(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 64, 1500)
     try:
         selection.resolve = lambda *args, seqlen=None, **kw: seen.append(seqlen) or real_resolve(*args, **kw)
-        selection.config_for(None, "fwd", q[0].transpose(0, 1), q[0].transpose(0, 1), Mask(), packing)
+        selection.config_for(None, "fwd", *[q[0].transpose(0, 1)] * 3, Mask(), packing)
     finally:
         selection.resolve = real_resolve
     assert seen == [1500]

@@ -4,6 +4,7 @@ Its results on a GPU are checked in tests/test_gpu.py."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -119,9 +120,21 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
     dkdv_ws = KernelConfig(64, 128, 4, 2, warp_specialized=True)
     assert planner.check(dkdv_ws, h200, 96, torch.bfloat16, "bwd_dkdv") is None
     assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 96, torch.bfloat16, "bwd_dkdv") == (
-        "fused_dq takes a head dim of one chunk (a power of two), got 96"
+        "fused_dq takes a head dim of one chunk (a power of two), got 96 = 64 + 32"
     )
     assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 64, torch.bfloat16, "bwd_dkdv") is None
+    # V's head dim of its own: dQ never fused in, both head dims taken by warpspec, the model at the larger
+    assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 64, torch.bfloat16, "bwd_dkdv", head_dim_v=32) == (
+        "fused_dq takes V's head dim equal to Q's and K's, got 32 and 64"
+    )
+    assert planner.check(fits_all, h200, 128, torch.bfloat16, head_dim_v=100).startswith(
+        "warpspec takes head_dim a multiple of 8 in 16..256, got 100"
+    )
+    for d, dv in ((192, 128), (128, 192), (64, 96)):
+        for kernel, cfg in (("fwd", fits_all), ("bwd_dkdv", dkdv_ws), ("bwd_dq", fits_all)):
+            assert planner.check(cfg, h200, d, torch.bfloat16, kernel, head_dim_v=dv) == planner.check(
+                cfg, h200, max(d, dv), torch.bfloat16, kernel
+            )
     # The Gluon kernels compile on the Tritons they were written for (3.6, and 3.9, which renamed their TMA copies): a
     # card read under another Triton rules them out, so a shipped warpspec entry is passed over with a warning, not
     # compiled.
@@ -414,6 +427,41 @@ def test_planner_model_and_registers_match_the_compiler():
         reason = planner.check(cfg, known_gpu("h200"), head_dim, torch.bfloat16, kernel) or ""
         assert stack and (max(stack) > SPILL_NOISE) == reason.startswith("registers"), (fields, stack, reason)
     assert reason.startswith("registers: 128 fp32 accumulator values per consumer thread")  # the last row spills
+
+
+_HEAD_DIM_V_PROBE = """
+import json, sys, torch
+from fa2tune.tune import probe
+from fa2tune.config.types import KernelConfig
+rows = []
+for kernel, head_dim, head_dim_v, fields, causal in json.loads(sys.argv[1]):
+    report = probe.compile_config(kernel, KernelConfig.from_dict(fields), head_dim, torch.bfloat16, causal=causal,
+                                  head_dim_v=head_dim_v)
+    usage = probe.cuobjdump(report.cubin, "-res-usage") if report.cubin else ""
+    rows.append([report.shared_bytes, report.error, max(int(w.split(":")[1]) for w in usage.split()
+                                                        if w.startswith("STACK:"))])
+print(json.dumps(rows))
+"""
+
+
+@ON_WS_TRITON
+def test_a_v_head_dim_of_its_own_compiles_within_the_larger_head_dims_resources():
+    # A call whose V has a head dim of its own runs the configs of the larger head dim (planner.config_head_dim):
+    # compiled for sm_90, each warpspec kernel at (d, dv) holds no more shared memory and no more stack (spills) than
+    # the same config at (max, max), which the planner's model and the tuner judge. The configs: each kernel's default
+    # at the larger head dim, a one-consumer dK/dV one where that default is the Triton template's (d=192).
+    h200 = known_gpu("h200")
+    rows = []
+    for (d, dv), kernel in itertools.product(((192, 128), (128, 64), (96, 128)), ("fwd", "bwd_dkdv", "bwd_dq")):
+        config = planner.default_config(max(d, dv), torch.bfloat16, kernel=kernel, device=h200)
+        config = config if config.warp_specialized else KernelConfig(64, 64, 4, 2, warp_specialized=True)
+        causal = kernel != "fwd"  # the backward's kernels causal: their masks are where the branches are
+        rows += [(kernel, d, dv, config.to_dict(), causal), (kernel, max(d, dv), None, config.to_dict(), causal)]
+    reports = _probe(_HEAD_DIM_V_PROBE, json.dumps(rows))
+    for row, (shared, error, stack), (shared_max, error_max, stack_max) in zip(rows[::2], reports[::2], reports[1::2],
+                                                                              strict=True):  # fmt: skip
+        assert error is None and error_max is None, (row, error, error_max)
+        assert shared <= shared_max and stack <= stack_max, (row, shared, shared_max, stack, stack_max)
 
 
 _SASS_PROBE = """

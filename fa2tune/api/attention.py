@@ -17,9 +17,9 @@ def apply_eager(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, 
     """(O, logsumexp) through the eager autograd path (launcher.EagerAttention), the configs the caller left out
     resolved as attention() resolves them: the forward's, and the backward's for the backward to come."""
     if config is None:
-        configs = selection.for_call(selection.FORWARD_BACKWARD, q, k, mask, packing)
+        configs = selection.for_call(selection.FORWARD_BACKWARD, q, k, v, mask, packing)
     else:
-        configs = (config, *selection.for_call(selection.BACKWARD, q, k, mask, packing))
+        configs = (config, *selection.for_call(selection.BACKWARD, q, k, v, mask, packing))
     return launcher.EagerAttention.apply(q, k, v, mask, scale, packing, configs, config is not None)
 
 
@@ -32,7 +32,7 @@ def _apply(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packi
         # Nothing to differentiate (inference, torch.no_grad, inputs without grad): the forward alone. The
         # autograd.Function's own host time (14 µs of a trivial one on the development machine) would buy nothing,
         # and a short inference call waits for its host.
-        fwd = selection.for_call(selection.FORWARD, q, k, mask, packing)[0] if config is None else config
+        fwd = selection.for_call(selection.FORWARD, q, k, v, mask, packing)[0] if config is None else config
         return launcher.checked_forward(q, k, v, mask, scale, fwd, config is not None, packing)
     return ops.apply_op(q, k, v, mask, scale, config, packing)
 
@@ -82,6 +82,7 @@ def attention(
             cannot tell this from flash_attn's (batch, seqlen, heads, head_dim): such a tensor gives a wrong result
             whenever its shapes happen to fit; pass its .transpose(1, 2), or call fa2tune.flash_attn_func.
         k, v: (batch, heads_kv, seqlen_k, head_dim), same dtype and device; heads_q % heads_kv == 0 (GQA/MQA).
+            v's head dim may be its own (1..256; MLA-style models: 192 for q and k, 128 for v).
         causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned, as FlashAttention-2);
             a query that sees no key gets an output of 0 and a logsumexp of -inf.
         scale: softmax scale, default 1/sqrt(head_dim).
@@ -94,7 +95,7 @@ def attention(
         config: forward block sizes, warps and stages; default: the tuned or the planner's pick.
 
     Returns:
-        O with q's shape and dtype; with return_lse, (O, lse). Differentiable in q, k and v.
+        O with q's shape (v's head dim) and dtype; with return_lse, (O, lse). Differentiable in q, k and v.
     """
     check_qkv(q, k, v)
     return _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, None)
@@ -120,7 +121,7 @@ def attention_varlen(
     sequence boundary, and no padding is computed.
 
     Args:
-        q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim).
+        q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim); v's head dim may be its own.
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative lengths starting at 0, on q's device: sequence b
             is rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) of q and [cu_seqlens_k[b], cu_seqlens_k[b+1]) of k/v.
         max_seqlen_q, max_seqlen_k: the longest sequence of each (they size the launch grid).
@@ -128,7 +129,7 @@ def attention_varlen(
         return_lse: also return the fp32 logsumexp, (heads_q, total_q) as FlashAttention-2 returns it.
 
     Returns:
-        O (total_q, heads_q, head_dim) in q's dtype; with return_lse, (O, lse). Differentiable in q, k and v.
+        O (total_q, heads_q, v's head_dim) in q's dtype; with return_lse, (O, lse). Differentiable in q, k and v.
     """
     packing = Packing(*check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     return _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, packing)

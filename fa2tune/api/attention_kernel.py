@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import lengths
+from ..config import lengths, planner
 from ..config.inputs import check_dtype, check_flag, check_int, check_prefix_len, check_qkv, check_varlen, check_window
 from ..config.types import MAX_HEAD_DIM, DeviceInfo, KernelConfig, integer
 from . import selection
@@ -20,6 +20,7 @@ class AttentionKernel:
 
     Attributes:
         head_dim, dtype, causal: what it was resolved for; calls with anything else are refused.
+        head_dim_v: V's head dim where it is not Q's and K's (None: head_dim's); calls must have it.
         window, prefix_len: the band mask every call applies ((-1, -1) and 0: none).
         varlen: calls take packed sequences: ``kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)``.
         device: the GPU it was resolved for.
@@ -50,6 +51,7 @@ class AttentionKernel:
     short_source: str | None = None
     medium_config: KernelConfig | None = None
     medium_source: str | None = None
+    head_dim_v: int | None = None
 
     def __call__(
         self,
@@ -76,10 +78,12 @@ class AttentionKernel:
         else:
             shape = check_qkv(q, k, v)
             longest = max(shape.seqlen_q, shape.seqlen_k)
-        if q.shape[-1] != self.head_dim or q.dtype != self.dtype:
+        head_dim_v = self.head_dim if self.head_dim_v is None else self.head_dim_v
+        if q.shape[-1] != self.head_dim or v.shape[-1] != head_dim_v or q.dtype != self.dtype:
             raise ValueError(
-                f"this kernel was resolved for head_dim={self.head_dim}, dtype={self.dtype}; "
-                f"got q with head_dim={q.shape[-1]}, dtype={q.dtype}: call fa2tune.get_kernel for that"
+                f"this kernel was resolved for head_dim={self.head_dim}, head_dim_v={head_dim_v}, dtype={self.dtype}; "
+                f"got q with head_dim={q.shape[-1]}, v with {v.shape[-1]}, dtype={q.dtype}: call fa2tune.get_kernel "
+                "for that"
             )
         # The call's longer side picks the forward config, by the store's rule (what attention() does without one).
         bucket = lengths.bucket_of(longest)
@@ -101,15 +105,31 @@ def _resolved(
     window: tuple[int, int],
     prefix_len: int,
     varlen: bool,
+    head_dim_v: int | None,
 ) -> AttentionKernel:
     banded = window != (-1, -1) or prefix_len > 0
-    configs = [selection.resolve(kernel, head_dim, dtype, causal, device, window=banded, varlen=varlen)
-               for kernel in ("fwd", "bwd_dkdv", "bwd_dq")]  # fmt: skip
-    (fwd, source), (dkdv, bwd_source), (dq, _) = configs
-    short, medium = (selection.resolve("fwd", head_dim, dtype, causal, device, window=banded, varlen=varlen, seqlen=n)
-                     for n in (lengths.longest("short"), lengths.longest("medium")))  # fmt: skip
+    at = planner.config_head_dim(head_dim, head_dim_v or head_dim)  # as attention() resolves such a call
+    resolve = lambda kernel, seqlen=None: selection.resolve(kernel, at, dtype, causal, device, window=banded,
+                                                            varlen=varlen, seqlen=seqlen)  # fmt: skip
+    (fwd, source), (dkdv, bwd_source), (dq, _) = (resolve(kernel) for kernel in ("fwd", "bwd_dkdv", "bwd_dq"))
+    short, medium = (resolve("fwd", lengths.longest(bucket)) for bucket in ("short", "medium"))
+    if head_dim_v is not None:  # the forward's configs are passed to attention() as the caller's: they must run
+        info = selection.device_info(device)
+        fwd, source = _for_both_head_dims((fwd, source), info, head_dim, head_dim_v, dtype, causal)
+        short, medium = (_for_both_head_dims(found, info, head_dim, head_dim_v, dtype, causal)
+                         for found in (short, medium))  # fmt: skip
     return AttentionKernel(head_dim, dtype, causal, selection.device_info(device), device, fwd, source, dkdv, dq,
-                           bwd_source, window, prefix_len, varlen, *short, *medium)  # fmt: skip
+                           bwd_source, window, prefix_len, varlen, *short, *medium, head_dim_v)  # fmt: skip
+
+
+def _for_both_head_dims(found: tuple[KernelConfig, str], info: DeviceInfo, head_dim: int, head_dim_v: int,
+                        dtype: torch.dtype, causal: bool) -> tuple[KernelConfig, str]:  # fmt: skip
+    """A forward (config, source) resolved at the larger head dim, or where it cannot take both (a warpspec config and
+    a head dim warpspec does not take) the Triton template's default there: what attention() runs without a config."""
+    if planner.check(found[0], info, head_dim, dtype, "fwd", head_dim_v) is None:
+        return found
+    at = planner.config_head_dim(head_dim, head_dim_v)
+    return planner.default_config(at, dtype, causal=causal, device=info, warp_specialized=False), "planner-default"
 
 
 def get_kernel(
@@ -121,8 +141,12 @@ def get_kernel(
     window: tuple[int, int] | None = None,
     prefix_len: int = 0,
     varlen: bool = False,
+    head_dim_v: int | None = None,
 ) -> AttentionKernel:
     """The attention kernel for a GPU, head dim, dtype and mask, with its configs and where they came from.
+
+    head_dim_v: V's head dim where it is not Q's and K's head_dim (MLA-style models: get_kernel(192,
+    head_dim_v=128)); its configs are those of the larger head dim, as attention() resolves such a call.
 
     window / prefix_len: a band mask (as fa2tune.attention) applied by every call; varlen: the kernel takes packed
     sequences (as fa2tune.attention_varlen). Each is a template variant with its own tuned entries.
@@ -134,10 +158,12 @@ def get_kernel(
     import os
 
     head_dim, dtype = check_int("head_dim", head_dim, 1, MAX_HEAD_DIM), check_dtype(dtype)
+    if head_dim_v is not None:
+        head_dim_v = check_int("head_dim_v", head_dim_v, 1, MAX_HEAD_DIM)
     causal, varlen = check_flag("causal", causal), check_flag("varlen", varlen)
     window, prefix_len = check_window(window), check_prefix_len(prefix_len)
     return _resolved(head_dim, _device_name(device), dtype, causal, os.environ.get("FA2TUNE_CONFIG_DIR"), window,
-                     prefix_len, varlen)  # fmt: skip
+                     prefix_len, varlen, None if head_dim_v == head_dim else head_dim_v)  # fmt: skip
 
 
 def _device_name(device: object) -> str:

@@ -34,7 +34,8 @@ def flash_attn_func(
 
     Args:
         q: (batch, seqlen_q, heads_q, head_dim) — flash_attn's layout, not SDPA's; float16/bfloat16 (float32 too).
-        k, v: (batch, seqlen_k, heads_kv, head_dim); heads_kv divides heads_q (MQA/GQA).
+        k, v: (batch, seqlen_k, heads_kv, head_dim); heads_kv divides heads_q (MQA/GQA). v's head dim may be its
+            own (as flash_attn 3's hdim_v: MLA's 192/128); out then has it.
         dropout_p: must be 0.0 (NotImplementedError: fa2tune has no dropout).
         softmax_scale: default 1/sqrt(head_dim).
         causal: query i sees keys j <= i + seqlen_k - seqlen_q (bottom-right aligned, as flash_attn's and
@@ -48,7 +49,7 @@ def flash_attn_func(
             (batch, heads_q, seqlen_q), as flash_attn's; fa2tune never forms the probabilities, so S_dmask is None.
 
     Returns:
-        out (batch, seqlen_q, heads_q, head_dim), contiguous, in q's dtype; differentiable in q, k and v.
+        out (batch, seqlen_q, heads_q, v's head_dim), contiguous, in q's dtype; differentiable in q, k and v.
     """
     _refuse_unsupported(dropout_p, softcap, alibi_slopes)
     _check_flash_layout(q, k, v)
@@ -80,7 +81,7 @@ def flash_attn_varlen_func(
     """flash_attn.flash_attn_varlen_func's signature and results, on fa2tune's kernels (fa2tune.attention_varlen).
 
     Args:
-        q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim).
+        q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim); v's head dim may be its own.
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) cumulative sequence lengths, on q's device.
         max_seqlen_q, max_seqlen_k: the longest sequence of each.
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic: as flash_attn_func,
@@ -89,7 +90,7 @@ def flash_attn_varlen_func(
         block_table: must be None (NotImplementedError: no paged KV cache).
 
     Returns:
-        out (total_q, heads_q, head_dim) in q's dtype; differentiable in q, k and v.
+        out (total_q, heads_q, v's head_dim) in q's dtype; differentiable in q, k and v.
     """
     _refuse_unsupported(dropout_p, softcap, alibi_slopes)
     if block_table is not None:
@@ -144,8 +145,8 @@ def _attend(q, k, v, causal, window_size, softmax_scale, packing: Packing | None
     if not check_flag("deterministic", deterministic) or not _needs_grad(q, k, v):
         return _apply(q, k, v, mask, scale, None, packing)
     if launcher.is_eager(q, k, v):
-        return launcher.EagerAttention.apply(q, k, v, mask, scale, packing, _deterministic_configs(q, k, mask, packing),
-                                             False)  # fmt: skip
+        configs = _deterministic_configs(q, k, v, mask, packing)
+        return launcher.EagerAttention.apply(q, k, v, mask, scale, packing, configs, False)
     if not torch.are_deterministic_algorithms_enabled():
         warnings.warn(
             "fa2tune: deterministic=True under torch.compile or tracing holds only with "
@@ -161,8 +162,8 @@ def _needs_grad(q, k, v) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def _deterministic_configs(q, k, mask: Mask, packing: Packing | None) -> tuple:
+def _deterministic_configs(q, k, v, mask: Mask, packing: Packing | None) -> tuple:
     """The call's (forward, dK/dV, dQ) configs with dQ never fused into the dK/dV kernel: the fused kernel adds dQ
     by TMA reductions in arrival order, its twin with a dQ kernel in one order (launch.fallback.deterministic)."""
-    fwd, dkdv, dq = selection.for_call(selection.FORWARD_BACKWARD, q, k, mask, packing)
+    fwd, dkdv, dq = selection.for_call(selection.FORWARD_BACKWARD, q, k, v, mask, packing)
     return fwd, dataclasses.replace(dkdv, fused_dq=False) if dkdv.fused_dq else dkdv, dq

@@ -29,7 +29,7 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fa2tune.launch.launcher.forward with config resolved for the call when None (the tuned or planner's)."""
     mask = causal if isinstance(causal, Mask) else Mask(causal=causal)
-    resolved = selection.config_for(config, "fwd", q, k, mask, packing)
+    resolved = selection.config_for(config, "fwd", q, k, v, mask, packing)
     return launcher.forward(q, k, v, causal=mask, scale=scale, config=resolved, explicit=config is not None,
                             out=out, packing=packing)  # fmt: skip
 
@@ -52,10 +52,10 @@ def backward(
     """fa2tune.launch.launcher.backward with the configs left None resolved for the call."""
     mask = causal if isinstance(causal, Mask) else Mask(causal=causal)
     if dkdv_config is None and dq_config is None:
-        dkdv, dq = selection.for_call(selection.BACKWARD, q, k, mask, packing)
+        dkdv, dq = selection.for_call(selection.BACKWARD, q, k, v, mask, packing)
     else:
-        dkdv = selection.config_for(dkdv_config, "bwd_dkdv", q, k, mask, packing)
-        dq = selection.config_for(dq_config, "bwd_dq", q, k, mask, packing)
+        dkdv = selection.config_for(dkdv_config, "bwd_dkdv", q, k, v, mask, packing)
+        dq = selection.config_for(dq_config, "bwd_dq", q, k, v, mask, packing)
     return launcher.backward(do, q, k, v, o, lse, causal=mask, scale=scale, dkdv_config=dkdv, dq_config=dq,
                              dkdv_explicit=dkdv_config is not None, dq_explicit=dq_config is not None,
                              packing=packing, dlse=dlse)  # fmt: skip
@@ -124,13 +124,14 @@ def _fwd_op(
     max_seqlens: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     packing, mask, given = _packing(cu_seqlens_q, cu_seqlens_k, max_seqlens), _mask_from_ints(mask), _from_ints(config)
-    resolved = selection.config_for(given, "fwd", q, k, mask, packing)
+    resolved = selection.config_for(given, "fwd", q, k, v, mask, packing)
     return launcher.checked_forward(q, k, v, mask, scale, resolved, given is not None, packing)
 
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, mask, scale, config, cu_seqlens_q, cu_seqlens_k, max_seqlens):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), _lse_like(q, cu_seqlens_q is not None)
+    o = q.new_empty((*q.shape[:-1], v.shape[-1]))  # q's shape with V's head dim, contiguous
+    return o, _lse_like(q, cu_seqlens_q is not None)
 
 
 @torch.library.custom_op("fa2tune::bwd", mutates_args=())

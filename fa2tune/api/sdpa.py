@@ -38,8 +38,9 @@ def scaled_dot_product_attention(
 
     Args:
         query: (batch, heads_q, seqlen_q, head_dim), float16/bfloat16/float32, on a CUDA device.
-        key, value: (batch, heads_kv, seqlen_k, head_dim). heads_kv must equal heads_q unless enable_gqa=True,
-            when it must divide heads_q (PyTorch's rule; fa2tune reads the shared K/V heads in place).
+        key, value: (batch, heads_kv, seqlen_k, head_dim); value's head dim may be its own, as PyTorch's (Ev).
+            heads_kv must equal heads_q unless enable_gqa=True, when it must divide heads_q (PyTorch's rule;
+            fa2tune reads the shared K/V heads in place).
         attn_mask: None; or a boolean mask (True = take part) or an additive float mask, broadcastable to
             (batch, heads_q, seqlen_q, seqlen_k). A key-padding mask — the same for every head and query, e.g.
             (batch, 1, 1, seqlen_k), with float values 0, -inf or the dtype's lowest value — runs on the
@@ -53,8 +54,8 @@ def scaled_dot_product_attention(
         enable_gqa: allow heads_kv < heads_q.
 
     Returns:
-        (batch, heads_q, seqlen_q, head_dim) in query's dtype, differentiable in query, key and value. A query whose
-        keys are all masked gets 0 (and no gradient), as PyTorch's SDPA gives it.
+        (batch, heads_q, seqlen_q, value's head_dim) in query's dtype, differentiable in query, key and value. A
+        query whose keys are all masked gets 0 (and no gradient), as PyTorch's SDPA gives it.
     """
     return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, TORCH_SDPA)
 
@@ -157,7 +158,7 @@ def _visible_from_additive(rows: torch.Tensor):
 def _attend_visible_keys(query, key, value, visible: torch.Tensor, scale):
     """Attention over the keys `visible` (batch, seqlen_k) keeps, by the packed-sequence kernels: each batch entry's
     kept keys gathered into one packed sequence, its queries another; a query with no key gets 0."""
-    batch, heads_q, seqlen_q, head_dim = query.shape
+    batch, heads_q, seqlen_q, _ = query.shape
     counts = visible.sum(1, dtype=torch.int32)
     counts_host = counts.tolist()  # the launch needs the longest sequence on the host
     if all(count == key.shape[2] for count in counts_host):
@@ -172,7 +173,7 @@ def _attend_visible_keys(query, key, value, visible: torch.Tensor, scale):
     cu_k[1:] = counts.cumsum(0)
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=query.device) * seqlen_q
     out = attention_varlen(packed(query), k_rows, v_rows, cu_q, cu_k, seqlen_q, max(counts_host), scale=scale)
-    return out.view(batch, seqlen_q, heads_q, head_dim).transpose(1, 2)
+    return out.view(batch, seqlen_q, heads_q, value.shape[-1]).transpose(1, 2)
 
 
 def _top_left_causal(query, key, value, scale):
@@ -231,7 +232,7 @@ def patch_sdpa() -> SdpaPatch:
     imported the function by name before the patch keeps the original.
 
     `fa2tune.patch_sdpa()` patches until `.undo()`; `with fa2tune.patch_sdpa(): ...` for a block. A call fa2tune
-    cannot serve (dropout_p > 0, float64, CPU tensors without Triton's interpreter, differing K/V head dims, ...)
+    cannot serve (dropout_p > 0, float64, CPU tensors without Triton's interpreter, differing Q/K head dims, ...)
     runs on the replaced function, logged once per reason (logger "fa2tune.api.sdpa"); masks other than key
     padding are computed by it too. Patching while a patch is in place returns a handle that undoes nothing.
     """
@@ -272,8 +273,8 @@ def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
     runs_here = query.device.type == "cuda" or (query.device.type == "cpu" and interpreting())
     if not (runs_here and query.device == key.device == value.device):
         return f"inputs on {query.device.type}"
-    if not (query.shape[3] == key.shape[3] == value.shape[3] <= MAX_HEAD_DIM):
-        return f"head dims that differ or exceed {MAX_HEAD_DIM}"
+    if not (query.shape[3] == key.shape[3] <= MAX_HEAD_DIM and value.shape[3] <= MAX_HEAD_DIM):
+        return f"query and key head dims that differ, or head dims over {MAX_HEAD_DIM}"
     (batch, heads_q, _, _), (_, heads_kv, seqlen_k, _) = query.shape, key.shape
     if (value.shape[:3] != key.shape[:3] or key.shape[0] != batch or heads_kv == 0 or heads_q % heads_kv != 0
             or (heads_kv != heads_q and not enable_gqa)):  # fmt: skip

@@ -4,7 +4,8 @@ resolve() looks a call up by (kernel, head_dim, dtype, mask kind, length bucket,
 length's bucket first (lengths.buckets_for: "short" for max(seqlen_q, seqlen_k) <= lengths.SHORT_SEQLEN, ...),
 then "all". A tuned entry that
 does not fit the device it is used on is ignored with one warning. for_call() keeps what resolve() gave per call
-signature, so attention()'s hot path pays one dict lookup for all its configs.
+signature, so attention()'s hot path pays one dict lookup for all its configs. A call whose V has a head dim of its
+own resolves at the larger of the two (planner.config_head_dim).
 """
 
 from __future__ import annotations
@@ -83,37 +84,41 @@ def resolve(
     return result
 
 
-def for_call(kernels: tuple[str, ...], q: torch.Tensor, k: torch.Tensor, mask: Mask, packing) -> tuple:
+def for_call(kernels: tuple[str, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
+             packing) -> tuple:  # fmt: skip
     """The configs `kernels` (FORWARD, BACKWARD, ...) launch with for this call, as resolve() picks them.
 
-    Kept per call signature, so a call whose signature was seen pays one dict lookup: what decides them (head dim,
+    Kept per call signature, so a call whose signature was seen pays one dict lookup: what decides them (head dims,
     dtype, device, mask, packed or not, and the longer side, which picks the length bucket — for SDPA's layout the
     shapes, which hold both) and what may change what resolve() finds (the config directory; for a CUDA tensor
     Triton's interpreter, under which its device resolves as the interpreter's). clear_cache() forgets them.
     packing: a fa2tune.launch.launcher.Packing, or None.
     """
     if packing is None:
-        key = (kernels, q.shape, k.shape, q.dtype, q.device, mask, os.environ.get("FA2TUNE_CONFIG_DIR"),
+        key = (kernels, q.shape, k.shape, v.shape[-1], q.dtype, q.device, mask, os.environ.get("FA2TUNE_CONFIG_DIR"),
                q.is_cuda and interpreting())  # fmt: skip
     else:
-        key = (kernels, q.shape[-1], max(packing.max_seqlen_q, packing.max_seqlen_k), q.dtype, q.device, mask,
-               os.environ.get("FA2TUNE_CONFIG_DIR"), q.is_cuda and interpreting(), "packed")  # fmt: skip
+        key = (kernels, q.shape[-1], v.shape[-1], max(packing.max_seqlen_q, packing.max_seqlen_k), q.dtype, q.device,
+               mask, os.environ.get("FA2TUNE_CONFIG_DIR"), q.is_cuda and interpreting(), "packed")  # fmt: skip
     configs = _calls.get(key)
     if configs is None:
-        configs = _resolve_call(kernels, q, k, mask, packing)
+        configs = _resolve_call(kernels, q, k, v, mask, packing)
         if len(_calls) >= _MAX_CALLS:
             _calls.clear()
         _calls[key] = configs
     return configs
 
 
-def _resolve_call(kernels: tuple[str, ...], q: torch.Tensor, k: torch.Tensor, mask: Mask, packing) -> tuple:
+def _resolve_call(kernels: tuple[str, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
+                  packing) -> tuple:  # fmt: skip
     # The longer side picks the length bucket of the tuned configs (lengths.buckets_for).
     longest = max(q.shape[2], k.shape[2]) if packing is None else max(packing.max_seqlen_q, packing.max_seqlen_k)
-    return tuple(resolve(kernel, q.shape[-1], q.dtype, mask.causal, q.device, window=mask.banded,
+    head_dim = planner.config_head_dim(q.shape[-1], v.shape[-1])
+    return tuple(resolve(kernel, head_dim, q.dtype, mask.causal, q.device, window=mask.banded,
                          varlen=packing is not None, seqlen=longest)[0] for kernel in kernels)  # fmt: skip
 
 
-def config_for(config: KernelConfig | None, kernel: str, q: torch.Tensor, k: torch.Tensor, mask: Mask, packing):
+def config_for(config: KernelConfig | None, kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: Mask, packing):  # fmt: skip
     """`config`, or — None — the one resolved for this call's `kernel` (for_call)."""
-    return config if config is not None else for_call((kernel,), q, k, mask, packing)[0]
+    return config if config is not None else for_call((kernel,), q, k, v, mask, packing)[0]

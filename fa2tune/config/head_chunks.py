@@ -39,6 +39,18 @@ def padded(head_dim: int) -> int:
     return sum(chunks(head_dim))
 
 
+def fused_dq_error(head_dim: int, head_dim_v: int | None = None) -> str | None:
+    """Why the warp-specialized dK/dV kernel cannot add dQ in (KernelConfig.fused_dq) at these head dims, or None:
+    its dQ partials take a head dim of one chunk (a power of two), and V's the same as Q's and K's (bwd_ws.py.jinja's
+    fused dQ is written and measured for one head dim)."""
+    if len(chunks(head_dim)) > 1:
+        widths = " + ".join(map(str, chunks(head_dim)))
+        return f"fused_dq takes a head dim of one chunk (a power of two), got {head_dim} = {widths}"
+    if head_dim_v is not None and head_dim_v != head_dim:
+        return f"fused_dq takes V's head dim equal to Q's and K's, got {head_dim_v} and {head_dim}"
+    return None
+
+
 def offsets(widths: tuple[int, ...]) -> tuple[int, ...]:
     """The first column of each chunk."""
     return tuple(sum(widths[:i]) for i in range(len(widths)))

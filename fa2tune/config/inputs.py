@@ -56,7 +56,8 @@ def check_dtype(dtype: object) -> torch.dtype:
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """Sizes of one attention call, in SDPA's layout (batch, heads, seqlen, head_dim)."""
+    """Sizes of one attention call, in SDPA's layout (batch, heads, seqlen, head_dim): head_dim is Q's and K's,
+    head_dim_v V's (and O's), which may differ (MLA-style models: 192 and 128)."""
 
     batch: int
     heads_q: int
@@ -64,6 +65,7 @@ class AttentionShape:
     seqlen_q: int
     seqlen_k: int
     head_dim: int
+    head_dim_v: int
 
 
 def interpreting() -> bool:
@@ -110,10 +112,12 @@ def _check_heads(heads_q: int, heads_k: int, heads_v: int) -> None:
 
 
 def _check_head_dim(head_dim: int, k_dim: int, v_dim: int) -> None:
-    if k_dim != head_dim or v_dim != head_dim:
-        raise ValueError(f"q, k and v must have the same head_dim, got q={head_dim}, k={k_dim}, v={v_dim}")
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+    """Q and K share a head dim (the scores are q·kᵀ); V's may be its own (O takes it), each in 1..MAX_HEAD_DIM."""
+    if k_dim != head_dim:
+        raise ValueError(f"k's head_dim must equal q's (the scores are q·kᵀ), got q={head_dim}, k={k_dim}")
+    for name, dim in (("q", head_dim), ("v", v_dim)):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}'s head_dim must be in 1..{MAX_HEAD_DIM}, got {dim}")
 
 
 def check_qkv(q: object, k: object, v: object) -> AttentionShape:
@@ -121,7 +125,8 @@ def check_qkv(q: object, k: object, v: object) -> AttentionShape:
 
     Raises:
         TypeError: a non-tensor, a non-float dtype, or mixed dtypes.
-        ValueError: wrong rank, mismatched sizes, GQA heads that do not divide, head_dim > 256,
+        ValueError: wrong rank, mismatched sizes (k's head_dim other than q's; v's may differ), GQA heads that
+            do not divide, a head_dim > 256,
             a non-unit last stride, tensors on different devices, or CPU tensors without the interpreter.
     """
     _check_tensors(q, k, v, "(batch, heads, seqlen, head_dim) as in scaled_dot_product_attention")
@@ -135,7 +140,7 @@ def check_qkv(q: object, k: object, v: object) -> AttentionShape:
     except ValueError as error:
         raise ValueError(f"{error}{_LAYOUT_HINT}") from None
     _check_head_dim(head_dim, k.shape[3], v.shape[3])
-    return AttentionShape(batch, heads_q, k.shape[1], seqlen_q, k.shape[2], head_dim)
+    return AttentionShape(batch, heads_q, k.shape[1], seqlen_q, k.shape[2], head_dim, v.shape[3])
 
 
 # What a shape mismatch in SDPA's layout often means: sizes cannot tell the two layouts apart, so this is a hint.

@@ -120,6 +120,16 @@ def head_dim_padded(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+def config_head_dim(head_dim: int, head_dim_v: int) -> int:
+    """The head dim whose configs a call runs when V's head dim (head_dim_v) is not Q's and K's (head_dim): the
+    larger. The store and the tuner key configs by one head dim, and a config's tiles and accumulators at max(d, dv)
+    are at least as wide as each of the call's (Q, K at d; V, O, dO, dV at dv), so its shared memory and registers
+    bound the call's: a config that fits there fits here. The planner's model stays that of one head dim, the larger
+    — conservative. The one rule for resolving (fa2tune.api.selection), the Triton default a warpspec config gives
+    way to (fa2tune.launch.fallback) and check()."""
+    return max(head_dim, head_dim_v)
+
+
 def computed_width(cfg: KernelConfig, head_dim: int) -> int:
     """The head-dim columns `cfg`'s kernel computes on: the warp-specialized kernels' chunks (head_chunks.padded),
     the Triton templates' power of two (head_dim_padded)."""
@@ -243,22 +253,31 @@ def ws_registers(cfg: KernelConfig, kernel: str = "fwd") -> tuple[int | None, in
     return WS_TWO_AN_SM_REGISTERS if cfg.schedule.programs_an_sm == 2 else WS_REGISTERS[cfg.consumers(kernel)]
 
 
-def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dtype, kernel: str = "fwd") -> str | None:
-    """Returns why `cfg` should not run `kernel` on `device` (does not fit, or would spill), or None."""
+def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dtype, kernel: str = "fwd",
+          head_dim_v: int | None = None) -> str | None:  # fmt: skip
+    """Returns why `cfg` should not run `kernel` on `device` (does not fit, or would spill), or None.
+    head_dim_v: V's head dim where it is not Q's and K's (None: the same): warpspec must take both, dQ is not fused
+    in (head_chunks.fused_dq_error), and the model is that of config_head_dim."""
     _check_kernel(kernel)
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        return f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}"
+    for name, dim in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+        if dim is not None and not 1 <= dim <= MAX_HEAD_DIM:
+            return f"{name} must be in 1..{MAX_HEAD_DIM}, got {dim}"
+    fused_dq = head_chunks.fused_dq_error(head_dim, head_dim_v) if cfg.fused_dq else None
+    narrower = head_dim  # warpspec must take both head dims: the larger is checked below
+    if head_dim_v is not None:
+        narrower, head_dim = min(head_dim, head_dim_v), config_head_dim(head_dim, head_dim_v)
     combination = cfg.combination_error(kernel)
     if combination is not None:
         return combination
     if cfg.pipeline_qk and kernel != "fwd":
         return f"pipeline_qk is a forward switch; {kernel} has no QKᵀ loop to pipeline that way"
     if cfg.warp_specialized:
-        reason = warpspec_unsupported(head_dim, dtype, device.capability, device.triton_version)
-        if reason is not None:
-            return reason
-        if cfg.fused_dq and len(head_chunks.chunks(head_dim)) > 1:
-            return f"fused_dq takes a head dim of one chunk (a power of two), got {head_dim}"
+        for dim in (narrower, head_dim):
+            reason = warpspec_unsupported(dim, dtype, device.capability, device.triton_version)
+            if reason is not None:
+                return reason
+        if fused_dq is not None:
+            return fused_dq
         consumer_registers = ws_registers(cfg, kernel)[1]
         budget = consumer_registers - _registers_beside(kernel, cfg.consumers(kernel), device.triton_version)
         regs = accumulators_per_thread(cfg, head_dim, kernel)

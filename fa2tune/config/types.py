@@ -296,6 +296,8 @@ class Variant:
         qk_chunks, v_chunks: the warpspec templates: the head-dim chunks of Q/K (and dQ, dK) and of V/O (and dO, dV)
             (fa2tune.config.head_chunks), whose loads, buffers, wgmmas and accumulators the template writes out one a
             chunk; () for the Triton templates.
+        distinct_v: the Triton templates: V's head dim is not Q's and K's, so V, O, dO and dV take constexprs of
+            their own (HEAD_DIM_V, HEAD_DIM_V_PAD); off, the code reads HEAD_DIM for all, as it always has.
     """
 
     causal: bool
@@ -311,6 +313,7 @@ class Variant:
     causal_tail: bool = False
     qk_chunks: tuple[int, ...] = ()
     v_chunks: tuple[int, ...] = ()
+    distinct_v: bool = False
 
     @classmethod
     def for_template(
@@ -337,7 +340,9 @@ class Variant:
         The warpspec templates have causal, persistent and causal_tail (with both), fwd_ws pingpong, bwd_ws fused_dq:
         TMA bounds every tile, so tails need no code of their own, and they take neither band masks nor packed
         sequences (the launcher routes those to the Triton templates). They are written out a head-dim chunk at a
-        time: they need head_dim (and head_dim_v, V's, where it differs); fused dQ only where it is one chunk."""
+        time: they need head_dim (and head_dim_v, V's, where it differs); fused dQ only where it is one chunk and
+        V's head dim is Q's (head_chunks.fused_dq_error). The Triton templates take any head dims as constexprs; a
+        head_dim_v other than head_dim gives them V's own (distinct_v)."""
         if template.endswith("_ws"):
             forward = template == "fwd_ws"
             persistent = bool(persistent) and template in PERSISTENT_TEMPLATES
@@ -345,16 +350,17 @@ class Variant:
                 raise ValueError(f"{template} is rendered for a head dim: pass head_dim")
             qk_chunks = head_chunks.chunks(head_dim)
             v_chunks = head_chunks.chunks(head_dim if head_dim_v is None else head_dim_v)
-            if fused_dq and template == "bwd_ws" and len(qk_chunks) > 1:
-                raise ValueError(f"fused_dq takes a head dim of one chunk (a power of two), got {head_dim} = "
-                                 f"{' + '.join(map(str, qk_chunks))}")  # fmt: skip
+            fused_dq = fused_dq and template == "bwd_ws"
+            if fused_dq and head_chunks.fused_dq_error(head_dim, head_dim_v) is not None:
+                raise ValueError(head_chunks.fused_dq_error(head_dim, head_dim_v))
             return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
-                       persistent=persistent, fused_dq=fused_dq and template == "bwd_ws",
+                       persistent=persistent, fused_dq=fused_dq,
                        causal_tail=causal_tail and causal and persistent, qk_chunks=qk_chunks,
                        v_chunks=v_chunks)  # fmt: skip
         return cls(
             causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,
             dot_fp32=dot_fp32, banded=banded, varlen=varlen, pipeline_qk=bool(pipeline_qk) and template == "fwd",
+            distinct_v=head_dim_v is not None and head_dim_v != head_dim,
         )  # fmt: skip
 
 

@@ -8,14 +8,13 @@ from typing import NamedTuple
 
 import torch
 
-from ..config import planner
 from ..config.inputs import check_offsets
 from ..config.types import KernelConfig, Mask
 from . import fastlaunch, plans, warpspec
 from . import layout as _layout
-from .fallback import check_combination, deterministic, runnable
+from .fallback import check_combination, deterministic, runnable, unfused_for_v
 from .grid import LOG2E, cdiv, input_precision
-from .layout import Packing, as_mask, layout, lse_strides, mask_args, on_device, totals
+from .layout import Packing, as_mask, head_dim_options, layout, lse_strides, mask_args, on_device, totals
 
 
 def backward(
@@ -69,7 +68,7 @@ def backward(
     for kernel_name, config, explicit in (("bwd_dkdv", dkdv_config, dkdv_explicit), ("bwd_dq", dq_config, dq_explicit)):
         if explicit:
             check_combination(config, kernel_name)
-    dkdv_config = deterministic(dkdv_config, dkdv_explicit)
+    dkdv_config = deterministic(unfused_for_v(dkdv_config, dkdv_explicit, q.shape[-1], v.shape[-1]), dkdv_explicit)
     dq, dk, dv, delta = _gradient_buffers(q, k, v, lse)
     dkdv_run = runnable(dkdv_config, "bwd_dkdv", dkdv_explicit, mask, packing, q=q, k=k, v=v, grad_out=do, dk=dk,
                         dv=dv)  # fmt: skip
@@ -97,8 +96,8 @@ def _launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config, dq_conf
     fused_dq = dkdv_config.fused_dq  # the dK/dV kernel also adds scale·dS·K into an fp32 dQ
     pre_launch = _preprocess_launcher(q, k, o, do, mask, dq_config, fused_dq, packing)
     shared = _Shared.of(q, k, v, lse, do, mask, scale, packing)
-    dkdv = _dkdv_launcher(q, k, lse, dk, dv, mask, scale, dkdv_config, shared)
-    dq_launch = None if fused_dq else _dq_launcher(q, k, lse, dq, mask, scale, dq_config, shared)
+    dkdv = _dkdv_launcher(q, k, v, lse, dk, dv, mask, scale, dkdv_config, shared)
+    dq_launch = None if fused_dq else _dq_launcher(q, k, v, lse, dq, mask, scale, dq_config, shared)
 
     def launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse):
         if fused_dq:
@@ -123,13 +122,14 @@ def _preprocess_launcher(q, k, o, do, mask: Mask, dq_config: KernelConfig, fused
     (batch, heads_q, _, seqlen_q, seqlen_k, head_dim), strides = layout(q, k, packing)
     # δ per row needs no sequence boundaries: packed rows are preprocessed as one batch of one long sequence.
     pre_rows, pre_batch = (q.shape[0], 1) if packing is not None else (seqlen_q, batch)
-    pre = _layout.kernel("bwd", "_attn_bwd_preprocess", mask, seqlen_q, seqlen_k, dq_config, packing is not None)
+    head_dims = (head_dim, o.shape[-1])  # δ sums over O's columns: V's head dim
+    pre = _layout.kernel("bwd", "_attn_bwd_preprocess", mask, seqlen_q, seqlen_k, dq_config, packing is not None,
+                         head_dims)  # fmt: skip
     pre_grid = (cdiv(pre_rows, dq_config.block_m) * pre_batch * heads_q,)
     # with dQ fused in, the preprocess also zeroes the fp32 dQ: q's shape, contiguous (a meta tensor's strides)
     dq_acc_strides = strides(torch.empty(q.shape, device="meta")) if fused_dq else (0, 0, 0)
     pre_scalars = (*strides(o), *strides(do), *dq_acc_strides, heads_q, pre_rows)
-    pre_options = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim), BLOCK_M=dq_config.block_m,
-                       ZERO_DQ=fused_dq)  # fmt: skip
+    pre_options = dict(**head_dim_options(*head_dims), BLOCK_M=dq_config.block_m, ZERO_DQ=fused_dq)
     return fastlaunch.Launcher(pre, pre_grid, pre_scalars, pre_options)
 
 
@@ -138,6 +138,7 @@ class _Shared(NamedTuple):
     No tensor but the offsets (packed calls keep no plan): a plan outlives its call."""
 
     sizes: tuple  # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim)
+    head_dims: tuple[int, int]  # (Q's and K's, V's)
     strides: Callable
     inputs: tuple  # strides of q, k, v, dO and the logsumexp
     scalars: tuple  # heads, GQA group, lengths, scales, mask bounds, packed totals
@@ -154,22 +155,23 @@ class _Shared(NamedTuple):
         inputs = (*strides(q), *strides(k), *strides(v), *strides(do), *lse_strides(lse, packing))
         scalars = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds,
                    *totals(q, k, packing))  # fmt: skip
-        return cls(sizes, strides, inputs, scalars, cu_q, cu_k, packing is not None, input_precision(q.dtype))
+        return cls(sizes, (sizes[-1], v.shape[-1]), strides, inputs, scalars, cu_q, cu_k, packing is not None,
+                   input_precision(q.dtype))  # fmt: skip
 
     def options(self, config: KernelConfig) -> dict:
-        head_dim = self.sizes[-1]
-        return dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim), BLOCK_M=config.block_m,
-                    BLOCK_N=config.block_n, INPUT_PRECISION=self.precision, num_warps=config.num_warps,
+        return dict(**head_dim_options(*self.head_dims), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                    INPUT_PRECISION=self.precision, num_warps=config.num_warps,
                     num_stages=config.num_stages)  # fmt: skip
 
 
-def _dkdv_launcher(q, k, lse, dk, dv, mask: Mask, scale: float, config: KernelConfig, shared: _Shared):
+def _dkdv_launcher(q, k, v, lse, dk, dv, mask: Mask, scale: float, config: KernelConfig, shared: _Shared):
     """launch(q, k, v, do, dk, dv, [dq_acc,] lse, delta): the dK/dV kernel, one program per K/V tile and head."""
     if config.warp_specialized:  # backward() checked that this call can take it
         # the warpspec launchers take the TMA-read tensors first: the Triton ones take the same order
-        return warpspec.backward_dkdv_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config)
+        return warpspec.backward_dkdv_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config,
+                                               head_dim_v=v.shape[-1])  # fmt: skip
     batch, _, heads_kv, seqlen_q, seqlen_k, _ = shared.sizes
-    dkdv = _layout.kernel("bwd", "_attn_bwd_dkdv", mask, seqlen_q, seqlen_k, config, shared.varlen)
+    dkdv = _layout.kernel("bwd", "_attn_bwd_dkdv", mask, seqlen_q, seqlen_k, config, shared.varlen, shared.head_dims)
     grid = (cdiv(seqlen_k, config.block_n) * batch * heads_kv,)
     scalars = (*shared.inputs, *shared.strides(dk), *shared.strides(dv), *shared.scalars)
     launch = fastlaunch.Launcher(dkdv, grid, scalars, shared.options(config))
@@ -177,12 +179,14 @@ def _dkdv_launcher(q, k, lse, dk, dv, mask: Mask, scale: float, config: KernelCo
     return lambda q, k, v, do, dk, dv, lse, delta: launch(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k)
 
 
-def _dq_launcher(q, k, lse, dq, mask: Mask, scale: float, config: KernelConfig, shared: _Shared):
+def _dq_launcher(q, k, v, lse, dq, mask: Mask, scale: float, config: KernelConfig, shared: _Shared):
     """launch(q, k, v, do, dq, lse, delta): the dQ kernel, one program per Q tile and head."""
     if config.warp_specialized:  # backward() checked that this call can take it
-        return warpspec.backward_dq_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config)
+        return warpspec.backward_dq_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config,
+                                             head_dim_v=v.shape[-1])  # fmt: skip
     batch, heads_q, _, seqlen_q, seqlen_k, _ = shared.sizes
-    dq_kernel = _layout.kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, config, shared.varlen)
+    dq_kernel = _layout.kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, config, shared.varlen,
+                               shared.head_dims)  # fmt: skip
     grid = (cdiv(seqlen_q, config.block_m) * batch * heads_q,)
     scalars = (*shared.inputs, *shared.strides(dq), *shared.scalars)
     launch = fastlaunch.Launcher(dq_kernel, grid, scalars, shared.options(config))

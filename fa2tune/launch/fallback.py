@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from ..config import planner
+from ..config import head_chunks, planner
 from ..config.device import device_info
 from ..config.types import KernelConfig, Mask
 from . import warpspec
@@ -24,7 +24,8 @@ def runnable(config: KernelConfig, kernel: str, explicit: bool, mask: Mask, pack
     """`config`, or — for a warp-specialized config this call cannot take (unaligned strides, band masks, packed
     sequences, fp32) — the Triton template's default. A warp-specialized config the caller gave explicitly is an error
     that says why.
-    tensors: every tensor the kernel reads or writes through TMA, by the name an error should give; q among them."""
+    tensors: every tensor the kernel reads or writes through TMA, by the name an error should give; q and v among
+    them."""
     if not config.warp_specialized:
         return config
     reason = warpspec.unsupported(kernel, mask, packing is not None, **tensors)
@@ -32,8 +33,9 @@ def runnable(config: KernelConfig, kernel: str, explicit: bool, mask: Mask, pack
         return config
     if explicit:
         raise ValueError(f"{ARGUMENT_NAMES[kernel]} {config} cannot run this call: {reason}")
-    q = tensors["q"]
-    return _triton_default(q.shape[-1], q.dtype, mask.causal, kernel, device_info(q.device))
+    q, v = tensors["q"], tensors["v"]
+    head_dim = planner.config_head_dim(q.shape[-1], v.shape[-1])  # as the API resolved `config` (selection)
+    return _triton_default(head_dim, q.dtype, mask.causal, kernel, device_info(q.device))
 
 
 @functools.lru_cache(maxsize=256)
@@ -53,6 +55,19 @@ def deterministic(config: KernelConfig, explicit: bool) -> KernelConfig:
             f"dkdv_config {config} fuses dQ in (fused_dq=True), which adds dQ in a run-to-run order, and "
             "torch.use_deterministic_algorithms(True) is set: pass fused_dq=False for a deterministic backward"
         )
+    return replace(config, fused_dq=False)
+
+
+def unfused_for_v(config: KernelConfig, explicit: bool, head_dim: int, head_dim_v: int) -> KernelConfig:
+    """The dK/dV config a backward whose V has a head dim of its own runs: a config that fuses dQ in (fused_dq) takes
+    one head dim for Q, K and V (head_chunks.fused_dq_error), so a resolved one — a call resolves its configs at the
+    larger head dim (planner.config_head_dim), where a tuned entry may fuse — gives way to its twin with a dQ kernel
+    (same tiles, less shared memory); an explicit one is an error."""
+    if not config.fused_dq or head_dim_v == head_dim:
+        return config
+    if explicit:
+        reason = head_chunks.fused_dq_error(head_dim, head_dim_v)
+        raise ValueError(f"dkdv_config {config} cannot run this call: {reason}; pass fused_dq=False")
     return replace(config, fused_dq=False)
 
 

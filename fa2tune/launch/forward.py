@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from ..config import planner
 from ..config.inputs import check_offsets
 from ..config.types import KernelConfig, Mask
 from . import fastlaunch, plans, warpspec
 from . import layout as _layout
 from .fallback import check_combination, runnable
 from .grid import LOG2E, cdiv, fwd_grid, input_precision
-from .layout import Packing, as_mask, layout, lse_strides, mask_args, on_device, totals
+from .layout import Packing, as_mask, head_dim_options, layout, lse_strides, mask_args, on_device, output_like, totals
 
 
 def forward(
@@ -33,11 +32,12 @@ def forward(
         config: the config to launch with (fa2tune.api.ops.forward resolves one for callers without one).
         explicit: the caller chose config: a config this call cannot run is an error. False for a config resolved
             for the call (tuned or the planner's), which then gives way to the Triton template's default.
-        out: optional preallocated output like q (any strides with a unit last stride); written in place.
+        out: optional preallocated output: q's shape with V's head dim (any strides with a unit last stride); written
+            in place.
         packing: packed sequences; q, k, v are then (total_tokens, heads, head_dim).
 
     Returns:
-        O with q's shape and dtype, and the fp32 logsumexp in natural log: (batch, heads_q, seqlen_q), or
+        O with q's shape (V's head dim) and dtype, and the fp32 logsumexp in natural log: (batch, heads_q, seqlen_q), or
         (heads_q, total_q) for packed sequences.
     """
     mask = as_mask(causal)
@@ -46,7 +46,7 @@ def forward(
         key = plans.plan_key("fwd", (q, k, v), mask, scale, (config, explicit))
         plan = plans.lookup(key)
         if plan is not None:
-            o = torch.empty_like(q, memory_format=torch.contiguous_format)
+            o = output_like(q, v)
             lse = q.new_empty(q.shape[:3], dtype=torch.float32)  # torch.empty's keyword parsing: 0.5 µs more
             if not (plan.tma and plans.misaligned(q, k, v, o)):
                 with on_device(q):
@@ -55,7 +55,7 @@ def forward(
     (batch, heads_q, _, seqlen_q, _, _), _ = layout(q, k, packing)
     if explicit:
         check_combination(config, "fwd")
-    o = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    o = output_like(q, v) if out is None else out
     lse_shape = (batch, heads_q, seqlen_q) if packing is None else (heads_q, q.shape[0])
     lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
     if o.numel() == 0 or batch == 0 or seqlen_q == 0:
@@ -81,16 +81,18 @@ def _launcher(q, k, v, o, lse, mask: Mask, scale: float, config: KernelConfig, p
     """launch(q, k, v, o, lse) for calls with these tensors' shapes and strides and this packing: the forward's one
     kernel launch with everything but the tensors worked out."""
     if config.warp_specialized:  # runnable() checked that this call can take it
-        return warpspec.forward_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config)
+        return warpspec.forward_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config,
+                                         head_dim_v=v.shape[-1])  # fmt: skip
     (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim), strides = layout(q, k, packing)
-    fwd = _layout.kernel("fwd", "_attn_fwd", mask, seqlen_q, seqlen_k, config, packing is not None)
+    head_dims = (head_dim, v.shape[-1])
+    fwd = _layout.kernel("fwd", "_attn_fwd", mask, seqlen_q, seqlen_k, config, packing is not None, head_dims)
     cu_q, cu_k, (left, right, prefix) = mask_args(mask, seqlen_q, seqlen_k, packing)
     grid = fwd_grid(cdiv(seqlen_q, config.block_m), batch * heads_q)
     scalars = (*strides(q), *strides(k), *strides(v), *strides(o), *lse_strides(lse, packing), batch, heads_q,
                heads_q // heads_kv, seqlen_q, seqlen_k, scale * LOG2E, left, right, prefix,
                *totals(q, k, packing))  # fmt: skip
-    options = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim), BLOCK_M=config.block_m,
-                   BLOCK_N=config.block_n, INPUT_PRECISION=input_precision(q.dtype), num_warps=config.num_warps,
+    options = dict(**head_dim_options(*head_dims), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                   INPUT_PRECISION=input_precision(q.dtype), num_warps=config.num_warps,
                    num_stages=config.num_stages)  # fmt: skip
 
     launch = fastlaunch.Launcher(fwd, grid, scalars, options)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import planner
 from ..config.inputs import interpreting
 from ..config.types import KernelConfig, Mask, Variant
 from ..kernels import codegen
@@ -42,6 +43,22 @@ def layout(q: torch.Tensor, k: torch.Tensor, packing: Packing | None):
     return sizes, lambda t: (0, t.stride(1), t.stride(0))
 
 
+def output_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """O of attention(q, k, v), uninitialised and contiguous: q's shape and dtype, V's head dim."""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def head_dim_options(head_dim: int, head_dim_v: int) -> dict[str, int]:
+    """The Triton templates' head-dim constexprs: Q's and K's head dim and its padding (planner.head_dim_padded),
+    and where V's differs (the variant's distinct_v: kernel()'s head_dims) V's and its padding."""
+    options = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim))
+    if head_dim_v != head_dim:
+        options.update(HEAD_DIM_V=head_dim_v, HEAD_DIM_V_PAD=planner.head_dim_padded(head_dim_v))
+    return options
+
+
 def lse_strides(lse: torch.Tensor, packing: Packing | None) -> tuple[int, int]:
     # dense (batch, H, N): per batch and head; packed (H, total_q): per head only, the row offset is cu_seqlens_q
     return lse.stride()[:2] if packing is None else (0, lse.stride(0))
@@ -70,17 +87,21 @@ def on_device(t: torch.Tensor):
     return _NO_SWITCH
 
 
-def kernel(template: str, name: str, mask: Mask, seqlen_q: int, seqlen_k: int, config: KernelConfig, varlen: bool):
+def kernel(template: str, name: str, mask: Mask, seqlen_q: int, seqlen_k: int, config: KernelConfig, varlen: bool,
+           head_dims: tuple[int, int] | None = None):  # fmt: skip
     """The Triton kernel `name` of the template variant this call runs. Kept per (template, kernel, causal, banded,
-    tails, pipeline_qk, varlen, interpreter) — what the variant depends on: the variant and module lookups cost 8 µs
-    of host time per launch, and a fwd+bwd call makes four."""
+    tails, pipeline_qk, varlen, distinct V head dim, interpreter) — what the variant depends on: the variant and
+    module lookups cost 8 µs of host time per launch, and a fwd+bwd call makes four.
+    head_dims: (Q's and K's, V's); None: one head dim (the variant's distinct_v off)."""
     even_m, even_n = seqlen_q % config.block_m == 0, seqlen_k % config.block_n == 0
-    key = (template, name, mask.causal, mask.banded, even_m, even_n, config.pipeline_qk, varlen, interpreting())
+    head_dim, head_dim_v = head_dims or (None, None)
+    key = (template, name, mask.causal, mask.banded, even_m, even_n, config.pipeline_qk, varlen, head_dim != head_dim_v,
+           interpreting())  # fmt: skip
     found = _kernels.get(key)
     if found is None:
         variant = Variant.for_template(
             template, causal=mask.causal, banded=mask.banded, varlen=varlen, even_m=even_m, even_n=even_n,
-            pipeline_qk=config.pipeline_qk, dot_fp32=key[-1],
+            pipeline_qk=config.pipeline_qk, dot_fp32=key[-1], head_dim=head_dim, head_dim_v=head_dim_v,
         )  # fmt: skip
         found = _kernels[key] = getattr(codegen.load(template, variant), name)
     return found

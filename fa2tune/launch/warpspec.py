@@ -6,7 +6,8 @@ They are Gluon kernels: TMA descriptors of the tensors replace pointer arithmeti
 16-byte-aligned base addresses and strides, a unit last stride — on a Hopper GPU (wgmma), in 16-bit floats, with
 the plain or causal mask. Every other call runs the Triton templates: the launcher asks `unsupported` first.
 They are written out a head-dim chunk at a time (fa2tune.config.head_chunks): they take a TMA descriptor a chunk
-of each tensor, every one over the whole tensor, in blocks of the chunk's width.
+of each tensor, every one over the whole tensor, in blocks of the chunk's width — Q's and K's chunks for Q, K, dQ, dK,
+V's for V, O, dO, dV, whose head dim may be its own.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ TMA_ALIGN = 16  # bytes: TMA's alignment of a tensor's base address and of every
 
 def unsupported(kernel: str, mask: Mask, packed: bool, **tensors: torch.Tensor) -> str | None:
     """Why the warp-specialized kernel of `kernel` cannot run this call (then the Triton template does), or None.
-    tensors: every tensor it reads or writes through TMA, by the name an error should give; q and k among them."""
+    tensors: every tensor it reads or writes through TMA, by the name an error should give; q, k and v among them."""
     q, k = tensors["q"], tensors["k"]
     if interpreting() or not q.is_cuda:
         return "warpspec runs on a CUDA GPU only, not Triton's interpreter"
-    reason = planner.warpspec_unsupported(q.shape[-1], q.dtype, _capability(q.device.index), planner.triton_version())
-    if reason is not None:
-        return reason
+    for head_dim in dict.fromkeys((q.shape[-1], tensors["v"].shape[-1])):  # Q's and K's, then V's if it differs
+        reason = planner.warpspec_unsupported(head_dim, q.dtype, _capability(q.device.index), planner.triton_version())
+        if reason is not None:
+            return reason
     if mask.banded or packed:
         return "warpspec takes the plain and causal masks of dense (batch, heads, seqlen, head_dim) tensors"
     if k.shape[-2] == 0:
@@ -102,25 +104,30 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...], checked: bool = True):
     return desc
 
 
-def _module(kernel: str, config: KernelConfig, causal: bool, head_dim: int, tail: bool = False):
-    """The rendered template module of a warpspec config of `kernel` at `head_dim` (codegen keeps it per process);
-    tail: its causal_tail variant (a causal persistent launch with a tail planned: fa2tune.launch.causal_tail)."""
+def _module(kernel: str, config: KernelConfig, causal: bool, head_dim: int, tail: bool = False,
+            head_dim_v: int | None = None):  # fmt: skip
+    """The rendered template module of a warpspec config of `kernel` at `head_dim` (V's head_dim_v; None: the same)
+    (codegen keeps it per process); tail: its causal_tail variant (a causal persistent launch with a tail planned:
+    fa2tune.launch.causal_tail)."""
     template = codegen.template_for(kernel, config.warp_specialized)
     variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
                                    pingpong=config.pingpong, persistent=config.schedule.persistent,
-                                   fused_dq=config.fused_dq, causal_tail=tail, head_dim=head_dim)  # fmt: skip
+                                   fused_dq=config.fused_dq, causal_tail=tail, head_dim=head_dim,
+                                   head_dim_v=head_dim_v)  # fmt: skip
     return codegen.load(template, variant)
 
 
 @functools.lru_cache(maxsize=256)
-def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool, tail: bool = False):
+def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool, tail: bool = False,
+                  head_dim_v: int | None = None):  # fmt: skip
     """(Gluon kernel, TMA blocks by side, keyword arguments) that a warpspec config of `kernel` ("fwd", "bwd_dkdv",
-    "bwd_dq") runs. Sides: "q" the query-side tensors (Q, O, dO, dQ), "kv" the key-side ones (K, V, dK, dV), each a
-    tuple of blocks, a descriptor a head-dim chunk (head_chunks). The keywords are its constexprs and launch options
-    (a shared dict: read it, do not change it). One definition for the launches below and for probe.compile_config;
-    cached, as every launch asks (7 µs uncached).
+    "bwd_dq") runs. Sides: on the query side "q" (Q, dQ) and "o" (O, dO), on the key side "k" (K, dK) and "v" (V,
+    dV), each a tuple of blocks, a descriptor a head-dim chunk (head_chunks) of head_dim ("q", "k") or of V's
+    head_dim_v ("o", "v"; None: head_dim). The keywords are its constexprs and launch options (a shared dict: read
+    it, do not change it). One definition for the launches below and for probe.compile_config; cached, as every
+    launch asks (7 µs uncached).
     tail: the causal tail's variant (_module)."""
-    module = _module(kernel, config, causal, head_dim, tail)
+    module = _module(kernel, config, causal, head_dim, tail, head_dim_v)
     if kernel == "fwd":  # consumers own query rows; K/V stream in block_n rows
         fn, q_rows, kv_rows = module._attn_fwd_ws, ROWS_PER_CONSUMER, config.block_n
     elif kernel == "bwd_dq":  # likewise
@@ -133,8 +140,10 @@ def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool
                   CONSUMER_REGS=consumer_regs, num_warps=4)  # fmt: skip
     if maxnreg is not None:
         kwargs["maxnreg"] = maxnreg
-    widths = head_chunks.chunks(head_dim)
-    blocks = {"q": tuple((1, 1, q_rows, w) for w in widths), "kv": tuple((1, 1, kv_rows, w) for w in widths)}
+    widths, v_widths = head_chunks.chunks(head_dim), head_chunks.chunks(head_dim_v or head_dim)
+    blocks = {side: tuple((1, 1, rows, w) for w in chunks)
+              for side, rows, chunks in (("q", q_rows, widths), ("o", q_rows, v_widths), ("k", kv_rows, widths),
+                                         ("v", kv_rows, v_widths))}  # fmt: skip
     return fn, blocks, kwargs
 
 
@@ -153,20 +162,22 @@ def _launcher(
     kernel: str,
     config: KernelConfig,
     causal: bool,
-    head_dim: int,
+    head_dims: tuple[int, int],
     grid: tuple[int, ...],
     sides: tuple[str, ...],
     scalars: tuple,
     tail: bool = False,
 ):
     """A function of the call's tensors that launches a warpspec config of `kernel` on `grid`: its arguments are the
-    tensors the kernel reads through TMA descriptors, in the kernel's order — sides names each one's blocks, "q" the
-    query-side ones, "kv" the key-side ones (compiled_form), "dq_partial" a fused-dQ partial's (dq_partial_block) —,
+    tensors the kernel reads through TMA descriptors, in the kernel's order — sides names each one's blocks, "q",
+    "o", "k" and "v" (compiled_form), "dq_partial" a fused-dQ partial's (dq_partial_block) —,
     then its pointer parameters; scalars are the rest. A tensor of several blocks (the forward's head-dim chunks) is
     passed once and described once a block.
     Everything but the tensors is worked out here, once per call signature (launcher's plans keep the function).
-    tail: the causal tail's variant (_module), for a launch with one."""
-    fn, blocks, kwargs = compiled_form(kernel, config, head_dim, causal, tail)
+    head_dims: (Q's and K's, V's). tail: the causal tail's variant (_module), for a launch with one."""
+    head_dim, head_dim_v = head_dims
+    fn, blocks, kwargs = compiled_form(kernel, config, head_dim, causal, tail,
+                                       None if head_dim_v == head_dim else head_dim_v)  # fmt: skip
     by_side = dict(blocks, dq_partial=(dq_partial_block(blocks["q"][0], kwargs["CONSUMERS"]),))
     flat = tuple(block for side in sides for block in by_side[side])
     launcher = fastlaunch.TmaLauncher(fn, grid, flat, _describe, scalars, kwargs)
@@ -203,14 +214,15 @@ def _sizes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int, i
 
 
 def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
-                     config: KernelConfig):  # fmt: skip
+                     config: KernelConfig, head_dim_v: int | None = None):  # fmt: skip
     """launch(q, k, v, o, lse): writes O and the logsumexp (batch, heads_q, seqlen_q) of attention(q, k, v) with a
-    warpspec config, for calls of these shapes and strides; the call must have passed `unsupported`. A persistent
-    forward without a mask whose last round would be part empty cuts that round's tiles into pieces where its
-    schedule says so (Schedule.splits_tail; fa2tune.launch.split_tail), and runs a merge launch after the kernel. A
-    causal persistent one may deal the tiles of its last heads out one at a time instead of in pairs
-    (Schedule.deals_causal_tail; fa2tune.launch.causal_tail), as the backward's kernels may."""
+    warpspec config, for calls of these shapes and strides and V's head dim head_dim_v (None: q's); the call must
+    have passed `unsupported`. A persistent forward without a mask whose last round would be part empty cuts that
+    round's tiles into pieces where its schedule says so (Schedule.splits_tail; fa2tune.launch.split_tail), and runs
+    a merge launch after the kernel. A causal persistent one may deal the tiles of its last heads out one at a time
+    instead of in pairs (Schedule.deals_causal_tail; fa2tune.launch.causal_tail), as the backward's kernels may."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
+    head_dims = (head_dim, head_dim_v or head_dim)
     row_tiles = -(-seqlen_q // config.block_m)
     grid, tiles = _grid(config, row_tiles, batch * heads_q, q.device.index)
     main, split, tail_heads = tiles, 1, 0
@@ -220,17 +232,18 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
     elif config.schedule.splits_tail("fwd", causal):
         main, split = split_tail.plan(tiles, grid[0], -(-seqlen_k // config.block_n))
     launch = _launcher(
-        "fwd", config, causal, head_dim, grid, ("q", "kv", "kv", "q"),
+        "fwd", config, causal, head_dims, grid, ("q", "k", "v", "o"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, tiles, main,
          split, tail_heads), tail=tail_heads > 0,
     )  # fmt: skip
     if split == 1:
         return lambda q, k, v, o, lse: launch(q, k, v, o, lse, lse, lse)  # no pieces: lse stands in for PART_O/LSE
 
-    merge_pieces = _module("fwd", config, causal, head_dim)._merge_pieces
+    merge_pieces = _module("fwd", config, causal, head_dim, head_dim_v=head_dim_v)._merge_pieces
 
     def launch_split(q, k, v, o, lse):
-        part_o, part_lse = split_tail.workspace(tiles, main, split, config.block_m, head_chunks.padded(head_dim),
+        # the pieces' partial O: O's columns, V's head-dim chunks
+        part_o, part_lse = split_tail.workspace(tiles, main, split, config.block_m, head_chunks.padded(head_dims[1]),
                                                 q.device)  # fmt: skip
         launch(q, k, v, o, lse, part_o, part_lse)
         split_tail.merge(merge_pieces, part_o, part_lse, o, lse, tiles=tiles, main=main, split=split, n_m=row_tiles,
@@ -240,10 +253,10 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
 
 
 def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
-                           config: KernelConfig):  # fmt: skip
-    """launch(q, k, v, do, dk, dv, lse, delta): writes dK and dV (batch, heads_kv, seqlen_k, head_dim) — summed over
-    each K/V head's query heads — with a warpspec bwd_dkdv config; δ (delta) as the Triton template's preprocess
-    kernel leaves it (less dlse). The call must have passed `unsupported`.
+                           config: KernelConfig, head_dim_v: int | None = None):  # fmt: skip
+    """launch(q, k, v, do, dk, dv, lse, delta): writes dK and dV (batch, heads_kv, seqlen_k, head_dim; dV V's
+    head_dim_v, None: q's) — summed over each K/V head's query heads — with a warpspec bwd_dkdv config; δ (delta) as
+    the Triton template's preprocess kernel leaves it (less dlse). The call must have passed `unsupported`.
 
     With config.fused_dq (dQ fused in) it is launch(q, k, v, do, dk, dv, dq_acc, lse, delta), and also adds dQ into
     dq_acc, a zeroed fp32 tensor of q's shape."""
@@ -254,18 +267,19 @@ def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, 
     if config.schedule.persistent and causal:
         main, tail_heads = _causal_schedule(config, batch * heads_kv, n_kv, grid[0], lambda: causal_tail.dkdv_costs(
             n_kv, config.block_n, config.block_m, seqlen_q, seqlen_k, heads_q // heads_kv))  # fmt: skip
-    sides = ("q", "kv", "kv", "q", "kv", "kv") + (("dq_partial",) if config.fused_dq else ())
+    sides = ("q", "k", "v", "o", "k", "v") + (("dq_partial",) if config.fused_dq else ())
     return _launcher(
-        "bwd_dkdv", config, causal, head_dim, grid, sides,
+        "bwd_dkdv", config, causal, (head_dim, head_dim_v or head_dim), grid, sides,
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale,
          tiles, main, tail_heads), tail=tail_heads > 0,
     )  # fmt: skip
 
 
 def backward_dq_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
-                         config: KernelConfig):  # fmt: skip
+                         config: KernelConfig, head_dim_v: int | None = None):  # fmt: skip
     """launch(q, k, v, do, dq, lse, delta): writes dQ (batch, heads_q, seqlen_q, head_dim) with a warpspec bwd_dq
-    config; δ as for backward_dkdv_launcher. The call must have passed `unsupported`."""
+    config, V's head dim head_dim_v (None: q's); δ as for backward_dkdv_launcher. The call must have passed
+    `unsupported`."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     row_tiles = -(-seqlen_q // config.block_m)
     grid, tiles = _grid(config, row_tiles, batch * heads_q, q.device.index)
@@ -274,7 +288,7 @@ def backward_dq_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
         costs = lambda: causal_tail.forward_costs(row_tiles, config.block_m, config.block_n, seqlen_q, seqlen_k)
         main, tail_heads = _causal_schedule(config, batch * heads_q, row_tiles, grid[0], costs)
     return _launcher(
-        "bwd_dq", config, causal, head_dim, grid, ("q", "kv", "kv", "q", "q"),
+        "bwd_dq", config, causal, (head_dim, head_dim_v or head_dim), grid, ("q", "k", "v", "o", "q"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, scale,
          tiles, main, tail_heads), tail=tail_heads > 0,
     )  # fmt: skip
@@ -282,4 +296,4 @@ def backward_dq_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
 
 def forward(q, k, v, o, lse, *, causal: bool, scale: float, config: KernelConfig) -> None:
     """forward_launcher's launch, once (a one-off call: scripts, tests)."""
-    forward_launcher(q, k, lse, causal=causal, scale=scale, config=config)(q, k, v, o, lse)
+    forward_launcher(q, k, lse, causal=causal, scale=scale, config=config, head_dim_v=v.shape[-1])(q, k, v, o, lse)

@@ -23,6 +23,7 @@ from ..config import planner
 from ..config.inputs import DTYPE_NAMES
 from ..config.types import KernelConfig, Variant
 from ..kernels import codegen
+from ..launch.layout import head_dim_options
 
 _TENSORS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _FP32_TENSORS = {"LSE", "DELTA"}
@@ -74,10 +75,12 @@ def compile_config(
     capability: tuple[int, int] = (9, 0),
     banded: bool = False,
     varlen: bool = False,
+    head_dim_v: int | None = None,
 ) -> CompileReport:
     """Compiles `kernel` ("fwd", "bwd_dkdv", "bwd_dq") with `config` for a CUDA target of this capability.
 
-    banded / varlen: the window/prefix and packed-sequence variants (ragged tails, as they always are)."""
+    banded / varlen: the window/prefix and packed-sequence variants (ragged tails, as they always are).
+    head_dim_v: V's head dim (and O's, dO's, dV's), where it is not Q's and K's head_dim; None: the same."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -85,18 +88,18 @@ def compile_config(
         raise RuntimeError("compile_config needs Triton's compiler: unset TRITON_INTERPRET in this process")
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     if config.warp_specialized:
-        return _compile_warpspec(kernel, config, head_dim, dtype, causal, target)
+        return _compile_warpspec(kernel, config, head_dim, dtype, causal, target, head_dim_v)
     template, name = codegen.TEMPLATE_OF[kernel], f"_attn_{kernel}"  # the template's kernel of that name
     variant = Variant.for_template(
-        template, causal=causal, banded=banded, varlen=varlen, even_m=True, even_n=True, pipeline_qk=config.pipeline_qk
-    )
+        template, causal=causal, banded=banded, varlen=varlen, even_m=True, even_n=True, pipeline_qk=config.pipeline_qk,
+        head_dim=head_dim, head_dim_v=head_dim_v,
+    )  # fmt: skip
     fn = getattr(codegen.load(template, variant), name)
     head_dim_pad = planner.head_dim_padded(head_dim)
     ints = _example_ints(head_dim_pad, heads=16, group=1)
     signature: dict[str, str] = {}
     constexprs: dict[str, object] = {
-        "HEAD_DIM": head_dim,
-        "HEAD_DIM_PAD": head_dim_pad,
+        **head_dim_options(head_dim, head_dim_v or head_dim),
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
         "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
@@ -146,27 +149,36 @@ def _compile(source, target, options: dict) -> CompileReport:
 
 
 def _compile_warpspec(
-    kernel: str, config: KernelConfig, head_dim: int, dtype: torch.dtype, causal: bool, target
+    kernel: str,
+    config: KernelConfig,
+    head_dim: int,
+    dtype: torch.dtype,
+    causal: bool,
+    target,
+    head_dim_v: int | None = None,
 ) -> CompileReport:
     """A Gluon kernel (fwd_ws, bwd_ws for bwd_dkdv, bwd_dq_ws for bwd_dq) as warpspec.compiled_form launches it: its
-    TMA descriptors' types come from CPU tensors of a (2, 16, 8192, head_dim) layout, which carry the shapes,
-    strides and block layouts a real launch specializes on. A causal config whose schedule deals a causal tail
-    (Schedule.deals_causal_tail: its causal_tail, or FA2TUNE_CAUSAL_TAIL) compiles as a launch with a tail runs it
-    (its causal_tail variant)."""
+    TMA descriptors' types come from CPU tensors of a (2, 16, 8192, head_dim) layout (V's side: head_dim_v), which
+    carry the shapes, strides and block layouts a real launch specializes on. A causal config whose schedule deals a
+    causal tail (Schedule.deals_causal_tail: its causal_tail, or FA2TUNE_CAUSAL_TAIL) compiles as a launch with a
+    tail runs it (its causal_tail variant)."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     from ..launch import warpspec
 
     tail = config.schedule.deals_causal_tail(causal)
-    fn, blocks, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal, tail)
+    head_dim_v = None if head_dim_v == head_dim else head_dim_v  # as the launcher asks for it
+    fn, blocks, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal, tail, head_dim_v)
     x = torch.empty(2, 16, 8192, head_dim, dtype=dtype)
-    sides = {"q": "q", "o": "q", "do": "q", "dq": "q", "k": "kv", "v": "kv", "dk": "kv", "dv": "kv"}
+    x_v = torch.empty(2, 16, 8192, head_dim_v or head_dim, dtype=dtype)  # V, O, dO, dV
+    sides = {"q": "q", "o": "o", "do": "o", "dq": "q", "k": "k", "v": "v", "dk": "k", "dv": "v"}
     descriptors = {}
-    for arg in fn.arg_names:  # q_desc, or q_desc0, q_desc1, … a head-dim chunk each (the forward)
+    for arg in fn.arg_names:  # q_desc, or q_desc0, q_desc1, … a head-dim chunk each
         name, _, chunk = arg.partition("_desc")
         if name in sides:
-            descriptors[arg] = warpspec._descriptor(x, blocks[sides[name]][int(chunk or 0)])
+            side = sides[name]
+            descriptors[arg] = warpspec._descriptor(x_v if side in ("o", "v") else x, blocks[side][int(chunk or 0)])
     if "dqacc_desc" in fn.arg_names:  # bwd_dkdv with dQ fused in: the fp32 dQ its partials are added into
         block = warpspec.dq_partial_block(blocks["q"][0], kwargs["CONSUMERS"])
         descriptors["dqacc_desc"] = warpspec._descriptor(torch.empty_like(x, dtype=torch.float32), block)

@@ -69,7 +69,7 @@ def naive_attention(
         causal, window, prefix_len: the mask, as fa2tune.attention (band_visible).
 
     Returns:
-        (O, lse): O like q; lse (..., heads_q, N_q) = logsumexp of each row of S.
+        (O, lse): O like q with v's head dim; lse (..., heads_q, N_q) = logsumexp of each row of S.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     k, v = _expand_kv(q, k), _expand_kv(q, v)
@@ -191,11 +191,12 @@ def naive_attention_varlen(
     cu_seqlens_k: torch.Tensor,
     **mask,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """naive_attention on each packed sequence alone: q (total_q, H, d), k/v (total_k, H_kv, d).
+    """naive_attention on each packed sequence alone: q (total_q, H, d), k/v (total_k, H_kv, d) (v's d may be its
+    own).
 
-    Returns (O (total_q, H, d), lse (H, total_q)), FlashAttention-2's varlen layout.
+    Returns (O (total_q, H, v's d), lse (H, total_q)), FlashAttention-2's varlen layout.
     """
-    out = torch.zeros_like(q)
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=q.dtype, device=q.device)
     bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for q0, q1, k0, k1 in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:], strict=False):
