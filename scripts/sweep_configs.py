@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Times every block config of a small grid for one kernel at one shape: the data behind planner.default_config.
+"""Times every block config of a small grid for one kernel at one shape: the data behind defaults.default_config.
 
 Configs are compiled first in a pool of processes (compile_pool.precompile; Triton's disk cache keeps the binaries),
 then timed one at a time in this process (workload.make_measure, the tuner's own objective). A config that fails

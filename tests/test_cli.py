@@ -10,7 +10,7 @@ import torch
 
 from fa2tune import cli
 from fa2tune.cli.outputs import storage_file
-from fa2tune.config import planner
+from fa2tune.config import defaults, planner
 from fa2tune.tune import verification
 
 
@@ -341,9 +341,9 @@ _CPU_TUNE = ["tune", "--device", "cpu", "--head-dim", "16", "--causal", "no", "-
 def test_a_small_re_tune_keeps_the_stored_winner_unless_it_times_a_faster_one(tmp_path, capsys, fake_timing):
     # A `--trials 1` re-tune after a `--trials 3` one timed only the default and replaced the stored winner, 4x
     # faster, by it. The stored config is timed in every re-tune, whatever its budget, and the faster one is kept.
-    from fa2tune.config import planner, store
+    from fa2tune.config import store
 
-    default = planner.INTERPRETER_CONFIG  # the CPU's default config
+    default = defaults.INTERPRETER_CONFIG  # the CPU's default config
     fake_timing.costs.update({None: 1.0, default: 4.0})
     args = [*_CPU_TUNE, "--config-dir", str(tmp_path)]
     stored = lambda: store.read_file(tmp_path / "cpu-interpreter.yaml")[1][0].config

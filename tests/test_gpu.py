@@ -7,7 +7,7 @@ import torch
 
 import fa2tune
 from fa2tune.api import ops, selection
-from fa2tune.config import planner
+from fa2tune.config import defaults, planner
 from fa2tune.config.device import device_info
 from fa2tune.config.schedule import PERSISTENT
 from fa2tune.config.types import KernelConfig
@@ -84,7 +84,7 @@ def test_inspect_reads_the_card():
     props = torch.cuda.get_device_properties(0)
     assert info.name == props.name and info.sm_count == props.multi_processor_count
     assert info.smem_per_block >= 48 * 1024 and info.source == "card" and info.triton_version
-    cfg = planner.default_config(128, torch.bfloat16, device=info)
+    cfg = defaults.default_config(128, torch.bfloat16, device=info)
     assert planner.check(cfg, info, 128, torch.bfloat16) is None
 
 
@@ -190,7 +190,7 @@ _CHUNKED_DIMS = [(16, torch.bfloat16), (40, torch.bfloat16), (80, torch.float16)
 @pytest.mark.parametrize("head_dim, dtype", _CHUNKED_DIMS, ids=lambda x: str(x).replace("torch.", ""))
 def test_warpspec_forward_at_every_head_dim_matches_reference(head_dim, dtype, causal, monkeypatch):
     torch.manual_seed(head_dim)
-    config = planner.default_config(head_dim, dtype, causal=causal, kernel="fwd", device=device_info(0))
+    config = defaults.default_config(head_dim, dtype, causal=causal, kernel="fwd", device=device_info(0))
     assert config.warp_specialized, config
     if config.schedule.persistent:
         monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)  # every program walks several tiles and heads
@@ -443,7 +443,7 @@ def test_warpspec_backward_at_every_head_dim_matches_reference(head_dim, dtype, 
     # planner's: warp-specialized where the register model lets them fit — dK/dV up to d=136, dQ everywhere —, the
     # Triton template's beside them), persistent ones over three programs, GQA and not, ragged lengths
     device = device_info(0)
-    configs = [planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
+    configs = [defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
                for kernel in ("bwd_dkdv", "bwd_dq")]  # fmt: skip
     assert any(c.warp_specialized for c in configs), configs
     if any(c.schedule.persistent for c in configs):
@@ -702,7 +702,7 @@ def test_warpspec_kernels_with_a_v_head_dim_of_its_own_match_reference(head_dim,
     # where that default is the Triton template's), V, O, dO and dV read and written in V's own chunks; persistent
     # ones over three programs; output poisoned first
     device = device_info(0)
-    configs = [planner.default_config(max(head_dim, head_dim_v), dtype, causal=causal, kernel=kernel, device=device)
+    configs = [defaults.default_config(max(head_dim, head_dim_v), dtype, causal=causal, kernel=kernel, device=device)
                for kernel in ("fwd", "bwd_dkdv", "bwd_dq")]  # fmt: skip
     configs = [c if c.warp_specialized else KernelConfig.parse("64,64,4,2,ws") for c in configs]
     if any(c.schedule.persistent for c in configs):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fa2tune.config import planner
+from fa2tune.config import defaults, planner
 from fa2tune.config.device import KNOWN_GPUS, known_gpu
 from fa2tune.config.schedule import PERSISTENT
 from fa2tune.config.types import KernelConfig
@@ -98,7 +98,7 @@ def test_default_config_fits_every_known_gpu(gpu, kernel):
     for head_dim in (16, 64, 96, 128, 256):
         for dtype in (torch.bfloat16, torch.float32):
             for causal in (False, True):
-                cfg = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info)
+                cfg = defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info)
                 assert planner.check(cfg, info, head_dim, dtype, kernel) is None
 
 
@@ -108,25 +108,25 @@ def test_default_config_prefers_the_h200_measurements():
     # ("Persistent kernels and paired causal tiles"), ping-pong for causal; at d=64 causal the Triton template's (the
     # config tuning picks there)
     persistent = KernelConfig(128, 128, 4, 2, warp_specialized=True, schedule=PERSISTENT)
-    assert planner.default_config(128, torch.bfloat16, device=h200) == persistent
+    assert defaults.default_config(128, torch.bfloat16, device=h200) == persistent
     pingpong = KernelConfig(128, 128, 4, 2, warp_specialized=True, pingpong=True)
-    assert planner.default_config(128, torch.bfloat16, causal=True, device=h200) == pingpong
+    assert defaults.default_config(128, torch.bfloat16, causal=True, device=h200) == pingpong
     d64 = KernelConfig(192, 128, 4, 2, warp_specialized=True, schedule=PERSISTENT)
-    assert planner.default_config(64, torch.bfloat16, device=h200) == d64
+    assert defaults.default_config(64, torch.bfloat16, device=h200) == d64
     # where the measured config does not fit — Triton 3.9's three consumers spill at d=64 — the model's shapes follow
     # it, before the Triton template's
     under_39 = replace(h200, triton_version="3.9.0")
-    assert planner.default_config(64, torch.bfloat16, device=under_39) == replace(d64, block_m=128)
-    assert planner.default_config(64, torch.bfloat16, causal=True, device=h200) == KernelConfig(128, 64, 8, 3)
+    assert defaults.default_config(64, torch.bfloat16, device=under_39) == replace(d64, block_m=128)
+    assert defaults.default_config(64, torch.bfloat16, causal=True, device=h200) == KernelConfig(128, 64, 8, 3)
     # then the Triton template's measured best: asked for, for fp32, off Hopper
     triton = dict(device=h200, warp_specialized=False)
-    assert planner.default_config(128, torch.bfloat16, **triton) == KernelConfig(256, 64, 8, 4)
-    assert planner.default_config(128, torch.bfloat16, causal=True, **triton) == KernelConfig(128, 128, 8, 3)
-    assert not planner.default_config(128, torch.float32, device=h200).warp_specialized
-    assert not planner.default_config(128, torch.bfloat16, device=known_gpu("a100-80gb")).warp_specialized
+    assert defaults.default_config(128, torch.bfloat16, **triton) == KernelConfig(256, 64, 8, 4)
+    assert defaults.default_config(128, torch.bfloat16, causal=True, **triton) == KernelConfig(128, 128, 8, 3)
+    assert not defaults.default_config(128, torch.float32, device=h200).warp_specialized
+    assert not defaults.default_config(128, torch.bfloat16, device=known_gpu("a100-80gb")).warp_specialized
     # The L4 has 99 KiB per block: the H200's 192 KiB pick does not fit, a smaller one is chosen.
     l4 = known_gpu("l4")
-    cfg = planner.default_config(128, torch.bfloat16, device=l4)
+    cfg = defaults.default_config(128, torch.bfloat16, device=l4)
     assert cfg != KernelConfig(256, 64, 8, 4) and planner.sram_bytes(cfg, 128, torch.bfloat16) <= l4.smem_per_block
 
 

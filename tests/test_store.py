@@ -12,7 +12,7 @@ import yaml
 
 import fa2tune
 from fa2tune.api import attention_kernel, selection
-from fa2tune.config import lengths, store
+from fa2tune.config import defaults, lengths, store
 from fa2tune.config.schedule import PERSISTENT, TWO_AN_SM
 from fa2tune.config.types import KERNELS, KernelConfig
 from fa2tune.kernels import codegen
@@ -252,7 +252,8 @@ def test_get_kernel_uses_a_tuned_entry_for_fwd_and_bwd(config_dir, device):
     ref = naive_attention(q.detach().double(), q.detach().double(), q.detach().double(), causal=True)[0]
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert selection.resolve("bwd_dq", 64, torch.float32, True, device) == (dq, str(path))
-    with pytest.raises(ValueError, match=r"resolved for head_dim=64, dtype=torch.float32; got q with head_dim=32"):
+    with pytest.raises(ValueError, match=r"resolved for head_dim=64, head_dim_v=64, dtype=torch.float32; got q with "
+                                         r"head_dim=32, v with 32"):
         kernel(q[..., :32], q[..., :32], q[..., :32])
 
 
@@ -435,14 +436,13 @@ def test_a_medium_entry_serves_calls_past_1024_up_to_4096(config_dir, device):
 
 
 def test_a_short_study_must_beat_what_short_calls_run_without_it(config_dir, device):
-    from fa2tune.config import planner
     from fa2tune.tune import job
 
     slug = selection.device_info(device).slug
     long_cfg = KernelConfig(32, 16, 4, 1)
     spec = lambda bucket, kernel="fwd": job.StudySpec(kernel=kernel, head_dim=64, dtype="fp32", causal=False,
                                                            seqlen_bucket=bucket)  # fmt: skip
-    default = lambda kernel="fwd": planner.default_config(64, torch.float32, causal=False, kernel=kernel,
+    default = lambda kernel="fwd": defaults.default_config(64, torch.float32, causal=False, kernel=kernel,
                                                           device=selection.device_info(device))  # fmt: skip
     assert job.baseline(spec("short"), device) == (default(), "planner-default")  # nothing stored yet
     store.write_entries(config_dir / "env" / f"{slug}.yaml", DEVICE, [_entry(cfg=long_cfg)])

@@ -19,7 +19,7 @@ import yaml
 
 import fa2tune
 from fa2tune.api import attention_kernel, selection
-from fa2tune.config import lengths, planner, schema_v1, store
+from fa2tune.config import defaults, lengths, planner, schema_v1, store
 from fa2tune.config.schedule import Schedule
 from fa2tune.config.types import DTYPE_CHOICES, KERNELS, KernelConfig
 from fa2tune.kernels import codegen
@@ -56,7 +56,7 @@ def _document(*entries: dict) -> dict:
 
 
 def _default(kernel: str) -> tuple[KernelConfig, str]:
-    config = planner.default_config(
+    config = defaults.default_config(
         HEAD_DIM, torch.float32, causal=False, kernel=kernel, device=selection.device_info("cpu")
     )
     return config, "planner-default"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fa2tune.config import planner
+from fa2tune.config import defaults, planner
 from fa2tune.config.device import known_gpu
 from fa2tune.config.schedule import PERSISTENT, TWO_AN_SM
 from fa2tune.config.types import KernelConfig
@@ -22,7 +22,7 @@ SWEEP = Path(__file__).resolve().parent.parent / "docs" / "bench" / "nvidia-h200
 
 # The recorded sweep timed the Triton template only: studies over it start from that template's default, not the
 # warp-specialized one the planner prefers on the H200 (it has no timing here).
-_TRITON_DEFAULT = planner.default_config(128, torch.bfloat16, device=known_gpu("h200"), warp_specialized=False)
+_TRITON_DEFAULT = defaults.default_config(128, torch.bfloat16, device=known_gpu("h200"), warp_specialized=False)
 
 
 def _recorded(head_dim: int, causal: bool) -> dict[KernelConfig, float]:

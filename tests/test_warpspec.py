@@ -16,7 +16,7 @@ import torch
 
 import fa2tune
 from fa2tune.api import ops, selection
-from fa2tune.config import head_chunks, planner, schema_v1
+from fa2tune.config import defaults, head_chunks, planner, schema_v1
 from fa2tune.config.device import known_gpu
 from fa2tune.config.schedule import PER_TILE, PERSISTENT, TWO_AN_SM
 from fa2tune.config.store import EntryKey
@@ -453,7 +453,7 @@ def test_a_v_head_dim_of_its_own_compiles_within_the_larger_head_dims_resources(
     h200 = known_gpu("h200")
     rows = []
     for (d, dv), kernel in itertools.product(((192, 128), (128, 64), (96, 128)), ("fwd", "bwd_dkdv", "bwd_dq")):
-        config = planner.default_config(max(d, dv), torch.bfloat16, kernel=kernel, device=h200)
+        config = defaults.default_config(max(d, dv), torch.bfloat16, kernel=kernel, device=h200)
         config = config if config.warp_specialized else KernelConfig(64, 64, 4, 2, warp_specialized=True)
         causal = kernel != "fwd"  # the backward's kernels causal: their masks are where the branches are
         rows += [(kernel, d, dv, config.to_dict(), causal), (kernel, max(d, dv), None, config.to_dict(), causal)]

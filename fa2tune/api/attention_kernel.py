@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import lengths, planner
+from ..config import defaults, lengths, planner
 from ..config.inputs import check_dtype, check_flag, check_int, check_prefix_len, check_qkv, check_varlen, check_window
 from ..config.types import MAX_HEAD_DIM, DeviceInfo, KernelConfig, integer
 from . import selection
@@ -129,7 +129,7 @@ def _for_both_head_dims(found: tuple[KernelConfig, str], info: DeviceInfo, head_
     if planner.check(found[0], info, head_dim, dtype, "fwd", head_dim_v) is None:
         return found
     at = planner.config_head_dim(head_dim, head_dim_v)
-    return planner.default_config(at, dtype, causal=causal, device=info, warp_specialized=False), "planner-default"
+    return defaults.default_config(at, dtype, causal=causal, device=info, warp_specialized=False), "planner-default"
 
 
 def get_kernel(

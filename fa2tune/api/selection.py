@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ..config import lengths, planner, store
+from ..config import defaults, lengths, planner, store
 from ..config.device import device_info
 from ..config.inputs import DTYPE_NAMES, interpreting
 from ..config.types import KernelConfig, Mask
@@ -79,7 +79,8 @@ def resolve(
             break
         store._warn_once(f"fa2tune: tuned config {entry.config} in {path} does not fit {info.name}: {reason}")
     if result is None:
-        result = (planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info), "planner-default")
+        config = defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info)
+        result = (config, "planner-default")
     _cache[cache_key] = result
     return result
 

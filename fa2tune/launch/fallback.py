@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from ..config import head_chunks, planner
+from ..config import defaults, head_chunks, planner
 from ..config.device import device_info
 from ..config.types import KernelConfig, Mask
 from . import warpspec
@@ -40,7 +40,7 @@ def runnable(config: KernelConfig, kernel: str, explicit: bool, mask: Mask, pack
 
 @functools.lru_cache(maxsize=256)
 def _triton_default(head_dim: int, dtype: torch.dtype, causal: bool, kernel: str, device) -> KernelConfig:
-    return planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device, warp_specialized=False)
+    return defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device, warp_specialized=False)
 
 
 def deterministic(config: KernelConfig, explicit: bool) -> KernelConfig:

@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from ..api import selection
-from ..config import lengths, planner, store
+from ..config import defaults, lengths, planner, store
 from ..config.inputs import DTYPES_BY_NAME
 from ..config.types import DeviceInfo, Mask
 from ..kernels import codegen
@@ -244,7 +244,7 @@ def baseline(spec: StudySpec, device_name: str, info: DeviceInfo | None = None) 
         if source != "planner-default":
             return config, "seqlen_bucket all"
     info = info or selection.device_info(device_name)
-    default = planner.default_config(spec.head_dim, dtype, causal=spec.causal, kernel=spec.kernel, device=info)
+    default = defaults.default_config(spec.head_dim, dtype, causal=spec.causal, kernel=spec.kernel, device=info)
     return default, "planner-default"
 
 
@@ -283,7 +283,7 @@ def unserved_lengths(spec: StudySpec, path: Path) -> tuple[int, ...]:
 
 def _space(spec: StudySpec, info: DeviceInfo, cpu: bool) -> list[planner.KernelConfig]:
     if cpu:  # a few small tiles: the interpreter's time grows with the tile count
-        return [planner.INTERPRETER_CONFIG, *(planner.KernelConfig(m, n, 4, 1) for m in (16, 64) for n in (16, 64))]
+        return [defaults.INTERPRETER_CONFIG, *(planner.KernelConfig(m, n, 4, 1) for m in (16, 64) for n in (16, 64))]
     return [c for c, _ in planner.plan(info, spec.head_dim, DTYPES_BY_NAME[spec.dtype], spec.kernel).accepted]
 
 

@@ -29,7 +29,7 @@ class Target:
     Attributes:
         variant: the template variant tuned beyond causal ("window", "varlen", "window+varlen"), in the study name.
         space: candidate configs; None: every planner candidate (rejected ones are pruned with their reason).
-        default: the baseline enqueued first; None: planner.default_config for the device.
+        default: the baseline enqueued first; None: defaults.default_config for the device.
         incumbent: the config the file the tune writes holds for this key (stale or not), timed right after the
             default — or, where the budget ends first, after the trials, outside the budget — and re-timed with the
             top few: a re-tune replaces it only by a config whose second reading is more than

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import planner
+from ..config import defaults, planner
 from ..config.schedule import PER_TILE, PERSISTENT
 from ..config.types import PARAM_NAMES, REQUIRED_PARAMS, DeviceInfo, KernelConfig
 from .records import Target
@@ -38,7 +38,7 @@ class Space:
         allowed: the same, as a set: a sampled combination outside it is pruned ("not in the search space").
         choices: each dimension's values over the candidates, Optuna's categorical distributions.
         feasible: the candidates the planner accepts for the key.
-        default: the baseline, resolved (planner.default_config where the Target has none).
+        default: the baseline, resolved (defaults.default_config where the Target has none).
         incumbent: the Target's incumbent, or None where there is none or the planner rejects it now.
         incumbent_unfit: why the Target's incumbent is no longer a candidate, or None.
     """
@@ -60,7 +60,7 @@ def build(target: Target) -> Space:
     choices = {dim: sorted({p[dim] for p in map(params, candidates)}) for dim in DIMS}
     default = t.default
     if default is None:
-        default = planner.default_config(t.head_dim, t.dtype, causal=t.causal, kernel=t.kernel, device=t.device)
+        default = defaults.default_config(t.head_dim, t.dtype, causal=t.causal, kernel=t.kernel, device=t.device)
     incumbent, unfit = t.incumbent, None
     reason = planner.check(incumbent, t.device, t.head_dim, t.dtype, t.kernel) if incumbent is not None else None
     if reason is not None:
@@ -126,7 +126,7 @@ def first_configs(
     if trials <= 0:
         return []
     if default is None:
-        default = planner.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
+        default = defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
     candidates = [*space, default] if default not in space else space  # as build() extends its space
     fits = lambda cfg: planner.check(cfg, device, head_dim, dtype, kernel) is None
     feasible = [c for c in candidates if fits(c)]

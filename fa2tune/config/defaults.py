@@ -1,0 +1,128 @@
+"""The config a kernel runs before any tuning: the H200's measured best where it fits the device, else the
+warp-specialized shapes the planner's model admits, else the largest moderate Triton tile that fits. What fits is
+planner.check's to say; this module only orders the candidates.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import planner
+from .device import INTERPRETER, inspect_cached, known_gpu
+from .schedule import PERSISTENT
+from .types import DeviceInfo, KernelConfig
+
+# Fastest configs measured on the H200 (bf16, N=8k; docs/PERF.md, docs/bench/nvidia-h200-sweep-*.csv), tried
+# first on any GPU; a GPU with less shared memory falls through to the largest tile that fits.
+# Warp-specialized forwards first: on GPUs without wgmma check() rejects them and the Triton ones follow.
+_WS = dict(warp_specialized=True)
+_PREFERRED: dict[tuple[str, int, bool], list[KernelConfig]] = {
+    ("fwd", 64, False): [KernelConfig(192, 128, 4, 2, **_WS, schedule=PERSISTENT), KernelConfig(128, 64, 8, 3)],
+    ("fwd", 64, True): [KernelConfig(128, 64, 8, 3)],
+    ("fwd", 128, False): [KernelConfig(128, 128, 4, 2, **_WS, schedule=PERSISTENT), KernelConfig(256, 64, 8, 4)],
+    ("fwd", 128, True): [KernelConfig(128, 128, 4, 2, **_WS, pingpong=True), KernelConfig(128, 128, 8, 3)],
+    ("bwd_dkdv", 64, False): [KernelConfig(64, 128, 4, 2, **_WS), KernelConfig(32, 128, 4, 3)],
+    ("bwd_dkdv", 128, False): [KernelConfig(64, 128, 4, 2, **_WS), KernelConfig(32, 64, 4, 3)],
+    ("bwd_dq", 64, False): [KernelConfig(128, 64, 4, 3)],
+    ("bwd_dq", 128, False): [KernelConfig(128, 64, 4, 3, **_WS), KernelConfig(128, 64, 8, 3)],
+}
+# At a head dim without a measurement, the warp-specialized shapes tried first, most work a program first: the first
+# that check() lets fit (shared memory, registers) is the default, so a head dim's default follows from the model and
+# not from a table of head dims — d=96 takes (128, 128) persistent, d=192 (128, 64) persistent, d=256 (128, 64).
+# Causal: ping-pong first (the two consumers' softmaxes under each other's wgmmas), as measured at d=128.
+_WS_ORDER: dict[tuple[str, bool], list[KernelConfig]] = {
+    ("fwd", False): [
+        KernelConfig(192, 128, 4, 2, **_WS, schedule=PERSISTENT),
+        KernelConfig(128, 128, 4, 2, **_WS, schedule=PERSISTENT),
+        KernelConfig(128, 128, 4, 2, **_WS),
+        KernelConfig(128, 64, 4, 2, **_WS, schedule=PERSISTENT),
+        KernelConfig(128, 64, 4, 2, **_WS),
+        KernelConfig(64, 128, 4, 2, **_WS),
+        KernelConfig(64, 64, 4, 2, **_WS),
+    ],
+    ("fwd", True): [
+        KernelConfig(128, 128, 4, 2, **_WS, pingpong=True),
+        KernelConfig(128, 64, 4, 2, **_WS, pingpong=True),
+        KernelConfig(64, 128, 4, 2, **_WS),
+        KernelConfig(64, 64, 4, 2, **_WS),
+    ],
+    ("bwd_dkdv", False): [KernelConfig(64, 128, 4, 2, **_WS), KernelConfig(64, 64, 4, 2, **_WS)],
+    # dQ at d >= 224 fits one consumer only: per tile it spills 56-144 B (sm_90), persistent 0-56 (causal)
+    ("bwd_dq", False): [KernelConfig(128, 64, 4, 3, **_WS), KernelConfig(64, 64, 4, 2, **_WS, schedule=PERSISTENT),
+                        KernelConfig(64, 64, 4, 2, **_WS)],
+}
+# Without a measurement: moderate tiles first (they ran within 10 % of the best in every H200 sweep), then smaller.
+_FALLBACK = {
+    "fwd": [
+        KernelConfig(128, 64, 8, 3),
+        KernelConfig(128, 64, 4, 2),
+        KernelConfig(64, 64, 4, 2),
+        KernelConfig(64, 32, 4, 2),
+        KernelConfig(32, 32, 4, 2),
+        KernelConfig(16, 16, 4, 1),
+    ],
+    "bwd_dkdv": [
+        KernelConfig(32, 64, 4, 3),
+        KernelConfig(32, 64, 4, 2),
+        KernelConfig(32, 32, 4, 2),
+        KernelConfig(16, 32, 4, 2),
+        KernelConfig(16, 16, 4, 1),
+    ],
+    "bwd_dq": [
+        KernelConfig(128, 64, 8, 3),
+        KernelConfig(64, 64, 4, 2),
+        KernelConfig(64, 32, 4, 2),
+        KernelConfig(32, 32, 4, 2),
+        KernelConfig(16, 16, 4, 1),
+    ],
+}
+INTERPRETER_CONFIG = KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+
+
+def default_config(
+    head_dim: int,
+    dtype: torch.dtype,
+    *,
+    causal: bool = False,
+    kernel: str = "fwd",
+    device: DeviceInfo | None = None,
+    warp_specialized: bool = True,
+) -> KernelConfig:
+    """The config used before any tuning: the H200's measured best where it fits the device, else the largest
+    moderate tile that does.
+
+    Args:
+        head_dim: per-head dimension d (1..256).
+        dtype: element type of q/k/v.
+        causal: causal masking (the best d=128 forward tile differs with it).
+        kernel: "fwd", "bwd_dkdv" (one program per K/V tile: block_n rows owned, block_m Q rows streamed) or
+            "bwd_dq" (one program per Q tile: block_m rows owned, block_n K/V rows streamed).
+        device: the GPU to fit; default: the current CUDA device, else the H200 table entry. For
+            device.INTERPRETER, small tiles that keep the CPU interpreter quick and let tests cross many tile
+            boundaries at small sequence lengths.
+        warp_specialized: False: a Triton-template config only (for inputs the warp-specialized kernels do not
+            take).
+    """
+    planner.check_kernel(kernel)
+    if device is INTERPRETER:
+        return INTERPRETER_CONFIG
+    if device is None:
+        device = inspect_cached(torch.cuda.current_device()) if torch.cuda.is_available() else known_gpu("h200")
+    masked = causal if kernel == "fwd" else False
+    measured = _PREFERRED.get((kernel, head_dim, masked))
+    if measured is None:  # the warp-specialized shapes by the model, then the Triton tiles of the power of two
+        like = _PREFERRED.get((kernel, planner.head_dim_padded(head_dim), masked), [])
+        measured = _WS_ORDER[kernel, masked] + [cfg for cfg in like if not cfg.warp_specialized]
+    elif measured[0].warp_specialized:  # measured warp-specialized best; where it does not fit, the model's shapes
+        ws = [cfg for cfg in measured if cfg.warp_specialized]
+        measured = ws + _WS_ORDER[kernel, masked] + [cfg for cfg in measured if not cfg.warp_specialized]
+    preferred = measured if dtype != torch.float32 else []
+    for cfg in preferred + _FALLBACK[kernel]:
+        if cfg.warp_specialized and not warp_specialized:
+            continue
+        if planner.check(cfg, device, head_dim, dtype, kernel) is None:
+            return cfg
+    raise ValueError(
+        f"no {kernel} config fits {device.name} ({device.smem_per_block:,} B shared memory per block) "
+        f"for head_dim {head_dim} {dtype}"
+    )
