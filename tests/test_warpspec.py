@@ -104,7 +104,7 @@ def test_configs_combine_fields_by_warpspec_rules():
         KernelConfig(96, 64, 4, 2, warp_specialized=True)
 
 
-def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
+def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatch):
     h200 = known_gpu("h200")
     assert planner.check(WS, h200, 128, torch.bfloat16) is None
     assert planner.check(WS, h200, 128, torch.float16) is None
@@ -123,7 +123,10 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes():
         "fused_dq takes a head dim of one chunk (a power of two), got 96 = 64 + 32"
     )
     assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 64, torch.bfloat16, "bwd_dkdv") is None
-    # V's head dim of its own: dQ never fused in, both head dims taken by warpspec, the model at the larger
+    # V's head dim of its own: not offered before it has run on a GPU (planner.WS_DISTINCT_V_RUN_ON_GPU); then dQ
+    # never fused in, both head dims taken by warpspec, the model at the larger
+    assert planner.check(fits_all, h200, 192, torch.bfloat16, head_dim_v=128) == planner.WS_DISTINCT_V_PENDING
+    monkeypatch.setattr(planner, "WS_DISTINCT_V_RUN_ON_GPU", True)
     assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 64, torch.bfloat16, "bwd_dkdv", head_dim_v=32) == (
         "fused_dq takes V's head dim equal to Q's and K's, got 32 and 64"
     )

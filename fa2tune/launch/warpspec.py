@@ -33,6 +33,8 @@ def unsupported(kernel: str, mask: Mask, packed: bool, **tensors: torch.Tensor) 
     q, k = tensors["q"], tensors["k"]
     if interpreting() or not q.is_cuda:
         return "warpspec runs on a CUDA GPU only, not Triton's interpreter"
+    if tensors["v"].shape[-1] != q.shape[-1] and not planner.WS_DISTINCT_V_RUN_ON_GPU:
+        return planner.WS_DISTINCT_V_PENDING
     for head_dim in dict.fromkeys((q.shape[-1], tensors["v"].shape[-1])):  # Q's and K's, then V's if it differs
         reason = planner.warpspec_unsupported(head_dim, q.dtype, _capability(q.device.index), planner.triton_version())
         if reason is not None:
