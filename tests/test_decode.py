@@ -3,6 +3,7 @@ float64 reference that gathers each entry's keys through its block table, and wh
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ from fa2tune.config.device import known_gpu
 from fa2tune.kernels import codegen
 from fa2tune.launch import decode as decode_launch
 
+from ._scripts import load_script
 from .conftest import assert_close
 
 
@@ -345,3 +347,19 @@ def test_decode_kernels_compile_for_sm90():
                          timeout=300, cwd=str(codegen.templates_dir().parent))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.splitlines()[-1]) == [None] * len(rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the script measures for real")
+def test_bench_decode_runs_every_provider_on_both_caches(tmp_path, capsys):
+    # scripts/bench_decode.py --device cpu: fa2tune (contiguous and paged) and SDPA's math backend on the same keys,
+    # each checked against fa2tune's output before it is timed
+    script = load_script("bench_decode")
+    assert script.main(["--device", "cpu", "--shapes", "2x40x1,1x30x4", "--csv", str(tmp_path / "d.csv")]) == 0
+    with open(tmp_path / "d.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert {(r["provider"], r["cache"]) for r in rows} == {(p, c) for p in ("fa2tune", "sdpa_math")
+                                                          for c in ("contiguous", "paged16")}  # fmt: skip
+    assert all(r["note"].startswith("rel err") and float(r["gbps"]) > 0 for r in rows)
+    assert "sdpa_math" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        script.parse_args(["--device", "cpu", "--shapes", "32x8192x1"])
