@@ -14,6 +14,7 @@ import torch
 
 import fa2tune
 from fa2tune.config import decode_plan
+from fa2tune.config.decode_plan import DecodeConfig
 from fa2tune.config.device import known_gpu
 from fa2tune.kernels import codegen
 from fa2tune.launch import decode as decode_launch
@@ -332,12 +333,15 @@ def test_check_kvcache_names_lengths_and_pages_outside_the_cache(monkeypatch, de
 
 def test_decode_kernels_compile_for_sm90():
     # Triton compiles for a GPU that is not here (it ships ptxas): the three kernels, paged with a page a step (64)
-    # and a table read a key (16) and not, at d=128 bf16 and d=80 fp16, as a GPU launch would build them
+    # and a table read a key (16) and not, at d=128 bf16 and d=80 fp16, as a GPU launch would build them. The paged
+    # attention holds as many K/V stages in shared memory as the contiguous one: its table reads run a step ahead,
+    # so the pipeliner keeps num_stages - 1 steps of K/V in flight for both.
     script = (
         "import json, sys, torch; from fa2tune.tune import probe; from fa2tune.config.decode_plan import DecodeConfig\n"
         "rows = json.loads(sys.argv[1]); dtypes = {'bf16': torch.bfloat16, 'fp16': torch.float16}\n"
-        "print(json.dumps([probe.compile_decode(k, DecodeConfig(), d, dtypes[t], paged=p, page_size=s).error\n"
-        "                  for k, d, t, p, s in rows]))"
+        "reports = [probe.compile_decode(k, DecodeConfig(), d, dtypes[t], paged=p, page_size=s)\n"
+        "           for k, d, t, p, s in rows]\n"
+        "print(json.dumps([[r.error, r.shared_bytes] for r in reports]))"
     )
     rows = [(kernel, 128, "bf16", paged, size) for kernel in ("_decode_fwd", "_decode_merge", "_append_kv")
             for paged, size in ((False, 0), (True, 16), (True, 64))]  # fmt: skip
@@ -346,7 +350,12 @@ def test_decode_kernels_compile_for_sm90():
     out = subprocess.run([sys.executable, "-c", script, json.dumps(rows)], env=env, capture_output=True, text=True,
                          timeout=300, cwd=str(codegen.templates_dir().parent))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.splitlines()[-1]) == [None] * len(rows)
+    reports = json.loads(out.stdout.splitlines()[-1])
+    assert [error for error, _ in reports] == [None] * len(rows)
+    stages = DecodeConfig().num_stages - 1
+    attention = [shared for (kernel, *_), (_, shared) in zip(rows, reports, strict=True) if kernel == "_decode_fwd"]
+    assert attention[0] >= stages * 2 * DecodeConfig().block_n * 128 * 2  # K and V tiles, bf16, d=128
+    assert attention[:3] == [attention[0]] * 3  # contiguous, paged 16, paged 64
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the script measures for real")
