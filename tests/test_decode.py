@@ -331,31 +331,47 @@ def test_check_kvcache_names_lengths_and_pages_outside_the_cache(monkeypatch, de
         fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, **call)
 
 
-def test_decode_kernels_compile_for_sm90():
+def test_decode_kernels_compile_for_sm90_within_the_shared_memory_model():
     # Triton compiles for a GPU that is not here (it ships ptxas): the three kernels, paged with a page a step (64)
     # and a table read a key (16) and not, at d=128 bf16 and d=80 fp16, as a GPU launch would build them. The paged
     # attention holds as many K/V stages in shared memory as the contiguous one: its table reads run a step ahead,
-    # so the pipeliner keeps num_stages - 1 steps of K/V in flight for both.
+    # so the pipeliner keeps num_stages - 1 steps of K/V in flight for both. No compile takes more shared memory
+    # than decode_plan.sram_bytes says (what default_config fits to a device), at 16 packed rows and at 64.
     script = (
         "import json, sys, torch; from fa2tune.tune import probe; from fa2tune.config.decode_plan import DecodeConfig\n"
-        "rows = json.loads(sys.argv[1]); dtypes = {'bf16': torch.bfloat16, 'fp16': torch.float16}\n"
-        "reports = [probe.compile_decode(k, DecodeConfig(), d, dtypes[t], paged=p, page_size=s)\n"
-        "           for k, d, t, p, s in rows]\n"
+        "dtypes = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}\n"
+        "reports = [probe.compile_decode(k, DecodeConfig(**c), d, dtypes[t], paged=p, page_size=s, block_m=m)\n"
+        "           for k, d, t, p, s, c, m in json.loads(sys.argv[1])]\n"
         "print(json.dumps([[r.error, r.shared_bytes] for r in reports]))"
     )
-    rows = [(kernel, 128, "bf16", paged, size) for kernel in ("_decode_fwd", "_decode_merge", "_append_kv")
+    default = dict(block_n=64, num_stages=3)
+    rows = [(kernel, 128, "bf16", paged, size, default, 16) for kernel in ("_decode_fwd", "_decode_merge", "_append_kv")
             for paged, size in ((False, 0), (True, 16), (True, 64))]  # fmt: skip
-    rows.append(("_decode_fwd", 80, "fp16", True, 16))
+    rows += [("_decode_fwd", 80, "fp16", True, 16, default, 16), ("_decode_fwd", 256, "bf16", True, 64, default, 64),
+             ("_decode_fwd", 256, "fp32", False, 0, dict(block_n=32, num_stages=2), 64)]  # fmt: skip
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", script, json.dumps(rows)], env=env, capture_output=True, text=True,
                          timeout=300, cwd=str(codegen.templates_dir().parent))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     reports = json.loads(out.stdout.splitlines()[-1])
     assert [error for error, _ in reports] == [None] * len(rows)
-    stages = DecodeConfig().num_stages - 1
-    attention = [shared for (kernel, *_), (_, shared) in zip(rows, reports, strict=True) if kernel == "_decode_fwd"]
-    assert attention[0] >= stages * 2 * DecodeConfig().block_n * 128 * 2  # K and V tiles, bf16, d=128
-    assert attention[:3] == [attention[0]] * 3  # contiguous, paged 16, paged 64
+    attention = [(row, shared) for row, (_, shared) in zip(rows, reports, strict=True) if row[0] == "_decode_fwd"]
+    assert attention[0][1] >= 2 * 2 * 64 * 128 * 2  # two steps of K and V tiles in flight, bf16, d=128
+    assert [shared for _, shared in attention[:3]] == [attention[0][1]] * 3  # contiguous, paged 16, paged 64
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    for (_, head_dim, dtype, _, _, fields, block_m), shared in attention:
+        config = DecodeConfig(**fields, max_block_m=block_m)
+        assert shared <= decode_plan.sram_bytes(config, head_dim, dtypes[dtype]), (fields, head_dim, dtype, block_m)
+
+
+def test_default_configs_fit_the_device():
+    h200, a10g = known_gpu("h200"), known_gpu("a10g")
+    assert decode_plan.default_config(h200, 128, torch.bfloat16) == decode_plan.DEFAULT_CONFIG
+    for device, head_dim, dtype in ((h200, 256, torch.bfloat16), (a10g, 256, torch.float32),
+                                    (a10g, 128, torch.float16)):  # fmt: skip
+        config = decode_plan.default_config(device, head_dim, dtype)
+        assert decode_plan.sram_bytes(config, head_dim, dtype) <= device.smem_per_block, (device.name, head_dim)
+    assert decode_plan.default_config(a10g, 256, torch.float32) != decode_plan.DEFAULT_CONFIG
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the script measures for real")

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from . import planner
 from .types import DeviceInfo
 
 MIN_BLOCK_M = 16  # tl.dot takes 16 rows at least: fewer packed rows are padded to it
@@ -68,15 +71,38 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.num_stages must be in 1..8, got {self.num_stages!r}")
 
 
-# The untuned config: 64 keys a step and three stages keep ~100 KB of K/V in flight per SM at d=128 with two
-# programs an SM. The interpreter's takes 32 keys a step, so that short test caches span several steps and splits.
-DEFAULT_CONFIG = DecodeConfig()
+# The untuned configs, tried in order: the first whose shared memory (sram_bytes) fits the device runs. 64 keys a step
+# and three stages keep ~100 KB of K/V in flight per SM at d=128 with two programs an SM; larger head dims and
+# smaller GPUs take fewer stages, shorter steps, fewer packed rows. The interpreter's takes 32 keys a step, so that
+# short test caches span several steps and splits.
+CANDIDATES = (
+    DecodeConfig(block_n=64, num_warps=4, num_stages=3),
+    DecodeConfig(block_n=64, num_warps=4, num_stages=2),
+    DecodeConfig(block_n=32, num_warps=4, num_stages=2),
+    DecodeConfig(block_n=32, num_warps=4, num_stages=2, max_block_m=32),
+    DecodeConfig(block_n=16, num_warps=4, num_stages=2, max_block_m=16),
+)
+DEFAULT_CONFIG = CANDIDATES[0]
 INTERPRETER_CONFIG = DecodeConfig(block_n=32, num_warps=4, num_stages=1)
 
 
-def default_config(device: DeviceInfo) -> DecodeConfig:
-    """The config a decode call runs on `device` (fa2tune tune --decode will store tuned ones)."""
-    return INTERPRETER_CONFIG if device.source == "interpreter" else DEFAULT_CONFIG
+def sram_bytes(config: DecodeConfig, head_dim: int, dtype: torch.dtype) -> int:
+    """Shared memory the attention kernel takes at most, bytes: num_stages − 1 K/V steps in flight (one at least),
+    and the tile of max_block_m rows' operands and layout conversions (Q, the fp32 accumulator, the scores) —
+    an upper bound of what sm_90 compiles allocate (tests/test_decode.py compiles a few to check it)."""
+    width, size = planner.head_dim_padded(head_dim), dtype.itemsize
+    steps = max(1, config.num_stages - 1) * 2 * config.block_n * width * size
+    rows = config.max_block_m
+    return steps + rows * width * (4 + size) + rows * config.block_n * 4 + 1024
+
+
+def default_config(device: DeviceInfo, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """The config a decode call runs on `device` (fa2tune tune --decode will store tuned ones): the first of
+    CANDIDATES whose shared memory fits one program on it, the last one else."""
+    if device.source == "interpreter":
+        return INTERPRETER_CONFIG
+    fits = [c for c in CANDIDATES if sram_bytes(c, head_dim, dtype) <= device.smem_per_block]
+    return fits[0] if fits else CANDIDATES[-1]
 
 
 def row_tiles(group: int, seqlen_q: int, max_block_m: int) -> tuple[int, int]:

@@ -47,7 +47,7 @@ def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, 
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
-    config = config or default_config(device_info(q.device))
+    config = config or default_config(device_info(q.device), q.shape[-1], q.dtype)
     kv_heads = cache.k_cache.shape[2]
     _, tiles = row_tiles(heads_q // kv_heads, seqlen_q, config.max_block_m)
     splits = splits or num_splits(batch=batch, kv_heads=kv_heads, tiles=tiles, max_keys=cache.capacity,

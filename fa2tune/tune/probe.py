@@ -205,11 +205,11 @@ _DECODE_ANY_STRIDES = {"stride_lh", "stride_tb"}
 
 
 def compile_decode(kernel: str, config, head_dim: int, dtype: torch.dtype, *, paged: bool, page_size: int = 16,
-                   capability: tuple[int, int] = (9, 0)) -> CompileReport:  # fmt: skip
+                   block_m: int = 16, capability: tuple[int, int] = (9, 0)) -> CompileReport:  # fmt: skip
     """Compiles a decode kernel of templates/decode.py.jinja ("_decode_fwd" with split partials, "_decode_merge",
     "_append_kv") with a DecodeConfig for a CUDA target, as fa2tune.launch.decode launches it on typical tensors:
     every pointer 16-byte aligned, the strides multiples of 16 (but _DECODE_ANY_STRIDES), lengths plain i32, paged
-    or not."""
+    or not; block_m packed query rows a tile (decode_plan.row_tiles)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -219,7 +219,7 @@ def compile_decode(kernel: str, config, head_dim: int, dtype: torch.dtype, *, pa
         raise RuntimeError("compile_decode needs Triton's compiler: unset TRITON_INTERPRET in this process")
     fn = getattr(codegen.load("decode", DecodeVariant(paged=paged)), kernel)
     constexprs: dict[str, object] = {
-        **head_dim_options(head_dim, head_dim), "BLOCK_M": 16, "BLOCK_N": config.block_n, "BLOCK_R": 16,
+        **head_dim_options(head_dim, head_dim), "BLOCK_M": block_m, "BLOCK_N": config.block_n, "BLOCK_R": 16,
         "PAGE_SIZE": page_size if paged else 0, "PARTIAL": True,
         "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
     }  # fmt: skip
