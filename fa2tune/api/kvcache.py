@@ -15,8 +15,7 @@ import torch
 from ..config.inputs import check_flag, check_scale, check_window, unit_last_stride
 from ..config.kvcache_inputs import KVCache, check_call, check_splits, check_values, values_checked_per_call
 from ..config.types import Mask
-from ..launch import decode as _decode
-from ..launch.autograd import is_eager
+from ..launch import launcher
 
 
 def flash_attn_with_kvcache(
@@ -83,8 +82,8 @@ def flash_attn_with_kvcache(
     splits = check_splits(num_splits)
     if values_checked_per_call():
         check_values(cache)
-    if is_eager(q, k_cache, v_cache):
-        out, lse = _decode.decode(q, cache, scale=scale, window=(left, right), splits=splits)
+    if launcher.is_eager(q, k_cache, v_cache):
+        out, lse = launcher.decode(q, cache, scale=scale, window=(left, right), splits=splits)
     else:
         out, lse = torch.ops.fa2tune.kvcache(q, cache.k_cache, cache.v_cache, cache.k_new, cache.v_new,
                                              cache.cache_seqlens, cache.block_table, cache.seqlen, scale,
@@ -141,7 +140,7 @@ def _kvcache_op(
     num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cache = KVCache(k_cache, v_cache, block_table, cache_seqlens, seqlen, k, v)
-    return _decode.decode(q, cache, scale=scale, window=(window[0], window[1]), splits=num_splits)
+    return launcher.decode(q, cache, scale=scale, window=(window[0], window[1]), splits=num_splits)
 
 
 @_kvcache_op.register_fake
