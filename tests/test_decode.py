@@ -232,6 +232,30 @@ def test_torch_compile_runs_the_op_and_appends(device):
     assert torch.equal(k_cache.nan_to_num(7.0), eager[0].nan_to_num(7.0))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_decode_steps_replay_in_a_cuda_graph():
+    # Captured once, replayed with new lengths, queries and keys written into the captured tensors: each replay
+    # appends at the new lengths and attends over them, as an eager call would
+    q, k_cache, v_cache, table, k_new, v_new, seqlens = _make_case([7, 30], seqlen_new=1, page=16, device="cuda")
+    call = dict(cache_seqlens=seqlens, block_table=table, num_splits=2, return_softmax_lse=True)
+    fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **call)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **call)
+    for step in range(2):
+        seqlens += 1
+        for t in (q, k_new, v_new):
+            t.copy_(torch.randn_like(t))
+        before = (k_cache.clone(), v_cache.clone())
+        graph.replay()
+        lengths = seqlens.tolist()
+        cpu = [t.cpu() for t in (q, *before, table, k_new, v_new)]
+        ref_out, ref_lse = _reference(*cpu[:3], lengths, cpu[3], q.shape[-1] ** -0.5, False, (-1, -1), *cpu[4:])
+        assert_close(out, ref_out, q.dtype, f"replay {step}")
+        assert_close(lse, ref_lse, torch.float16, f"replay {step} softmax_lse")
+        _check_appended(before, (k_cache, v_cache), (k_new, v_new), lengths, cpu[3])
+
+
 # ---- what it refuses, and lengths or pages outside the cache -------------------------------------------------------
 
 
