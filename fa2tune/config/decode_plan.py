@@ -36,12 +36,10 @@ class DecodeVariant:
         paged: the cache is paged, (num_pages, page_size, kv_heads, head_dim) found through a block table; else one
             (batch, capacity, kv_heads, head_dim) row of keys per batch entry.
         dot_fp32: upcast dot operands to fp32 (the Triton interpreter computes bf16 dots wrongly).
-        varlen: always False — _common.py.jinja's packed-sequence helper, which the decode kernels do not use.
     """
 
     paged: bool
     dot_fp32: bool = False
-    varlen: bool = False
 
 
 @dataclass(frozen=True)
