@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # what static tools see; at run time __getattr__ below import
     from .api.attention import FlashAttnFunction, attention, attention_varlen
     from .api.attention_kernel import AttentionKernel, get_kernel
     from .api.flash_attn_compat import flash_attn_func, flash_attn_varlen_func
+    from .api.kvcache import check_kvcache, flash_attn_with_kvcache
     from .api.sdpa import SdpaPatch, patch_sdpa, scaled_dot_product_attention
     from .config.schedule import Schedule
     from .config.types import KernelConfig, Mask, Variant
@@ -26,6 +27,8 @@ _HOMES = {
     "get_kernel": "api.attention_kernel",
     "flash_attn_func": "api.flash_attn_compat",
     "flash_attn_varlen_func": "api.flash_attn_compat",
+    "check_kvcache": "api.kvcache",
+    "flash_attn_with_kvcache": "api.kvcache",
     "SdpaPatch": "api.sdpa",
     "patch_sdpa": "api.sdpa",
     "scaled_dot_product_attention": "api.sdpa",
@@ -44,8 +47,10 @@ __all__ = [
     "Variant",
     "attention",
     "attention_varlen",
+    "check_kvcache",
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "get_kernel",
     "patch_sdpa",
     "scaled_dot_product_attention",

@@ -60,7 +60,7 @@ def test_templates_cite_no_version_log():
 
 
 def test_bad_arguments():
-    expected = r"template must be one of \('fwd', 'bwd', 'fwd_ws', 'bwd_ws', 'bwd_dq_ws'\), got 'bwdx'"
+    expected = r"template must be one of \('fwd', 'bwd', 'fwd_ws', 'bwd_ws', 'bwd_dq_ws', 'decode'\), got 'bwdx'"
     with pytest.raises(ValueError, match=expected):
         codegen.render("bwdx", Variant(False, True, True))
     with pytest.raises(TypeError, match=r"variant must be a dataclass instance, got dict"):

@@ -87,14 +87,17 @@ def flash_attn_varlen_func(
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic: as flash_attn_func,
             per sequence.
         return_attn_probs: (out, softmax_lse, None); softmax_lse fp32 (heads_q, total_q), as flash_attn 2.x's.
-        block_table: must be None (NotImplementedError: no paged KV cache).
+        block_table: must be None (NotImplementedError: a paged KV cache is flash_attn_with_kvcache's).
 
     Returns:
         out (total_q, heads_q, v's head_dim) in q's dtype; differentiable in q, k and v.
     """
     _refuse_unsupported(dropout_p, softcap, alibi_slopes)
     if block_table is not None:
-        raise NotImplementedError("block_table: fa2tune has no paged KV cache; pass block_table=None")
+        raise NotImplementedError(
+            "block_table: fa2tune's flash_attn_varlen_func takes no paged KV cache; pass block_table=None, or decode "
+            "over a paged cache with fa2tune.flash_attn_with_kvcache"
+        )
     q, k, v = (unit_last_stride(t) for t in (q, k, v))
     packing = Packing(*check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
     out, lse = _attend(q, k, v, causal, window_size, softmax_scale, packing, deterministic)

@@ -27,7 +27,7 @@ import jinja2
 from ..config import paths
 from ..config.types import KERNELS
 
-TEMPLATES = ("fwd", "bwd", "fwd_ws", "bwd_ws", "bwd_dq_ws")
+TEMPLATES = ("fwd", "bwd", "fwd_ws", "bwd_ws", "bwd_dq_ws", "decode")
 _lock = threading.Lock()
 _modules: dict[tuple[str, object, str], ModuleType] = {}
 

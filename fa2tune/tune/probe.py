@@ -195,3 +195,48 @@ def _compile_warpspec(
                 attrs[(index,)] = [["tt.divisibility", 16]]  # as the JIT specializes a 16-byte-aligned tensor
     options = {name: kwargs[name] for name in ("num_warps", "maxnreg") if name in kwargs}
     return _compile(GluonASTSource(fn, signature, constexprs, attrs), target, options)
+
+
+_DECODE_POINTERS = {"Q": None, "K": None, "V": None, "O": None, "K_NEW": None, "V_NEW": None, "LSE": "fp32",
+                    "PART_O": "fp32", "PART_LSE": "fp32", "SEQLENS": "i32", "TABLE": "i32"}  # fmt: skip
+# Strides of any value in real use: the logsumexp's head stride is seqlen_q (often 1), a block table's row its width.
+# The others are multiples of 16 elements in contiguous caches and queries of head_dim >= 16, as the JIT sees them.
+_DECODE_ANY_STRIDES = {"stride_lh", "stride_tb"}
+
+
+def compile_decode(kernel: str, config, head_dim: int, dtype: torch.dtype, *, paged: bool, page_size: int = 16,
+                   block_m: int = 16, capability: tuple[int, int] = (9, 0)) -> CompileReport:  # fmt: skip
+    """Compiles a decode kernel of templates/decode.py.jinja ("_decode_fwd" with split partials, "_decode_merge",
+    "_append_kv") with a DecodeConfig for a CUDA target, as fa2tune.launch.decode launches it on typical tensors:
+    every pointer 16-byte aligned, the strides multiples of 16 (but _DECODE_ANY_STRIDES), lengths plain i32, paged
+    or not; block_m packed query rows a tile (decode_plan.row_tiles)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ..config.decode_plan import DecodeVariant
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile_decode needs Triton's compiler: unset TRITON_INTERPRET in this process")
+    fn = getattr(codegen.load("decode", DecodeVariant(paged=paged)), kernel)
+    constexprs: dict[str, object] = {
+        **head_dim_options(head_dim, head_dim), "BLOCK_M": block_m, "BLOCK_N": config.block_n, "BLOCK_R": 16,
+        "PAGE_SIZE": page_size if paged else 0, "PARTIAL": True,
+        "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }  # fmt: skip
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list] = {}
+    for index, arg in enumerate(fn.arg_names):
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg == "TABLE" and not paged:
+            signature[arg], constexprs[arg] = "constexpr", None
+        elif arg in _DECODE_POINTERS:
+            signature[arg] = "*" + (_DECODE_POINTERS[arg] or DTYPE_NAMES[dtype])
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "fp32" if arg == "qk_scale" else "i32"
+            if arg.startswith("stride_") and arg not in _DECODE_ANY_STRIDES:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn, signature, constexprs={k: v for k, v in constexprs.items() if k in signature}, attrs=attrs)
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    return _compile(source, target, {"num_warps": config.num_warps, "num_stages": config.num_stages})

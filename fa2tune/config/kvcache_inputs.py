@@ -1,0 +1,212 @@
+"""Checks of what users pass to flash_attn_with_kvcache: every error names the argument, what was expected and what
+came.
+
+check_call checks what the tensors' shapes, dtypes, devices and strides say — no value is read, so a call stays
+free of host syncs (CUDA graphs, decode loops). check_values reads the lengths and the block table back to the host
+(a sync) to check that they stay inside the caches: fa2tune.check_kvcache runs it on request, and so does every call
+when FA2TUNE_CHECK_KVCACHE=1 (outside CUDA graph capture). Without it the kernels still clamp every length and page
+into the caches (templates/decode.py.jinja): bad values give a defined wrong answer, never a read or write outside a
+tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .decode_plan import MAX_SPLITS
+from .inputs import SUPPORTED_DTYPES, check_int, interpreting
+from .types import MAX_HEAD_DIM, integer
+
+CHECK_ENV = "FA2TUNE_CHECK_KVCACHE"  # "1": every call checks its lengths and block table on the host (a sync)
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """A checked call's cache tensors.
+
+    Attributes:
+        k_cache, v_cache: (batch_cache, capacity, kv_heads, head_dim), or paged (num_pages, page_size, kv_heads,
+            head_dim).
+        block_table: int32 (batch, pages per entry) for a paged cache, else None.
+        cache_seqlens: int32 (batch,) keys cached per entry before the append, or None: `seqlen` for every entry.
+        seqlen: every entry's cached keys when cache_seqlens is None (the caller's int, or the capacity).
+        k_new, v_new: (batch, seqlen_new, kv_heads, head_dim) keys and values to append first, or None.
+    """
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor | None
+    cache_seqlens: torch.Tensor | None
+    seqlen: int
+    k_new: torch.Tensor | None = None
+    v_new: torch.Tensor | None = None
+
+    @property
+    def page_size(self) -> int:
+        """Keys a page holds; 0 for a cache that is not paged."""
+        return self.k_cache.shape[1] if self.block_table is not None else 0
+
+    @property
+    def capacity(self) -> int:
+        """The most keys an entry holds: the cache's rows, or the table's pages per entry × the page size."""
+        if self.block_table is None:
+            return self.k_cache.shape[1]
+        return self.block_table.shape[1] * self.k_cache.shape[1]
+
+    @property
+    def seqlen_new(self) -> int:
+        return 0 if self.k_new is None else self.k_new.shape[1]
+
+
+def check_call(q: object, k_cache: object, v_cache: object, k: object = None, v: object = None,
+               cache_seqlens: object = None, block_table: object = None) -> KVCache:  # fmt: skip
+    """Checks the shapes, dtypes, devices and strides of a flash_attn_with_kvcache call (reads no values) and returns
+    its cache. q: (batch, seqlen_q, heads, head_dim) with a unit last stride (the caller copies one without)."""
+    _check_tensor("q", q, q)
+    batch, _, heads, head_dim = q.shape
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"q's head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(name, t, q)
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride in head_dim (it is written in place), got strides "
+                             f"{tuple(t.stride())}")  # fmt: skip
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")  # fmt: skip
+    kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache's head_dim (dim 3) must be q's {head_dim}, got shape {tuple(k_cache.shape)}")
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"q's heads (dim 2) must be a multiple of k_cache's heads (dim 2), got q {tuple(q.shape)}, "
+                         f"k_cache {tuple(k_cache.shape)}")  # fmt: skip
+    if k_cache.shape[1] == 0:
+        raise ValueError(f"k_cache must hold at least one key a row or page (dim 1), got {tuple(k_cache.shape)}")
+    table = _check_table(block_table, q, k_cache)
+    if table is None and k_cache.shape[0] < batch:
+        raise ValueError(f"k_cache must have a row (dim 0) for each of q's {batch} batch entries, got "
+                         f"{tuple(k_cache.shape)}; a paged cache takes a block_table")  # fmt: skip
+    k_new, v_new = _check_new(k, v, q, k_cache)
+    cache = KVCache(k_cache, v_cache, table, None, 0, k_new, v_new)
+    seqlens, seqlen = _check_seqlens(cache_seqlens, q, cache)
+    return KVCache(k_cache, v_cache, table, seqlens, seqlen, k_new, v_new)
+
+
+def _check_tensor(name: str, t: object, q: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        layout = "(batch, seqlen, heads, head_dim)" if name in ("q", "k", "v") else (
+            "(batch, seqlen_cache, kv_heads, head_dim) or paged (num_pages, page_size, kv_heads, head_dim)")
+        raise ValueError(f"{name} must be 4-D {layout} as in flash_attn_with_kvcache, got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if t.dtype != q.dtype:
+        raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if t.device.type == "cpu" and not interpreting():
+        raise ValueError(f"{name} is on the CPU, but fa2tune's kernels run on CUDA devices; move the tensors to a GPU "
+                         "(or set TRITON_INTERPRET=1 before importing triton, for tests)")  # fmt: skip
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+
+
+def _check_table(table: object, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor | None:
+    if table is None:
+        return None
+    if not isinstance(table, torch.Tensor) or table.dtype != torch.int32 or table.dim() != 2:
+        raise TypeError(f"block_table must be a 2-D torch.int32 tensor (batch, pages per entry), got {_got(table)}")
+    if table.shape[0] != q.shape[0] or table.shape[1] == 0:
+        raise ValueError(f"block_table must be (batch={q.shape[0]}, pages per entry >= 1), got {tuple(table.shape)}")
+    if table.device != q.device:
+        raise ValueError(f"block_table must be on q's device {q.device}, got {table.device}")
+    if k_cache.shape[0] == 0:
+        raise ValueError(f"a paged k_cache must hold at least one page (dim 0), got {tuple(k_cache.shape)}")
+    return table if table.stride(1) == 1 else table.contiguous()  # the kernels read an entry's pages in a row
+
+
+def _check_new(k: object, v: object, q: torch.Tensor, k_cache: torch.Tensor):
+    """The keys and values to append: both or neither, (batch, seqlen_new, kv_heads, head_dim) in the cache's
+    dtype, each with a unit last stride (copied otherwise: they are small)."""
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v (new keys and values to append) must be passed together, got k={_got(k)}, "
+                         f"v={_got(v)}")  # fmt: skip
+    if k is None:
+        return None, None
+    expected = (q.shape[0], k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else -1, *k_cache.shape[2:])
+    for name, t in (("k", k), ("v", v)):
+        _check_tensor(name, t, q)
+        if tuple(t.shape) != expected:
+            raise ValueError(f"{name} must be (batch, seqlen_new, kv_heads, head_dim) = {expected} with k's "
+                             f"seqlen_new, got {tuple(t.shape)}")  # fmt: skip
+    return (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+
+
+def _check_seqlens(seqlens: object, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor | None, int]:
+    """(tensor or None, int): an int32 (batch,) tensor of lengths, or every entry's length as an int — the caller's,
+    or with None the capacity (every key). Appending needs lengths; an int must leave room for the new keys."""
+    capacity, new = cache.capacity, cache.seqlen_new
+    if new > capacity:
+        raise ValueError(f"k and v append {new} keys, more than the cache holds per entry ({capacity})")
+    if seqlens is None:
+        if new:
+            raise ValueError("cache_seqlens must be given with k and v: the new keys are written at each entry's "
+                             "length")  # fmt: skip
+        return None, capacity
+    if integer(seqlens) is not None:
+        return None, check_int("cache_seqlens", seqlens, 0, capacity - new)
+    if not isinstance(seqlens, torch.Tensor) or seqlens.dtype != torch.int32 or seqlens.shape != (q.shape[0],):
+        raise TypeError(f"cache_seqlens must be an int or a torch.int32 tensor of shape (batch={q.shape[0]},), got "
+                        f"{_got(seqlens)}")  # fmt: skip
+    if seqlens.device != q.device:
+        raise ValueError(f"cache_seqlens must be on q's device {q.device}, got {seqlens.device}")
+    return (seqlens if seqlens.stride(0) == 1 else seqlens.contiguous()), 0
+
+
+def _got(value: object) -> str:
+    """What came, for an error: a tensor's dtype and shape, else the value's type."""
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def check_splits(num_splits: object) -> int:
+    return check_int("num_splits", num_splits, 0, MAX_SPLITS)
+
+
+def check_values(cache: KVCache) -> None:
+    """Reads the lengths and the block table back to the host (a sync) and checks that they stay in the caches:
+    each entry's cached keys in 0 … capacity − seqlen_new, each page it uses (the first ⌈(length + seqlen_new) /
+    page_size⌉ of its table row; later ones are never read) in 0 … num_pages − 1."""
+    new, capacity = cache.seqlen_new, cache.capacity
+    if cache.cache_seqlens is not None:
+        lengths = cache.cache_seqlens.tolist()
+        for b, length in enumerate(lengths):
+            if not 0 <= length <= capacity - new:
+                raise ValueError(f"cache_seqlens[{b}] = {length} is outside 0..{capacity - new}: the cache holds "
+                                 f"{capacity} keys per entry and {new} are appended")  # fmt: skip
+    else:
+        lengths = [cache.seqlen] * (cache.block_table.shape[0] if cache.block_table is not None else 0)
+    if cache.block_table is None:
+        return
+    pages = cache.k_cache.shape[0]
+    rows = cache.block_table.tolist()
+    for b, (length, row) in enumerate(zip(lengths, rows, strict=True)):
+        used = row[: -(-(length + new) // cache.page_size)]
+        bad = [(i, page) for i, page in enumerate(used) if not 0 <= page < pages]
+        if bad:
+            i, page = bad[0]
+            raise ValueError(f"block_table[{b}, {i}] = {page} points outside the cache's {pages} pages "
+                             f"(k_cache dim 0); entry {b} uses its first {len(used)} pages")  # fmt: skip
+
+
+def values_checked_per_call() -> bool:
+    """Whether every call checks its values (FA2TUNE_CHECK_KVCACHE=1), and can: not while a CUDA graph is captured,
+    where reading a tensor back is an error."""
+    if os.environ.get(CHECK_ENV, "0") in ("", "0"):
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

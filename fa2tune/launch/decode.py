@@ -1,0 +1,145 @@
+"""The decode launcher: appends new keys to a KV cache and attends a few query tokens over it, split-KV, with the
+kernels of templates/decode.py.jinja.
+
+One call launches up to three kernels on the current stream, in order: _append_kv (only with new keys: it writes
+them into the caches at each entry's length), _decode_fwd (grid: batch·kv_heads × splits × row tiles; with one split
+it writes O and the logsumexp, else each split's partial), and _decode_merge (splits > 1: the partials' exact
+combination). Nothing here reads a tensor's values on the host: the entries' lengths and pages stay on the device,
+so a call can be captured in a CUDA graph; the kernels clamp every length and page index into the caches. What a
+call works out from its shapes (kernels, grids, scalar arguments) is kept per call signature.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import planner
+from ..config.decode_plan import DecodeConfig, DecodeVariant, default_config, num_splits, row_tiles
+from ..config.device import device_info
+from ..config.inputs import interpreting
+from ..config.kvcache_inputs import KVCache
+from ..kernels import codegen
+from . import fastlaunch
+from .grid import LOG2E, cdiv, input_precision
+from .layout import on_device
+
+APPEND_ROWS = 16  # new keys an append program copies
+
+
+def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, int], splits: int = 0,
+           config: DecodeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Appends cache.k_new/v_new (if any) and returns (O, logsumexp) of q over each entry's keys.
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim), unit last stride; heads_q a multiple of the cache's kv_heads.
+        cache: the checked cache tensors (fa2tune.config.kvcache_inputs.check_call).
+        scale: the softmax scale.
+        window: (left, right) as the kernels take them (types.Mask.bounds: no side is negative; causal is right 0).
+        splits: programs sharing an entry's keys; 0: decode_plan.num_splits.
+        config: the launch config; None: decode_plan.default_config.
+
+    Returns:
+        O (batch, seqlen_q, heads_q, head_dim) contiguous in q's dtype, and the fp32 logsumexp (batch, heads_q,
+        seqlen_q): 0 and -inf for a query that sees no key.
+    """
+    batch, seqlen_q, heads_q, _ = q.shape
+    out = q.new_empty(q.shape)
+    lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse.fill_(float("-inf"))
+    config = config or default_config(device_info(q.device), q.shape[-1], q.dtype)
+    kv_heads = cache.k_cache.shape[2]
+    _, tiles = row_tiles(heads_q // kv_heads, seqlen_q, config.max_block_m)
+    splits = splits or num_splits(batch=batch, kv_heads=kv_heads, tiles=tiles, max_keys=cache.capacity,
+                                  sm_count=device_info(q.device).sm_count)  # fmt: skip
+    key = _signature(q, cache, scale, window, splits, config)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(q, cache, scale, window, splits, config)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    with on_device(q):
+        plan(q, cache, out, lse)
+    return out, lse
+
+
+_plans: dict[tuple, object] = {}
+_MAX_PLANS = 256
+
+
+def clear_plans() -> None:
+    """Forgets the kept plans (tests that change what plans are worked out from)."""
+    _plans.clear()
+
+
+def _signature(q, cache: KVCache, scale, window, splits, config) -> tuple:
+    """Everything a plan is worked out from: the tensors' shapes and strides, dtypes, device, whether lengths are a
+    tensor (else their value), the scale, window, splits and config, and the interpreter."""
+    tensors = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.cache_seqlens, cache.k_new, cache.v_new)
+    layout = tuple([None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors])
+    return layout, q.device, cache.seqlen, scale, window, splits, config, interpreting()
+
+
+def _kernels(paged: bool):
+    variant = DecodeVariant(paged=paged, dot_fp32=interpreting())
+    return codegen.load("decode", variant)
+
+
+def _plan(q, cache: KVCache, scale: float, window: tuple[int, int], splits: int, config: DecodeConfig):
+    """launch(q, cache, out, lse) for calls of this signature: the append, the attention and the merge, every
+    argument but the tensors worked out."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    k_cache, v_cache, table = cache.k_cache, cache.v_cache, cache.block_table
+    kv_heads = k_cache.shape[2]
+    group = heads_q // kv_heads
+    block_m, tiles = row_tiles(group, seqlen_q, config.max_block_m)
+    module = _kernels(table is not None)
+    head = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim))
+    num_pages = k_cache.shape[0] if table is not None else 1
+    table_stride = table.stride(0) if table is not None else 0
+    sizes = (cache.seqlen_new, cache.seqlen, cache.capacity, num_pages)
+    append = None
+    if cache.seqlen_new:
+        append = fastlaunch.Launcher(
+            module._append_kv, (batch * kv_heads, cdiv(cache.seqlen_new, APPEND_ROWS)),
+            (*_strides(cache.k_new), *_strides(cache.v_new), *_strides(k_cache), *_strides(v_cache), table_stride,
+             kv_heads, *sizes),
+            dict(**head, BLOCK_R=APPEND_ROWS, PAGE_SIZE=cache.page_size, num_warps=4),
+        )  # fmt: skip
+    o_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)  # out is contiguous
+    lse_strides = (heads_q * seqlen_q, seqlen_q)
+    attend = fastlaunch.Launcher(
+        module._decode_fwd, (batch * kv_heads, splits, tiles),
+        (*_strides(q), *_strides(k_cache), *_strides(v_cache), *o_strides, *lse_strides, table_stride, kv_heads,
+         group, seqlen_q, *sizes, scale * LOG2E, *window),
+        dict(**head, BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE_SIZE=cache.page_size, PARTIAL=splits > 1,
+             INPUT_PRECISION=input_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages),
+    )  # fmt: skip
+    merge = None
+    if splits > 1:
+        merge = fastlaunch.Launcher(
+            module._decode_merge, (batch * kv_heads, tiles), (*o_strides, *lse_strides, kv_heads, group, seqlen_q,
+                                                              splits),
+            dict(**head, BLOCK_M=block_m, num_warps=4),
+        )  # fmt: skip
+    part_shape = (splits, batch * kv_heads, tiles * block_m)
+
+    def launch(q, cache: KVCache, out, lse):
+        k, v, table, seqlens = cache.k_cache, cache.v_cache, cache.block_table, cache.cache_seqlens
+        if append is not None:
+            append(cache.k_new, cache.v_new, k, v, seqlens, table)
+        if merge is None:
+            attend(q, k, v, out, lse, None, None, seqlens, table)
+            return
+        part_o = q.new_empty((*part_shape, head["HEAD_DIM_PAD"]), dtype=torch.float32)
+        part_lse = q.new_empty(part_shape, dtype=torch.float32)
+        attend(q, k, v, out, lse, part_o, part_lse, seqlens, table)
+        merge(part_o, part_lse, out, lse)
+
+    return launch
+
+
+def _strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(entry or page, key, head) strides of a (batch or pages, keys, heads, head_dim) tensor."""
+    return t.stride(0), t.stride(1), t.stride(2)

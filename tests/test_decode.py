@@ -1,0 +1,414 @@
+"""fa2tune.flash_attn_with_kvcache (the decode kernels: split-KV, GQA packing, paged caches, append) against a
+float64 reference that gathers each entry's keys through its block table, and what it refuses."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fa2tune
+from fa2tune.config import decode_plan
+from fa2tune.config.decode_plan import DecodeConfig
+from fa2tune.config.device import known_gpu
+from fa2tune.kernels import codegen
+from fa2tune.launch import decode as decode_launch
+
+from ._scripts import load_script
+from .conftest import assert_close
+
+
+def _reference(q, k_cache, v_cache, lengths, table, scale, causal=False, window=(-1, -1), k_new=None, v_new=None):
+    """(out, lse) in float64 from first principles: entry b's keys are its first lengths[b] cached keys — row b of
+    the cache, or key j in page table[b, j // page_size] at slot j % page_size — then the appended ones; query i sits
+    at position i + n_keys − seqlen_q and sees the keys its causal and window bounds allow."""
+    batch, seqlen_q, heads, _ = q.shape
+    group = heads // k_cache.shape[2]
+    outs, lses = [], []
+    for b in range(batch):
+        j = torch.arange(lengths[b])
+        rows = (b, j) if table is None else (table[b, j // k_cache.shape[1]].long(), j % k_cache.shape[1])
+        keys, values = k_cache[rows].double(), v_cache[rows].double()
+        if k_new is not None:
+            keys, values = torch.cat([keys, k_new[b].double()]), torch.cat([values, v_new[b].double()])
+        n_keys = keys.shape[0]
+        scores = torch.einsum("ihd,jhd->hij", q[b].double(), keys.repeat_interleave(group, 1)) * scale
+        pos, key = torch.arange(seqlen_q)[:, None] + n_keys - seqlen_q, torch.arange(n_keys)[None, :]
+        visible = torch.ones(seqlen_q, n_keys, dtype=torch.bool)
+        if causal:
+            visible &= key <= pos
+        if window[0] >= 0:
+            visible &= key >= pos - window[0]
+        if window[1] >= 0:
+            visible &= key <= pos + window[1]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        probs = torch.where(torch.isinf(lse)[..., None], 0.0, torch.exp(scores - lse[..., None]))
+        outs.append(torch.einsum("hij,jhd->ihd", probs, values.repeat_interleave(group, 1)))
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def _make_case(lengths, *, heads=8, kv_heads=2, head_dim=64, seqlen_q=1, seqlen_new=0, page=None, dtype=torch.float16,
+               seed=0, device="cpu"):  # fmt: skip
+    """Fresh random q, caches (paged through a shuffled table when `page` is set, with spare pages) and new keys.
+    Every cache row an entry does not hold — past its length, spare pages — is NaN: a kernel that reads one shows it.
+    Returns (q, k_cache, v_cache, table, k_new, v_new, seqlens)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(lengths)
+    capacity = max(lengths) + seqlen_new + 3
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)
+    q = rand(batch, seqlen_q, heads, head_dim)
+    k_new, v_new = (rand(batch, seqlen_new, kv_heads, head_dim) for _ in "kv") if seqlen_new else (None, None)
+    k_cache, v_cache = (rand(batch, capacity, kv_heads, head_dim) for _ in "kv")
+    for cache in (k_cache, v_cache):
+        for b, length in enumerate(lengths):
+            cache[b, length:] = float("nan")
+    table = None
+    if page is not None:  # the same keys, cut into pages placed in a random order among spare NaN pages
+        per_entry = -(-capacity // page)
+        pages = batch * per_entry + 3
+        order = torch.randperm(pages, generator=gen)[: batch * per_entry]
+        table = order.view(batch, per_entry).to(torch.int32)
+        paged = []
+        for cache in (k_cache, v_cache):
+            padded = torch.full((batch, per_entry * page, kv_heads, head_dim), float("nan"), dtype=dtype)
+            padded[:, :capacity] = cache
+            store = torch.full((pages, page, kv_heads, head_dim), float("nan"), dtype=dtype)
+            store[order] = padded.view(batch * per_entry, page, kv_heads, head_dim)
+            paged.append(store)
+        k_cache, v_cache = paged
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    moved = [t if t is None else t.to(device) for t in (q, k_cache, v_cache, table, k_new, v_new, seqlens)]
+    return tuple(moved)
+
+
+def _check_case(lengths, *, splits=1, causal=False, window=(-1, -1), device="cpu", **case):
+    """One call against the reference: output, logsumexp and, with an append, the caches after it."""
+    q, k_cache, v_cache, table, k_new, v_new, seqlens = _make_case(lengths, device=device, **case)
+    before = (k_cache.clone(), v_cache.clone())
+    scale = q.shape[-1] ** -0.5
+    out, lse = fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                               block_table=table, causal=causal, window_size=window,
+                                               num_splits=splits, return_softmax_lse=True)  # fmt: skip
+    cpu = [t if t is None else t.cpu() for t in (q, *before, table, k_new, v_new)]
+    ref_out, ref_lse = _reference(*cpu[:3], lengths, cpu[3], scale, causal, window, *cpu[4:])
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == torch.float32
+    assert_close(out, ref_out, q.dtype)
+    assert_close(lse, ref_lse, torch.float16, "softmax_lse")
+    if k_new is not None:
+        _check_appended(before, (k_cache, v_cache), (k_new, v_new), lengths, table)
+    return out, lse
+
+
+def _check_appended(before, after, new, lengths, table):
+    """The caches after an append: entry b's new keys at positions lengths[b] … (through its table), every other row
+    untouched (NaN where it was)."""
+    for old, now, added in zip(before, after, new, strict=True):
+        expected = old.clone()
+        for b, length in enumerate(lengths):
+            j = torch.arange(length, length + added.shape[1])
+            rows = (b, j) if table is None else (table[b, j // old.shape[1]].long(), j % old.shape[1])
+            expected[rows] = added[b].cpu()
+        assert torch.equal(now.cpu().nan_to_num(7.0), expected.nan_to_num(7.0))
+
+
+# ---- results --------------------------------------------------------------------------------------------------
+
+RAGGED = [1, 2, 15, 17, 90]  # one key, two, a page of 16 less one and plus one, several steps
+
+
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("splits", [1, 2, 3, 16])
+def test_every_split_count_matches_the_reference_over_ragged_lengths(page, splits, device):
+    # GQA 8 query heads over 2 K/V heads; 16 splits is more than any entry's chunks of 32 keys (the interpreter's
+    # steps), so most splits see no key and must weigh nothing in the merge
+    _check_case(RAGGED, page=page, splits=splits, device=device)
+
+
+@pytest.mark.parametrize("page, lengths, dtype", [(64, [63, 65, 130], torch.bfloat16),
+                                                 (48, [47, 49, 100], torch.float16)], ids=["page64", "page48"])
+def test_shuffled_pages_of_other_sizes(page, lengths, dtype, device):
+    # 64: a step of 32 keys inside one page (one table read a step); 48: steps across pages (a table read a key)
+    _check_case(lengths, page=page, splits=2, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(lengths=[5, 40], seqlen_q=4, seqlen_new=4, heads=4, kv_heads=1, page=16, splits=2),  # MQA, append
+        dict(lengths=[3, 70], seqlen_q=16, heads=8, kv_heads=1, splits=3, dtype=torch.bfloat16),  # 128 rows: 2 tiles
+        dict(lengths=[0, 33], seqlen_q=16, seqlen_new=16, heads=2, kv_heads=2, page=16, splits=2),  # MHA, append
+    ],
+    ids=["q4-mqa-append-paged", "q16-two-row-tiles-bf16", "q16-append-mha-paged"],
+)
+def test_causal_query_tokens_are_aligned_bottom_right(case, device):
+    _check_case(causal=True, device=device, **case)
+
+
+def test_non_causal_query_tokens_see_every_key(device):
+    _check_case([9, 50], seqlen_q=4, seqlen_new=4, heads=4, kv_heads=2, page=16, splits=3, device=device)
+
+
+@pytest.mark.parametrize("page", [None, 16], ids=["contiguous", "paged16"])
+def test_append_one_token_then_attend(page, device):
+    # lengths 0 (an empty entry that sees only its new key), page-1 (the new key opens a page) and page
+    _check_case([0, 15, 16], seqlen_new=1, page=page, splits=2, device=device)
+
+
+def test_empty_entries_give_zero_and_minus_infinity(device):
+    out, lse = _check_case([0, 5, 0], page=16, splits=3, device=device)
+    assert torch.equal(out[[0, 2]].cpu(), torch.zeros_like(out[[0, 2]].cpu()))
+    assert torch.isneginf(lse[[0, 2]]).all() and torch.isfinite(lse[1]).all()
+
+
+@pytest.mark.parametrize("head_dim, page, dtype", [(80, 16, torch.bfloat16), (96, None, torch.float32)])
+def test_head_dims_that_are_not_powers_of_two(head_dim, page, dtype, device):
+    _check_case([20, 41], head_dim=head_dim, page=page, splits=2, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("causal, window", [(True, (8, -1)), (False, (5, 2))])
+def test_window_size_is_flash_attns(causal, window, device):
+    _check_case([30, 70], seqlen_q=4, seqlen_new=2, heads=4, kv_heads=2, page=16, splits=3, causal=causal,
+                window=window, device=device)  # fmt: skip
+
+
+def test_cache_seqlens_as_one_int_or_none(device):
+    q, k_cache, v_cache, table, *_ = _make_case([40, 40, 40], page=16, device=device)
+    scale = q.shape[-1] ** -0.5
+    ref = _reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), [40] * 3, table.cpu(), scale)[0]
+    assert_close(fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=40, block_table=table), ref,
+                 q.dtype)  # fmt: skip
+    # None: every entry holds the whole cache (cut here to the 43 rows that hold keys; NaN rows follow them)
+    q, k_cache, v_cache, *_ = _make_case([43, 43], device=device)
+    full = 43
+    k_cache, v_cache = k_cache[:, :full], v_cache[:, :full]
+    ref = _reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), [full] * 2, None, scale)[0]
+    assert_close(fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache), ref, q.dtype)
+
+
+def test_the_split_rule_fills_the_gpu_and_runs_when_num_splits_is_0(monkeypatch, device):
+    split = decode_plan.num_splits
+    assert split(batch=32, kv_heads=8, tiles=1, max_keys=8192, sm_count=132) == 1  # 256 programs fill 132 SMs
+    assert split(batch=8, kv_heads=8, tiles=1, max_keys=32768, sm_count=132) == 5  # 64 programs → 320
+    assert split(batch=1, kv_heads=8, tiles=1, max_keys=131072, sm_count=132) == 33
+    assert split(batch=1, kv_heads=8, tiles=1, max_keys=1024, sm_count=132) == 2  # chunks of 512 keys at least
+    assert split(batch=1, kv_heads=1, tiles=1, max_keys=10**7, sm_count=132) == decode_plan.MAX_SPLITS
+    # num_splits=0 runs the rule for the device: an H200's 132 SMs split this call's 2 programs
+    chosen = []
+    monkeypatch.setattr(decode_launch, "device_info", lambda _: known_gpu("h200"))
+    monkeypatch.setattr(decode_launch, "num_splits", lambda **kw: chosen.append(split(**kw)) or chosen[-1])
+    _check_case([600, 1100], heads=4, kv_heads=1, page=64, splits=0, device=device)
+    assert chosen == [2]  # capacity 1103 keys: two chunks of at least 512
+
+
+def test_a_call_reads_no_tensor_back_to_the_host(monkeypatch, device):
+    # No .item() or .tolist() (a sync each): the lengths and pages stay on the device, so a call can be captured in
+    # a CUDA graph
+    q, k_cache, v_cache, table, k_new, v_new, seqlens = _make_case([7, 30], seqlen_new=1, page=16, device=device)
+
+    def refuse(*_):
+        raise AssertionError("a host read")
+
+    monkeypatch.setattr(torch.Tensor, "item", refuse)
+    monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+    fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+                                    num_splits=2)  # fmt: skip
+
+
+def test_torch_compile_runs_the_op_and_appends(device):
+    # aot_eager: the custom op traced into a graph that declares its writes to the caches (no C compiler needed)
+    q, k_cache, v_cache, table, k_new, v_new, seqlens = _make_case([7, 30], seqlen_new=1, page=16, device=device)
+    eager = (k_cache.clone(), v_cache.clone())
+    expected = fa2tune.flash_attn_with_kvcache(q, *eager, k_new, v_new, cache_seqlens=seqlens, block_table=table)
+    step = torch.compile(fa2tune.flash_attn_with_kvcache, backend="aot_eager", fullgraph=True)
+    out = step(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, block_table=table)
+    assert torch.equal(out, expected)
+    assert torch.equal(k_cache.nan_to_num(7.0), eager[0].nan_to_num(7.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_decode_steps_replay_in_a_cuda_graph():
+    # Captured once, replayed with new lengths, queries and keys written into the captured tensors: each replay
+    # appends at the new lengths and attends over them, as an eager call would
+    q, k_cache, v_cache, table, k_new, v_new, seqlens = _make_case([7, 30], seqlen_new=1, page=16, device="cuda")
+    call = dict(cache_seqlens=seqlens, block_table=table, num_splits=2, return_softmax_lse=True)
+    fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **call)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, **call)
+    for step in range(2):
+        seqlens += 1
+        for t in (q, k_new, v_new):
+            t.copy_(torch.randn_like(t))
+        before = (k_cache.clone(), v_cache.clone())
+        graph.replay()
+        lengths = seqlens.tolist()
+        cpu = [t.cpu() for t in (q, *before, table, k_new, v_new)]
+        ref_out, ref_lse = _reference(*cpu[:3], lengths, cpu[3], q.shape[-1] ** -0.5, False, (-1, -1), *cpu[4:])
+        assert_close(out, ref_out, q.dtype, f"replay {step}")
+        assert_close(lse, ref_lse, torch.float16, f"replay {step} softmax_lse")
+        _check_appended(before, (k_cache, v_cache), (k_new, v_new), lengths, cpu[3])
+
+
+# ---- what it refuses, and lengths or pages outside the cache -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (dict(rotary_cos=torch.ones(1)), NotImplementedError, "rotary_cos"),
+        (dict(cache_batch_idx=torch.zeros(2, dtype=torch.int32)), NotImplementedError, "cache_batch_idx"),
+        (dict(alibi_slopes=torch.ones(4)), NotImplementedError, "alibi_slopes"),
+        (dict(softcap=30.0), NotImplementedError, "softcap"),
+        (dict(k_cache="half"), TypeError, "k_cache must be a torch.Tensor"),
+        (dict(v_cache=torch.float32), TypeError, "v_cache must have q's dtype"),
+        (dict(q=torch.float64), TypeError, "q must be float16, bfloat16 or float32"),
+        (dict(k_cache=(2, 19, 3, 64), v_cache=(2, 19, 3, 64)), ValueError, "multiple of k_cache's heads"),
+        (dict(k_cache=(2, 19, 2, 32)), ValueError, "k_cache and v_cache must have one shape"),
+        (dict(q=(2, 1, 4, 300)), ValueError, "head_dim must be in 1..256"),
+        (dict(k_cache=(1, 19, 2, 64), v_cache=(1, 19, 2, 64)), ValueError, "a row (dim 0) for each of q's 2"),
+        (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)), TypeError, "cache_seqlens must be an int or a torch"),
+        (dict(cache_seqlens=17), ValueError, "cache_seqlens must be an int in 0..16"),  # + 3 new keys > 19
+        (dict(cache_seqlens=None), ValueError, "cache_seqlens must be given with k and v"),
+        (dict(k=None), ValueError, "k and v (new keys and values to append) must be passed together"),
+        (dict(k=(2, 3, 2, 48)), ValueError, "k must be (batch, seqlen_new, kv_heads, head_dim)"),
+        (dict(block_table=torch.zeros(2, 2)), TypeError, "block_table must be a 2-D torch.int32"),
+        (dict(num_splits=-1), ValueError, "num_splits must be an int in 0..128"),
+        (dict(num_splits=1.5), TypeError, "num_splits must be an int"),
+        (dict(window_size=[-2, 0]), ValueError, "window sides must be >= -1"),
+    ],
+)
+def test_bad_arguments_are_named(change, error, words, device):
+    gen = torch.Generator().manual_seed(0)
+    shapes = dict(q=(2, 1, 4, 64), k_cache=(2, 19, 2, 64), v_cache=(2, 19, 2, 64), k=(2, 3, 2, 64), v=(2, 3, 2, 64))
+    args = {name: torch.randn(shape, generator=gen).half().to(device) for name, shape in shapes.items()}
+    args["cache_seqlens"] = torch.tensor([4, 9], dtype=torch.int32, device=device)
+    for name, value in change.items():
+        if isinstance(value, torch.dtype):
+            value = args[name].to(value)
+        elif isinstance(value, tuple):
+            value = torch.randn(value, generator=gen).half().to(device)
+        elif isinstance(value, torch.Tensor):
+            value = value.to(device)
+        args[name] = value
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        fa2tune.flash_attn_with_kvcache(**args)
+
+
+def _bad_values_case(device):
+    """A paged cache whose table points past its pages (−1, pages + 5) and whose lengths pass its capacity (−3,
+    capacity + 10), inside a larger NaN buffer: a read outside the cache shows up as NaN."""
+    q, k_cache, v_cache, table, k_new, v_new, seqlens = _make_case([10, 20, 30], seqlen_new=1, page=16, device=device)
+    pages, capacity = k_cache.shape[0], table.shape[1] * 16
+    caches = []
+    for cache in (k_cache, v_cache):
+        buffer = torch.full((pages + 4, *cache.shape[1:]), float("nan"), dtype=cache.dtype, device=device)
+        buffer[2 : 2 + pages] = cache
+        caches.append(buffer[2 : 2 + pages])
+    table = table.clone()
+    table[0, 0], table[1, 1] = -1, pages + 5
+    seqlens = torch.tensor([-3, capacity + 10, 30], dtype=torch.int32, device=device)
+    return q, *caches, table, k_new, v_new, seqlens
+
+
+def test_lengths_and_pages_outside_the_cache_are_clamped_never_read_past_it(device):
+    q, k_cache, v_cache, table, k_new, v_new, seqlens = _bad_values_case(device)
+    before = (k_cache.clone(), v_cache.clone())
+    out, lse = fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                               block_table=table, num_splits=2, return_softmax_lse=True)  # fmt: skip
+    # the kernels' clamped meaning: lengths in 0 … capacity − 1 (one key is appended), pages in 0 … pages − 1
+    capacity, pages = table.shape[1] * 16, k_cache.shape[0]
+    lengths = seqlens.clamp(0, capacity - 1).tolist()
+    clamped = table.clamp(0, pages - 1).cpu()
+    _check_appended(before, (k_cache, v_cache), (k_new, v_new), lengths, clamped)
+    ref_out, ref_lse = _reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), [n + 1 for n in lengths], clamped,
+                                  q.shape[-1] ** -0.5)  # fmt: skip
+    # entry 1 holds its whole table, NaN pages included: only entry 0 (clamped to no cached key) and 2 are finite
+    assert_close(out[[0, 2]], ref_out[[0, 2]], q.dtype)
+    assert_close(lse[[0, 2]], ref_lse[[0, 2]], torch.float16, "softmax_lse")
+
+
+def test_check_kvcache_names_lengths_and_pages_outside_the_cache(monkeypatch, device):
+    q, k_cache, v_cache, table, k_new, v_new, seqlens = _bad_values_case(device)
+    call = dict(k=k_new, v=v_new, cache_seqlens=seqlens, block_table=table)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = -3 is outside 0\.\.47"):
+        fa2tune.check_kvcache(q, k_cache, v_cache, **call)
+    call["cache_seqlens"] = torch.tensor([3, 20, 30], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"block_table\[0, 0\] = -1 points outside the cache's"):
+        fa2tune.check_kvcache(q, k_cache, v_cache, **call)
+    table[0, 0] = 0
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = \d+ points outside"):
+        fa2tune.check_kvcache(q, k_cache, v_cache, **call)
+    table[1, 1] = 1
+    table[2, 2] = -7  # entry 2's 31 keys use its first two pages: the third is never read, so not checked
+    fa2tune.check_kvcache(q, k_cache, v_cache, **call)
+    # FA2TUNE_CHECK_KVCACHE=1: every call checks
+    monkeypatch.setenv("FA2TUNE_CHECK_KVCACHE", "1")
+    call["cache_seqlens"] = torch.tensor([3, 20, 60], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[2\] = 60"):
+        fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, **call)
+
+
+def test_decode_kernels_compile_for_sm90_within_the_shared_memory_model():
+    # Triton compiles for a GPU that is not here (it ships ptxas): the three kernels, paged with a page a step (64)
+    # and a table read a key (16) and not, at d=128 bf16 and d=80 fp16, as a GPU launch would build them. The paged
+    # attention holds as many K/V stages in shared memory as the contiguous one: its table reads run a step ahead,
+    # so the pipeliner keeps num_stages - 1 steps of K/V in flight for both. No compile takes more shared memory
+    # than decode_plan.sram_bytes says (what default_config fits to a device), at 16 packed rows and at 64.
+    script = (
+        "import json, sys, torch; from fa2tune.tune import probe; from fa2tune.config.decode_plan import DecodeConfig\n"
+        "dtypes = {'bf16': torch.bfloat16, 'fp16': torch.float16, 'fp32': torch.float32}\n"
+        "reports = [probe.compile_decode(k, DecodeConfig(**c), d, dtypes[t], paged=p, page_size=s, block_m=m)\n"
+        "           for k, d, t, p, s, c, m in json.loads(sys.argv[1])]\n"
+        "print(json.dumps([[r.error, r.shared_bytes] for r in reports]))"
+    )
+    default = dict(block_n=64, num_stages=3)
+    rows = [(kernel, 128, "bf16", paged, size, default, 16) for kernel in ("_decode_fwd", "_decode_merge", "_append_kv")
+            for paged, size in ((False, 0), (True, 16), (True, 64))]  # fmt: skip
+    rows += [("_decode_fwd", 80, "fp16", True, 16, default, 16), ("_decode_fwd", 256, "bf16", True, 64, default, 64),
+             ("_decode_fwd", 256, "fp32", False, 0, dict(block_n=32, num_stages=2), 64)]  # fmt: skip
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(rows)], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=str(codegen.templates_dir().parent))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    reports = json.loads(out.stdout.splitlines()[-1])
+    assert [error for error, _ in reports] == [None] * len(rows)
+    attention = [(row, shared) for row, (_, shared) in zip(rows, reports, strict=True) if row[0] == "_decode_fwd"]
+    assert attention[0][1] >= 2 * 2 * 64 * 128 * 2  # two steps of K and V tiles in flight, bf16, d=128
+    assert [shared for _, shared in attention[:3]] == [attention[0][1]] * 3  # contiguous, paged 16, paged 64
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    for (_, head_dim, dtype, _, _, fields, block_m), shared in attention:
+        config = DecodeConfig(**fields, max_block_m=block_m)
+        assert shared <= decode_plan.sram_bytes(config, head_dim, dtypes[dtype]), (fields, head_dim, dtype, block_m)
+
+
+def test_default_configs_fit_the_device():
+    h200, a10g = known_gpu("h200"), known_gpu("a10g")
+    assert decode_plan.default_config(h200, 128, torch.bfloat16) == decode_plan.DEFAULT_CONFIG
+    for device, head_dim, dtype in ((h200, 256, torch.bfloat16), (a10g, 256, torch.float32),
+                                    (a10g, 128, torch.float16)):  # fmt: skip
+        config = decode_plan.default_config(device, head_dim, dtype)
+        assert decode_plan.sram_bytes(config, head_dim, dtype) <= device.smem_per_block, (device.name, head_dim)
+    assert decode_plan.default_config(a10g, 256, torch.float32) != decode_plan.DEFAULT_CONFIG
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the script measures for real")
+def test_bench_decode_runs_every_provider_on_both_caches(tmp_path, capsys):
+    # scripts/bench_decode.py --device cpu: fa2tune (contiguous and paged) and SDPA's math backend on the same keys,
+    # each checked against fa2tune's output before it is timed
+    script = load_script("bench_decode")
+    assert script.main(["--device", "cpu", "--shapes", "2x40x1,1x30x4", "--csv", str(tmp_path / "d.csv")]) == 0
+    with open(tmp_path / "d.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert {(r["provider"], r["cache"]) for r in rows} == {(p, c) for p in ("fa2tune", "sdpa_math")
+                                                          for c in ("contiguous", "paged16")}  # fmt: skip
+    assert all(r["note"].startswith("rel err") and float(r["gbps"]) > 0 for r in rows)
+    assert "sdpa_math" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        script.parse_args(["--device", "cpu", "--shapes", "32x8192x1"])
