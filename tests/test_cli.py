@@ -660,7 +660,8 @@ def test_tune_json_holds_each_studys_winner_as_written(tmp_path, capsys):
     (study,) = data["studies"]
     assert data["config_file"] == str(tmp_path / "cpu-interpreter.yaml") and "trial 1/2" in err
     assert (study["kernel"], study["causal"], study["winner"]) == ("fwd", False, entry.config.to_dict())
-    assert study["trials"][0]["config"] == study["winner"] and study["ms"] > 0
+    # the winner is one of the study's trials (which one depends on the re-timing of the best, on a CPU a toss-up)
+    assert study["winner"] in [trial["config"] for trial in study["trials"]] and study["ms"] > 0
 
 
 def test_messages_go_to_the_fa2tune_logger_and_can_be_silenced(capsys, caplog):
