@@ -6,7 +6,8 @@ them into the caches at each entry's length), _decode_fwd (grid: batch·kv_heads
 it writes O and the logsumexp, else each split's partial), and _decode_merge (splits > 1: the partials' exact
 combination). Nothing here reads a tensor's values on the host: the entries' lengths and pages stay on the device,
 so a call can be captured in a CUDA graph; the kernels clamp every length and page index into the caches. What a
-call works out from its shapes (kernels, grids, scalar arguments) is kept per call signature.
+call works out from its shapes (config, splits, kernels, grids, scalar arguments) is kept per call signature, in
+the launch plans that attention's calls keep theirs in (fa2tune.launch.plans).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ..config.device import device_info
 from ..config.inputs import interpreting
 from ..config.kvcache_inputs import KVCache
 from ..kernels import codegen
-from . import fastlaunch
+from . import fastlaunch, plans
 from .grid import LOG2E, cdiv, input_precision
 from .layout import on_device
 
@@ -47,30 +48,26 @@ def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, 
     lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
-    config = config or default_config(device_info(q.device), q.shape[-1], q.dtype)
-    kv_heads = cache.k_cache.shape[2]
-    _, tiles = row_tiles(heads_q // kv_heads, seqlen_q, config.max_block_m)
-    splits = splits or num_splits(batch=batch, kv_heads=kv_heads, tiles=tiles, max_keys=cache.capacity,
-                                  sm_count=device_info(q.device).sm_count)  # fmt: skip
-    key = _signature(q, cache, scale, window, splits, config)
-    plan = _plans.get(key)
+    # The kept plan first: a call of a seen signature works nothing out (the config, the split count and everything
+    # else a plan holds follow from the signature, which has the requested splits and config, 0 and None for "choose").
+    key = ("decode", _signature(q, cache, scale, window, splits, config))
+    plan = plans.lookup(key)
     if plan is None:
-        plan = _plan(q, cache, scale, window, splits, config)
-        if len(_plans) >= _MAX_PLANS:
-            _plans.clear()
-        _plans[key] = plan
+        config = config or default_config(device_info(q.device), q.shape[-1], q.dtype)
+        plan = plans.Plan(_plan(q, cache, scale, window, splits or _auto_splits(q, cache, config), config), tma=False)
+        plans.keep(key, plan, downgraded=False, tma_tensors=())
     with on_device(q):
-        plan(q, cache, out, lse)
+        plan.launch(q, cache, out, lse)
     return out, lse
 
 
-_plans: dict[tuple, object] = {}
-_MAX_PLANS = 256
-
-
-def clear_plans() -> None:
-    """Forgets the kept plans (tests that change what plans are worked out from)."""
-    _plans.clear()
+def _auto_splits(q: torch.Tensor, cache: KVCache, config: DecodeConfig) -> int:
+    """decode_plan.num_splits for this call's shapes and device."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    kv_heads = cache.k_cache.shape[2]
+    _, tiles = row_tiles(heads_q // kv_heads, seqlen_q, config.max_block_m)
+    return num_splits(batch=batch, kv_heads=kv_heads, tiles=tiles, max_keys=cache.capacity,
+                      sm_count=device_info(q.device).sm_count)  # fmt: skip
 
 
 def _signature(q, cache: KVCache, scale, window, splits, config) -> tuple:

@@ -16,13 +16,12 @@ decode (the decode kernels' launches).
 
 from __future__ import annotations
 
-from . import decode as _decode
-from . import plans as _plans
 from .autograd import SECOND_ORDER_ERROR, EagerAttention, is_eager, refuse_second_order
 from .backward import backward
 from .decode import decode
 from .forward import checked_forward, forward
 from .layout import Packing
+from .plans import clear_plans
 
 __all__ = [
     "SECOND_ORDER_ERROR",
@@ -37,8 +36,3 @@ __all__ = [
     "refuse_second_order",
 ]
 
-
-def clear_plans() -> None:
-    """Forgets every kept launch plan: the attention calls' (plans) and the decode steps' (decode)."""
-    _plans.clear_plans()
-    _decode.clear_plans()
