@@ -93,18 +93,22 @@ _TRITON_REGISTERS_BESIDE_EXTRA = {"3.9.": {("fwd", 3): 24}}
 
 
 def warpspec_unsupported(
-    head_dim: int, dtype: torch.dtype, capability: tuple[int, int], triton: str = ""
+    head_dim: int, dtype: torch.dtype, capability: tuple[int, int], triton: str = "", head_dim_v: int | None = None
 ) -> str | None:
     """Why the warp-specialized kernels (forward, dK/dV, dQ) cannot run this head dim / dtype / GPU, or None.
-    triton: the version of the Triton that would compile them ("": not known — a known-GPU table's model of a card)."""
+    triton: the version of the Triton that would compile them ("": not known — a known-GPU table's model of a card).
+    head_dim_v: V's head dim (None: head_dim's); one of its own waits for WS_DISTINCT_V_RUN_ON_GPU."""
     if capability[0] != 9:
         major, minor = capability
         return f"warpspec needs a Hopper GPU (compute capability 9.x: wgmma), this one is {major}.{minor}"
     if dtype not in WS_DTYPES:
         return f"warpspec takes float16/bfloat16 inputs, got {dtype}"
-    if not head_chunks.supported(head_dim):
-        low, high, step = head_chunks.CHUNK_MIN, head_chunks.CHUNK_MAX, head_chunks.ALIGN
-        return f"warpspec takes head_dim a multiple of {step} in {low}..{high}, got {head_dim}"
+    if head_dim_v not in (None, head_dim) and not WS_DISTINCT_V_RUN_ON_GPU:
+        return WS_DISTINCT_V_PENDING
+    for dim in dict.fromkeys((head_dim, head_dim_v or head_dim)):  # Q's and K's, then V's if it differs
+        if not head_chunks.supported(dim):
+            low, high, step = head_chunks.CHUNK_MIN, head_chunks.CHUNK_MAX, head_chunks.ALIGN
+            return f"warpspec takes head_dim a multiple of {step} in {low}..{high}, got {dim}"
     if triton and not triton.startswith(WS_TRITONS):
         written = " and ".join(f"{prefix}x" for prefix in WS_TRITONS)
         return f"warpspec's Gluon kernels are written for Triton {written}; this is Triton {triton}"
@@ -276,12 +280,9 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
     if cfg.pipeline_qk and kernel != "fwd":
         return f"pipeline_qk is a forward switch; {kernel} has no QKᵀ loop to pipeline that way"
     if cfg.warp_specialized:
-        if narrower != head_dim and not WS_DISTINCT_V_RUN_ON_GPU:
-            return WS_DISTINCT_V_PENDING
-        for dim in (narrower, head_dim):
-            reason = warpspec_unsupported(dim, dtype, device.capability, device.triton_version)
-            if reason is not None:
-                return reason
+        reason = warpspec_unsupported(narrower, dtype, device.capability, device.triton_version, head_dim)
+        if reason is not None:
+            return reason
         if fused_dq is not None:
             return fused_dq
         consumer_registers = ws_registers(cfg, kernel)[1]

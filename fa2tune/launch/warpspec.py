@@ -33,12 +33,10 @@ def unsupported(kernel: str, mask: Mask, packed: bool, **tensors: torch.Tensor) 
     q, k = tensors["q"], tensors["k"]
     if interpreting() or not q.is_cuda:
         return "warpspec runs on a CUDA GPU only, not Triton's interpreter"
-    if tensors["v"].shape[-1] != q.shape[-1] and not planner.WS_DISTINCT_V_RUN_ON_GPU:
-        return planner.WS_DISTINCT_V_PENDING
-    for head_dim in dict.fromkeys((q.shape[-1], tensors["v"].shape[-1])):  # Q's and K's, then V's if it differs
-        reason = planner.warpspec_unsupported(head_dim, q.dtype, _capability(q.device.index), planner.triton_version())
-        if reason is not None:
-            return reason
+    reason = planner.warpspec_unsupported(q.shape[-1], q.dtype, _capability(q.device.index), planner.triton_version(),
+                                          tensors["v"].shape[-1])  # fmt: skip
+    if reason is not None:
+        return reason
     if mask.banded or packed:
         return "warpspec takes the plain and causal masks of dense (batch, heads, seqlen, head_dim) tensors"
     if k.shape[-2] == 0:
