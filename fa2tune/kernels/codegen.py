@@ -24,7 +24,7 @@ from types import ModuleType
 
 import jinja2
 
-from ..config import paths
+from ..config import head_chunks, paths
 from ..config.types import KERNELS
 
 TEMPLATES = ("fwd", "bwd", "fwd_ws", "bwd_ws", "bwd_dq_ws", "decode")
@@ -162,12 +162,14 @@ def _dependencies(name: str) -> set[str]:
 
 @functools.cache
 def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    environment = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir())),
         undefined=jinja2.StrictUndefined,  # a misspelt switch is an error, not an empty string
         keep_trailing_newline=True,
         autoescape=False,
     )
+    environment.filters["offsets"] = head_chunks.offsets  # a chunk list's first columns, as the launcher sees them
+    return environment
 
 
 def render(template: str, variant: object) -> str:
