@@ -168,7 +168,7 @@ def _environment() -> jinja2.Environment:
         keep_trailing_newline=True,
         autoescape=False,
     )
-    environment.filters["offsets"] = head_chunks.offsets  # a chunk list's first columns, as the launcher sees them
+    environment.filters["offsets"] = head_chunks.offsets  # the first column of each of a list of chunks
     return environment
 
 
