@@ -110,7 +110,7 @@ def _check_appended(before, after, new, lengths, table):
     """The caches after an append: entry b's new keys at positions lengths[b] … (through its table), every other row
     untouched (NaN where it was)."""
     for old, now, added in zip(before, after, new, strict=True):
-        expected = old.clone()
+        expected = old.cpu().clone()  # the expected caches are built on the host, whatever the device
         for b, length in enumerate(lengths):
             j = torch.arange(length, length + added.shape[1])
             rows = (b, j) if table is None else (table[b, j // old.shape[1]].long(), j % old.shape[1])
