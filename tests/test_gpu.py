@@ -406,11 +406,13 @@ def test_warpspec_direct_launches_give_what_the_jit_gives(monkeypatch):
      (KernelConfig.parse("64,64,4,3,ws,fused-dq,persistent"), None),
      (KernelConfig.parse("64,64,4,3,ws,persistent,x2"), KernelConfig.parse("128,64,4,3,ws")),
      (KernelConfig.parse("64,64,4,3,ws,fused-dq,persistent,x2"), None),
-     (KernelConfig.parse("64,128,4,2,ws,persistent"), KernelConfig.parse("64,64,4,2,ws,persistent,x2"))],
+     (KernelConfig.parse("64,128,4,2,ws,persistent"), KernelConfig.parse("64,64,4,2,ws,persistent,x2")),
+     (KernelConfig.parse("64,64,4,2,ws,split-roles"), None),
+     (KernelConfig.parse("64,64,4,3,ws,split-roles,persistent"), KernelConfig.parse("128,64,4,3,ws"))],
     ids=["dkdv_2consumers", "dkdv_1consumer3stages", "both_2consumers", "dq_1consumer3stages",
          "dkdv_persistent_2consumers", "dkdv_persistent_1consumer3stages", "both_persistent",
          "dq_persistent_1consumer", "fused_dq_2consumers", "fused_dq_persistent_1consumer3stages",
-         "dkdv_two_an_sm", "fused_dq_two_an_sm", "dq_two_an_sm"],
+         "dkdv_two_an_sm", "fused_dq_two_an_sm", "dq_two_an_sm", "dkdv_split_roles", "dkdv_split_roles_persistent"],
 )  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @_WS_DIMS
@@ -420,7 +422,8 @@ def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype, m
     # each), lengths across tiles, N_Q ≠ N_K, rows that see no key (causal, N_Q > N_K). Persistent: three programs
     # walk every tile, as in the forward's test. Fused dQ (fused_dq): no dQ kernel runs, dQ is the sum of
     # the dK/dV programs' TMA reductions — over query heads' GQA groups, ragged tiles and rows past N_Q. Causal dQ of
-    # two consumers with B_c = 64: the first releases, unread, the program's K/V tiles past its rows' diagonal.
+    # two consumers with B_c = 64: the first releases, unread, the program's K/V tiles past its rows' diagonal. Split
+    # roles: the dV side hands Pᵀ to the dK side every step, over program boundaries when persistent.
     dkdv_config, dq_config = configs
     if any(c is not None and c.schedule.persistent for c in configs):
         monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
@@ -440,8 +443,8 @@ def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype, m
 @pytest.mark.parametrize("head_dim, dtype", _CHUNKED_DIMS, ids=lambda x: str(x).replace("torch.", ""))
 def test_warpspec_backward_at_every_head_dim_matches_reference(head_dim, dtype, causal, monkeypatch):
     # the dK/dV and dQ kernels a chunk at a time, as the forward (head_chunks): each head dim's default configs (the
-    # planner's: warp-specialized where the register model lets them fit — dK/dV up to d=136, dQ everywhere —, the
-    # Triton template's beside them), persistent ones over three programs, GQA and not, ragged lengths
+    # planner's: dK/dV of two consumers on 64 K/V rows each up to d=128, with split roles past it; dQ warp-specialized
+    # everywhere), persistent ones over three programs, GQA and not, ragged lengths
     device = device_info(0)
     configs = [defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device)
                for kernel in ("bwd_dkdv", "bwd_dq")]  # fmt: skip

@@ -104,6 +104,30 @@ def test_configs_combine_fields_by_warpspec_rules():
         KernelConfig(96, 64, 4, 2, warp_specialized=True)
 
 
+def test_split_roles_is_a_dkdv_form_of_one_k_v_block_that_takes_every_head_dim():
+    split = KernelConfig(64, 64, 4, 2, warp_specialized=True, split_roles=True)
+    assert split.combination_error("bwd_dkdv") is None and split.consumers("bwd_dkdv") == 2
+    assert not split.two_an_sm_shape("bwd_dkdv")  # two consumers hold most of an SM
+    assert KernelConfig.parse("64,64,4,2,ws,split-roles") == split and "split-roles" in split.label()
+    assert KernelConfig.from_dict(split.to_dict()) == split and KernelConfig.from_ints(split.to_ints()) == split
+    assert "split_roles" not in KernelConfig(64, 128, 4, 2, warp_specialized=True).to_dict()  # old entries read alike
+    for other, words in ((replace(split, fused_dq=True), "no fused_dq"), (replace(split, block_n=128), "block_n=64"),
+                         (replace(split, warp_specialized=False), "warp-specialized"),
+                         (replace(split, schedule=TWO_AN_SM), "one-consumer")):  # fmt: skip
+        assert words in other.combination_error("bwd_dkdv"), other
+    assert "bwd_dkdv" in split.combination_error("fwd")
+    h200 = known_gpu("h200")
+    # One warpgroup holds dK and dV of its 64 rows up to d=128; past it the default splits the roles, and the
+    # model admits it up to d=256 (whose persistent form, with dK and dV staged apart, needs more than an SM has)
+    for head_dim in (144, 192, 200, 256):
+        assert planner.check(replace(split, split_roles=False), h200, head_dim, torch.bfloat16, "bwd_dkdv")
+        assert planner.check(split, h200, head_dim, torch.bfloat16, "bwd_dkdv") is None
+        assert defaults.default_config(head_dim, torch.bfloat16, kernel="bwd_dkdv", device=h200) == split
+    assert "shared memory" in planner.check(replace(split, schedule=PERSISTENT), h200, 256, torch.bfloat16, "bwd_dkdv")
+    assert not defaults.default_config(128, torch.bfloat16, kernel="bwd_dkdv", device=h200).split_roles
+    assert planner.check(split, known_gpu("l4"), 192, torch.bfloat16, "bwd_dkdv").startswith("warpspec needs a Hopper")
+
+
 def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatch):
     h200 = known_gpu("h200")
     assert planner.check(WS, h200, 128, torch.bfloat16) is None
@@ -405,7 +429,7 @@ def test_planner_model_and_registers_match_the_compiler():
     # the planner's register rule says it would, with the split of planner.WS_REGISTERS: one, two (ping-pong,
     # causal; persistent, with its separate O buffer) and three consumers that fit, one consumer two an SM (maxnreg
     # 128: planner.WS_TWO_AN_SM_REGISTERS) at d=64 and d=128, a fused-dQ dK/dV one at d=64 and a dQ one at d=128
-    # (its 2 stages within 512 B of half an SM), a dK/dV kernel, dQ
+    # (its 2 stages within 512 B of half an SM), a dK/dV kernel, dK/dV kernels with split roles at d=256 and d=192, dQ
     # kernels of one and two consumers that fit and one that does not, and three forward consumers at d=128 B_c=128
     # that do not.
     # (Persistent and causal, the loop over tiles keeps 8-24 B of stack beside fitting accumulators, 128 B with
@@ -420,6 +444,8 @@ def test_planner_model_and_registers_match_the_compiler():
             ("bwd_dkdv", 64, "64,128,4,3,ws,fused-dq,persistent", True),
             ("bwd_dkdv", 64, "64,64,4,3,ws,fused-dq", False), ("bwd_dq", 128, "128,64,4,3,ws", True),
             ("bwd_dq", 128, "64,128,4,2,ws", False), ("bwd_dq", 128, "128,128,4,2,ws", True),
+            ("bwd_dkdv", 256, "64,64,4,2,ws,split-roles", True),
+            ("bwd_dkdv", 192, "64,64,4,2,ws,split-roles,persistent", False),
             ("fwd", 128, "192,128,4,2,ws", False)]  # fmt: skip
     reports = _probe(_PROBE, json.dumps(rows))
     for (kernel, head_dim, fields, _), (shared, error, stack) in zip(rows, reports, strict=True):

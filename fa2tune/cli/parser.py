@@ -175,6 +175,8 @@ def _add_codegen(sub) -> None:
     gen.add_argument("--pingpong", action="store_true", help="fwd_ws: two consumers take turns (KernelConfig.pingpong)")
     gen.add_argument("--fused-dq", action="store_true",
                      help="bwd_ws: dQ added by the dK/dV kernel (KernelConfig.fused_dq)")  # fmt: skip
+    gen.add_argument("--split-roles", action="store_true",
+                     help="bwd_ws: two consumers share 64 K/V rows, dV side and dK side (KernelConfig.split_roles)")
     gen.add_argument("--persistent", action="store_true",
                      help="the *_ws templates: programs walk the tiles (Schedule.persistent)")  # fmt: skip
     gen.add_argument("--head-dim", type=int, default=128,

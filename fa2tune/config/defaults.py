@@ -46,7 +46,9 @@ _WS_ORDER: dict[tuple[str, bool], list[KernelConfig]] = {
         KernelConfig(64, 128, 4, 2, **_WS),
         KernelConfig(64, 64, 4, 2, **_WS),
     ],
-    ("bwd_dkdv", False): [KernelConfig(64, 128, 4, 2, **_WS), KernelConfig(64, 64, 4, 2, **_WS)],
+    # past the head dims where one warpgroup holds both dK and dV (d <= 128), the two consumers split the roles
+    ("bwd_dkdv", False): [KernelConfig(64, 128, 4, 2, **_WS), KernelConfig(64, 64, 4, 2, **_WS),
+                          KernelConfig(64, 64, 4, 2, **_WS, split_roles=True)],
     # dQ at d >= 224 fits one consumer only: per tile it spills 56-144 B (sm_90), persistent 0-56 (causal)
     ("bwd_dq", False): [KernelConfig(128, 64, 4, 3, **_WS), KernelConfig(64, 64, 4, 2, **_WS, schedule=PERSISTENT),
                         KernelConfig(64, 64, 4, 2, **_WS)],

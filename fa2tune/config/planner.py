@@ -20,6 +20,8 @@ the tiles):
     fwd_ws    e·d·(B_r + 2·S·B_c) + 512       (+ e·d·B_r persistent: O is staged apart from the next tile's Q)
     dkdv_ws   e·d·(2·B_c + 2·S·B_r) + 512         K, V owned (B_c = 64 per consumer); Q_i, dO_i streamed
                                                   (+ 2·e·d·B_c persistent: dK, dV staged apart from K, V)
+              split_roles: B_c = 64 for both consumers, + 2·2·64·B_r + 64: Pᵀ (fp16) handed from the dV side to the
+                                                  dK side, double-buffered, and its two mbarrier pairs
     dq_ws     e·d·(2·B_r + 2·S·B_c) + 512         Q, dO owned (B_r = 64 per consumer); K_j, V_j streamed
                                                   (+ e·d·B_r persistent: dQ staged apart from Q)
 
@@ -28,6 +30,8 @@ On the wgmma path the seed's B_r·B_c term lives in the register file, with the 
     fwd_ws    64·(d + B_c)           per consumer warpgroup (128 threads), which owns 64 rows
     dkdv_ws   64·(2·d + 3·B_r)       per consumer: dK, dV, Sᵀ, dPᵀ, and Pᵀ, dSᵀ (16-bit, half a register each);
               + 64·d at d <= 64      K and V as 16-bit operands (kv_in_registers; counted for both masks)
+              64·(d + 2.5·B_r)       split_roles, the dK side (the dV side holds less): dK, dPᵀ, the Pᵀ it reads,
+                                     dSᵀ (16-bit)
     dq_ws     64·(d + 2.5·B_c)       per consumer: dQ, S (then P), dP, and the in-flight wgmma's dS_j-1 (16-bit)
     bwd_dkdv  B_c·(2·d + 2·B_r)      dK_j, dV_j, P_ijᵀ and dP_ijᵀ
     bwd_dq    B_r·(d + 2·B_c)        dQ_i, P_ij and dP_ij
@@ -169,11 +173,13 @@ def sram_bytes(
     persistent = cfg.schedule.persistent
     if cfg.warp_specialized and kernel == "bwd_dkdv":
         staging = 2 * n if persistent else 0  # dK, dV staged apart from the next tile's K, V; else in K's, V's
-        fused_dq = 0
+        exchange = 0  # what consumers pass each other through shared memory
         if cfg.fused_dq:  # dSᵀ (n × m, 16-bit) twice, and an fp32 staging buffer of its dQ columns a consumer
             consumers = n // 64
-            fused_dq = 2 * e * n * m + consumers * m * fused_dq_columns(d, consumers) * 4 + 256  # + 4 mbarriers
-        return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + fused_dq + _ws_overhead(head_dim)  # S Q_i, dO_i
+            exchange = 2 * e * n * m + consumers * m * fused_dq_columns(d, consumers) * 4 + 256  # + 4 mbarriers
+        if cfg.split_roles:  # Pᵀ, fp16, 64 × m, double-buffered, and its ready / free mbarrier pairs
+            exchange = 2 * 2 * n * m + 64
+        return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + exchange + _ws_overhead(head_dim)  # S Q_i, dO_i
     if cfg.warp_specialized and kernel == "bwd_dq":
         staging = m if persistent else 0  # dQ staged apart from the next tile's Q; else in Q's buffer
         return e * d * (2 * m + staging + 2 * cfg.num_stages * n) + _ws_overhead(head_dim)  # S buffers of K_j, V_j
@@ -242,6 +248,9 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
         # fp32) is live only once Sᵀ, dPᵀ are dead. Compiled for sm_90, d=128 keeps 40 B (causal 112 B) of stack
         # beside it, as persistent loops do (timing decides); d=64 none
         return 64 * (2 * d + max(2.5 * m, fused_dq_columns(d, n // 64))) / 128 + kv_operands
+    if cfg.split_roles:
+        # the dK side, the fuller of the two: dK (64 × d), dPᵀ and the Pᵀ it reads (64 × B_r each), dSᵀ 16-bit
+        return 64 * (d + 2.5 * m) / 128
     if cfg.warp_specialized and kernel == "bwd_dkdv":
         # each consumer warpgroup: its 64 rows of dK and dV, Sᵀ and dPᵀ (64 × B_r), and Pᵀ, dSᵀ as 16-bit operands
         return 64 * (2 * d + 2 * m + m) / 128 + kv_operands
@@ -332,7 +341,8 @@ def _model_terms(cfg: KernelConfig, kernel: str) -> str:
         return f"Q {cfg.block_m}×d{o_staging} + {kv} {cfg.block_n}×d"
     if kernel == "bwd_dkdv":
         staging = f" + dK,dV {cfg.block_n}×d" if persistent else ""
-        return f"K,V {cfg.block_n}×d{staging} + {s}×(Q,dO) {cfg.block_m}×d"
+        handoff = f" + 2×Pᵀ {cfg.block_n}×{cfg.block_m} fp16" if cfg.split_roles else ""
+        return f"K,V {cfg.block_n}×d{staging} + {s}×(Q,dO) {cfg.block_m}×d{handoff}"
     staging = f" + dQ {cfg.block_m}×d" if persistent else ""
     return f"Q,dO {cfg.block_m}×d{staging} + {s}×(K,V) {cfg.block_n}×d"
 
@@ -348,8 +358,8 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     the forward also pipeline_qk in {0, 1}, and the warp-specialized template: block_m in {64, 128, 192}, block_n
     in {64, 128}, num_stages in {2, 3, 4}, each of WS_SCHEDULES, with ping-pong too at block_m = 128; bwd_dkdv and
     bwd_dq their warp-specialized templates, each of WS_SCHEDULES: bwd_dkdv at block_m 64, block_n in {64, 128},
-    with dQ fused in or not, bwd_dq at block_m and block_n in {64, 128}, num_stages in {2, 3, 4} (check() drops
-    them off Hopper)."""
+    with dQ fused in or not, and at block_n 64 with split_roles (not two an SM), bwd_dq at block_m and block_n in
+    {64, 128}, num_stages in {2, 3, 4} (check() drops them off Hopper)."""
     check_kernel(kernel)
     switches = (0, 1) if kernel == "fwd" else (0,)
     grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES, switches)
@@ -365,6 +375,8 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
             m, n = (b, a) if owned == "block_n" else (a, b)
             fused = (False, True) if kernel == "bwd_dkdv" else (False,)  # bwd_dkdv: dQ fused in or not
             shapes = [KernelConfig(m, n, 4, s, warp_specialized=True, fused_dq=f, schedule=schedule) for f in fused]
+            if kernel == "bwd_dkdv":
+                shapes.append(KernelConfig(m, n, 4, s, warp_specialized=True, split_roles=True, schedule=schedule))
             configs += [c for c in shapes if c.combination_error(kernel) is None]
     return configs
 

@@ -38,9 +38,10 @@ def integer(value: object) -> int | None:
 
 
 _NUMBERS = ("block_m", "block_n", "num_warps", "num_stages", "pipeline_qk")  # KernelConfig's int fields
-_FLAGS = ("warp_specialized", "pingpong", "fused_dq")  # its bool fields
+_FLAGS = ("warp_specialized", "pingpong", "fused_dq", "split_roles")  # its bool fields
 _SCHEDULE_FIELDS = tuple(f.name for f in fields(Schedule))
-_SWITCH_WORDS = {"qk": "pipeline_qk", "ws": "warp_specialized", "pingpong": "pingpong", "fused-dq": "fused_dq"}
+_SWITCH_WORDS = {"qk": "pipeline_qk", "ws": "warp_specialized", "pingpong": "pingpong", "fused-dq": "fused_dq",
+                 "split-roles": "split_roles"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class KernelConfig:
         fused_dq: bwd_dkdv only, warp-specialized: the dK/dV kernel also adds each step's dQ share into an fp32 dQ
             by TMA reductions, and no dQ kernel runs (FlashAttention-2/3's five matmuls instead of seven; the bwd_dq
             config is then unused).
+        split_roles: bwd_dkdv only, warp-specialized, block_n = 64: the two consumer warpgroups share the program's
+            64 K/V rows and split the work by role — one forms Sᵀ, Pᵀ and dV, the other dPᵀ, dSᵀ (from that Pᵀ,
+            handed over in shared memory) and dK — so each holds one 64 × d accumulator instead of two: the dK/dV
+            kernel for head dims whose dK and dV do not fit one warpgroup's registers together (d > 128).
         schedule: how the warp-specialized kernel's programs walk the tiles (Schedule: persistent or one program a
             tile, programs an SM, tail policies); one program a tile for the Triton templates.
     """
@@ -76,6 +81,7 @@ class KernelConfig:
     warp_specialized: bool = False
     pingpong: bool = False
     fused_dq: bool = False
+    split_roles: bool = False
     schedule: Schedule = PER_TILE
 
     def label(self) -> str:
@@ -187,6 +193,13 @@ class KernelConfig:
                 f"warpspec's pingpong (ping-pong of two consumers) is a switch of warp-specialized forward configs, "
                 f"got warp_specialized={self.warp_specialized} for {kernel}"
             )
+        if self.split_roles and (kernel != "bwd_dkdv" or not self.warp_specialized or self.fused_dq
+                                 or self.block_n != WS_DKDV_BLOCK_N[0]):
+            return (
+                f"warpspec's split_roles (two consumers on one 64-row K/V block) is a switch of warp-specialized "
+                f"bwd_dkdv configs with block_n={WS_DKDV_BLOCK_N[0]} and no fused_dq, got warp_specialized="
+                f"{self.warp_specialized}, block_n={self.block_n}, fused_dq={self.fused_dq} for {kernel}"
+            )
         if self.fused_dq and (kernel != "bwd_dkdv" or not self.warp_specialized):
             return (
                 f"warpspec's fused_dq (dQ added by the dK/dV kernel) is a switch of warp-specialized bwd_dkdv "
@@ -208,13 +221,15 @@ class KernelConfig:
             return False
         if kernel in ("fwd", "bwd_dq"):
             return not self.pingpong and self.block_m == WS_BLOCK_M[0]
-        return kernel == "bwd_dkdv" and self.block_n == WS_DKDV_BLOCK_N[0]
+        return kernel == "bwd_dkdv" and self.block_n == WS_DKDV_BLOCK_N[0] and not self.split_roles
 
     def consumers(self, kernel: str = "fwd") -> int:
         """Consumer warpgroups of a warpspec program of `kernel`, 64 rows each (of Q in the forward and bwd_dq, of
         K/V in bwd_dkdv); 0 for the Triton template."""
         if not self.warp_specialized:
             return 0
+        if self.split_roles:
+            return 2  # the dV side and the dK side of one 64-row K/V block
         return getattr(self, WS_BACKWARD_TILES[kernel][0] if kernel in WS_BACKWARD_TILES else "block_m") // 64
 
     def to_dict(self) -> dict:
@@ -259,8 +274,9 @@ class KernelConfig:
     def from_ints(cls, ints: list[int]) -> KernelConfig:
         """The config of to_ints' list. Positional, and the schedule looked up (_schedule_of_ints): the custom op's
         path builds a config every call."""
-        m, n, warps, stages, qk, ws, pingpong, fused_dq, *schedule = ints
-        return cls(m, n, warps, stages, qk, bool(ws), bool(pingpong), bool(fused_dq), _schedule_of_ints(*schedule))
+        m, n, warps, stages, qk, ws, pingpong, fused_dq, split_roles, *schedule = ints
+        return cls(m, n, warps, stages, qk, bool(ws), bool(pingpong), bool(fused_dq), bool(split_roles),
+                   _schedule_of_ints(*schedule))
 
 
 @functools.lru_cache(maxsize=64)
@@ -293,6 +309,8 @@ class Variant:
         causal_tail: the warpspec templates, causal and persistent: the launch's last heads' tiles may be dealt out
             one at a time (fa2tune.launch.causal_tail); off, the code is the pairs' alone. A launch's variant, which
             it renders when its plan has a tail (Schedule.deals_causal_tail), not an entry's.
+        split_roles: bwd_ws only: the two consumers share one 64-row K/V block, one on the dV side, one on the dK
+            side (KernelConfig.split_roles).
         qk_chunks, v_chunks: the warpspec templates: the head-dim chunks of Q/K (and dQ, dK) and of V/O (and dO, dV)
             (fa2tune.config.head_chunks), whose loads, buffers, wgmmas and accumulators the template writes out one a
             chunk; () for the Triton templates.
@@ -311,6 +329,7 @@ class Variant:
     persistent: bool = False
     fused_dq: bool = False
     causal_tail: bool = False
+    split_roles: bool = False
     qk_chunks: tuple[int, ...] = ()
     v_chunks: tuple[int, ...] = ()
     distinct_v: bool = False
@@ -331,13 +350,15 @@ class Variant:
         persistent: bool = False,
         fused_dq: bool = False,
         causal_tail: bool = False,
+        split_roles: bool = False,
         head_dim: int | None = None,
         head_dim_v: int | None = None,
     ) -> Variant:
         """The variant `template` (codegen.TEMPLATES) renders for a call: the rules the launcher, codegen.code_hash
         and the probe must agree on, or a stored entry's hash would not name the code it runs. A band mask carries
         causality itself; packed sequences have no even tails; pipeline_qk exists in the forward template only.
-        The warpspec templates have causal, persistent and causal_tail (with both), fwd_ws pingpong, bwd_ws fused_dq:
+        The warpspec templates have causal, persistent and causal_tail (with both), fwd_ws pingpong, bwd_ws fused_dq
+        and split_roles:
         TMA bounds every tile, so tails need no code of their own, and they take neither band masks nor packed
         sequences (the launcher routes those to the Triton templates). They are written out a head-dim chunk at a
         time: they need head_dim (and head_dim_v, V's, where it differs); fused dQ only where it is one chunk and
@@ -354,7 +375,7 @@ class Variant:
             if fused_dq and head_chunks.fused_dq_error(head_dim, head_dim_v) is not None:
                 raise ValueError(head_chunks.fused_dq_error(head_dim, head_dim_v))
             return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
-                       persistent=persistent, fused_dq=fused_dq,
+                       persistent=persistent, fused_dq=fused_dq, split_roles=split_roles and template == "bwd_ws",
                        causal_tail=causal_tail and causal and persistent, qk_chunks=qk_chunks,
                        v_chunks=v_chunks)  # fmt: skip
         return cls(

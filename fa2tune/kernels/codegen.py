@@ -85,6 +85,7 @@ def code_hash(
     fused_dq: bool = False,
     persistent: bool = False,
     causal_tail: bool = False,
+    split_roles: bool = False,
     head_dim: int | None = None,
 ) -> str:
     """Hash of the Triton code a tuned entry for this kernel and mask runs: the rendered modules of its variants
@@ -92,9 +93,10 @@ def code_hash(
     stale exactly when that code changes — not when another kernel's template does, nor when a template gains a
     switch that is off for this entry, nor when a comment changes — so performance work on one variant does not void
     every shipped config.
-    pipeline_qk, warp_specialized, pingpong, fused_dq: the entry's config switches of those names (KernelConfig),
-    persistent and causal_tail its schedule's (Schedule), which select other code: a causal persistent entry with
-    the causal tail runs the tail's variant beside the pairs' one (a launch renders it where its plan has a tail).
+    pipeline_qk, warp_specialized, pingpong, fused_dq, split_roles: the entry's config switches of those names
+    (KernelConfig), persistent and causal_tail its schedule's (Schedule), which select other code: a causal
+    persistent entry with the causal tail runs the tail's variant beside the pairs' one (a launch renders it where
+    its plan has a tail).
     """
     from ..config.types import Variant
 
@@ -107,7 +109,7 @@ def code_hash(
         variant = Variant.for_template(
             template, causal=causal, banded=window, varlen=varlen, even_m=even_m, even_n=even_n,
             pipeline_qk=pipeline_qk, pingpong=pingpong, persistent=persistent, fused_dq=fused_dq, causal_tail=tail,
-            head_dim=head_dim,
+            split_roles=split_roles, head_dim=head_dim,
         )  # fmt: skip
         digest.update(_code_only(render(template, variant)).encode())
     return digest.hexdigest()[:16]
@@ -142,7 +144,8 @@ def entry_code_hash(key, config) -> str:
     return code_hash(key.kernel, causal=key.causal, window=key.window, varlen=key.varlen,
                      pipeline_qk=bool(config.pipeline_qk), warp_specialized=config.warp_specialized,
                      pingpong=config.pingpong, fused_dq=config.fused_dq, persistent=config.schedule.persistent,
-                     causal_tail=config.schedule.causal_tail, head_dim=key.head_dim)  # fmt: skip
+                     causal_tail=config.schedule.causal_tail, split_roles=config.split_roles,
+                     head_dim=key.head_dim)  # fmt: skip
 
 
 def _dependencies(name: str) -> set[str]:
