@@ -4,11 +4,13 @@ float64 reference that gathers each entry's keys through its block table, and wh
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -193,7 +195,7 @@ def test_cache_seqlens_as_one_int_or_none(device):
 
 
 def test_the_split_rule_fills_the_gpu_and_runs_when_num_splits_is_0(monkeypatch, device):
-    split = decode_plan.num_splits
+    split = functools.partial(decode_plan.num_splits, config=DecodeConfig())  # 2 programs an SM, 512 keys a split
     assert split(batch=32, kv_heads=8, tiles=1, max_keys=8192, sm_count=132) == 1  # 256 programs fill 132 SMs
     assert split(batch=8, kv_heads=8, tiles=1, max_keys=32768, sm_count=132) == 5  # 64 programs → 320
     assert split(batch=1, kv_heads=8, tiles=1, max_keys=131072, sm_count=132) == 33
@@ -201,10 +203,25 @@ def test_the_split_rule_fills_the_gpu_and_runs_when_num_splits_is_0(monkeypatch,
     assert split(batch=1, kv_heads=1, tiles=1, max_keys=10**7, sm_count=132) == decode_plan.MAX_SPLITS
     # num_splits=0 runs the rule for the device: an H200's 132 SMs split this call's 2 programs
     chosen = []
+    real = decode_plan.num_splits
     monkeypatch.setattr(decode_launch, "device_info", lambda _: known_gpu("h200"))
-    monkeypatch.setattr(decode_launch, "num_splits", lambda **kw: chosen.append(split(**kw)) or chosen[-1])
+    monkeypatch.setattr(decode_plan, "num_splits", lambda **kw: chosen.append(real(**kw)) or chosen[-1])
     _check_case([600, 1100], heads=4, kv_heads=1, page=64, splits=0, device=device)
     assert chosen == [2]  # capacity 1103 keys: two chunks of at least 512
+
+
+def test_the_split_rule_takes_its_two_parameters_from_the_config():
+    shape = dict(batch=8, kv_heads=8, tiles=1, max_keys=32768, sm_count=132)  # 64 programs on 132 SMs
+    split = lambda **fields: decode_plan.num_splits(**shape, config=DecodeConfig(**fields))
+    assert [split(programs_per_sm=n) for n in (1, 2, 4, 8)] == [3, 5, 9, 17]  # ⌈n · 132 / 64⌉
+    # a floor of keys a split reads caps the count: 32768 keys / 4096 = 8 splits at most
+    assert split(programs_per_sm=8, min_split_keys=4096) == 8 and split(programs_per_sm=2, min_split_keys=4096) == 5
+    # what the launcher works out for a call: (block_m, tiles, splits), from the same rule
+    config = DecodeConfig(programs_per_sm=4, min_split_keys=1024)
+    assert decode_plan.launch_shape(config, batch=1, seqlen_q=4, heads_q=32, kv_heads=8, capacity=131072,
+                                    sm_count=132) == (16, 1, 66)  # fmt: skip
+    assert decode_plan.launch_shape(config, batch=1, seqlen_q=4, heads_q=32, kv_heads=8, capacity=8192,
+                                    sm_count=132) == (16, 1, 8)  # fmt: skip
 
 
 def test_a_call_reads_no_tensor_back_to_the_host(monkeypatch, device):
@@ -396,6 +413,36 @@ def test_default_configs_fit_the_device():
         config = decode_plan.default_config(device, head_dim, dtype)
         assert decode_plan.sram_bytes(config, head_dim, dtype) <= device.smem_per_block, (device.name, head_dim)
     assert decode_plan.default_config(a10g, 256, torch.float32) != decode_plan.DEFAULT_CONFIG
+    assert decode_plan.check(decode_plan.DEFAULT_CONFIG, a10g, 256, torch.float32) is not None  # says why not
+
+
+@pytest.mark.parametrize(
+    "fields, error, words",
+    [
+        (dict(block_n=48), ValueError, "DecodeConfig.block_n must be one of (16, 32, 64, 128, 256), got 48"),
+        (dict(max_block_m=8), ValueError, "DecodeConfig.max_block_m must be one of"),
+        (dict(num_stages=0), ValueError, "DecodeConfig.num_stages must be in 1..8, got 0"),
+        (dict(programs_per_sm=0), ValueError, "DecodeConfig.programs_per_sm must be in 1..32, got 0"),
+        (dict(programs_per_sm=33), ValueError, "DecodeConfig.programs_per_sm must be in 1..32, got 33"),
+        (dict(min_split_keys=0), ValueError, "DecodeConfig.min_split_keys must be in 1..1073741824, got 0"),
+        (dict(min_split_keys=512.0), TypeError, "DecodeConfig.min_split_keys must be an int, got float 512.0"),
+        (dict(num_warps=True), TypeError, "DecodeConfig.num_warps must be an int, got bool True"),
+    ],
+)
+def test_decode_config_fields_are_checked(fields, error, words):
+    with pytest.raises(error) as exc:
+        DecodeConfig(**fields)
+    assert words in str(exc.value)
+
+
+def test_decode_config_round_trips_through_its_mapping():
+    config = DecodeConfig(block_n=128, num_warps=8, num_stages=4, max_block_m=16, programs_per_sm=4,
+                          min_split_keys=np.int64(1024))  # fmt: skip
+    assert type(config.min_split_keys) is int  # a NumPy integer is taken as a Python int
+    assert DecodeConfig.from_dict(config.to_dict()) == config and config.label() == "n128 w8 s4 m16 4/SM 1024/split"
+    assert DecodeConfig.from_dict({"block_n": 32}) == DecodeConfig(block_n=32)  # the rest at their defaults
+    with pytest.raises(ValueError, match="unknown DecodeConfig keys \\['splits'\\]"):
+        DecodeConfig.from_dict({"splits": 4})
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the script measures for real")

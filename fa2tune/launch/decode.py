@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..config import planner
-from ..config.decode_plan import DecodeConfig, DecodeVariant, default_config, num_splits, row_tiles
+from ..config.decode_plan import DecodeConfig, DecodeVariant, default_config, launch_shape, row_tiles
 from ..config.device import device_info
 from ..config.inputs import interpreting
 from ..config.kvcache_inputs import KVCache
@@ -36,7 +36,7 @@ def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, 
         cache: the checked cache tensors (fa2tune.config.kvcache_inputs.check_call).
         scale: the softmax scale.
         window: (left, right) as the kernels take them (types.Mask.bounds: no side is negative; causal is right 0).
-        splits: programs sharing an entry's keys; 0: decode_plan.num_splits.
+        splits: programs sharing an entry's keys; 0: decode_plan.num_splits, with the config's parameters.
         config: the launch config; None: decode_plan.default_config.
 
     Returns:
@@ -64,10 +64,8 @@ def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, 
 def _auto_splits(q: torch.Tensor, cache: KVCache, config: DecodeConfig) -> int:
     """decode_plan.num_splits for this call's shapes and device."""
     batch, seqlen_q, heads_q, _ = q.shape
-    kv_heads = cache.k_cache.shape[2]
-    _, tiles = row_tiles(heads_q // kv_heads, seqlen_q, config.max_block_m)
-    return num_splits(batch=batch, kv_heads=kv_heads, tiles=tiles, max_keys=cache.capacity,
-                      sm_count=device_info(q.device).sm_count)  # fmt: skip
+    return launch_shape(config, batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, kv_heads=cache.k_cache.shape[2],
+                        capacity=cache.capacity, sm_count=device_info(q.device).sm_count)[2]  # fmt: skip
 
 
 def _signature(q, cache: KVCache, scale, window, splits, config) -> tuple:
