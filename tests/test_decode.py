@@ -445,6 +445,82 @@ def test_decode_config_round_trips_through_its_mapping():
         DecodeConfig.from_dict({"splits": 4})
 
 
+# ---- the tuned config a call runs ------------------------------------------------------------------------------
+
+_TUNED = DecodeConfig(block_n=16, num_warps=4, num_stages=1, max_block_m=16, programs_per_sm=1, min_split_keys=64)
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    """An empty FA2TUNE_CONFIG_DIR and user cache; a warning the store gave before is given again."""
+    from fa2tune.config import store
+
+    monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path / "env"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(store, "_warned", set())
+    return tmp_path / "env"
+
+
+def _store_decode_entry(directory, device, config=_TUNED, template_hash=None, head_dim=64):
+    from fa2tune.config import store
+
+    device_info = decode_launch.device_info  # what the launcher reads (a test may patch it)
+    entry = store.Entry(
+        key=store.EntryKey(head_dim=head_dim, dtype="fp16", causal=False, kernel="decode"), config=config, ms=0.1,
+        tflops=None, baseline=None, trials=1, spread=None, triton_version="3.6.0", torch_version="2.13.0",
+        template_hash=template_hash or codegen.decode_code_hash(), date="2026-11-29",
+    )  # fmt: skip
+    path = directory / f"{device_info(device).slug}.yaml"
+    store.write_entries(path, {"slug": device_info(device).slug}, [entry])
+    return path
+
+
+def _configs_run(monkeypatch) -> list:
+    """The configs the decode calls made from now on work their plans out with."""
+    seen, real = [], decode_launch._plan
+    monkeypatch.setattr(decode_launch, "_plan", lambda *args: seen.append(args[-1]) or real(*args))
+    return seen
+
+
+def test_a_call_runs_the_stored_decode_entry_and_an_explicit_config_before_it(config_dir, monkeypatch, device):
+    path = _store_decode_entry(config_dir, device)
+    assert decode_launch.resolve_config(torch.device(device), 64, torch.float16) == (_TUNED, str(path))
+    # other head dims and dtypes have no entry: the default
+    default = decode_plan.default_config(decode_launch.device_info(device), 80, torch.float16)
+    assert decode_launch.resolve_config(torch.device(device), 80, torch.float16) == (default, "planner-default")
+    assert decode_launch.resolve_config(torch.device(device), 64, torch.bfloat16)[1] == "planner-default"
+    seen = _configs_run(monkeypatch)
+    _check_case([20, 41], device=device)  # head_dim 64, fp16: the entry's key
+    q, k_cache, v_cache, *_ = _make_case([5], device=device)
+    decode_launch.decode(q, decode_launch.KVCache(k_cache, v_cache, None, None, 5), scale=0.1, window=(99, 99),
+                         config=decode_plan.INTERPRETER_CONFIG)  # fmt: skip
+    assert seen == [_TUNED, decode_plan.INTERPRETER_CONFIG]
+
+
+@pytest.mark.parametrize("unusable", ["stale", "too-large-for-the-device", "unknown-field"])
+def test_an_unusable_decode_entry_falls_back_to_the_default_with_one_warning(config_dir, monkeypatch, unusable,
+                                                                               device):  # fmt: skip
+    if unusable == "too-large-for-the-device":  # the interpreter's pseudo-device fits any config; an H200 does not
+        monkeypatch.setattr(decode_launch, "device_info", lambda _: known_gpu("h200"))
+        _store_decode_entry(config_dir, device, config=DecodeConfig(max_block_m=128, block_n=256, num_stages=8))
+        warning = "tuned decode config n256 w4 s8 m128 2/SM 512/split in .* does not fit NVIDIA H200: needs"
+    elif unusable == "stale":  # tuned on other kernel code
+        _store_decode_entry(config_dir, device, template_hash="0" * 16)
+        warning = "tuned for kernel templates 0000000000000000, these are"
+    else:  # a field this fa2tune does not know, written into the file by hand
+        path = _store_decode_entry(config_dir, device)
+        path.write_text(path.read_text().replace("programs_per_sm: 1", "programs_per_sm: 1\n    prefetch: 2", 1))
+        warning = "skipped what is malformed .*config has unknown keys \\['prefetch'\\]"
+    default = decode_plan.default_config(decode_launch.device_info(device), 64, torch.float16)
+    seen = _configs_run(monkeypatch)
+    with pytest.warns(RuntimeWarning, match=warning) as caught:
+        for lengths in ([20, 41], [9], [3, 4, 5]):  # three call signatures: each resolves its config
+            _check_case(lengths, device=device)
+    assert len([w for w in caught if "fa2tune" in str(w.message)]) == 1
+    assert seen == [default] * 3
+    assert decode_launch.resolve_config(torch.device(device), 64, torch.float16) == (default, "planner-default")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the script measures for real")
 def test_bench_decode_runs_every_provider_on_both_caches(tmp_path, capsys):
     # scripts/bench_decode.py --device cpu: fa2tune (contiguous and paged) and SDPA's math backend on the same keys,

@@ -8,16 +8,24 @@ combination). Nothing here reads a tensor's values on the host: the entries' len
 so a call can be captured in a CUDA graph; the kernels clamp every length and page index into the caches. What a
 call works out from its shapes (config, splits, kernels, grids, scalar arguments) is kept per call signature, in
 the launch plans that attention's calls keep theirs in (fa2tune.launch.plans).
+
+A call that passes no config runs resolve_config's: the tuned entry the store holds for the device, head dim and
+dtype (`fa2tune tune --kernel decode` writes it), else decode_plan.default_config. It is looked up when a call
+signature is new, as the rest of a plan is worked out: the calls that repeat a signature read no file.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from ..config import planner
-from ..config.decode_plan import DecodeConfig, DecodeVariant, default_config, launch_shape, row_tiles
+from ..config import decode_plan, planner, store
+from ..config.decode_config import DECODE_KERNEL
+from ..config.decode_plan import DecodeConfig, DecodeVariant, default_config, launch_shape
 from ..config.device import device_info
-from ..config.inputs import interpreting
+from ..config.entries import EntryKey
+from ..config.inputs import DTYPE_NAMES, interpreting
 from ..config.kvcache_inputs import KVCache
 from ..kernels import codegen
 from . import fastlaunch, plans
@@ -37,7 +45,7 @@ def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, 
         scale: the softmax scale.
         window: (left, right) as the kernels take them (types.Mask.bounds: no side is negative; causal is right 0).
         splits: programs sharing an entry's keys; 0: decode_plan.num_splits, with the config's parameters.
-        config: the launch config; None: decode_plan.default_config.
+        config: the launch config; None: resolve_config's for q's device, head dim and dtype.
 
     Returns:
         O (batch, seqlen_q, heads_q, head_dim) contiguous in q's dtype, and the fp32 logsumexp (batch, heads_q,
@@ -49,16 +57,36 @@ def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, 
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
     # The kept plan first: a call of a seen signature works nothing out (the config, the split count and everything
-    # else a plan holds follow from the signature, which has the requested splits and config, 0 and None for "choose").
+    # else a plan holds follow from the signature, which has the requested splits and config, 0 and None for "choose",
+    # and the config directory the store reads first).
     key = ("decode", _signature(q, cache, scale, window, splits, config))
     plan = plans.lookup(key)
     if plan is None:
-        config = config or default_config(device_info(q.device), q.shape[-1], q.dtype)
+        config = config or resolve_config(q.device, q.shape[-1], q.dtype)[0]
         plan = plans.Plan(_plan(q, cache, scale, window, splits or _auto_splits(q, cache, config), config), tma=False)
         plans.keep(key, plan, downgraded=False, tma_tensors=())
     with on_device(q):
         plan.launch(q, cache, out, lse)
     return out, lse
+
+
+def resolve_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> tuple[DecodeConfig, str]:
+    """(config, source) a decode call on `device` runs when it passes none: the store's decode entry for the device,
+    head dim and dtype (store.lookup: the first file along the search path that has one), source its file's path;
+    else decode_plan.default_config, source "planner-default". An entry the store cannot use — malformed (unknown
+    fields, bad values), tuned on other kernel code (stale) or too large for this device — falls back with one
+    warning."""
+    info = device_info(device)
+    key = EntryKey(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=False, kernel=DECODE_KERNEL)
+    found = store.lookup(info.slug, key, template_hash=codegen.decode_code_hash())
+    if found is not None:
+        entry, path = found
+        reason = decode_plan.check(entry.config, info, head_dim, dtype)
+        if reason is None:
+            return entry.config, str(path)
+        store._warn_once(f"fa2tune: tuned decode config {entry.config.label()} in {path} does not fit {info.name}: "
+                         f"{reason}; using the default")  # fmt: skip
+    return default_config(info, head_dim, dtype), "planner-default"
 
 
 def _auto_splits(q: torch.Tensor, cache: KVCache, config: DecodeConfig) -> int:
@@ -70,10 +98,12 @@ def _auto_splits(q: torch.Tensor, cache: KVCache, config: DecodeConfig) -> int:
 
 def _signature(q, cache: KVCache, scale, window, splits, config) -> tuple:
     """Everything a plan is worked out from: the tensors' shapes and strides, dtypes, device, whether lengths are a
-    tensor (else their value), the scale, window, splits and config, and the interpreter."""
+    tensor (else their value), the scale, window, splits and config, the interpreter, and the config directory the
+    store searches first (which may hold another tuned config)."""
     tensors = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.cache_seqlens, cache.k_new, cache.v_new)
     layout = tuple([None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors])
-    return layout, q.device, cache.seqlen, scale, window, splits, config, interpreting()
+    return (layout, q.device, cache.seqlen, scale, window, splits, config, interpreting(),
+            os.environ.get("FA2TUNE_CONFIG_DIR"))  # fmt: skip
 
 
 def _kernels(paged: bool):
@@ -88,7 +118,7 @@ def _plan(q, cache: KVCache, scale: float, window: tuple[int, int], splits: int,
     k_cache, v_cache, table = cache.k_cache, cache.v_cache, cache.block_table
     kv_heads = k_cache.shape[2]
     group = heads_q // kv_heads
-    block_m, tiles = row_tiles(group, seqlen_q, config.max_block_m)
+    block_m, tiles = decode_plan.row_tiles(group, seqlen_q, config.max_block_m)
     module = _kernels(table is not None)
     head = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim))
     num_pages = k_cache.shape[0] if table is not None else 1
