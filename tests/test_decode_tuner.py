@@ -147,3 +147,14 @@ def test_the_builds_run_in_the_compile_pool_and_a_failed_build_is_the_config_s_f
         with pytest.raises(RuntimeError, match=r"no config could be measured; reasons: .*no-such-device"):
             decode_tuner.tune(spec, space, _Recorded(_ms), name="cpu/decode", verify=lambda config: 0.0,
                               tolerance=1e-5, built=broken)  # fmt: skip
+
+
+def test_the_reference_check_catches_a_wrong_decode_output(monkeypatch):
+    # (the CLI test's tune passes it with right kernels); 2 % off in every output is 2 % of relative error
+    from fa2tune.tune import verification
+
+    real = decode_workload.run_step
+    monkeypatch.setattr(decode_workload, "run_step", lambda *args: (real(*args)[0] * 1.02, None))
+    error = verification.check_decode(decode_plan.INTERPRETER_CONFIG, heads=4, kv_heads=2, head_dim=16,
+                                      dtype=torch.float16, device="cpu")  # fmt: skip
+    assert error == pytest.approx(0.02, rel=0.05) and error > verification.REL_TOLERANCE[torch.float16]
