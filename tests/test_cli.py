@@ -223,6 +223,7 @@ def test_tune_decode_on_cpu_writes_an_entry_that_decode_calls_then_run(tmp_path,
     if torch.cuda.is_available():
         pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune --kernel decode` is a real tune")
     import fa2tune
+    from fa2tune.api import selection
     from fa2tune.config import store
     from fa2tune.kernels import codegen
     from fa2tune.launch import decode as decode_launch
@@ -239,7 +240,7 @@ def test_tune_decode_on_cpu_writes_an_entry_that_decode_calls_then_run(tmp_path,
     assert entry.baseline["name"] == "planner-default" and entry.gbps is None and entry.tflops is None
     # A decode call of the key runs the stored config: looked up for a new call signature, from the file's path
     monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path))
-    assert decode_launch.resolve_config(torch.device("cpu"), 16, torch.bfloat16) == (entry.config, str(path))
+    assert selection.resolve_decode("cpu", 16, torch.bfloat16) == (entry.config, str(path))
     seen, real = [], decode_launch._plan
     monkeypatch.setattr(decode_launch, "_plan", lambda *a: seen.append(a[-1]) or real(*a))
     q = torch.randn(2, 1, 4, 16, dtype=torch.bfloat16)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import fa2tune
+from fa2tune.api import selection
 from fa2tune.config import decode_plan
 from fa2tune.config.decode_plan import DecodeConfig
 from fa2tune.config.device import known_gpu
@@ -464,7 +465,7 @@ def config_dir(tmp_path, monkeypatch):
 def _store_decode_entry(directory, device, config=_TUNED, template_hash=None, head_dim=64):
     from fa2tune.config import store
 
-    device_info = decode_launch.device_info  # what the launcher reads (a test may patch it)
+    device_info = selection.device_info  # what the lookup reads (a test may patch it)
     entry = store.Entry(
         key=store.EntryKey(head_dim=head_dim, dtype="fp16", causal=False, kernel="decode"), config=config, ms=0.1,
         tflops=None, baseline=None, trials=1, spread=None, triton_version="3.6.0", torch_version="2.13.0",
@@ -484,11 +485,12 @@ def _configs_run(monkeypatch) -> list:
 
 def test_a_call_runs_the_stored_decode_entry_and_an_explicit_config_before_it(config_dir, monkeypatch, device):
     path = _store_decode_entry(config_dir, device)
-    assert decode_launch.resolve_config(torch.device(device), 64, torch.float16) == (_TUNED, str(path))
+    assert selection.decode_config(device, 64, torch.float16) == _TUNED
+    assert selection.resolve_decode(torch.device(device), 64, torch.float16) == (_TUNED, str(path))
     # other head dims and dtypes have no entry: the default
     default = decode_plan.default_config(decode_launch.device_info(device), 80, torch.float16)
-    assert decode_launch.resolve_config(torch.device(device), 80, torch.float16) == (default, "planner-default")
-    assert decode_launch.resolve_config(torch.device(device), 64, torch.bfloat16)[1] == "planner-default"
+    assert selection.resolve_decode(torch.device(device), 80, torch.float16) == (default, "planner-default")
+    assert selection.resolve_decode(torch.device(device), 64, torch.bfloat16)[1] == "planner-default"
     seen = _configs_run(monkeypatch)
     _check_case([20, 41], device=device)  # head_dim 64, fp16: the entry's key
     q, k_cache, v_cache, *_ = _make_case([5], device=device)
@@ -501,7 +503,8 @@ def test_a_call_runs_the_stored_decode_entry_and_an_explicit_config_before_it(co
 def test_an_unusable_decode_entry_falls_back_to_the_default_with_one_warning(config_dir, monkeypatch, unusable,
                                                                                device):  # fmt: skip
     if unusable == "too-large-for-the-device":  # the interpreter's pseudo-device fits any config; an H200 does not
-        monkeypatch.setattr(decode_launch, "device_info", lambda _: known_gpu("h200"))
+        for module in (decode_launch, selection):  # the launcher's split rule and the config's lookup
+            monkeypatch.setattr(module, "device_info", lambda _: known_gpu("h200"))
         _store_decode_entry(config_dir, device, config=DecodeConfig(max_block_m=128, block_n=256, num_stages=8))
         warning = "tuned decode config n256 w4 s8 m128 2/SM 512/split in .* does not fit NVIDIA H200: needs"
     elif unusable == "stale":  # tuned on other kernel code
@@ -518,7 +521,7 @@ def test_an_unusable_decode_entry_falls_back_to_the_default_with_one_warning(con
             _check_case(lengths, device=device)
     assert len([w for w in caught if "fa2tune" in str(w.message)]) == 1
     assert seen == [default] * 3
-    assert decode_launch.resolve_config(torch.device(device), 64, torch.float16) == (default, "planner-default")
+    assert selection.resolve_decode(torch.device(device), 64, torch.float16) == (default, "planner-default")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the script measures for real")

@@ -9,23 +9,23 @@ so a call can be captured in a CUDA graph; the kernels clamp every length and pa
 call works out from its shapes (config, splits, kernels, grids, scalar arguments) is kept per call signature, in
 the launch plans that attention's calls keep theirs in (fa2tune.launch.plans).
 
-A call that passes no config runs resolve_config's: the tuned entry the store holds for the device, head dim and
-dtype (`fa2tune tune --kernel decode` writes it), else decode_plan.default_config. It is looked up when a call
-signature is new, as the rest of a plan is worked out: the calls that repeat a signature read no file.
+A call that passes no config runs the one its caller's `resolve` gives (the API's: the tuned entry the store holds
+for the device, head dim and dtype, else the default: fa2tune.api.selection.resolve_decode), asked when a call
+signature is new, as the rest of a plan is worked out: the calls that repeat a signature ask nothing, and this module
+reads no config file.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
-from ..config import decode_plan, planner, store
-from ..config.decode_config import DECODE_KERNEL
+from ..config import decode_plan, planner
 from ..config.decode_plan import DecodeConfig, DecodeVariant, default_config, launch_shape
 from ..config.device import device_info
-from ..config.entries import EntryKey
-from ..config.inputs import DTYPE_NAMES, interpreting
+from ..config.inputs import interpreting
 from ..config.kvcache_inputs import KVCache
 from ..kernels import codegen
 from . import fastlaunch, plans
@@ -35,8 +35,12 @@ from .layout import on_device
 APPEND_ROWS = 16  # new keys an append program copies
 
 
+Resolve = Callable[[torch.device, int, torch.dtype], DecodeConfig]  # (device, head_dim, dtype) -> config
+
+
 def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, int], splits: int = 0,
-           config: DecodeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+           config: DecodeConfig | None = None,
+           resolve: Resolve | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Appends cache.k_new/v_new (if any) and returns (O, logsumexp) of q over each entry's keys.
 
     Args:
@@ -45,7 +49,9 @@ def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, 
         scale: the softmax scale.
         window: (left, right) as the kernels take them (types.Mask.bounds: no side is negative; causal is right 0).
         splits: programs sharing an entry's keys; 0: decode_plan.num_splits, with the config's parameters.
-        config: the launch config; None: resolve_config's for q's device, head dim and dtype.
+        config: the launch config; None: resolve's for q's device, head dim and dtype.
+        resolve: the config of a call that passes none, asked when its signature is new; None:
+            decode_plan.default_config.
 
     Returns:
         O (batch, seqlen_q, heads_q, head_dim) contiguous in q's dtype, and the fp32 logsumexp (batch, heads_q,
@@ -58,11 +64,11 @@ def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, 
         return out, lse.fill_(float("-inf"))
     # The kept plan first: a call of a seen signature works nothing out (the config, the split count and everything
     # else a plan holds follow from the signature, which has the requested splits and config, 0 and None for "choose",
-    # and the config directory the store reads first).
-    key = ("decode", _signature(q, cache, scale, window, splits, config))
+    # and what a chosen config comes from: the resolver and the config directory the store reads first).
+    key = ("decode", _signature(q, cache, scale, window, splits, config), resolve)
     plan = plans.lookup(key)
     if plan is None:
-        config = config or resolve_config(q.device, q.shape[-1], q.dtype)[0]
+        config = config or (resolve or _default_config)(q.device, q.shape[-1], q.dtype)
         plan = plans.Plan(_plan(q, cache, scale, window, splits or _auto_splits(q, cache, config), config), tma=False)
         plans.keep(key, plan, downgraded=False, tma_tensors=())
     with on_device(q):
@@ -70,23 +76,8 @@ def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, 
     return out, lse
 
 
-def resolve_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> tuple[DecodeConfig, str]:
-    """(config, source) a decode call on `device` runs when it passes none: the store's decode entry for the device,
-    head dim and dtype (store.lookup: the first file along the search path that has one), source its file's path;
-    else decode_plan.default_config, source "planner-default". An entry the store cannot use — malformed (unknown
-    fields, bad values), tuned on other kernel code (stale) or too large for this device — falls back with one
-    warning."""
-    info = device_info(device)
-    key = EntryKey(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=False, kernel=DECODE_KERNEL)
-    found = store.lookup(info.slug, key, template_hash=codegen.decode_code_hash())
-    if found is not None:
-        entry, path = found
-        reason = decode_plan.check(entry.config, info, head_dim, dtype)
-        if reason is None:
-            return entry.config, str(path)
-        store._warn_once(f"fa2tune: tuned decode config {entry.config.label()} in {path} does not fit {info.name}: "
-                         f"{reason}; using the default")  # fmt: skip
-    return default_config(info, head_dim, dtype), "planner-default"
+def _default_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    return default_config(device_info(device), head_dim, dtype)
 
 
 def _auto_splits(q: torch.Tensor, cache: KVCache, config: DecodeConfig) -> int:
