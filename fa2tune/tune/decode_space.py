@@ -68,7 +68,8 @@ def launches(config: DecodeConfig, steps: tuple[Workload, ...], *, heads: int, k
     tiles, splits) (decode_plan.launch_shape)."""
     return tuple(
         (w.page_size, w.seqlen_q, *decode_plan.launch_shape(config, batch=w.batch, seqlen_q=w.seqlen_q, heads_q=heads,
-                                                            kv_heads=kv_heads, capacity=w.keys, sm_count=sm_count))
+                                                            kv_heads=kv_heads, capacity=w.capacity,
+                                                            sm_count=sm_count))
         for w in steps
     )  # fmt: skip
 

@@ -40,6 +40,11 @@ class Workload:
     seqlen_q: int
     page_size: int
 
+    @property
+    def capacity(self) -> int:
+        """Keys an entry's cache holds: `keys`, rounded up to whole pages in a paged cache."""
+        return -(-self.keys // self.page_size) * self.page_size if self.page_size else self.keys
+
     def label(self) -> str:
         """e.g. "32x8192 q1 paged256"."""
         cache = f"paged{self.page_size}" if self.page_size else "contiguous"
@@ -67,7 +72,7 @@ def make_inputs(w: Workload, *, heads: int, kv_heads: int, head_dim: int, dtype:
     q = torch.randn(w.batch, w.seqlen_q, heads, head_dim, device=device, dtype=dtype)
     table = None
     if w.page_size:
-        per_entry = -(-w.keys // w.page_size)
+        per_entry = w.capacity // w.page_size
         rows = (w.batch * per_entry, w.page_size)
         table = torch.randperm(rows[0], device=device).view(w.batch, per_entry).to(torch.int32)
     else:
