@@ -77,6 +77,7 @@ def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, 
 
 
 def _default_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """The untuned config: what a call without a config nor a resolver runs."""
     return default_config(device_info(device), head_dim, dtype)
 
 
