@@ -109,13 +109,15 @@ def _time_ms(step, device) -> float:
 
 def rows_for(shape, args, device) -> list[dict]:
     """Every provider's row for one (batch, keys, query tokens) shape, contiguous and paged."""
+    from fa2tune.tune.timing import kv_read_bytes
+
     batch, keys, seqlen_q = shape
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     gen = torch.Generator().manual_seed(0)  # the page order's
     torch.manual_seed(0)
     q = torch.randn(batch, seqlen_q, args.heads, args.head_dim, device=device, dtype=dtype)
     contiguous = _cache(batch, keys, args.kv_heads, args.head_dim, dtype, device)
-    gigabytes = 2 * batch * keys * args.kv_heads * args.head_dim * dtype.itemsize / 1e9
+    gigabytes = kv_read_bytes(batch, keys, args.kv_heads, args.head_dim, itemsize=dtype.itemsize) / 1e9
     rows = []
     for page_size in (0, args.page_size) if args.page_size else (0,):
         k_cache, v_cache, table, seqlens = _paged(contiguous, page_size, gen) if page_size else contiguous

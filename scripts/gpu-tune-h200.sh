@@ -11,6 +11,8 @@
 #   bash scripts/gpu-tune-h200.sh 16 /tmp "128/bf16 128/fp16 128/bf16/all/short" "64/bf16 64/fp16 64/bf16/all/short"
 # A template change stales only its kernel's entries: re-tune that kernel alone, e.g. the dK/dV kernel at 8 trials:
 #   bash scripts/gpu-tune-h200.sh 8 /tmp "128/bf16/bwd_dkdv 128/bf16/bwd_dkdv/short" "64/bf16/bwd_dkdv 64/fp16/bwd_dkdv"
+# KERNEL decode tunes flash_attn_with_kvcache's kernel (one entry per head dim and dtype; BUCKET and SEQLENS unused):
+#   bash scripts/gpu-tune-h200.sh 40 /tmp "128/bf16/decode 128/fp16/decode" "64/bf16/decode 64/fp16/decode"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 trials=$1 logs=$2

@@ -220,6 +220,45 @@ def test_a_re_tune_times_the_config_the_file_holds_for_its_key(tmp_path, capsys,
     assert job.incumbent(seen[0], tmp_path / "bad.yaml") is None
 
 
+def test_tune_decode_on_cpu_writes_an_entry_that_decode_calls_then_run(tmp_path, capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune --kernel decode` is a real tune")
+    import fa2tune
+    from fa2tune.api import selection
+    from fa2tune.config import store
+    from fa2tune.kernels import codegen
+    from fa2tune.launch import decode as decode_launch
+
+    path = tmp_path / "cpu-interpreter.yaml"
+    args = ["tune", "--device", "cpu", "--head-dim", "16", "--kernel", "decode", "--trials", "1"]
+    assert cli.main([*args, "--config-dir", str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert f"wrote {path}" in out and "cpu-interpreter/decode/d16/bf16: " in out and "timed: " in out
+    assert "say nothing about GPU speed" in err and "config 1/1" in err  # notes and progress on stderr
+    (entry,) = store.read_file(path)[1]
+    assert entry.key == store.EntryKey(head_dim=16, dtype="bf16", causal=False, kernel="decode")
+    assert entry.template_hash == codegen.decode_code_hash() and entry.trials == 1 and entry.ms > 0
+    assert entry.baseline["name"] == "planner-default" and entry.gbps is None and entry.tflops is None
+    # A decode call of the key runs the stored config: looked up for a new call signature, from the file's path
+    monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path))
+    assert selection.resolve_decode("cpu", 16, torch.bfloat16) == (entry.config, str(path))
+    seen, real = [], decode_launch._plan
+    monkeypatch.setattr(decode_launch, "_plan", lambda *a: seen.append(a[-1]) or real(*a))
+    q = torch.randn(2, 1, 4, 16, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.randn(2, 40, 2, 16, dtype=torch.bfloat16) for _ in "kv")
+    fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor([7, 40], dtype=torch.int32))
+    assert seen == [entry.config]
+    # A flag of the attention kernels' studies, and heads that do not group, end the command before any timing
+    for extra, said in ((["--causal", "yes"], "--causal: not for --kernel decode"),
+                        (["--heads", "6"], "--kv-heads must divide --heads")):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            cli.main([*args, *extra])
+        assert exc.value.code == 2 and said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--device", "cpu", "--head-dim", "16", "--heads", "32"])
+    assert "--heads sets the decode steps' heads: it needs --kernel decode" in capsys.readouterr().err
+
+
 def test_tune_one_backward_kernel_on_cpu(tmp_path):
     # after a change to one backward template only its entries are stale: `--kernel bwd_dq` tunes that one alone
     if torch.cuda.is_available():

@@ -4,15 +4,18 @@ float64 reference that gathers each entry's keys through its block table, and wh
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 import fa2tune
+from fa2tune.api import selection
 from fa2tune.config import decode_plan
 from fa2tune.config.decode_plan import DecodeConfig
 from fa2tune.config.device import known_gpu
@@ -193,7 +196,7 @@ def test_cache_seqlens_as_one_int_or_none(device):
 
 
 def test_the_split_rule_fills_the_gpu_and_runs_when_num_splits_is_0(monkeypatch, device):
-    split = decode_plan.num_splits
+    split = functools.partial(decode_plan.num_splits, config=DecodeConfig())  # 2 programs an SM, 512 keys a split
     assert split(batch=32, kv_heads=8, tiles=1, max_keys=8192, sm_count=132) == 1  # 256 programs fill 132 SMs
     assert split(batch=8, kv_heads=8, tiles=1, max_keys=32768, sm_count=132) == 5  # 64 programs → 320
     assert split(batch=1, kv_heads=8, tiles=1, max_keys=131072, sm_count=132) == 33
@@ -201,10 +204,25 @@ def test_the_split_rule_fills_the_gpu_and_runs_when_num_splits_is_0(monkeypatch,
     assert split(batch=1, kv_heads=1, tiles=1, max_keys=10**7, sm_count=132) == decode_plan.MAX_SPLITS
     # num_splits=0 runs the rule for the device: an H200's 132 SMs split this call's 2 programs
     chosen = []
+    real = decode_plan.num_splits
     monkeypatch.setattr(decode_launch, "device_info", lambda _: known_gpu("h200"))
-    monkeypatch.setattr(decode_launch, "num_splits", lambda **kw: chosen.append(split(**kw)) or chosen[-1])
+    monkeypatch.setattr(decode_plan, "num_splits", lambda **kw: chosen.append(real(**kw)) or chosen[-1])
     _check_case([600, 1100], heads=4, kv_heads=1, page=64, splits=0, device=device)
     assert chosen == [2]  # capacity 1103 keys: two chunks of at least 512
+
+
+def test_the_split_rule_takes_its_two_parameters_from_the_config():
+    shape = dict(batch=8, kv_heads=8, tiles=1, max_keys=32768, sm_count=132)  # 64 programs on 132 SMs
+    split = lambda **fields: decode_plan.num_splits(**shape, config=DecodeConfig(**fields))
+    assert [split(programs_per_sm=n) for n in (1, 2, 4, 8)] == [3, 5, 9, 17]  # ⌈n · 132 / 64⌉
+    # a floor of keys a split reads caps the count: 32768 keys / 4096 = 8 splits at most
+    assert split(programs_per_sm=8, min_split_keys=4096) == 8 and split(programs_per_sm=2, min_split_keys=4096) == 5
+    # what the launcher works out for a call: (block_m, tiles, splits), from the same rule
+    config = DecodeConfig(programs_per_sm=4, min_split_keys=1024)
+    assert decode_plan.launch_shape(config, batch=1, seqlen_q=4, heads_q=32, kv_heads=8, capacity=131072,
+                                    sm_count=132) == (16, 1, 66)  # fmt: skip
+    assert decode_plan.launch_shape(config, batch=1, seqlen_q=4, heads_q=32, kv_heads=8, capacity=8192,
+                                    sm_count=132) == (16, 1, 8)  # fmt: skip
 
 
 def test_a_call_reads_no_tensor_back_to_the_host(monkeypatch, device):
@@ -396,6 +414,114 @@ def test_default_configs_fit_the_device():
         config = decode_plan.default_config(device, head_dim, dtype)
         assert decode_plan.sram_bytes(config, head_dim, dtype) <= device.smem_per_block, (device.name, head_dim)
     assert decode_plan.default_config(a10g, 256, torch.float32) != decode_plan.DEFAULT_CONFIG
+    assert decode_plan.check(decode_plan.DEFAULT_CONFIG, a10g, 256, torch.float32) is not None  # says why not
+
+
+@pytest.mark.parametrize(
+    "fields, error, words",
+    [
+        (dict(block_n=48), ValueError, "DecodeConfig.block_n must be one of (16, 32, 64, 128, 256), got 48"),
+        (dict(max_block_m=8), ValueError, "DecodeConfig.max_block_m must be one of"),
+        (dict(num_stages=0), ValueError, "DecodeConfig.num_stages must be in 1..8, got 0"),
+        (dict(programs_per_sm=0), ValueError, "DecodeConfig.programs_per_sm must be in 1..32, got 0"),
+        (dict(programs_per_sm=33), ValueError, "DecodeConfig.programs_per_sm must be in 1..32, got 33"),
+        (dict(min_split_keys=0), ValueError, "DecodeConfig.min_split_keys must be in 1..1073741824, got 0"),
+        (dict(min_split_keys=512.0), TypeError, "DecodeConfig.min_split_keys must be an int, got float 512.0"),
+        (dict(num_warps=True), TypeError, "DecodeConfig.num_warps must be an int, got bool True"),
+    ],
+)
+def test_decode_config_fields_are_checked(fields, error, words):
+    with pytest.raises(error) as exc:
+        DecodeConfig(**fields)
+    assert words in str(exc.value)
+
+
+def test_decode_config_round_trips_through_its_mapping():
+    config = DecodeConfig(block_n=128, num_warps=8, num_stages=4, max_block_m=16, programs_per_sm=4,
+                          min_split_keys=np.int64(1024))  # fmt: skip
+    assert type(config.min_split_keys) is int  # a NumPy integer is taken as a Python int
+    assert DecodeConfig.from_dict(config.to_dict()) == config and config.label() == "n128 w8 s4 m16 4/SM 1024/split"
+    assert DecodeConfig.from_dict({"block_n": 32}) == DecodeConfig(block_n=32)  # the rest at their defaults
+    with pytest.raises(ValueError, match="unknown DecodeConfig keys \\['splits'\\]"):
+        DecodeConfig.from_dict({"splits": 4})
+
+
+# ---- the tuned config a call runs ------------------------------------------------------------------------------
+
+_TUNED = DecodeConfig(block_n=16, num_warps=4, num_stages=1, max_block_m=16, programs_per_sm=1, min_split_keys=64)
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    """An empty FA2TUNE_CONFIG_DIR and user cache; a warning the store gave before is given again."""
+    from fa2tune.config import store
+
+    monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path / "env"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(store, "_warned", set())
+    return tmp_path / "env"
+
+
+def _store_decode_entry(directory, device, config=_TUNED, template_hash=None, head_dim=64):
+    from fa2tune.config import store
+
+    device_info = selection.device_info  # what the lookup reads (a test may patch it)
+    entry = store.Entry(
+        key=store.EntryKey(head_dim=head_dim, dtype="fp16", causal=False, kernel="decode"), config=config, ms=0.1,
+        tflops=None, baseline=None, trials=1, spread=None, triton_version="3.6.0", torch_version="2.13.0",
+        template_hash=template_hash or codegen.decode_code_hash(), date="2026-11-29",
+    )  # fmt: skip
+    path = directory / f"{device_info(device).slug}.yaml"
+    store.write_entries(path, {"slug": device_info(device).slug}, [entry])
+    return path
+
+
+def _configs_run(monkeypatch) -> list:
+    """The configs the decode calls made from now on work their plans out with."""
+    seen, real = [], decode_launch._plan
+    monkeypatch.setattr(decode_launch, "_plan", lambda *args: seen.append(args[-1]) or real(*args))
+    return seen
+
+
+def test_a_call_runs_the_stored_decode_entry_and_an_explicit_config_before_it(config_dir, monkeypatch, device):
+    path = _store_decode_entry(config_dir, device)
+    assert selection.decode_config(device, 64, torch.float16) == _TUNED
+    assert selection.resolve_decode(torch.device(device), 64, torch.float16) == (_TUNED, str(path))
+    # other head dims and dtypes have no entry: the default
+    default = decode_plan.default_config(decode_launch.device_info(device), 80, torch.float16)
+    assert selection.resolve_decode(torch.device(device), 80, torch.float16) == (default, "planner-default")
+    assert selection.resolve_decode(torch.device(device), 64, torch.bfloat16)[1] == "planner-default"
+    seen = _configs_run(monkeypatch)
+    _check_case([20, 41], device=device)  # head_dim 64, fp16: the entry's key
+    q, k_cache, v_cache, *_ = _make_case([5], device=device)
+    decode_launch.decode(q, decode_launch.KVCache(k_cache, v_cache, None, None, 5), scale=0.1, window=(99, 99),
+                         config=decode_plan.INTERPRETER_CONFIG)  # fmt: skip
+    assert seen == [_TUNED, decode_plan.INTERPRETER_CONFIG]
+
+
+@pytest.mark.parametrize("unusable", ["stale", "too-large-for-the-device", "unknown-field"])
+def test_an_unusable_decode_entry_falls_back_to_the_default_with_one_warning(config_dir, monkeypatch, unusable,
+                                                                               device):  # fmt: skip
+    if unusable == "too-large-for-the-device":  # the interpreter's pseudo-device fits any config; an H200 does not
+        for module in (decode_launch, selection):  # the launcher's split rule and the config's lookup
+            monkeypatch.setattr(module, "device_info", lambda _: known_gpu("h200"))
+        _store_decode_entry(config_dir, device, config=DecodeConfig(max_block_m=128, block_n=256, num_stages=8))
+        warning = "tuned decode config n256 w4 s8 m128 2/SM 512/split in .* does not fit NVIDIA H200: needs"
+    elif unusable == "stale":  # tuned on other kernel code
+        _store_decode_entry(config_dir, device, template_hash="0" * 16)
+        warning = "tuned for kernel templates 0000000000000000, these are"
+    else:  # a field this fa2tune does not know, written into the file by hand
+        path = _store_decode_entry(config_dir, device)
+        path.write_text(path.read_text().replace("programs_per_sm: 1", "programs_per_sm: 1\n    prefetch: 2", 1))
+        warning = "skipped what is malformed .*config has unknown keys \\['prefetch'\\]"
+    default = decode_plan.default_config(decode_launch.device_info(device), 64, torch.float16)
+    seen = _configs_run(monkeypatch)
+    with pytest.warns(RuntimeWarning, match=warning) as caught:
+        for lengths in ([20, 41], [9], [3, 4, 5]):  # three call signatures: each resolves its config
+            _check_case(lengths, device=device)
+    assert len([w for w in caught if "fa2tune" in str(w.message)]) == 1
+    assert seen == [default] * 3
+    assert selection.resolve_decode(torch.device(device), 64, torch.float16) == (default, "planner-default")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the script measures for real")

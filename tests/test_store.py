@@ -13,6 +13,7 @@ import yaml
 import fa2tune
 from fa2tune.api import attention_kernel, selection
 from fa2tune.config import defaults, lengths, store
+from fa2tune.config.decode_config import DecodeConfig
 from fa2tune.config.schedule import PERSISTENT, TWO_AN_SM
 from fa2tune.config.types import KERNELS, KernelConfig
 from fa2tune.kernels import codegen
@@ -54,6 +55,65 @@ def test_round_trip_and_merge_keep_every_key(config_dir):
     assert by_key == {(64, False): KernelConfig(32, 32, 8, 3), (128, False): KernelConfig(16, 16, 4, 1),
                       (64, True): KernelConfig(64, 32, 4, 2)}  # fmt: skip
     assert store.Entry.from_dict(entries[0].to_dict()) == entries[0]
+
+
+_DECODE = DecodeConfig(block_n=32, num_warps=8, num_stages=2, max_block_m=16, programs_per_sm=4, min_split_keys=256)
+
+
+def _decode_entry(head_dim=64, cfg=_DECODE, template_hash=None, gbps=3900.5):
+    return store.Entry(
+        key=store.EntryKey(head_dim=head_dim, dtype="bf16", causal=False, kernel="decode"),
+        config=cfg, ms=0.2, tflops=None, baseline={"name": "planner-default", "config": DecodeConfig().to_dict()},
+        trials=9, spread=0.01, triton_version="3.6.0", torch_version="2.13.0",
+        template_hash=template_hash or codegen.decode_code_hash(), date="2026-11-29", gbps=gbps,
+    )  # fmt: skip
+
+
+def test_a_decode_entry_round_trips_beside_the_others(config_dir):
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    store.write_entries(path, DEVICE, [_entry(64), _decode_entry(64), _decode_entry(128, DecodeConfig())])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing in it is malformed
+        _, entries = store.read_file(path)
+    by_kernel = {(e.key.kernel, e.key.head_dim): e for e in entries}
+    assert set(by_kernel) == {("fwd", 64), ("decode", 64), ("decode", 128)}
+    decode = by_kernel["decode", 64]
+    assert decode == _decode_entry(64) and decode.config.programs_per_sm == 4 and decode.gbps == 3900.5
+    assert by_kernel["fwd", 64].config == _CFG  # the same head dim's attention entry is a key of its own
+    assert store.Entry.from_dict(decode.to_dict()) == decode
+    # The other entries are written as before: no gbps key, which an older fa2tune would refuse
+    data = yaml.safe_load(path.read_text())
+    fwd = next(e for e in data["entries"] if e["key"]["kernel"] == "fwd")
+    assert "gbps" not in fwd and set(fwd) == set(_entry().to_dict())
+    assert next(e for e in data["entries"] if e["key"]["kernel"] == "decode")["config"] == _DECODE.to_dict()
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (("min_split_keys: 256", "min_split_keys: 256\n    splits: 4"), "config has unknown keys ['splits']"),
+        (("programs_per_sm: 4", "programs_per_sm: 0"), "config DecodeConfig.programs_per_sm must be in 1..32, got 0"),
+        (("block_n: 32", "block_n: 32.0"), "config block_n must be an integer, got 32.0"),
+        (("causal: false", "causal: true"), "key a decode entry is keyed by head_dim and dtype alone"),
+    ],
+)
+def test_a_malformed_decode_entry_is_skipped_with_a_warning_naming_it(config_dir, edit, words):
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    store.write_entries(path, DEVICE, [_decode_entry(64), _entry(64)])
+    path.write_text(path.read_text().replace(*edit, 1))  # the decode entry (the file sorts it first)
+    with pytest.warns(RuntimeWarning, match="skipped what is malformed") as caught:
+        _, entries = store.read_file(path)
+    assert words in str(caught[0].message)
+    assert [e.key.kernel for e in entries] == ["fwd"]  # the file's other entries are used
+
+
+def test_a_schema_1_file_has_no_decode_entries(config_dir):
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    entry = _decode_entry().to_dict()
+    path.parent.mkdir(parents=True)
+    path.write_text(yaml.safe_dump({"schema_version": 1, "device": DEVICE, "entries": [entry]}))
+    with pytest.warns(RuntimeWarning, match="entry 0: config: schema 1 has no decode entries"):
+        assert store.read_file(path)[1] == []
 
 
 def _write_many(args):

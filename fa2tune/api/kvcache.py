@@ -16,6 +16,7 @@ from ..config.inputs import check_flag, check_scale, check_window, unit_last_str
 from ..config.kvcache_inputs import KVCache, check_call, check_splits, check_values, values_checked_per_call
 from ..config.types import Mask
 from ..launch import launcher
+from .selection import decode_config
 
 
 def flash_attn_with_kvcache(
@@ -59,7 +60,9 @@ def flash_attn_with_kvcache(
             (bottom-right aligned, as flash_attn's).
         window_size: (left, right), −1 unbounded: keys i' − left <= j <= i' + right, i' = i + seqlen_k − seqlen_q.
         num_splits: programs sharing an entry's keys (split-KV, merged exactly); 0: the rule of
-            fa2tune.config.decode_plan.num_splits; at most decode_plan.MAX_SPLITS.
+            fa2tune.config.decode_plan.num_splits, with the parameters of the config the call runs (the tuned entry
+            for the GPU, head dim and dtype, else the default: fa2tune.api.selection.resolve_decode); at most
+            decode_plan.MAX_SPLITS.
         return_softmax_lse: also return the logsumexp.
 
     Returns:
@@ -83,7 +86,7 @@ def flash_attn_with_kvcache(
     if values_checked_per_call():
         check_values(cache)
     if launcher.is_eager(q, k_cache, v_cache):
-        out, lse = launcher.decode(q, cache, scale=scale, window=(left, right), splits=splits)
+        out, lse = launcher.decode(q, cache, scale=scale, window=(left, right), splits=splits, resolve=decode_config)
     else:
         out, lse = torch.ops.fa2tune.kvcache(q, cache.k_cache, cache.v_cache, cache.k_new, cache.v_new,
                                              cache.cache_seqlens, cache.block_table, cache.seqlen, scale,
@@ -140,7 +143,8 @@ def _kvcache_op(
     num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cache = KVCache(k_cache, v_cache, block_table, cache_seqlens, seqlen, k, v)
-    return launcher.decode(q, cache, scale=scale, window=(window[0], window[1]), splits=num_splits)
+    return launcher.decode(q, cache, scale=scale, window=(window[0], window[1]), splits=num_splits,
+                           resolve=decode_config)
 
 
 @_kvcache_op.register_fake

@@ -5,7 +5,8 @@ length's bucket first (lengths.buckets_for: "short" for max(seqlen_q, seqlen_k) 
 then "all". A tuned entry that
 does not fit the device it is used on is ignored with one warning. for_call() keeps what resolve() gave per call
 signature, so attention()'s hot path pays one dict lookup for all its configs. A call whose V has a head dim of its
-own resolves at the larger of the two (planner.config_head_dim).
+own resolves at the larger of the two (planner.config_head_dim). resolve_decode does the same for the decode kernel
+(flash_attn_with_kvcache), whose launcher asks it when a call signature is new.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import os
 
 import torch
 
-from ..config import defaults, lengths, planner, store
+from ..config import decode_plan, defaults, lengths, planner, store
+from ..config.decode_config import DECODE_KERNEL, DecodeConfig
 from ..config.device import device_info
 from ..config.inputs import DTYPE_NAMES, interpreting
 from ..config.types import KernelConfig, Mask
 from ..kernels import codegen
 
-__all__ = ["BACKWARD", "FORWARD", "FORWARD_BACKWARD", "clear_cache", "config_for", "device_info", "for_call",
-           "resolve"]  # fmt: skip
+__all__ = ["BACKWARD", "FORWARD", "FORWARD_BACKWARD", "clear_cache", "config_for", "decode_config", "device_info",
+           "for_call", "resolve", "resolve_decode"]  # fmt: skip
 
 _cache: dict[tuple, tuple[KernelConfig, str]] = {}
 
@@ -123,3 +125,27 @@ def config_for(config: KernelConfig | None, kernel: str, q: torch.Tensor, k: tor
                mask: Mask, packing):  # fmt: skip
     """`config`, or — None — the one resolved for this call's `kernel` (for_call)."""
     return config if config is not None else for_call((kernel,), q, k, v, mask, packing)[0]
+
+
+def resolve_decode(device: torch.device | str, head_dim: int, dtype: torch.dtype) -> tuple[DecodeConfig, str]:
+    """(config, source) a decode call on `device` runs when it passes none: the store's decode entry for the device,
+    head dim and dtype (`fa2tune tune --kernel decode` writes it; store.lookup: the first file along the search path
+    that has one), source its file's path; else decode_plan.default_config, source "planner-default". An entry the
+    store cannot use — malformed (unknown fields, bad values), tuned on other kernel code (stale) or too large for
+    this device — falls back with one warning. Not cached here: the launcher asks once per call signature."""
+    info = device_info(device)
+    key = store.EntryKey(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=False, kernel=DECODE_KERNEL)
+    found = store.lookup(info.slug, key, template_hash=codegen.decode_code_hash())
+    if found is not None:
+        entry, path = found
+        reason = decode_plan.check(entry.config, info, head_dim, dtype)
+        if reason is None:
+            return entry.config, str(path)
+        store._warn_once(f"fa2tune: tuned decode config {entry.config.label()} in {path} does not fit {info.name}: "
+                         f"{reason}; using the default")  # fmt: skip
+    return decode_plan.default_config(info, head_dim, dtype), "planner-default"
+
+
+def decode_config(device: torch.device | str, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """resolve_decode's config alone: the `resolve` the API hands the decode launcher."""
+    return resolve_decode(device, head_dim, dtype)[0]

@@ -6,11 +6,13 @@ import argparse
 
 from ..bench import PROVIDER_NAMES
 from ..bench.shapes import GRID_TOKENS, GRID_WIDTH, MODES, PRESET_HELP
+from ..config.decode_config import DECODE_KERNEL
 from ..config.lengths import BUCKET_RANGES, SEQLEN_BUCKETS, TUNING_LENGTHS
 from ..config.types import DTYPE_CHOICES, KERNELS  # torch-free, as everything this package imports at its top
 from . import arguments, bench_command, commands, tune_command
 from .arguments import JOURNAL_SUFFIXES, MIN_TIMEOUT_S, STORAGE_DIALECTS
 from .common import USAGE_ERROR
+from .decode_tune_command import DEFAULT_HEADS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -103,10 +105,17 @@ def _add_tune(sub) -> None:
     tune.add_argument(
         "--kernel",
         default="all",
-        choices=[*KERNELS, "bwd", "all"],
+        choices=[*KERNELS, "bwd", "all", DECODE_KERNEL],
         help="all (default): the forward and both backward kernels, what training runs; fwd: the forward alone "
-        "(inference); bwd: both backward kernels; bwd_dkdv / bwd_dq one of them (after a change to its template)",
+        "(inference); bwd: both backward kernels; bwd_dkdv / bwd_dq one of them (after a change to its template); "
+        "decode: flash_attn_with_kvcache's decode kernel and its split rule, timed on decode steps of --heads over "
+        "--kv-heads heads (one entry per head dim and dtype; --causal, --window, --varlen, --seqlens, "
+        "--seqlen-bucket, --tokens and --storage do not apply)",
     )
+    tune.add_argument("--heads", type=arguments.positive_int, default=None,
+                      help=f"--kernel decode: query heads of the timed steps (default {DEFAULT_HEADS[0]})")
+    tune.add_argument("--kv-heads", type=arguments.positive_int, default=None,
+                      help=f"--kernel decode: K/V heads, dividing --heads (default {DEFAULT_HEADS[1]})")
     tune.add_argument(
         "--window",
         type=arguments.window,

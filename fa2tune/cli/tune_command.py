@@ -1,5 +1,5 @@
 """`fa2tune tune`: the tuning lengths and studies the arguments ask for, run on one GPU or several, each winner
-written to the GPU's config file, and a report of what each study found.
+written to the GPU's config file, and a report of what each study found (`--kernel decode`: decode_tune_command).
 
 This module is imported with the parser, before torch: `tune` starts the fork server that imports torch for its
 helper processes first (fa2tune.tune.processes), so everything heavy is imported inside the functions.
@@ -12,7 +12,9 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..config.decode_config import DECODE_KERNEL
 from .common import end_progress_line, fail, log, note_interpreter, progress, resolve_device, to_json
+from .decode_tune_command import check_heads, tune_decode
 from .outputs import check_writable, interrupted
 
 
@@ -29,6 +31,9 @@ def tune(args: argparse.Namespace) -> int:
     seqlens = _tuning_lengths(args.seqlens, args.seqlen_bucket)
     devices = args.device if args.device != ["all"] else _all_cuda_devices()
     devices = [resolve_device(d) for d in devices]
+    check_heads(args)
+    if args.kernel == DECODE_KERNEL:
+        return tune_decode(args, devices)
     from ..api import attention_kernel
     from ..tune import compile_pool
 

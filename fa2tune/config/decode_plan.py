@@ -16,16 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from . import planner
+from .decode_config import DecodeConfig
 from .types import DeviceInfo
+
+__all__ = ["CANDIDATES", "DEFAULT_CONFIG", "INTERPRETER_CONFIG", "MAX_SPLITS", "MIN_BLOCK_M", "DecodeConfig",
+           "DecodeVariant", "check", "default_config", "launch_shape", "num_splits", "row_tiles",
+           "sram_bytes"]  # fmt: skip
 
 MIN_BLOCK_M = 16  # tl.dot takes 16 rows at least: fewer packed rows are padded to it
 MAX_SPLITS = 128  # splits one launch may take (num_splits above it is an error: its partials would outweigh K/V)
-# The split rule (num_splits): a launch aims at this many programs per SM, so that each SM has K/V loads of more than
-# one program in flight — one program's pipeline alone does not keep HBM busy
-PROGRAMS_PER_SM = 2
-# ... and a split reads at least this many keys: below it, a split's start and end and its partial's store and merge
-# cost about what its K/V reads do
-MIN_SPLIT_KEYS = 512
 
 
 @dataclass(frozen=True)
@@ -40,33 +39,6 @@ class DecodeVariant:
 
     paged: bool
     dot_fp32: bool = False
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """Launch parameters of the decode kernel.
-
-    Attributes:
-        block_n: keys a loop step reads (one page at most when the page size is a multiple of it: then a step looks
-            up one page; otherwise each key's page is looked up).
-        num_warps: warps per program.
-        num_stages: software-pipelining depth of the K/V loop.
-        max_block_m: the most packed query rows a program takes; more rows are cut into tiles of this many (each
-            tile reads the K/V head again).
-    """
-
-    block_n: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-    max_block_m: int = 64
-
-    def __post_init__(self) -> None:
-        for name, allowed in (("block_n", (16, 32, 64, 128, 256)), ("num_warps", (1, 2, 4, 8, 16)),
-                              ("max_block_m", (16, 32, 64, 128))):  # fmt: skip
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"DecodeConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if not 1 <= self.num_stages <= 8:
-            raise ValueError(f"DecodeConfig.num_stages must be in 1..8, got {self.num_stages!r}")
 
 
 # The untuned configs, tried in order: the first whose shared memory (sram_bytes) fits the device runs. 64 keys a step
@@ -94,12 +66,21 @@ def sram_bytes(config: DecodeConfig, head_dim: int, dtype: torch.dtype) -> int:
     return steps + rows * width * (4 + size) + rows * config.block_n * 4 + 1024
 
 
+def check(config: DecodeConfig, device: DeviceInfo, head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why `config` cannot run at this head dim and dtype on `device`, or None: the one constraint of the decode
+    kernel, its shared memory (sram_bytes) against what one program may take."""
+    need = sram_bytes(config, head_dim, dtype)
+    if need > device.smem_per_block:
+        return f"needs {need:,} B of shared memory, {device.name} gives a program {device.smem_per_block:,} B"
+    return None
+
+
 def default_config(device: DeviceInfo, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """The config a decode call runs on `device` (fa2tune tune --decode will store tuned ones): the first of
-    CANDIDATES whose shared memory fits one program on it, the last one else."""
+    """The untuned config a decode call runs on `device` (`fa2tune tune --kernel decode` stores tuned ones): the
+    first of CANDIDATES that fits it (check), the last one else."""
     if device.source == "interpreter":
         return INTERPRETER_CONFIG
-    fits = [c for c in CANDIDATES if sram_bytes(c, head_dim, dtype) <= device.smem_per_block]
+    fits = [c for c in CANDIDATES if check(c, device, head_dim, dtype) is None]
     return fits[0] if fits else CANDIDATES[-1]
 
 
@@ -111,24 +92,35 @@ def row_tiles(group: int, seqlen_q: int, max_block_m: int) -> tuple[int, int]:
     return block_m, -(-rows // block_m)
 
 
-def num_splits(*, batch: int, kv_heads: int, tiles: int, max_keys: int, sm_count: int) -> int:
+def num_splits(*, batch: int, kv_heads: int, tiles: int, max_keys: int, sm_count: int, config: DecodeConfig) -> int:
     """How many programs share the keys of one (batch entry, K/V head, row tile): the one rule of the decode path.
 
     The batch·kv_heads·tiles programs of an unsplit launch fill a GPU of `sm_count` SMs when there are at least as
     many as SMs (each SM then holds one or more, and the pipeline of each keeps its loads in flight): no split. Fewer,
-    the keys are split so that the launch has PROGRAMS_PER_SM programs an SM, but never into chunks shorter than
-    MIN_SPLIT_KEYS keys, nor into more than MAX_SPLITS. The lengths live on the device (cache_seqlens, read by no
-    host code), so `max_keys` is the cache's capacity: a cache much larger than what it holds splits finer than its
-    lengths need (each split then reads fewer keys; pass num_splits to choose).
+    the keys are split so that the launch has config.programs_per_sm programs an SM, but never into chunks shorter
+    than config.min_split_keys keys, nor into more than MAX_SPLITS. The lengths live on the device (cache_seqlens,
+    read by no host code), so `max_keys` is the cache's capacity: a cache much larger than what it holds splits finer
+    than its lengths need (each split then reads fewer keys; pass num_splits to choose).
 
     Args:
         batch, kv_heads: the call's batch entries and K/V heads.
         tiles: row tiles per K/V head (row_tiles).
         max_keys: the most keys an entry may hold (capacity of the cache).
         sm_count: the device's SMs.
+        config: the launch config, whose programs_per_sm and min_split_keys are the rule's two parameters.
     """
     programs = batch * kv_heads * tiles
     if programs >= sm_count or programs == 0:
         return 1
-    wanted = -(-PROGRAMS_PER_SM * sm_count // programs)
-    return max(1, min(wanted, max_keys // MIN_SPLIT_KEYS, MAX_SPLITS))
+    wanted = -(-config.programs_per_sm * sm_count // programs)
+    return max(1, min(wanted, max_keys // config.min_split_keys, MAX_SPLITS))
+
+
+def launch_shape(config: DecodeConfig, *, batch: int, seqlen_q: int, heads_q: int, kv_heads: int, capacity: int,
+                 sm_count: int) -> tuple[int, int, int]:  # fmt: skip
+    """(block_m, tiles, splits) a call of these shapes launches with `config` and the split rule (num_splits): what
+    the launcher works out and what the decode tuner tells configs apart by."""
+    block_m, tiles = row_tiles(heads_q // kv_heads, seqlen_q, config.max_block_m)
+    splits = num_splits(batch=batch, kv_heads=kv_heads, tiles=tiles, max_keys=capacity, sm_count=sm_count,
+                        config=config)  # fmt: skip
+    return block_m, tiles, splits

@@ -1,7 +1,12 @@
 """The records of a tuned-config file, and the checks that read them from YAML: an entry's key (what it is for), its
 config and its measurement record. Each field is checked for its type before a record is built, so a hand-edited or
 foreign file fails here, one entry at a time, and never at launch time. Schema 2 spells configs as KernelConfig.to_dict
-does; schema 1 (integer codes) is read through config.schema_v1.
+does, a decode entry's as DecodeConfig.to_dict; schema 1 (integer codes) is read through config.schema_v1.
+
+A decode entry (kernel "decode") is keyed by head_dim and dtype alone: one decode kernel serves every mask and length,
+so its other key fields keep their defaults. It records GB/s (K and V read / time) where the others record TFLOP/s.
+Both additions leave the files of schema 2 as they were; an fa2tune older than them skips a decode entry with its
+one warning about the file and uses the others (and a write of its own drops the entry, keeping the file aside).
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ import reprlib
 from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 
 from . import schema_v1
+from .decode_config import DECODE_KERNEL, DecodeConfig
 from .lengths import SEQLEN_BUCKETS
 from .types import DTYPE_CHOICES, KERNELS, KernelConfig
 
 SCHEMA_VERSION = 2  # what the store writes; it reads schema 1 too
+ENTRY_KERNELS = (*KERNELS, DECODE_KERNEL)  # what an entry may be for: the attention kernels and the decode kernel
 
 
 @dataclass(frozen=True)
@@ -24,7 +31,7 @@ class EntryKey:
     head_dim: int
     dtype: str  # "bf16" | "fp16" | "fp32"
     causal: bool
-    kernel: str  # "fwd" | "bwd_dkdv" | "bwd_dq"
+    kernel: str  # "fwd" | "bwd_dkdv" | "bwd_dq" | "decode"
     seqlen_bucket: str = "all"  # lengths.SEQLEN_BUCKETS
     window: bool = False  # the band-mask variant (sliding window, prefix-LM); absent in older files = False
     varlen: bool = False  # the packed-sequence variant
@@ -34,12 +41,22 @@ class EntryKey:
         # A bool is an int to Python; `head_dim: true` is not head_dim 1.
         if not is_int(self.head_dim) or not 1 <= self.head_dim <= 256:
             raise ValueError(f"head_dim must be an int in 1..256, got {shown(self.head_dim)}")
-        for name, allowed in (("dtype", DTYPE_CHOICES), ("kernel", KERNELS), ("seqlen_bucket", SEQLEN_BUCKETS)):
+        for name, allowed in (("dtype", DTYPE_CHOICES), ("kernel", ENTRY_KERNELS), ("seqlen_bucket", SEQLEN_BUCKETS)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {shown(getattr(self, name))}")
         for name in ("causal", "window", "varlen"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {shown(getattr(self, name))}")
+        if self.kernel == DECODE_KERNEL and (self.causal, self.window, self.varlen, self.seqlen_bucket) != _DECODE_KEY:
+            raise ValueError(
+                "a decode entry is keyed by head_dim and dtype alone (one decode kernel serves every mask and "
+                "length): causal, window and varlen must be false and seqlen_bucket all, got "
+                f"causal={self.causal}, window={self.window}, varlen={self.varlen}, "
+                f"seqlen_bucket={self.seqlen_bucket}"
+            )
+
+
+_DECODE_KEY = (False, False, False, "all")  # a decode key's causal, window, varlen and seqlen_bucket: the defaults
 
 
 @dataclass(frozen=True)
@@ -47,9 +64,9 @@ class Entry:
     """One tuned result."""
 
     key: EntryKey
-    config: KernelConfig
+    config: KernelConfig | DecodeConfig  # a DecodeConfig for kernel "decode"
     ms: float
-    tflops: float
+    tflops: float | None  # None: not measured (CPU runs), or a decode entry (gbps)
     baseline: dict
     trials: int
     spread: float | None  # None: not measured (CPU runs)
@@ -57,10 +74,14 @@ class Entry:
     torch_version: str
     template_hash: str
     date: str
+    gbps: float | None = None  # a decode entry's GB/s of K and V read; None for the others and CPU runs
 
     def to_dict(self) -> dict:
+        """The entry as YAML stores it; gbps only where measured, so the other entries read as they always have."""
         data = asdict(self)
         data["config"] = self.config.to_dict()
+        if self.gbps is None:
+            del data["gbps"]
         return data
 
     @classmethod
@@ -93,7 +114,7 @@ class Entry:
 _NUMBER = (int, float)
 _RECORD_TYPES = {"ms": _NUMBER, "tflops": (*_NUMBER, type(None)), "baseline": (dict, type(None)), "trials": (int,),
                  "spread": (*_NUMBER, type(None)), "triton_version": (str,), "torch_version": (str,),
-                 "template_hash": (str,), "date": (str,)}  # fmt: skip
+                 "template_hash": (str,), "date": (str,), "gbps": (*_NUMBER, type(None))}  # fmt: skip
 assert set(_RECORD_TYPES) == {f.name for f in fields(Entry)} - {"key", "config"}, "an Entry field without a YAML type"
 
 
@@ -151,10 +172,15 @@ def _typed(data: dict, cls: type, what: str) -> None:
             raise ValueError(f"{what} {f.name} must be an integer, got {shown(value)}")
 
 
-def _config_from_yaml(data: object, version: int, kernel: str) -> KernelConfig:
-    """A KernelConfig from an entry's YAML mapping in schema `version` for `kernel`: every field of its type
-    (_typed; schema 1's are all integers), then KernelConfig's own range checks."""
+def _config_from_yaml(data: object, version: int, kernel: str) -> KernelConfig | DecodeConfig:
+    """A KernelConfig (a DecodeConfig for a decode entry) from an entry's YAML mapping in schema `version` for
+    `kernel`: every field of its type (_typed; schema 1's are all integers), then the config's own range checks."""
     try:
+        if kernel == DECODE_KERNEL:
+            if version == 1:
+                raise ValueError("config: schema 1 has no decode entries")
+            _typed(_fields_of(data, DecodeConfig, "config"), DecodeConfig, "config")
+            return DecodeConfig.from_dict(data)
         if version == 1:
             data = _mapping_of(data, schema_v1.FIELDS, schema_v1.REQUIRED, "config")
             for name, value in data.items():

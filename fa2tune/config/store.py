@@ -17,6 +17,12 @@ File layout (schema 2)::
       torch_version: 2.11.0
       template_hash: b42404956400aab5   # codegen.code_hash: the rendered kernel code this entry runs
       date: '2026-11-29'
+    - key: {head_dim: 128, dtype: bf16, causal: false, kernel: decode, seqlen_bucket: all, window: false, varlen: false}
+      config: {block_n: 64, num_warps: 4, num_stages: 3, max_block_m: 64, programs_per_sm: 2, min_split_keys: 512}
+      ms: 0.21            # geometric mean over the decode workloads (fa2tune.tune.decode_workload)
+      tflops: null
+      gbps: 4170.0        # K and V read / time, the same mean
+      ...                 # baseline, trials, spread, versions, template_hash, date as above
 
 An entry's records and the checks that read them: config.entries. Files of schema 1, whose configs spelled the
 template and schedule as integer codes (`warpspec`, `persistent`), are read as the same configs (config.schema_v1); a

@@ -25,6 +25,7 @@ from types import ModuleType
 import jinja2
 
 from ..config import head_chunks, paths
+from ..config.decode_config import DECODE_KERNEL
 from ..config.types import KERNELS
 
 TEMPLATES = ("fwd", "bwd", "fwd_ws", "bwd_ws", "bwd_dq_ws", "decode")
@@ -137,10 +138,24 @@ def _is_docstring(statement: ast.stmt) -> bool:
             and isinstance(statement.value.value, str))  # fmt: skip
 
 
+@functools.cache
+def decode_code_hash() -> str:
+    """Hash of the Triton code a tuned decode entry runs: templates/decode.py.jinja rendered for a contiguous and a
+    paged cache (one entry serves both), provenance comments left out, as code_hash does for the other kernels."""
+    from ..config.decode_plan import DecodeVariant
+
+    digest = hashlib.sha256(DECODE_KERNEL.encode())
+    for paged in (False, True):
+        digest.update(_code_only(render("decode", DecodeVariant(paged=paged))).encode())
+    return digest.hexdigest()[:16]
+
+
 def entry_code_hash(key, config) -> str:
     """code_hash of the code a stored entry runs: its key (store.EntryKey: kernel, causal, window, varlen) and the
-    switches of its config that select other code. The one rule the store's writer, its reader and the shipped-file
-    test share."""
+    switches of its config that select other code; decode_code_hash for a decode entry. The one rule the store's
+    writer, its reader and the shipped-file test share."""
+    if key.kernel == DECODE_KERNEL:
+        return decode_code_hash()
     return code_hash(key.kernel, causal=key.causal, window=key.window, varlen=key.varlen,
                      pipeline_qk=bool(config.pipeline_qk), warp_specialized=config.warp_specialized,
                      pingpong=config.pingpong, fused_dq=config.fused_dq, persistent=config.schedule.persistent,

@@ -8,14 +8,22 @@ combination). Nothing here reads a tensor's values on the host: the entries' len
 so a call can be captured in a CUDA graph; the kernels clamp every length and page index into the caches. What a
 call works out from its shapes (config, splits, kernels, grids, scalar arguments) is kept per call signature, in
 the launch plans that attention's calls keep theirs in (fa2tune.launch.plans).
+
+A call that passes no config runs the one its caller's `resolve` gives (the API's: the tuned entry the store holds
+for the device, head dim and dtype, else the default: fa2tune.api.selection.resolve_decode), asked when a call
+signature is new, as the rest of a plan is worked out: the calls that repeat a signature ask nothing, and this module
+reads no config file.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
 import torch
 
-from ..config import planner
-from ..config.decode_plan import DecodeConfig, DecodeVariant, default_config, num_splits, row_tiles
+from ..config import decode_plan, planner
+from ..config.decode_plan import DecodeConfig, DecodeVariant, default_config, launch_shape
 from ..config.device import device_info
 from ..config.inputs import interpreting
 from ..config.kvcache_inputs import KVCache
@@ -27,8 +35,12 @@ from .layout import on_device
 APPEND_ROWS = 16  # new keys an append program copies
 
 
+Resolve = Callable[[torch.device, int, torch.dtype], DecodeConfig]  # (device, head_dim, dtype) -> config
+
+
 def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, int], splits: int = 0,
-           config: DecodeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+           config: DecodeConfig | None = None,
+           resolve: Resolve | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Appends cache.k_new/v_new (if any) and returns (O, logsumexp) of q over each entry's keys.
 
     Args:
@@ -36,8 +48,10 @@ def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, 
         cache: the checked cache tensors (fa2tune.config.kvcache_inputs.check_call).
         scale: the softmax scale.
         window: (left, right) as the kernels take them (types.Mask.bounds: no side is negative; causal is right 0).
-        splits: programs sharing an entry's keys; 0: decode_plan.num_splits.
-        config: the launch config; None: decode_plan.default_config.
+        splits: programs sharing an entry's keys; 0: decode_plan.num_splits, with the config's parameters.
+        config: the launch config; None: resolve's for q's device, head dim and dtype.
+        resolve: the config of a call that passes none, asked when its signature is new; None:
+            decode_plan.default_config.
 
     Returns:
         O (batch, seqlen_q, heads_q, head_dim) contiguous in q's dtype, and the fp32 logsumexp (batch, heads_q,
@@ -49,11 +63,12 @@ def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, 
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
     # The kept plan first: a call of a seen signature works nothing out (the config, the split count and everything
-    # else a plan holds follow from the signature, which has the requested splits and config, 0 and None for "choose").
-    key = ("decode", _signature(q, cache, scale, window, splits, config))
+    # else a plan holds follow from the signature, which has the requested splits and config, 0 and None for "choose",
+    # and what a chosen config comes from: the resolver and the config directory the store reads first).
+    key = ("decode", _signature(q, cache, scale, window, splits, config), resolve)
     plan = plans.lookup(key)
     if plan is None:
-        config = config or default_config(device_info(q.device), q.shape[-1], q.dtype)
+        config = config or (resolve or _default_config)(q.device, q.shape[-1], q.dtype)
         plan = plans.Plan(_plan(q, cache, scale, window, splits or _auto_splits(q, cache, config), config), tma=False)
         plans.keep(key, plan, downgraded=False, tma_tensors=())
     with on_device(q):
@@ -61,21 +76,26 @@ def decode(q: torch.Tensor, cache: KVCache, *, scale: float, window: tuple[int, 
     return out, lse
 
 
+def _default_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """The untuned config: what a call without a config nor a resolver runs."""
+    return default_config(device_info(device), head_dim, dtype)
+
+
 def _auto_splits(q: torch.Tensor, cache: KVCache, config: DecodeConfig) -> int:
     """decode_plan.num_splits for this call's shapes and device."""
     batch, seqlen_q, heads_q, _ = q.shape
-    kv_heads = cache.k_cache.shape[2]
-    _, tiles = row_tiles(heads_q // kv_heads, seqlen_q, config.max_block_m)
-    return num_splits(batch=batch, kv_heads=kv_heads, tiles=tiles, max_keys=cache.capacity,
-                      sm_count=device_info(q.device).sm_count)  # fmt: skip
+    return launch_shape(config, batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, kv_heads=cache.k_cache.shape[2],
+                        capacity=cache.capacity, sm_count=device_info(q.device).sm_count)[2]  # fmt: skip
 
 
 def _signature(q, cache: KVCache, scale, window, splits, config) -> tuple:
     """Everything a plan is worked out from: the tensors' shapes and strides, dtypes, device, whether lengths are a
-    tensor (else their value), the scale, window, splits and config, and the interpreter."""
+    tensor (else their value), the scale, window, splits and config, the interpreter, and the config directory the
+    store searches first (which may hold another tuned config)."""
     tensors = (q, cache.k_cache, cache.v_cache, cache.block_table, cache.cache_seqlens, cache.k_new, cache.v_new)
     layout = tuple([None if t is None else (t.shape, t.stride(), t.dtype) for t in tensors])
-    return layout, q.device, cache.seqlen, scale, window, splits, config, interpreting()
+    return (layout, q.device, cache.seqlen, scale, window, splits, config, interpreting(),
+            os.environ.get("FA2TUNE_CONFIG_DIR"))  # fmt: skip
 
 
 def _kernels(paged: bool):
@@ -90,7 +110,7 @@ def _plan(q, cache: KVCache, scale: float, window: tuple[int, int], splits: int,
     k_cache, v_cache, table = cache.k_cache, cache.v_cache, cache.block_table
     kv_heads = k_cache.shape[2]
     group = heads_q // kv_heads
-    block_m, tiles = row_tiles(group, seqlen_q, config.max_block_m)
+    block_m, tiles = decode_plan.row_tiles(group, seqlen_q, config.max_block_m)
     module = _kernels(table is not None)
     head = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim))
     num_pages = k_cache.shape[0] if table is not None else 1

@@ -1,13 +1,15 @@
 """Processes that compile kernel configs into Triton's disk cache while the tuning process times others.
 
 Compiling is CPU work and most of a tune's time; the timing process then only loads binaries. A CompilePool starts
-once and takes every batch; `precompile` is one batch in a pool of its own.
+once and takes every batch — the attention kernels' configs through `start`, any other calls that build kernels (the
+decode tuner's) through `start_calls`; `precompile` is one batch in a pool of its own.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 
 import torch
 
@@ -15,17 +17,23 @@ from .records import failure_reason
 from .workload import kernel_inputs, run_kernel
 
 
-def _compile_one(job) -> str | None:
-    kernel, head_dim, dtype, causal, cfg, seqlen, device, varlen = job
+def _run_attention(kernel, head_dim, dtype, causal, cfg, seqlen, device, varlen) -> None:
+    # batch and heads of 2, not 1: Triton compiles an int argument equal to 1 as a constant, so a binary built
+    # with H_Q = 1 would not be the one a real launch (H_Q = 16) loads from the cache.
+    x = kernel_inputs(kernel, causal, 2, 2, seqlen, head_dim, dtype=dtype, device=device, varlen=varlen)
+    run_kernel(kernel, cfg, x, causal)
+    if x.q.is_cuda:
+        torch.cuda.synchronize()  # a launch error surfaces here, as this config's failure
+
+
+def _call_one(job) -> str | None:
+    """Runs function(*arguments) of job = (function, arguments), a call that builds kernels; its failure's reason,
+    or None."""
+    function, arguments = job
     if _released is not None and _released.is_set():  # the tune times nothing more: skip it (CompilePool.release)
         return None
     try:
-        # batch and heads of 2, not 1: Triton compiles an int argument equal to 1 as a constant, so a binary built
-        # with H_Q = 1 would not be the one a real launch (H_Q = 16) loads from the cache.
-        x = kernel_inputs(kernel, causal, 2, 2, seqlen, head_dim, dtype=dtype, device=device, varlen=varlen)
-        run_kernel(kernel, cfg, x, causal)
-        if x.q.is_cuda:
-            torch.cuda.synchronize()  # a launch error surfaces here, as this config's failure
+        function(*arguments)
         return None
     except Exception as exc:  # failures are data
         return failure_reason(exc)
@@ -91,18 +99,24 @@ class CompilePool:
         batches in the order started.
         """
         lengths = sorted({256 + n % 256 for n in seqlens})
-        pending = {
-            cfg: [self._pool.apply_async(_compile_one, ((kernel, head_dim, dtype, causal, cfg, n, device, varlen),))
-                  for n in lengths]
-            for cfg in dict.fromkeys(configs)
-        }  # fmt: skip
+        arguments = lambda cfg, n: (kernel, head_dim, dtype, causal, cfg, n, device, varlen)
+        return self.start_calls({cfg: [(_run_attention, arguments(cfg, n)) for n in lengths]
+                                 for cfg in dict.fromkeys(configs)})  # fmt: skip
 
-        def wait(cfg) -> str | None:
-            return next((reason for result in pending.get(cfg, ()) if (reason := result.get())), None)
+    def start_calls(self, calls: dict) -> Callable:
+        """Runs calls that build kernels into Triton's disk cache in the background: `calls` maps a key (a config)
+        to its (function, arguments) pairs, the functions module-level and the arguments picklable; the processes
+        take them up in the order given. Returns wait(key) -> the first failure reason of its calls, or None (also
+        for a key not given), which blocks for that key's calls only, and wait.ready(key), whether it would block."""
+        pending = {key: [self._pool.apply_async(_call_one, (call,)) for call in key_calls]
+                   for key, key_calls in calls.items()}  # fmt: skip
 
-        def ready(cfg) -> bool:
-            """Whether wait(cfg) would return at once."""
-            return all(result.ready() for result in pending.get(cfg, ()))
+        def wait(key) -> str | None:
+            return next((reason for result in pending.get(key, ()) if (reason := result.get())), None)
+
+        def ready(key) -> bool:
+            """Whether wait(key) would return at once."""
+            return all(result.ready() for result in pending.get(key, ()))
 
         wait.ready = ready
         return wait

@@ -1,5 +1,5 @@
 """Timing and FLOP accounting shared by the tuner and the benchmarks in scripts/: do_bench readings (median and
-spread), a kernel-by-kernel profile, and the FLOPs of attention under a mask."""
+spread), a kernel-by-kernel profile, the FLOPs of attention under a mask and the bytes a decode step reads."""
 
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ def attention_flops(
             pairs += band + prefix - prefix_in_band
     factor = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
     return 4.0 * batch * heads * pairs * head_dim * factor
+
+
+def kv_read_bytes(batch: int, keys: int, kv_heads: int, head_dim: int, *, itemsize: int) -> int:
+    """Bytes of K and V a decode step reads: 2 · batch · keys · kv_heads · head_dim · itemsize. A decode step is bound
+    by that read (its queries and outputs are a few rows), so its speed is reported as these bytes / time."""
+    return 2 * batch * keys * kv_heads * head_dim * itemsize
 
 
 @dataclass(frozen=True)

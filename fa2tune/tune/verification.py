@@ -1,4 +1,5 @@
-"""Runs the kernels against the float64 reference on fresh random inputs: `fa2tune check`, and tuned winners."""
+"""Runs the kernels against the float64 reference on fresh random inputs: `fa2tune check`, and tuned winners (the
+decode kernel's too: check_decode)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,42 @@ def check_backward(
         err = ((g.double() - ref).norm() / max(ref.norm().item(), do.double().norm().item())).item()
         worst = max(worst, err if err == err else float("inf"))
     return worst
+
+
+def check_decode(config, *, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str | torch.device,
+                 seed: int = 0) -> float:  # fmt: skip
+    """Worst relative error ‖O − ref‖ / ‖ref‖ of decode steps with `config` (a DecodeConfig) against float64
+    attention over each entry's keys: ragged lengths over a contiguous and a paged cache, one query token and four
+    (those causal), the keys split as the config's rule splits them on the device (a merge, on a GPU)."""
+    from ..config.kvcache_inputs import check_call
+    from ..config.types import Mask
+    from .decode_workload import DecodeInputs, run_step
+
+    on_gpu = str(device).startswith("cuda")
+    lengths, page = ([1000, 2500, 4097], 256) if on_gpu else ([5, 37], 16)
+    per_entry = -(-max(lengths) // page)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)
+    worst = 0.0
+    for seqlen_q, paged in ((1, False), (4, True)):
+        batch = len(lengths)
+        q = rand(batch, seqlen_q, heads, head_dim)
+        rows = (batch * per_entry, page) if paged else (batch, per_entry * page)
+        k_cache, v_cache = rand(*rows, kv_heads, head_dim), rand(*rows, kv_heads, head_dim)
+        table = torch.randperm(batch * per_entry, generator=gen).view(batch, per_entry).to(device, torch.int32)
+        table = table if paged else None
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        cache = check_call(q, k_cache, v_cache, None, None, seqlens, table)
+        causal = seqlen_q > 1
+        left, right, _ = Mask(causal=causal).bounds(seqlen_q, cache.capacity)
+        out = run_step(config, DecodeInputs(q, cache, (left, right), head_dim**-0.5))[0].double().cpu()
+        for b, length in enumerate(lengths):
+            keys = torch.arange(length, device=device)
+            at = (table[b, keys // page].long(), keys % page) if paged else (b, keys)
+            k, v = (cache_[at].double().transpose(0, 1) for cache_ in (k_cache, v_cache))  # (kv_heads, keys, d)
+            ref, _ = naive_attention(q[b].double().transpose(0, 1), k, v, causal=causal)  # (heads, seqlen_q, d)
+            ref = ref.transpose(0, 1).cpu()
+            err = ((out[b] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            worst = max(worst, err if err == err else float("inf"))  # NaN compares False: the worst
+    return worst
+
