@@ -703,8 +703,7 @@ def test_warpspec_kernels_with_a_v_head_dim_of_its_own_match_reference(head_dim,
                                                                        monkeypatch):  # fmt: skip
     # each warp-specialized kernel, given explicitly: the larger head dim's default (a one-consumer dK/dV config
     # where that default is the Triton template's), V, O, dO and dV read and written in V's own chunks; persistent
-    # ones over three programs; output poisoned first. The test that lets them run (planner.WS_DISTINCT_V_RUN_ON_GPU)
-    monkeypatch.setattr(planner, "WS_DISTINCT_V_RUN_ON_GPU", True)
+    # ones over three programs; output poisoned first
     device = device_info(0)
     configs = [defaults.default_config(max(head_dim, head_dim_v), dtype, causal=causal, kernel=kernel, device=device)
                for kernel in ("fwd", "bwd_dkdv", "bwd_dq")]  # fmt: skip
@@ -730,7 +729,6 @@ def test_warpspec_kernels_with_a_v_head_dim_of_its_own_match_reference(head_dim,
 @pytest.mark.parametrize("head_dim, head_dim_v", [(192, 128), (96, 160)])
 def test_warpspec_split_tail_with_a_v_head_dim_of_its_own_matches_reference(head_dim, head_dim_v, monkeypatch):
     # the pieces' partial O has O's columns, V's chunks (split_tail.workspace), merged into O of V's head dim
-    monkeypatch.setattr(planner, "WS_DISTINCT_V_RUN_ON_GPU", True)  # as the test above
     torch.manual_seed(head_dim_v)
     config = KernelConfig.parse("128,64,4,2,ws,persistent")
     monkeypatch.setattr(split_tail, "MIN_KV_STEPS", 2)

@@ -147,10 +147,7 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatc
         "fused_dq takes a head dim of one chunk (a power of two), got 96 = 64 + 32"
     )
     assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 64, torch.bfloat16, "bwd_dkdv") is None
-    # V's head dim of its own: not offered before it has run on a GPU (planner.WS_DISTINCT_V_RUN_ON_GPU); then dQ
-    # never fused in, both head dims taken by warpspec, the model at the larger
-    assert planner.check(fits_all, h200, 192, torch.bfloat16, head_dim_v=128) == planner.WS_DISTINCT_V_PENDING
-    monkeypatch.setattr(planner, "WS_DISTINCT_V_RUN_ON_GPU", True)
+    # V's head dim of its own: dQ never fused in, both head dims taken by warpspec, the model at the larger
     assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 64, torch.bfloat16, "bwd_dkdv", head_dim_v=32) == (
         "fused_dq takes V's head dim equal to Q's and K's, got 32 and 64"
     )
@@ -175,7 +172,8 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatc
     # dQ at d=128 with 128-row K/V tiles and two consumers: 64·(128 + 2.5·128)/128 = 224 > 240 − 24
     assert planner.check(WS, h200, 128, torch.bfloat16, "bwd_dq").startswith("registers: 224 fp32 accumulator")
     dkdv = [
-        c for c in planner.candidates("bwd_dkdv") if c.warp_specialized and not c.fused_dq and c.schedule != TWO_AN_SM
+        c for c in planner.candidates("bwd_dkdv")
+        if c.warp_specialized and not c.fused_dq and not c.split_roles and c.schedule != TWO_AN_SM
     ]
     assert len(dkdv) == 12 and all(planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") is None for c in dkdv[:8])
     # two one-consumer dK/dV programs an SM: 232 registers less 16 hold d=64's 64·(2·64 + 3·64)/128 + 32 = 192, not

@@ -58,11 +58,6 @@ NUM_STAGES = (1, 2, 3, 4, 5)
 # The warp-specialized kernels (fwd_ws, bwd_ws, bwd_dq_ws .py.jinja): Hopper's wgmma and TMA, 16-bit inputs, every
 # head dim head_chunks.supported admits (written out a power-of-two chunk at a time).
 WS_DTYPES = (torch.float16, torch.bfloat16)
-# V's head dim other than Q's and K's: the warp-specialized kernels write V, O, dO and dV in chunks of their own and
-# compile for sm_90 (tests/test_warpspec.py), but have not yet run on a GPU; until tests/test_gpu.py's V-head-dim
-# tests pass there, such calls run the Triton kernels (checked against float64 in the interpreter).
-WS_DISTINCT_V_RUN_ON_GPU = False
-WS_DISTINCT_V_PENDING = "warpspec with V's head dim other than Q's has not run on a GPU yet; the Triton kernels run"
 # Gluon, the dialect they are written in, is experimental and its API moves between Triton releases (3.9 renamed the
 # TMA copies: fa2tune.kernels.gluon_ext names them for both): they run on the Tritons they compile and pass the offline
 # sm_90 checks under (tests/test_warpspec.py; measured on a GPU under 3.6), and elsewhere every call takes the Triton
@@ -101,14 +96,12 @@ def warpspec_unsupported(
 ) -> str | None:
     """Why the warp-specialized kernels (forward, dK/dV, dQ) cannot run this head dim / dtype / GPU, or None.
     triton: the version of the Triton that would compile them ("": not known — a known-GPU table's model of a card).
-    head_dim_v: V's head dim (None: head_dim's); one of its own waits for WS_DISTINCT_V_RUN_ON_GPU."""
+    head_dim_v: V's head dim (None: head_dim's), which the kernels take in chunks of its own."""
     if capability[0] != 9:
         major, minor = capability
         return f"warpspec needs a Hopper GPU (compute capability 9.x: wgmma), this one is {major}.{minor}"
     if dtype not in WS_DTYPES:
         return f"warpspec takes float16/bfloat16 inputs, got {dtype}"
-    if head_dim_v not in (None, head_dim) and not WS_DISTINCT_V_RUN_ON_GPU:
-        return WS_DISTINCT_V_PENDING
     for dim in dict.fromkeys((head_dim, head_dim_v or head_dim)):  # Q's and K's, then V's if it differs
         if not head_chunks.supported(dim):
             low, high, step = head_chunks.CHUNK_MIN, head_chunks.CHUNK_MAX, head_chunks.ALIGN

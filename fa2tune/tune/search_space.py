@@ -79,8 +79,8 @@ def build(target: Target) -> Space:
 def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k: int = 3) -> list[KernelConfig]:
     """One config for each of the k block shapes (block_m, block_n) a roofline argument ranks first, taken in turn
     from the warp-specialized kernels and the Triton template where the space holds both; the warp-specialized
-    kernels' modes (the forward's ping-pong, the dK/dV kernel's fused dQ, two programs an SM) count as shapes of
-    their own, as they change the schedule more than warps and stages do.
+    kernels' modes (the forward's ping-pong, the dK/dV kernel's fused dQ and split roles, two programs an SM) count
+    as shapes of their own, as they change the schedule more than warps and stages do.
 
     Timed right after the default, these spread the first trials over the shapes — the choice that matters most —
     before TPE refines warps and stages. A program's arithmetic intensity grows with its tile (block_m·block_n),
@@ -96,12 +96,15 @@ def promising(candidates: Sequence[KernelConfig], head_dim: int, kernel: str, k:
     def score(cfg: KernelConfig):
         regs = planner.accumulators_per_thread(cfg, head_dim, kernel)
         persistent = cfg.schedule.persistent * cfg.schedule.programs_per_sm  # two an SM, one, one program a tile
-        return (regs > 192, -cfg.block_m * cfg.block_n, abs(cfg.num_stages - 3), -cfg.num_warps, -persistent)
+        # split roles last: it reads each Q and dO tile for 64 K/V rows, not 128, and pays where the two-block forms
+        # do not fit (d > 128), where it is first as the only warp-specialized dK/dV form left
+        return (cfg.split_roles, regs > 192, -cfg.block_m * cfg.block_n, abs(cfg.num_stages - 3), -cfg.num_warps,
+                -persistent)
 
     by_family: dict[bool, list[KernelConfig]] = {True: [], False: []}  # warpspec first
     for cfg in sorted(candidates, key=score):
         family = by_family[cfg.warp_specialized]
-        shape = lambda c: (c.block_m, c.block_n, c.pingpong, c.fused_dq, c.schedule.programs_an_sm == 2)
+        shape = lambda c: (c.block_m, c.block_n, c.pingpong, c.fused_dq, c.split_roles, c.schedule.programs_an_sm == 2)
         if all(shape(p) != shape(cfg) for p in family):
             family.append(cfg)
     turns = itertools.zip_longest(by_family[True], by_family[False])
