@@ -6,6 +6,9 @@ async-group that `tma.store_wait` waits on): Triton 3.6 calls them `tma.async_co
 in the same order) and made the old names raise. The templates call these aliases, so one rendered kernel compiles
 under both.
 
+`thread_barrier`: a barrier of the calling warps (inside a warp-specialized partition, of that partition's warps);
+Triton 3.6 calls it `gl.thread_barrier`, 3.9 `gl.barrier`.
+
 `tma_reduce_add`: a TMA bulk reduction (`cp.reduce.async.bulk.tensor ... .add`), shared memory added into global memory
 by the tensor memory accelerator. Triton 3.6's Gluon IR builder has the op (`create_async_tma_reduce`, the one
 `tensor_descriptor.atomic_add` lowers to) but its Hopper `tma` module offers only copies; the fused-dQ backward
@@ -18,6 +21,7 @@ its source.
 from __future__ import annotations
 
 from triton._C.libtriton import ir
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
@@ -31,6 +35,8 @@ def _tma_reduce_add_36(tensor_desc, coord, src, _semantic=None):
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
+
+thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 if _RENAMED:
     tma_load, tma_store, tma_reduce_add = tma.async_load, tma.async_store, tma.async_atomic_add
