@@ -134,6 +134,12 @@ def test_every_split_count_matches_the_reference_over_ragged_lengths(page, split
     _check_case(RAGGED, page=page, splits=splits, device=device)
 
 
+def test_many_splits_merge_in_blocks_at_a_wide_head_dim(device):
+    # d=256 with 40 splits: the merge loads a row's partials 16 splits at a time (launch.decode.MERGE_ELEMENTS), so
+    # its last block is part outside the splits and one wholly outside; chunks of 32 keys put keys in most splits
+    _check_case([200, 700], head_dim=256, heads=4, kv_heads=2, splits=40, device=device)
+
+
 @pytest.mark.parametrize("page, lengths, dtype", [(64, [63, 65, 130], torch.bfloat16),
                                                  (48, [47, 49, 100], torch.float16)], ids=["page64", "page48"])
 def test_shuffled_pages_of_other_sizes(page, lengths, dtype, device):

@@ -33,6 +33,7 @@ from .grid import LOG2E, cdiv, input_precision
 from .layout import on_device
 
 APPEND_ROWS = 16  # new keys an append program copies
+MERGE_ELEMENTS = 4096  # partial-output elements a merge program loads at once: 32 fp32 registers a thread of 4 warps
 
 
 Resolve = Callable[[torch.device, int, torch.dtype], DecodeConfig]  # (device, head_dim, dtype) -> config
@@ -135,10 +136,13 @@ def _plan(q, cache: KVCache, scale: float, window: tuple[int, int], splits: int,
     )  # fmt: skip
     merge = None
     if splits > 1:
+        rows = group * seqlen_q
+        splits_pad = 1 << (splits - 1).bit_length()
         merge = fastlaunch.Launcher(
-            module._decode_merge, (batch * kv_heads, tiles), (*o_strides, *lse_strides, kv_heads, group, seqlen_q,
-                                                              splits),
-            dict(**head, BLOCK_M=block_m, num_warps=4),
+            module._decode_merge, (batch * kv_heads * rows,),
+            (*o_strides, *lse_strides, kv_heads, group, rows, tiles * block_m, splits),
+            dict(**head, SPLITS_PAD=splits_pad, SPLIT_BLOCK=min(splits_pad, MERGE_ELEMENTS // head["HEAD_DIM_PAD"]),
+                 num_warps=4),
         )  # fmt: skip
     part_shape = (splits, batch * kv_heads, tiles * block_m)
 

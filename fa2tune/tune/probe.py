@@ -220,7 +220,7 @@ def compile_decode(kernel: str, config, head_dim: int, dtype: torch.dtype, *, pa
     fn = getattr(codegen.load("decode", DecodeVariant(paged=paged)), kernel)
     constexprs: dict[str, object] = {
         **head_dim_options(head_dim, head_dim), "BLOCK_M": block_m, "BLOCK_N": config.block_n, "BLOCK_R": 16,
-        "PAGE_SIZE": page_size if paged else 0, "PARTIAL": True,
+        "PAGE_SIZE": page_size if paged else 0, "PARTIAL": True, "SPLITS_PAD": 64, "SPLIT_BLOCK": 32,
         "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
     }  # fmt: skip
     signature: dict[str, str] = {}
