@@ -15,6 +15,7 @@ Default shapes (issue 45): d=128, bf16, 32 query heads over 8 K/V heads, one que
 
     python scripts/bench_decode.py --csv $OUT/decode.csv
     python scripts/bench_decode.py --shapes 64x4096x1 --head-dim 64
+    python scripts/bench_decode.py --shapes 1x131072x1 --page-size 0 --num-splits 8,16,33,66   # the split count
     python scripts/bench_decode.py --device cpu      # tiny shapes through Triton's interpreter: checks the script
 """
 
@@ -44,6 +45,16 @@ def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
+def _parse_splits(text: str) -> tuple[int, ...]:
+    try:
+        splits = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        splits = ()
+    if not splits or min(splits) < 1:
+        raise argparse.ArgumentTypeError(f"--num-splits takes split counts >= 1, e.g. 8,16,33, got {text!r}")
+    return splits
+
+
 def _cache(batch, keys, kv_heads, head_dim, dtype, device):
     """(k_cache, v_cache, None, cache_seqlens): every entry holds `keys` random keys."""
     k, v = (torch.randn((batch, keys, kv_heads, head_dim), device=device, dtype=dtype) for _ in "kv")  # GBs: on device
@@ -67,12 +78,16 @@ def _paged(contiguous, page_size, gen):
     return *paged, order.view(batch, per_entry).to(torch.int32), seqlens
 
 
-def _providers(q, k_cache, v_cache, table, seqlens, contiguous):
-    """name -> step(): fa2tune on this cache; SDPA's backends (and flash_attn) on the contiguous one."""
+def _providers(q, k_cache, v_cache, table, seqlens, contiguous, num_splits=()):
+    """name -> step(): fa2tune on this cache (and at each forced split count, "fa2tune/sN"); SDPA's backends (and
+    flash_attn) on the contiguous one."""
     import fa2tune
 
-    steps = {"fa2tune": lambda: fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
-                                                                block_table=table)}  # fmt: skip
+    steps = {}
+    for splits in (0, *num_splits):
+        name = f"fa2tune/s{splits}" if splits else "fa2tune"
+        steps[name] = lambda splits=splits: fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                                            block_table=table, num_splits=splits)
     q_t, k_t, v_t = q.transpose(1, 2), contiguous[0].transpose(1, 2), contiguous[1].transpose(1, 2)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -121,7 +136,7 @@ def rows_for(shape, args, device) -> list[dict]:
     rows = []
     for page_size in (0, args.page_size) if args.page_size else (0,):
         k_cache, v_cache, table, seqlens = _paged(contiguous, page_size, gen) if page_size else contiguous
-        steps = _providers(q, k_cache, v_cache, table, seqlens, contiguous)
+        steps = _providers(q, k_cache, v_cache, table, seqlens, contiguous, args.num_splits)
         reference = steps["fa2tune"]().float()
         for name, step in steps.items():
             row = dict(provider=name, batch=batch, keys=keys, seqlen_q=seqlen_q, heads=args.heads,
@@ -160,6 +175,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--page-size", type=int, default=None,
                         help="keys a page of the paged cache holds; 0: contiguous only (default 256; cpu: 16)")
+    parser.add_argument("--num-splits", type=_parse_splits, default=(),
+                        help="also time fa2tune at these split counts, e.g. 8,16,33 (rows fa2tune/sN; default: only "
+                             "the split rule's choice)")  # fmt: skip
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (tiny shapes, interpreter)")
     parser.add_argument("--csv", default=None, help="also write the rows to this CSV file")
     args = parser.parse_args(argv)

@@ -459,11 +459,13 @@ _TUNED = DecodeConfig(block_n=16, num_warps=4, num_stages=1, max_block_m=16, pro
 
 @pytest.fixture
 def config_dir(tmp_path, monkeypatch):
-    """An empty FA2TUNE_CONFIG_DIR and user cache; a warning the store gave before is given again."""
+    """An empty FA2TUNE_CONFIG_DIR and user cache, no shipped file (on a GPU the shipped one holds entries for the
+    device); a warning the store gave before is given again."""
     from fa2tune.config import store
 
     monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path / "env"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(store, "shipped_config_dir", lambda: tmp_path / "shipped")
     monkeypatch.setattr(store, "_warned", set())
     return tmp_path / "env"
 
@@ -535,12 +537,15 @@ def test_bench_decode_runs_every_provider_on_both_caches(tmp_path, capsys):
     # scripts/bench_decode.py --device cpu: fa2tune (contiguous and paged) and SDPA's math backend on the same keys,
     # each checked against fa2tune's output before it is timed
     script = load_script("bench_decode")
-    assert script.main(["--device", "cpu", "--shapes", "2x40x1,1x30x4", "--csv", str(tmp_path / "d.csv")]) == 0
+    assert script.main(["--device", "cpu", "--shapes", "2x40x1,1x30x4", "--num-splits", "3",
+                        "--csv", str(tmp_path / "d.csv")]) == 0  # fmt: skip
     with open(tmp_path / "d.csv") as handle:
         rows = list(csv.DictReader(handle))
-    assert {(r["provider"], r["cache"]) for r in rows} == {(p, c) for p in ("fa2tune", "sdpa_math")
+    assert {(r["provider"], r["cache"]) for r in rows} == {(p, c) for p in ("fa2tune", "fa2tune/s3", "sdpa_math")
                                                           for c in ("contiguous", "paged16")}  # fmt: skip
     assert all(r["note"].startswith("rel err") and float(r["gbps"]) > 0 for r in rows)
     assert "sdpa_math" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         script.parse_args(["--device", "cpu", "--shapes", "32x8192x1"])
+    with pytest.raises(SystemExit):
+        script.parse_args(["--device", "cpu", "--num-splits", "0"])
