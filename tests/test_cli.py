@@ -335,6 +335,20 @@ def test_tune_all_beside_a_bucket_entry_is_timed_where_the_entry_serves(tmp_path
     assert seen[-1].seqlens == (1024, 2048) and "serves longer calls" not in capsys.readouterr().err
 
 
+def test_a_tune_without_timeout_shares_one_run_budget_among_its_studies(tmp_path, studies_run):
+    # one fwd study takes the whole budget; --timeout, where given, is each study's own
+    args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "1", "--causal", "no", "--kernel", "fwd",
+            "--config-dir", str(tmp_path)]  # fmt: skip
+    assert cli.main(args) == 0
+    assert studies_run[-1].timeout_s == cli.arguments.RUN_BUDGET_S
+    assert cli.main([*args, "--timeout", "15"]) == 0
+    assert studies_run[-1].timeout_s == 15
+    # `--kernel all` with both masks: six studies, a sixth each; never below the shortest timeout a study can use
+    assert cli.arguments.study_timeout(None, 6) == cli.arguments.RUN_BUDGET_S / 6
+    assert cli.arguments.study_timeout(None, 10**6) == cli.arguments.MIN_TIMEOUT_S
+    assert cli.arguments.study_timeout(30.0, 6) == 30.0
+
+
 def test_a_window_may_start_with_minus_one_without_the_equals_form():
     parse = lambda *argv: cli.build_parser().parse_args(cli.parser.join_negative_values(list(argv)))
     assert parse("tune", "--head-dim", "64", "--window", "-1,0").window == (-1, 0)

@@ -10,6 +10,17 @@ from pathlib import Path
 # The shortest --timeout a study can use: its first config takes seconds to build and time on a GPU (~2 s to
 # compile, 1-2 s to time at the default lengths), so below this a study would time nothing but its default.
 MIN_TIMEOUT_S = 10.0
+# A tune without --timeout shares this many seconds among its studies (at least MIN_TIMEOUT_S each), so `fa2tune
+# tune --kernel all` — six studies — finishes in about five minutes on one GPU; the finish of each study (its best
+# configs re-timed, the float64 check) runs past its share.
+RUN_BUDGET_S = 240.0
+
+
+def study_timeout(timeout: float | None, studies: int) -> float:
+    """Seconds each of `studies` studies may start trials in: --timeout if given, else its share of RUN_BUDGET_S."""
+    if timeout is not None:
+        return timeout
+    return max(MIN_TIMEOUT_S, RUN_BUDGET_S / max(1, studies))
 # --storage: an Optuna database URL of one of these SQLAlchemy dialects (dialect+driver allowed), or a journal
 # file named by one of these suffixes. A bare word is neither: taken for a journal file, `--storage foo` would
 # silently make ./foo.

@@ -10,7 +10,7 @@ from ..config.decode_config import DECODE_KERNEL
 from ..config.lengths import BUCKET_RANGES, SEQLEN_BUCKETS, TUNING_LENGTHS
 from ..config.types import DTYPE_CHOICES, KERNELS  # torch-free, as everything this package imports at its top
 from . import arguments, bench_command, commands, tune_command
-from .arguments import JOURNAL_SUFFIXES, MIN_TIMEOUT_S, STORAGE_DIALECTS
+from .arguments import JOURNAL_SUFFIXES, MIN_TIMEOUT_S, RUN_BUDGET_S, STORAGE_DIALECTS
 from .common import USAGE_ERROR
 from .decode_tune_command import DEFAULT_HEADS
 
@@ -156,7 +156,8 @@ def _add_tune_budget(tune) -> None:
                       help="configs timed per study (>= 1; the config the file holds for the key is timed beside "
                            "them, whatever the budget)")  # fmt: skip
     tune.add_argument("--timeout", type=arguments.timeout, default=None,
-                      help=f"seconds per study (>= {MIN_TIMEOUT_S:g}): no new trial starts after it")  # fmt: skip
+                      help=f"seconds per study (>= {MIN_TIMEOUT_S:g}): no new trial starts after it (default: "
+                           f"{RUN_BUDGET_S:g} s shared by the run's studies)")  # fmt: skip
     tune.add_argument("--storage", type=arguments.storage, default=None,
                       help="where the trials are kept, to resume or share between workers: a database URL of "
                            f"{', '.join(STORAGE_DIALECTS)} (dialect+driver:// allowed), e.g. sqlite:///t.db, "

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..config.decode_config import DECODE_KERNEL
+from . import arguments
 from .common import end_progress_line, fail, log, note_interpreter, progress, resolve_device, to_json
 from .decode_tune_command import check_heads, tune_decode
 from .outputs import check_writable, interrupted
@@ -104,9 +105,10 @@ def _specs(args: argparse.Namespace, seqlens: tuple[int, ...], storage: str | No
 
     kernels = {"bwd": ["bwd_dkdv", "bwd_dq"], "all": list(planner.KERNELS)}.get(args.kernel, [args.kernel])
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    timeout_s = arguments.study_timeout(args.timeout, len(kernels) * len(causals))
     specs = [
         job.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
-                          seqlens=seqlens, tokens=args.tokens, trials=args.trials, timeout_s=args.timeout,
+                          seqlens=seqlens, tokens=args.tokens, trials=args.trials, timeout_s=timeout_s,
                           storage=storage, window=args.window, varlen=args.varlen,
                           seqlen_bucket=args.seqlen_bucket)
         for kernel in kernels for causal in causals
