@@ -660,6 +660,32 @@ def test_a_timeout_shorter_than_the_first_timing_still_times_one_config():
     assert result.best == _TRITON_DEFAULT and calls[0] == _TRITON_DEFAULT and result.measured == 1
 
 
+def test_batches_asked_ahead_are_not_timed_past_the_timeout(monkeypatch):
+    # Two batches of 8 are asked before any is timed (one compiles while the other is timed); each timing takes 4 s
+    # of a clock the test moves. With a 10 s timeout the study times three configs (at 0, 4 and 8 s) and tells the
+    # rest of its batches pruned, untimed, with the reason.
+    from fa2tune.tune import strategy
+
+    clock = [1000.0]
+    monkeypatch.setattr(strategy.time, "time", lambda: clock[0])  # the time module: the tuner's clock too
+    table = _recorded(128, False)
+    space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
+    replay, _ = _replay(table)
+
+    def measure(cfg):
+        clock[0] += 4.0
+        return replay(cfg)
+
+    target = tuner.Target(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
+                          space=space, default=_TRITON_DEFAULT)  # fmt: skip
+    options = tuner.Options(trials=40, timeout_s=10.0, batch_size=8, remeasure_top=1,
+                            prepare=lambda configs: lambda cfg: None)  # fmt: skip
+    result = tuner.tune(target, measure, options)
+    assert result.measured == 3
+    untimed = [r for r in result.history if r.ms is None and r.reason == "not timed: the study's timeout passed"]
+    assert len(untimed) == 16 - 3
+
+
 def test_an_interrupted_study_leaves_no_trial_running_in_its_storage(tmp_path):
     # Ctrl-C during a timing left that trial RUNNING in the storage for good.
     import optuna

@@ -81,7 +81,10 @@ class _Search:
                     break
                 batch, wait = self.in_flight.popleft()
                 for trial, cfg in batch:
-                    self.cost.time_trial(trial, cfg, wait)
+                    if self._out_of_time():  # the batches asked ahead are not timed past the timeout either
+                        self._not_timed(trial, cfg)
+                    else:
+                        self.cost.time_trial(trial, cfg, wait)
         except KeyboardInterrupt:
             study_trials.abandon(self.study, self.opened)
             raise
@@ -113,9 +116,21 @@ class _Search:
             return True
         if all(c in timed_or_planned or c in self.cost.failures for c in self.space.feasible):
             return True  # the whole space is timed or failed: asking again would only repeat configs
+        return self._out_of_time()
+
+    def _out_of_time(self) -> bool:
+        """Whether the study's timeout has passed (once something is timed: a study always times its first config)."""
         timeout_s = self.options.timeout_s
         timed_out = timeout_s is not None and time.time() - self.start > timeout_s
-        return timed_out and bool(self.cost.measured or self.cost.failures)  # a study always times its first config
+        return timed_out and bool(self.cost.measured or self.cost.failures)
+
+    def _not_timed(self, trial: optuna.trial.Trial, cfg: KernelConfig) -> None:
+        """Tells a trial asked before the timeout, but reached after it, pruned: untimed, so a resumed or shared study
+        may ask for its config again."""
+        reason = "not timed: the study's timeout passed"
+        trial.set_user_attr("reason", reason)
+        self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+        self.cost.history.append(TrialRecord(trial.number, cfg, None, reason))
 
     def _told_at_once(self, trial: optuna.trial.Trial, cfg: KernelConfig, batch: Batch) -> bool:
         """Tells the trial now where it needs no timing: the planner rejects cfg (pruned), cfg failed before
