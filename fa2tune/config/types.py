@@ -7,7 +7,7 @@ import numbers
 from dataclasses import MISSING, asdict, dataclass, fields
 
 from . import head_chunks
-from .schedule import PER_TILE, SCHEDULE_WORDS, Schedule
+from .schedule import PER_TILE, RETIRED_FIELDS, SCHEDULE_WORDS, Schedule
 
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
 WS_BLOCK_M = (64, 128, 192)  # warpspec forward programs: 1, 2 or 3 consumer warpgroups of 64 query rows
@@ -70,7 +70,7 @@ class KernelConfig:
             handed over in shared memory) and dK — so each holds one 64 × d accumulator instead of two: the dK/dV
             kernel for head dims whose dK and dV do not fit one warpgroup's registers together (d > 128).
         schedule: how the warp-specialized kernel's programs walk the tiles (Schedule: persistent or one program a
-            tile, programs an SM, tail policies); one program a tile for the Triton templates.
+            tile, programs an SM, the split tail); one program a tile for the Triton templates.
     """
 
     block_m: int
@@ -261,9 +261,11 @@ class KernelConfig:
 
     @classmethod
     def from_params(cls, params: dict) -> KernelConfig:
-        """The config of a flat mapping (params'; fields left out take their defaults)."""
+        """The config of a flat mapping (params'; fields left out take their defaults). A schedule's retired fields
+        (schedule.RETIRED_FIELDS), which the trials of a study begun before their removal hold, are left out."""
         schedule = Schedule(**{name: params[name] for name in _SCHEDULE_FIELDS if name in params})
-        return cls(**{k: v for k, v in params.items() if k not in _SCHEDULE_FIELDS}, schedule=schedule)
+        return cls(**{k: v for k, v in params.items() if k not in _SCHEDULE_FIELDS and k not in RETIRED_FIELDS},
+                   schedule=schedule)  # fmt: skip
 
     def to_ints(self) -> list[int]:
         """Every field as an int, in PARAM_NAMES' order: what a custom op's schema carries (it takes no
@@ -280,8 +282,8 @@ class KernelConfig:
 
 
 @functools.lru_cache(maxsize=64)
-def _schedule_of_ints(persistent: int, programs_per_sm: int, split_tail: int, causal_tail: int) -> Schedule:
-    return Schedule(bool(persistent), programs_per_sm, bool(split_tail), bool(causal_tail))
+def _schedule_of_ints(persistent: int, programs_per_sm: int, split_tail: int) -> Schedule:
+    return Schedule(bool(persistent), programs_per_sm, bool(split_tail))
 
 
 PARAM_NAMES = (*_NUMBERS, *_FLAGS, *_SCHEDULE_FIELDS)  # KernelConfig.params' keys, in order
