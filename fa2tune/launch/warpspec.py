@@ -215,7 +215,7 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
     launch = _launcher(
         "fwd", config, causal, head_dims, grid, ("q", "k", "v", "o"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, tiles, main,
-         split, 0),
+         split),
     )  # fmt: skip
     if split == 1:
         return lambda q, k, v, o, lse: launch(q, k, v, o, lse, lse, lse)  # no pieces: lse stands in for PART_O/LSE
@@ -248,7 +248,7 @@ def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, 
     return _launcher(
         "bwd_dkdv", config, causal, (head_dim, head_dim_v or head_dim), grid, sides,
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale,
-         tiles, tiles, 0),
+         tiles),
     )  # fmt: skip
 
 
@@ -263,7 +263,7 @@ def backward_dq_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
     return _launcher(
         "bwd_dq", config, causal, (head_dim, head_dim_v or head_dim), grid, ("q", "k", "v", "o", "q"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, scale,
-         tiles, tiles, 0),
+         tiles),
     )  # fmt: skip
 
 
