@@ -7,11 +7,11 @@ import torch
 
 import fa2tune
 from fa2tune.api import ops, selection
-from fa2tune.config import defaults, planner
+from fa2tune.config import defaults
 from fa2tune.config.device import device_info
 from fa2tune.config.schedule import PERSISTENT
 from fa2tune.config.types import KernelConfig
-from fa2tune.launch import causal_tail, split_tail, warpspec
+from fa2tune.launch import split_tail, warpspec
 from fa2tune.tune.reference import naive_attention
 
 from .conftest import assert_close
@@ -221,90 +221,6 @@ def test_attention_at_chunked_head_dims_trains(head_dim):
     assert_close(o, ref_o, torch.bfloat16)
     for got, want in zip((q.grad, k.grad, v.grad), (t.grad for t in ref), strict=True):
         assert_close(got, want, torch.bfloat16, what="grad")
-
-
-@_HOPPER
-@pytest.mark.parametrize(
-    "config", [c for c in _WS_CONFIGS if c.schedule.persistent], ids=_config_id,
-)
-@_WS_DIMS
-def test_warpspec_causal_forward_with_a_tail_matches_reference(config, head_dim, dtype, monkeypatch):
-    # a causal persistent forward deals the tiles of its last heads out one at a time, in a snake over the programs
-    # (fa2tune/launch/causal_tail.py): here on a number of programs for which the plan keeps both pairs and a tail, with
-    # the keys longer than the queries, shorter (rows that see no key), and as long
-    torch.manual_seed(head_dim + config.block_m + 7)
-    monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "1")  # off by default until this has run on a GPU (Schedule.causal_tail)
-    plans = _recorded_causal_plans(monkeypatch)
-    for seqlen_q, seqlen_k in ((1000, 1537), (1000, 300), (777, 777)):
-        q = torch.randn(2, 4, seqlen_q, head_dim, dtype=dtype, device="cuda")
-        k, v = (torch.randn(2, 2, seqlen_k, head_dim, dtype=dtype, device="cuda") for _ in range(2))
-        costs = causal_tail.forward_costs(-(-seqlen_q // config.block_m), config.block_m, config.block_n, seqlen_q,
-                                          seqlen_k)  # fmt: skip
-        _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, 8, costs, config.schedule.programs_per_sm)
-        out = torch.full_like(q, float("nan"))  # poisoned: every tile, paired or in the tail, must be written
-        o, lse = ops.forward(q, k, v, causal=True, scale=head_dim**-0.5, config=config, out=out)
-        main, tail_heads = plans[-1][1]
-        assert main > 0 and tail_heads > 0, plans
-        ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=True)
-        assert_close(o, ref_o.nan_to_num(0.0), dtype)
-        seen = torch.isfinite(ref_lse)
-        assert_close(lse[seen], ref_lse[seen], torch.float32, what="lse")
-        assert (lse[~seen] == float("-inf")).all()
-
-
-def _recorded_causal_plans(monkeypatch) -> list[tuple[int, tuple[int, int]]]:
-    """(batch_heads, causal_tail.plan's answer) of every plan from here on, in call order."""
-    plans, plan = [], causal_tail.plan
-    monkeypatch.setattr(causal_tail, "plan", lambda *args: plans.append((args[0], plan(*args))) or plans[-1][1])
-    return plans
-
-
-def _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, batch_heads: int, costs, per_sm: int) -> None:
-    """Sizes persistent grids for the fewest SMs (two or more) on which causal_tail.plan keeps both pairs and a
-    tail for batch_heads heads of tiles of these costs; launch plans are dropped, as they keep their grid."""
-    sms = next(p for p in range(2, 64) if 0 < causal_tail.plan(batch_heads, p * per_sm, costs)[1] < batch_heads)
-    monkeypatch.setattr(warpspec, "_sm_count", lambda index: sms)
-    ops.clear_plans()
-
-
-@_HOPPER
-@pytest.mark.parametrize(
-    "dkdv_config, dq_config",
-    [(KernelConfig.parse("64,128,4,2,ws,persistent"), KernelConfig.parse("128,64,4,3,ws,persistent")),
-     (KernelConfig.parse("64,128,4,3,ws,fused-dq,persistent"), None),
-     (KernelConfig.parse("64,64,4,3,ws,fused-dq,persistent,x2"), None),
-     (KernelConfig.parse("64,128,4,2,ws,persistent"), KernelConfig.parse("64,64,4,2,ws,persistent,x2")),
-     (KernelConfig.parse("64,64,4,2,ws,fused-dq,persistent"), None)],
-    ids=["dkdv-dq", "fused-dq", "fused-dq-two-an-sm", "dq-two-an-sm", "fused-dq-64"],
-)  # fmt: skip
-@_WS_DIMS
-def test_warpspec_causal_backward_with_a_tail_matches_reference(dkdv_config, dq_config, head_dim, dtype, monkeypatch):
-    # the dK/dV and dQ kernels deal the tiles of their last heads out as the forward does (K/V heads for dK/dV,
-    # its longest tiles the first): all three gradients against float64 autograd with the tail forced, GQA, keys
-    # longer and shorter than the queries; with dQ fused in (fused_dq), dQ is the dK/dV programs' reductions.
-    # An explicit config skips the planner, so a config that does not fit this head dim (at d=128 the fused dK/dV
-    # kernel spills past 2 stages, and 2 stages of 128 K/V rows persistent exceed shared memory) would fail to
-    # compile rather than test the tail: those combinations do not exist, and "fused-dq-64" covers d=128.
-    for kernel, config in (("bwd_dkdv", dkdv_config), ("bwd_dq", dq_config)):
-        reason = config and planner.check(config, device_info("cuda"), head_dim, dtype, kernel)
-        if reason:
-            pytest.skip(f"{config.label()} is no {kernel} config at head_dim={head_dim}: {reason}")
-    torch.manual_seed(head_dim + dkdv_config.block_n + 3)
-    monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "1")
-    plans = _recorded_causal_plans(monkeypatch)
-    for seqlen_q, seqlen_k in ((1000, 1537), (1000, 300), (777, 777)):
-        q, do = (torch.randn(2, 8, seqlen_q, head_dim, dtype=dtype, device="cuda") for _ in range(2))
-        k, v = (torch.randn(2, 4, seqlen_k, head_dim, dtype=dtype, device="cuda") for _ in range(2))
-        o, lse = ops.forward(q, k, v, causal=True, scale=head_dim**-0.5)
-        costs = causal_tail.dkdv_costs(-(-seqlen_k // dkdv_config.block_n), dkdv_config.block_n, dkdv_config.block_m,
-                                       seqlen_q, seqlen_k, 2)  # fmt: skip
-        _run_on_programs_that_keep_pairs_and_a_tail(monkeypatch, 8, costs, dkdv_config.schedule.programs_per_sm)
-        del plans[:]
-        grads = ops.backward(do, q, k, v, o, lse, causal=True, scale=head_dim**-0.5, dkdv_config=dkdv_config,
-                                  dq_config=dq_config)  # fmt: skip
-        dkdv = [plan for batch_heads, plan in plans if batch_heads == 8]  # batch · K/V heads: the dK/dV launch's
-        assert dkdv and dkdv[0][0] > 0 and dkdv[0][1] > 0, plans  # it had pairs and a tail
-        _assert_gradients_match_reference(grads, q, k, v, do, causal=True)
 
 
 @_HOPPER

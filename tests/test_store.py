@@ -569,7 +569,7 @@ def _schema_1_file(path) -> None:
 def test_a_schema_1_file_reads_as_the_same_configs_and_is_rewritten_in_schema_2(config_dir):
     # Schema 1 spelled the template and schedule as codes whose meaning depended on the kernel (warpspec 2: the
     # forward's ping-pong, the dK/dV kernel's fused dQ; persistent 2: two programs an SM). Each reads as one config of
-    # the named flags, with the tail policies at their defaults (what schema-1 configs ran).
+    # the named flags, with the split tail at its default (what schema-1 configs ran).
     path = config_dir / "env" / "cpu-interpreter.yaml"
     _schema_1_file(path)
     with warnings.catch_warnings():
@@ -578,7 +578,7 @@ def test_a_schema_1_file_reads_as_the_same_configs_and_is_rewritten_in_schema_2(
     assert data["schema_version"] == 1
     expected = [config for _, _, _, config in _SCHEMA_1]
     for config in expected:
-        assert config.schedule.split_tail and not config.schedule.causal_tail
+        assert config.schedule.split_tail
     assert [e.config for e in entries] == expected
     assert all(e.config.combination_error(e.key.kernel) is None for e in entries)
     assert [e.baseline["config"] for e in entries] == [e.config.to_dict() for e in entries]  # the record too
@@ -588,3 +588,46 @@ def test_a_schema_1_file_reads_as_the_same_configs_and_is_rewritten_in_schema_2(
     assert text.startswith("schema_version: 2") and "warpspec" not in text and "persistent: true" in text
     again = store.read_file(path)[1]
     assert sorted((e.key.head_dim, e.config) for e in again) == sorted((e.key.head_dim, e.config) for e in entries)
+
+
+def test_an_entry_with_the_retired_causal_tail_switch_loads_and_never_breaks_a_model(config_dir, device):
+    # A file written while schedules had causal_tail (schedule.RETIRED_FIELDS) reads without malformed entries: the
+    # field is read as absent. An entry tuned with it on recorded the hash of the tail's code too (bd9016cf…: this
+    # config's, as that fa2tune computed it), which nothing runs now, so it is stale: one warning, the next source.
+    # One with it off is the config it always was, and is used. A model's forward and backward run as without them.
+    slug = selection.device_info(device).slug
+    path = config_dir / "env" / f"{slug}.yaml"
+    tail_on = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "warp_specialized": True,
+               "schedule": {"persistent": True, "causal_tail": True}}  # fmt: skip
+    dq = KernelConfig(16, 32, 4, 1)
+    record = {"ms": 1.0, "tflops": None, "baseline": {"name": "planner-default"}, "trials": 7, "spread": None,
+              "triton_version": "3.6.0", "torch_version": "2.11.0", "date": "2026-11-29"}  # fmt: skip
+    key = {"head_dim": 64, "dtype": "fp32", "causal": True}
+    entries = [{"key": {**key, "kernel": "fwd"}, "config": tail_on, "template_hash": "bd9016cf4f61ea04", **record},
+               {"key": {**key, "kernel": "bwd_dq"}, "config": {**dq.to_dict(), "schedule": {"causal_tail": False}},
+                "template_hash": codegen.code_hash("bwd_dq", causal=True), **record}]  # fmt: skip
+    path.parent.mkdir(parents=True)
+    path.write_text(yaml.safe_dump({"schema_version": 2, "device": DEVICE, "entries": entries}, sort_keys=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing in it is malformed
+        _, read = store.read_file(path)
+    assert [e.config for e in read] == [KernelConfig(64, 128, 4, 2, warp_specialized=True, schedule=PERSISTENT), dq]
+    q, k, v = (torch.randn(1, 2, 40, 64, device=device, requires_grad=True) for _ in range(3))
+    with pytest.warns(RuntimeWarning, match=r"tuned for kernel templates bd9016cf4f61ea04.*\(stale\)") as caught:
+        out = fa2tune.attention(q, k, v, causal=True)
+        out.sum().backward()
+    assert not [w for w in caught if "malformed" in str(w.message)]
+    assert selection.resolve("fwd", 64, torch.float32, True, device)[1] == "planner-default"
+    assert selection.resolve("bwd_dq", 64, torch.float32, True, device) == (dq, str(path))
+    from fa2tune.tune.reference import naive_attention
+
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out = naive_attention(*ref, causal=True)[0]
+    ref_out.sum().backward()
+    torch.testing.assert_close(out.double(), ref_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip((q.grad, k.grad, v.grad), (t.grad for t in ref), strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    # A write keeps both entries, without the field, and sets nothing aside (none was malformed).
+    store.write_entries(path, DEVICE, [])
+    assert "causal_tail" not in path.read_text() and not list(path.parent.glob("*.corrupt-*"))
+    assert {(e.key, e.config) for e in store.read_file(path)[1]} == {(e.key, e.config) for e in read}

@@ -526,57 +526,6 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
     assert unmasked == {n + 8 for n in causal}, (causal, unmasked)
 
 
-def test_the_causal_tail_is_a_launch_variant_not_an_entrys(monkeypatch):
-    # CAUSAL_TAIL renders only for causal persistent warpspec templates; a stored entry's hash names the code
-    # without it, whatever FA2TUNE_CAUSAL_TAIL says (a launch picks the variant, fa2tune/launch/causal_tail.py)
-    common = dict(banded=False, varlen=False, even_m=True, even_n=True, causal_tail=True, head_dim=128)
-    for template in ("fwd_ws", "bwd_ws", "bwd_dq_ws"):
-        on = Variant.for_template(template, causal=True, persistent=1, **common)
-        assert on.causal_tail and "CAUSAL_TAIL = gl.constexpr(True)" in codegen.render(template, on)
-        assert not Variant.for_template(template, causal=False, persistent=1, **common).causal_tail
-        assert not Variant.for_template(template, causal=True, persistent=0, **common).causal_tail
-    key = EntryKey(head_dim=128, dtype="bf16", causal=True, kernel="fwd")
-    config = KernelConfig(128, 128, 4, 2, warp_specialized=True, pingpong=True, schedule=PERSISTENT)
-    monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "1")
-    with_tail = codegen.entry_code_hash(key, config)
-    monkeypatch.setenv("FA2TUNE_CAUSAL_TAIL", "0")
-    assert codegen.entry_code_hash(key, config) == with_tail
-
-
-_TAIL_SASS_PROBE = """
-import json, os, sys
-sys.path.insert(0, "scripts")
-import sass_wgmma_operands as sass
-out = []
-for kernel, head_dim, config in json.loads(sys.argv[1]):
-    loops = {}
-    for tail in ("0", "1"):
-        os.environ["FA2TUNE_CAUSAL_TAIL"] = tail
-        sass_text = sass.compile_sass(kernel, config, head_dim, True)
-        loops[tail] = [[loop.hgmmas, len(loop.operand_registers), len(loop.clobbers)]
-                       for loop in sass.innermost_hgmma_loops(sass.parse(sass_text))]
-        loops[tail + "size"] = len(sass.parse(sass_text))
-    out.append(loops)
-print(json.dumps(out))
-"""
-
-
-@ON_WS_TRITON
-def test_the_causal_tail_variants_compile_and_leave_register_operands_alone():
-    # The causal tail's variant (FA2TUNE_CAUSAL_TAIL=1) of the forward, dK/dV and dQ kernels, compiled for sm_90:
-    # its step loops issue register-operand HGMMAs and rewrite none carried into them (as the test above asks of the
-    # shipped code), and its tile arithmetic adds code: the tail is in what compiled
-    rows = [
-        ("fwd", 128, "128,128,4,2,ws,pingpong,persistent"),
-        ("bwd_dkdv", 128, "64,128,4,2,ws,persistent"),
-        ("bwd_dq", 64, "128,128,4,3,ws,persistent"),
-    ]
-    for row, found in zip(rows, _probe(_TAIL_SASS_PROBE, json.dumps(rows)), strict=True):
-        assert any(operands > 0 for _, operands, _ in found["1"]), (row, found)
-        assert all(clobbers == 0 for _, _, clobbers in found["1"]), (row, found)
-        assert found["1size"] > found["0size"], (row, found)
-
-
 # each config's step loop (scripts/sass_step_mix.py): the blocks a branch skips, and where it waits for its wgmmas
 _STEP_PROBE = """
 import json, sys

@@ -106,8 +106,8 @@ def _switches(cfg) -> str:
     schedule = cfg.schedule
     words = [("pipeline_qk", cfg.pipeline_qk), ("warpspec", cfg.warp_specialized), ("ping-pong", cfg.pingpong),
              ("fused dQ", cfg.fused_dq), ("persistent", schedule.persistent),
-             (", two programs an SM", schedule.programs_an_sm == 2), (", no split tail", not schedule.split_tail),
-             (", causal tail", schedule.causal_tail)]  # fmt: skip
+             (", two programs an SM", schedule.programs_an_sm == 2),
+             (", no split tail", not schedule.split_tail)]  # fmt: skip
     return " ".join(word for word, on in words if on).replace(" ,", ",")
 
 

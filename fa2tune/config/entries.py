@@ -7,6 +7,10 @@ A decode entry (kernel "decode") is keyed by head_dim and dtype alone: one decod
 so its other key fields keep their defaults. It records GB/s (K and V read / time) where the others record TFLOP/s.
 Both additions leave the files of schema 2 as they were; an fa2tune older than them skips a decode entry with its
 one warning about the file and uses the others (and a write of its own drops the entry, keeping the file aside).
+
+A schedule field fa2tune no longer has (schedule.RETIRED_FIELDS: causal_tail) is read as absent, whatever its value.
+An entry whose launches ran the causal tail (on, causal, persistent) has the tail's code in its template_hash, code
+that no config runs now, so lookup finds it stale (one warning, the next source); any other runs what it always ran.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, is_dataclass
 from . import schema_v1
 from .decode_config import DECODE_KERNEL, DecodeConfig
 from .lengths import SEQLEN_BUCKETS
+from .schedule import RETIRED_FIELDS
 from .types import DTYPE_CHOICES, KERNELS, KernelConfig
 
 SCHEMA_VERSION = 2  # what the store writes; it reads schema 1 too
@@ -187,11 +192,20 @@ def _config_from_yaml(data: object, version: int, kernel: str) -> KernelConfig |
                 if not is_int(value) or value.bit_length() > 64:
                     raise ValueError(f"config {name} must be an integer, got {shown(value)}")
             return schema_v1.config(data, kernel)
-        _typed(_fields_of(data, KernelConfig, "config"), KernelConfig, "config")
+        data = _without_retired(_fields_of(data, KernelConfig, "config"))
+        _typed(data, KernelConfig, "config")
         return KernelConfig.from_dict(data)
     except ValueError as exc:
         message = str(exc)
         raise ValueError(message if message.startswith("config") else f"config {message}") from None
+
+
+def _without_retired(data: dict) -> dict:
+    """A schema-2 config mapping without the schedule fields fa2tune no longer has (RETIRED_FIELDS), as a copy."""
+    schedule = data.get("schedule")
+    if not isinstance(schedule, dict) or not any(name in schedule for name in RETIRED_FIELDS):
+        return data
+    return {**data, "schedule": {k: v for k, v in schedule.items() if k not in RETIRED_FIELDS}}
 
 
 def _baseline_from_v1(baseline: dict | None, kernel: str) -> dict | None:

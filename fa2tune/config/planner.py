@@ -341,8 +341,7 @@ def _model_terms(cfg: KernelConfig, kernel: str) -> str:
 
 
 # The schedules the search space offers a warp-specialized config: one program a tile, persistent, and two
-# programs an SM where the config has one consumer (KernelConfig.two_an_sm_shape); the tail policies at their
-# defaults.
+# programs an SM where the config has one consumer (KernelConfig.two_an_sm_shape); the split tail at its default.
 WS_SCHEDULES = (PER_TILE, PERSISTENT, TWO_AN_SM)
 
 

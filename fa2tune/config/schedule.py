@@ -3,10 +3,10 @@ and so of every launch plan's key, stored entry and tuner trial.
 
 A persistent program takes work units p, p + P, … of the launch (templates/*_ws.py.jinja): causal tiles go in pairs,
 a head's j-th longest with its j-th shortest, so programs P units apart get equal work. The grid's unit counts are
-powers of two against 132 SMs, so the last round is part empty; two tail policies fill it, each deciding by a model
-of the programs' steps whether a launch gains (fa2tune.launch.split_tail.plan, fa2tune.launch.causal_tail.plan).
-FA2TUNE_SPLIT_TAIL and FA2TUNE_CAUSAL_TAIL override them for debugging and A/B runs: unset, the schedule decides;
-"0" or empty, off; anything else, on. A launch plan's key holds them (env_overrides), as they change what runs.
+powers of two against 132 SMs, so the last round is part empty; the split tail fills it in a forward without a mask,
+where a model of the programs' steps says the launch gains (fa2tune.launch.split_tail.plan). FA2TUNE_SPLIT_TAIL
+overrides it for debugging and A/B runs: unset, the schedule decides; "0" or empty, off; anything else, on. A launch
+plan's key holds it (env_overrides), as it changes what runs.
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ import os
 from dataclasses import dataclass, fields
 
 SPLIT_TAIL_ENV = "FA2TUNE_SPLIT_TAIL"
-CAUSAL_TAIL_ENV = "FA2TUNE_CAUSAL_TAIL"
 PROGRAMS_PER_SM = (1, 2)
-SCHEDULE_WORDS = ("persistent", "x2", "no-split-tail", "causal-tail")  # Schedule.label's words, in order
+SCHEDULE_WORDS = ("persistent", "x2", "no-split-tail")  # Schedule.label's words, in order
+# Fields a schedule no longer has, which files and tuner studies written before their removal may still hold: read as
+# absent (config.entries, KernelConfig.from_params). causal_tail, a causal launch's last heads' tiles dealt one at a
+# time, times the same on as off on the H200 (geomean 1.003, docs/PERF.md "The causal tail"): no schedule has it.
+RETIRED_FIELDS = ("causal_tail",)
 
 
 @dataclass(frozen=True)
@@ -35,20 +38,16 @@ class Schedule:
         split_tail: a persistent forward without a mask, one program an SM, cuts its last round's tiles into pieces
             of keys where split_tail.plan's model says the launch gains (the other schedules and masks have no
             split tail). On by default: measured +0.95 % on average over the rows it cuts.
-        causal_tail: a causal persistent launch deals its last heads' tiles out one at a time, longest first, where
-            causal_tail.plan's model says the launch gains; else every tile is in a pair. Off by default until it
-            has been timed on a GPU.
     """
 
     persistent: bool = False
     programs_per_sm: int = 1
     split_tail: bool = True
-    causal_tail: bool = False
 
     def __post_init__(self) -> None:
         # Any combination of valid values builds (a tuner samples each field on its own); KernelConfig's
         # combination_error says which make no config.
-        for name in ("persistent", "split_tail", "causal_tail"):
+        for name in ("persistent", "split_tail"):
             if type(getattr(self, name)) is not bool:
                 value = getattr(self, name)
                 raise TypeError(f"Schedule.{name} must be a bool, got {type(value).__name__} {value!r}")
@@ -71,7 +70,7 @@ class Schedule:
                        if f.name != "persistent" and getattr(self, f.name) != f.default]  # fmt: skip
         if off_default:
             return (
-                f"warpspec's programs_per_sm, split_tail and causal_tail are switches of persistent schedules, got "
+                f"warpspec's programs_per_sm and split_tail are switches of persistent schedules, got "
                 f"{', '.join(off_default)} with persistent=False"
             )
         return None
@@ -84,14 +83,6 @@ class Schedule:
             return False
         forced = env_override(SPLIT_TAIL_ENV)
         return self.split_tail if forced is None else forced
-
-    def deals_causal_tail(self, causal: bool) -> bool:
-        """Whether a launch with this schedule and mask may deal its last heads' tiles singly (plan decides how many
-        heads): causal and persistent; FA2TUNE_CAUSAL_TAIL overrides causal_tail."""
-        if not (causal and self.persistent):
-            return False
-        forced = env_override(CAUSAL_TAIL_ENV)
-        return self.causal_tail if forced is None else forced
 
     def to_dict(self) -> dict[str, bool | int]:
         """The fields off their defaults, as YAML stores them."""
@@ -107,18 +98,17 @@ class Schedule:
 
     def label(self) -> str:
         """Short words for logs (SCHEDULE_WORDS): "" (one program a tile), "persistent", "persistent x2", then the
-        tail switches off their defaults ("no-split-tail", "causal-tail")."""
+        split tail switched off ("no-split-tail")."""
         return " ".join(word for word, on in zip(SCHEDULE_WORDS, self._words(), strict=True) if on)
 
     def _words(self) -> tuple[bool, ...]:
-        return (self.persistent, self.programs_per_sm == 2, not self.split_tail, self.causal_tail)
+        return (self.persistent, self.programs_per_sm == 2, not self.split_tail)
 
     @classmethod
     def from_words(cls, words: set[str]) -> Schedule:
         """The schedule label()'s words name (others are ignored)."""
-        persistent, two, no_split, causal_tail = (word in words for word in SCHEDULE_WORDS)
-        return cls(persistent=persistent, programs_per_sm=2 if two else 1, split_tail=not no_split,
-                   causal_tail=causal_tail)  # fmt: skip
+        persistent, two, no_split = (word in words for word in SCHEDULE_WORDS)
+        return cls(persistent=persistent, programs_per_sm=2 if two else 1, split_tail=not no_split)
 
 
 PER_TILE = Schedule()  # one program a tile: the Triton templates' grid, and the warpspec kernels' without persistent
@@ -133,14 +123,13 @@ def env_override(name: str) -> bool | None:
 
 
 # os.environ's own mapping, keyed by encoded names on POSIX (what os.environ.get reads through, encoding the name and
-# decoding the value): 0.04 µs a read against 0.8 µs, and every attention call's launch plan key reads both variables.
+# decoding the value): 0.04 µs a read against 0.8 µs, and every attention call's launch plan key reads the variable.
 _ENVIRON = os.environ._data if os.name == "posix" and isinstance(getattr(os.environ, "_data", None), dict) else None
-_OVERRIDE_KEYS = tuple(os.fsencode(name) for name in (SPLIT_TAIL_ENV, CAUSAL_TAIL_ENV))
+_OVERRIDE_KEY = os.fsencode(SPLIT_TAIL_ENV)
 
 
-def env_overrides() -> tuple:
-    """The override variables as set (raw), for a launch plan's key: they change what a launch with a schedule
-    runs."""
+def env_overrides() -> str | bytes | None:
+    """The override variable as set (raw), for a launch plan's key: it changes what a launch with a schedule runs."""
     if _ENVIRON is not None:
-        return _ENVIRON.get(_OVERRIDE_KEYS[0]), _ENVIRON.get(_OVERRIDE_KEYS[1])
-    return os.environ.get(SPLIT_TAIL_ENV), os.environ.get(CAUSAL_TAIL_ENV)
+        return _ENVIRON.get(_OVERRIDE_KEY)
+    return os.environ.get(SPLIT_TAIL_ENV)

@@ -3,7 +3,7 @@
 Schema 1 held a config's template and schedule in two integer codes: `warpspec` 0 (the Triton template), 1 (the
 warp-specialized one) or 2 (its second mode, which meant the forward's ping-pong and the dK/dV kernel's fused dQ), and
 `persistent` 0 (one program a tile), 1 (persistent) or 2 (persistent, two programs an SM). Each pair of codes maps to
-one config of today's fields, with the tail policies at their defaults, which are what a schema-1 config ran.
+one config of today's fields, with the split tail at its default, which is what a schema-1 config ran.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import numbers
 from dataclasses import MISSING, asdict, dataclass, fields
 
 from . import head_chunks
-from .schedule import PER_TILE, SCHEDULE_WORDS, Schedule
+from .schedule import PER_TILE, RETIRED_FIELDS, SCHEDULE_WORDS, Schedule
 
 _BLOCK_SIZES = (16, 32, 64, 128, 256)
 WS_BLOCK_M = (64, 128, 192)  # warpspec forward programs: 1, 2 or 3 consumer warpgroups of 64 query rows
@@ -70,7 +70,7 @@ class KernelConfig:
             handed over in shared memory) and dK — so each holds one 64 × d accumulator instead of two: the dK/dV
             kernel for head dims whose dK and dV do not fit one warpgroup's registers together (d > 128).
         schedule: how the warp-specialized kernel's programs walk the tiles (Schedule: persistent or one program a
-            tile, programs an SM, tail policies); one program a tile for the Triton templates.
+            tile, programs an SM, the split tail); one program a tile for the Triton templates.
     """
 
     block_m: int
@@ -261,9 +261,11 @@ class KernelConfig:
 
     @classmethod
     def from_params(cls, params: dict) -> KernelConfig:
-        """The config of a flat mapping (params'; fields left out take their defaults)."""
+        """The config of a flat mapping (params'; fields left out take their defaults). A schedule's retired fields
+        (schedule.RETIRED_FIELDS), which the trials of a study begun before their removal hold, are left out."""
         schedule = Schedule(**{name: params[name] for name in _SCHEDULE_FIELDS if name in params})
-        return cls(**{k: v for k, v in params.items() if k not in _SCHEDULE_FIELDS}, schedule=schedule)
+        return cls(**{k: v for k, v in params.items() if k not in _SCHEDULE_FIELDS and k not in RETIRED_FIELDS},
+                   schedule=schedule)  # fmt: skip
 
     def to_ints(self) -> list[int]:
         """Every field as an int, in PARAM_NAMES' order: what a custom op's schema carries (it takes no
@@ -280,8 +282,8 @@ class KernelConfig:
 
 
 @functools.lru_cache(maxsize=64)
-def _schedule_of_ints(persistent: int, programs_per_sm: int, split_tail: int, causal_tail: int) -> Schedule:
-    return Schedule(bool(persistent), programs_per_sm, bool(split_tail), bool(causal_tail))
+def _schedule_of_ints(persistent: int, programs_per_sm: int, split_tail: int) -> Schedule:
+    return Schedule(bool(persistent), programs_per_sm, bool(split_tail))
 
 
 PARAM_NAMES = (*_NUMBERS, *_FLAGS, *_SCHEDULE_FIELDS)  # KernelConfig.params' keys, in order
@@ -306,9 +308,6 @@ class Variant:
         persistent: the warpspec templates: programs walk the tiles (KernelConfig.schedule.persistent).
         fused_dq: bwd_ws only: the dK/dV kernel also adds each step's dQ share, scale·dS·K, into an fp32 dQ by TMA
             reductions, and no dQ kernel runs (KernelConfig.fused_dq).
-        causal_tail: the warpspec templates, causal and persistent: the launch's last heads' tiles may be dealt out
-            one at a time (fa2tune.launch.causal_tail); off, the code is the pairs' alone. A launch's variant, which
-            it renders when its plan has a tail (Schedule.deals_causal_tail), not an entry's.
         split_roles: bwd_ws only: the two consumers share one 64-row K/V block, one on the dV side, one on the dK
             side (KernelConfig.split_roles).
         qk_chunks, v_chunks: the warpspec templates: the head-dim chunks of Q/K (and dQ, dK) and of V/O (and dO, dV)
@@ -328,7 +327,6 @@ class Variant:
     pingpong: bool = False
     persistent: bool = False
     fused_dq: bool = False
-    causal_tail: bool = False
     split_roles: bool = False
     qk_chunks: tuple[int, ...] = ()
     v_chunks: tuple[int, ...] = ()
@@ -349,7 +347,6 @@ class Variant:
         pingpong: bool = False,
         persistent: bool = False,
         fused_dq: bool = False,
-        causal_tail: bool = False,
         split_roles: bool = False,
         head_dim: int | None = None,
         head_dim_v: int | None = None,
@@ -357,8 +354,7 @@ class Variant:
         """The variant `template` (codegen.TEMPLATES) renders for a call: the rules the launcher, codegen.code_hash
         and the probe must agree on, or a stored entry's hash would not name the code it runs. A band mask carries
         causality itself; packed sequences have no even tails; pipeline_qk exists in the forward template only.
-        The warpspec templates have causal, persistent and causal_tail (with both), fwd_ws pingpong, bwd_ws fused_dq
-        and split_roles:
+        The warpspec templates have causal, persistent, fwd_ws pingpong, bwd_ws fused_dq and split_roles:
         TMA bounds every tile, so tails need no code of their own, and they take neither band masks nor packed
         sequences (the launcher routes those to the Triton templates). They are written out a head-dim chunk at a
         time: they need head_dim (and head_dim_v, V's, where it differs); fused dQ only where it is one chunk and
@@ -376,8 +372,7 @@ class Variant:
                 raise ValueError(head_chunks.fused_dq_error(head_dim, head_dim_v))
             return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
                        persistent=persistent, fused_dq=fused_dq, split_roles=split_roles and template == "bwd_ws",
-                       causal_tail=causal_tail and causal and persistent, qk_chunks=qk_chunks,
-                       v_chunks=v_chunks)  # fmt: skip
+                       qk_chunks=qk_chunks, v_chunks=v_chunks)  # fmt: skip
         return cls(
             causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,
             dot_fp32=dot_fp32, banded=banded, varlen=varlen, pipeline_qk=bool(pipeline_qk) and template == "fwd",

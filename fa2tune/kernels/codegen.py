@@ -13,7 +13,6 @@ import functools
 import hashlib
 import importlib.util
 import io
-import itertools
 import os
 import sys
 import tempfile
@@ -85,7 +84,6 @@ def code_hash(
     pingpong: bool = False,
     fused_dq: bool = False,
     persistent: bool = False,
-    causal_tail: bool = False,
     split_roles: bool = False,
     head_dim: int | None = None,
 ) -> str:
@@ -95,21 +93,18 @@ def code_hash(
     switch that is off for this entry, nor when a comment changes — so performance work on one variant does not void
     every shipped config.
     pipeline_qk, warp_specialized, pingpong, fused_dq, split_roles: the entry's config switches of those names
-    (KernelConfig), persistent and causal_tail its schedule's (Schedule), which select other code: a causal
-    persistent entry with the causal tail runs the tail's variant beside the pairs' one (a launch renders it where
-    its plan has a tail).
+    (KernelConfig), persistent its schedule's (Schedule), which select other code.
     """
     from ..config.types import Variant
 
     template = template_for(kernel, warp_specialized)
     one_variant = varlen or template in WARPSPEC_TEMPLATE_OF.values()  # no code of their own for even tails
     tails = [(False, False)] if one_variant else [(m, n) for m in (True, False) for n in (True, False)]
-    launch_tails = (False, True) if causal_tail and causal and persistent and template.endswith("_ws") else (False,)
     digest = hashlib.sha256(template.encode())
-    for (even_m, even_n), tail in itertools.product(tails, launch_tails):
+    for even_m, even_n in tails:
         variant = Variant.for_template(
             template, causal=causal, banded=window, varlen=varlen, even_m=even_m, even_n=even_n,
-            pipeline_qk=pipeline_qk, pingpong=pingpong, persistent=persistent, fused_dq=fused_dq, causal_tail=tail,
+            pipeline_qk=pipeline_qk, pingpong=pingpong, persistent=persistent, fused_dq=fused_dq,
             split_roles=split_roles, head_dim=head_dim,
         )  # fmt: skip
         digest.update(_code_only(render(template, variant)).encode())
@@ -159,8 +154,7 @@ def entry_code_hash(key, config) -> str:
     return code_hash(key.kernel, causal=key.causal, window=key.window, varlen=key.varlen,
                      pipeline_qk=bool(config.pipeline_qk), warp_specialized=config.warp_specialized,
                      pingpong=config.pingpong, fused_dq=config.fused_dq, persistent=config.schedule.persistent,
-                     causal_tail=config.schedule.causal_tail, split_roles=config.split_roles,
-                     head_dim=key.head_dim)  # fmt: skip
+                     split_roles=config.split_roles, head_dim=key.head_dim)  # fmt: skip
 
 
 def _dependencies(name: str) -> set[str]:

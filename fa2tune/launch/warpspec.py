@@ -20,7 +20,7 @@ from ..config import head_chunks, planner
 from ..config.inputs import interpreting
 from ..config.types import KernelConfig, Mask, Variant
 from ..kernels import codegen
-from . import causal_tail, fastlaunch, split_tail
+from . import fastlaunch, split_tail
 from .grid import GRID_AXIS_MAX, LOG2E  # GRID_AXIS_MAX caps grid axis 1, which numbers batch·heads here
 
 ROWS_PER_CONSUMER = 64  # the template's ROWS_PER_CONSUMER: one warpgroup's wgmma rows
@@ -104,30 +104,26 @@ def _descriptor(t: torch.Tensor, block: tuple[int, ...], checked: bool = True):
     return desc
 
 
-def _module(kernel: str, config: KernelConfig, causal: bool, head_dim: int, tail: bool = False,
-            head_dim_v: int | None = None):  # fmt: skip
+def _module(kernel: str, config: KernelConfig, causal: bool, head_dim: int, head_dim_v: int | None = None):
     """The rendered template module of a warpspec config of `kernel` at `head_dim` (V's head_dim_v; None: the same)
-    (codegen keeps it per process); tail: its causal_tail variant (a causal persistent launch with a tail planned:
-    fa2tune.launch.causal_tail)."""
+    (codegen keeps it per process)."""
     template = codegen.template_for(kernel, config.warp_specialized)
     variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
                                    pingpong=config.pingpong, persistent=config.schedule.persistent,
-                                   fused_dq=config.fused_dq, causal_tail=tail, split_roles=config.split_roles,
-                                   head_dim=head_dim, head_dim_v=head_dim_v)  # fmt: skip
+                                   fused_dq=config.fused_dq, split_roles=config.split_roles, head_dim=head_dim,
+                                   head_dim_v=head_dim_v)  # fmt: skip
     return codegen.load(template, variant)
 
 
 @functools.lru_cache(maxsize=256)
-def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool, tail: bool = False,
-                  head_dim_v: int | None = None):  # fmt: skip
+def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool, head_dim_v: int | None = None):
     """(Gluon kernel, TMA blocks by side, keyword arguments) that a warpspec config of `kernel` ("fwd", "bwd_dkdv",
     "bwd_dq") runs. Sides: on the query side "q" (Q, dQ) and "o" (O, dO), on the key side "k" (K, dK) and "v" (V,
     dV), each a tuple of blocks, a descriptor a head-dim chunk (head_chunks) of head_dim ("q", "k") or of V's
     head_dim_v ("o", "v"; None: head_dim). The keywords are its constexprs and launch options (a shared dict: read
     it, do not change it). One definition for the launches below and for probe.compile_config; cached, as every
-    launch asks (7 µs uncached).
-    tail: the causal tail's variant (_module)."""
-    module = _module(kernel, config, causal, head_dim, tail, head_dim_v)
+    launch asks (7 µs uncached)."""
+    module = _module(kernel, config, causal, head_dim, head_dim_v)
     if kernel == "fwd":  # consumers own query rows; K/V stream in block_n rows
         fn, q_rows, kv_rows = module._attn_fwd_ws, ROWS_PER_CONSUMER, config.block_n
     elif kernel == "bwd_dq":  # likewise
@@ -166,7 +162,6 @@ def _launcher(
     grid: tuple[int, ...],
     sides: tuple[str, ...],
     scalars: tuple,
-    tail: bool = False,
 ):
     """A function of the call's tensors that launches a warpspec config of `kernel` on `grid`: its arguments are the
     tensors the kernel reads through TMA descriptors, in the kernel's order — sides names each one's blocks, "q",
@@ -174,10 +169,9 @@ def _launcher(
     then its pointer parameters; scalars are the rest. A tensor of several blocks (the forward's head-dim chunks) is
     passed once and described once a block.
     Everything but the tensors is worked out here, once per call signature (launcher's plans keep the function).
-    head_dims: (Q's and K's, V's). tail: the causal tail's variant (_module), for a launch with one."""
+    head_dims: (Q's and K's, V's)."""
     head_dim, head_dim_v = head_dims
-    fn, blocks, kwargs = compiled_form(kernel, config, head_dim, causal, tail,
-                                       None if head_dim_v == head_dim else head_dim_v)  # fmt: skip
+    fn, blocks, kwargs = compiled_form(kernel, config, head_dim, causal, None if head_dim_v == head_dim else head_dim_v)
     by_side = dict(blocks, dq_partial=(dq_partial_block(blocks["q"][0], kwargs["CONSUMERS"]),))
     flat = tuple(block for side in sides for block in by_side[side])
     launcher = fastlaunch.TmaLauncher(fn, grid, flat, _describe, scalars, kwargs)
@@ -199,15 +193,6 @@ def _describe(t: torch.Tensor, block: tuple[int, ...]):
     return _descriptor(t, block, checked=not fastlaunch.enabled())
 
 
-def _causal_schedule(config: KernelConfig, batch_heads: int, n_tiles: int, programs: int, costs) -> tuple[int, int]:
-    """(MAIN, TAIL_HEADS) of a causal persistent launch of `config` over batch_heads heads of n_tiles tiles on
-    `programs` programs: every tile in a pair, or where its schedule deals a causal tail (Schedule.deals_causal_tail),
-    fa2tune.launch.causal_tail's plan for the kernel's tile costs (costs(): by rank, longest first)."""
-    if config.schedule.deals_causal_tail(causal=True):
-        return causal_tail.plan(batch_heads, programs, costs())
-    return batch_heads * ((n_tiles + 1) // 2), 0
-
-
 def _sizes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int, int]:
     batch, heads_q, seqlen_q, head_dim = q.shape
     return batch, heads_q, k.shape[1], seqlen_q, k.shape[2], head_dim
@@ -219,27 +204,23 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
     warpspec config, for calls of these shapes and strides and V's head dim head_dim_v (None: q's); the call must
     have passed `unsupported`. A persistent forward without a mask whose last round would be part empty cuts that
     round's tiles into pieces where its schedule says so (Schedule.splits_tail; fa2tune.launch.split_tail), and runs
-    a merge launch after the kernel. A causal persistent one may deal the tiles of its last heads out one at a time
-    instead of in pairs (Schedule.deals_causal_tail; fa2tune.launch.causal_tail), as the backward's kernels may."""
+    a merge launch after the kernel."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     head_dims = (head_dim, head_dim_v or head_dim)
     row_tiles = -(-seqlen_q // config.block_m)
     grid, tiles = _grid(config, row_tiles, batch * heads_q, q.device.index)
-    main, split, tail_heads = tiles, 1, 0
-    if config.schedule.persistent and causal:
-        costs = lambda: causal_tail.forward_costs(row_tiles, config.block_m, config.block_n, seqlen_q, seqlen_k)
-        main, tail_heads = _causal_schedule(config, batch * heads_q, row_tiles, grid[0], costs)
-    elif config.schedule.splits_tail("fwd", causal):
+    main, split = tiles, 1
+    if config.schedule.splits_tail("fwd", causal):
         main, split = split_tail.plan(tiles, grid[0], -(-seqlen_k // config.block_n))
     launch = _launcher(
         "fwd", config, causal, head_dims, grid, ("q", "k", "v", "o"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, tiles, main,
-         split, tail_heads), tail=tail_heads > 0,
+         split),
     )  # fmt: skip
     if split == 1:
         return lambda q, k, v, o, lse: launch(q, k, v, o, lse, lse, lse)  # no pieces: lse stands in for PART_O/LSE
 
-    merge_pieces = _module("fwd", config, causal, head_dim, head_dim_v=head_dim_v)._merge_pieces
+    merge_pieces = _module("fwd", config, causal, head_dim, head_dim_v)._merge_pieces
 
     def launch_split(q, k, v, o, lse):
         # the pieces' partial O: O's columns, V's head-dim chunks
@@ -263,15 +244,11 @@ def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, 
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     n_kv = -(-seqlen_k // config.block_n)
     grid, tiles = _grid(config, n_kv, batch * heads_kv, q.device.index)
-    main, tail_heads = tiles, 0
-    if config.schedule.persistent and causal:
-        main, tail_heads = _causal_schedule(config, batch * heads_kv, n_kv, grid[0], lambda: causal_tail.dkdv_costs(
-            n_kv, config.block_n, config.block_m, seqlen_q, seqlen_k, heads_q // heads_kv))  # fmt: skip
     sides = ("q", "k", "v", "o", "k", "v") + (("dq_partial",) if config.fused_dq else ())
     return _launcher(
         "bwd_dkdv", config, causal, (head_dim, head_dim_v or head_dim), grid, sides,
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale,
-         tiles, main, tail_heads), tail=tail_heads > 0,
+         tiles),
     )  # fmt: skip
 
 
@@ -283,14 +260,10 @@ def backward_dq_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *,
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     row_tiles = -(-seqlen_q // config.block_m)
     grid, tiles = _grid(config, row_tiles, batch * heads_q, q.device.index)
-    main, tail_heads = tiles, 0
-    if config.schedule.persistent and causal:
-        costs = lambda: causal_tail.forward_costs(row_tiles, config.block_m, config.block_n, seqlen_q, seqlen_k)
-        main, tail_heads = _causal_schedule(config, batch * heads_q, row_tiles, grid[0], costs)
     return _launcher(
         "bwd_dq", config, causal, (head_dim, head_dim_v or head_dim), grid, ("q", "k", "v", "o", "q"),
         (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, scale,
-         tiles, main, tail_heads), tail=tail_heads > 0,
+         tiles),
     )  # fmt: skip
 
 

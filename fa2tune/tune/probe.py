@@ -159,17 +159,14 @@ def _compile_warpspec(
 ) -> CompileReport:
     """A Gluon kernel (fwd_ws, bwd_ws for bwd_dkdv, bwd_dq_ws for bwd_dq) as warpspec.compiled_form launches it: its
     TMA descriptors' types come from CPU tensors of a (2, 16, 8192, head_dim) layout (V's side: head_dim_v), which
-    carry the shapes, strides and block layouts a real launch specializes on. A causal config whose schedule deals a
-    causal tail (Schedule.deals_causal_tail: its causal_tail, or FA2TUNE_CAUSAL_TAIL) compiles as a launch with a
-    tail runs it (its causal_tail variant)."""
+    carry the shapes, strides and block layouts a real launch specializes on."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
     from ..launch import warpspec
 
-    tail = config.schedule.deals_causal_tail(causal)
     head_dim_v = None if head_dim_v == head_dim else head_dim_v  # as the launcher asks for it
-    fn, blocks, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal, tail, head_dim_v)
+    fn, blocks, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal, head_dim_v)
     x = torch.empty(2, 16, 8192, head_dim, dtype=dtype)
     x_v = torch.empty(2, 16, 8192, head_dim_v or head_dim, dtype=dtype)  # V, O, dO, dV
     sides = {"q": "q", "o": "o", "do": "o", "dq": "q", "k": "k", "v": "v", "dk": "k", "dv": "v"}
