@@ -111,6 +111,32 @@ def test_mask_function_runs_each_pattern_and_layout_as_sdpas_mask(pattern, layou
     torch.testing.assert_close(out[kept].double(), want[kept], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("v_dim", [16, 40], ids=["narrower-v", "wider-v"])
+@pytest.mark.parametrize("layout", ["full", "left"])
+def test_a_value_head_dim_of_its_own_reaches_the_kernels_unpadded(layout, v_dim, monkeypatch):
+    # MLA-style models (DeepSeek: 192 for q·k, 128 for v) hand value a head dim of its own; the kernels take it, so
+    # it is passed through as it is: no zeros appended to v (or to q and k), no columns to compute and cut off.
+    padding, q_length, kv_length, q_offset = _layout(layout)
+    arguments = dict(batch_size=3, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=0,
+                     mask_function=masking_utils.causal_mask_function, attention_mask=padding)  # fmt: skip
+    plan = hf_masks.fa2tune_mask(**arguments)
+    widths = []
+    for name in ("attention", "attention_varlen"):
+        real = getattr(fa2tune_hf, name)
+        monkeypatch.setattr(fa2tune_hf, name, lambda q, k, v, *a, real=real, **kw: widths.append(
+            (q.shape[-1], k.shape[-1], v.shape[-1])) or real(q, k, v, *a, **kw))  # fmt: skip
+    torch.manual_seed(v_dim)
+    q, k, v = torch.randn(3, 4, q_length, 24), torch.randn(3, 2, kv_length, 24), torch.randn(3, 2, kv_length, v_dim)
+    out, _ = fa2tune_hf.attention_forward(_Layer(), q, k, v, plan, scaling=0.3)
+    assert widths == [(24, 24, v_dim)] and out.shape == (3, q_length, 4, v_dim)
+    want = _reference(q, k, v, masking_utils.sdpa_mask(**arguments, allow_is_causal_skip=False), 0.3)
+    kept = torch.ones(3, q_length, dtype=torch.bool)
+    if padding is not None:  # padded queries: 0, as flash_attention_2
+        kept = masking_utils.prepare_padding_mask(padding, kv_length, 0)[:, q_offset : q_offset + q_length]
+        assert out[~kept].abs().max() == 0
+    torch.testing.assert_close(out[kept].double(), want[kept], atol=2e-5, rtol=2e-5)
+
+
 def test_flash_attention_2s_packed_sequence_arguments_run_each_sequence_alone():
     # cu_seq_lens_q/k and max_length_q/k (a flattening data collator's flash-attention arguments) with no mask built:
     # each packed sequence attends causally within itself, as under flash_attention_2.

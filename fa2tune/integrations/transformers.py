@@ -20,7 +20,6 @@ import re
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from ..api.attention import attention, attention_varlen
 from .hf_masks import MaskPlan, Pattern, Rows, fa2tune_mask
@@ -179,7 +178,7 @@ def _packed_by_arguments(kwargs: dict, batch: int, q_length: int, kv_length: int
 
 def _run(pattern: Pattern, rows: Rows | None, query, key, value, scaling) -> torch.Tensor:
     """(batch, q_length, heads_q, v_head_dim): fa2tune.attention over whole rows, else attention_varlen over Rows."""
-    query, key, value, scale, v_dim = _prepared(query, key, value, scaling)
+    query, key, value, scale = _prepared(query, key, value, scaling)
     if rows is None:
         longest = max(query.shape[2], key.shape[2])
     else:
@@ -190,7 +189,7 @@ def _run(pattern: Pattern, rows: Rows | None, query, key, value, scaling) -> tor
         out = attention(query, key, value, **options).transpose(1, 2)
     else:
         out = _run_rows(rows, query, key, value, options)
-    return out[..., :v_dim] if out.shape[-1] != v_dim else out
+    return out
 
 
 def _binding(pattern: Pattern, longest: int) -> tuple[int, int] | None:
@@ -203,9 +202,9 @@ def _binding(pattern: Pattern, longest: int) -> tuple[int, int] | None:
 
 
 def _run_rows(rows: Rows, query, key, value, options: dict) -> torch.Tensor:
-    """attention_varlen over the rows that take part, scattered back to (batch, q_length, heads_q, head_dim)."""
-    batch, heads, q_length, head_dim = query.shape
-    out = query.new_zeros(batch, q_length, heads, head_dim)  # padded queries' output: 0
+    """attention_varlen over the rows that take part, scattered back to (batch, q_length, heads_q, v_head_dim)."""
+    batch, heads, q_length, _ = query.shape
+    out = query.new_zeros(batch, q_length, heads, value.shape[-1])  # padded queries' output: 0
     if not (rows.total_q and rows.total_k):
         return out
     q = query.transpose(1, 2)[rows.q_batch, rows.q_pos]
@@ -217,19 +216,14 @@ def _run_rows(rows: Rows, query, key, value, options: dict) -> torch.Tensor:
 
 
 def _prepared(query, key, value, scaling):
-    """q, k, v in autocast's dtype when autocast is on (as SDPA under autocast), with one head_dim (zeros appended
-    to the narrower: they add nothing to q·k nor to the output kept), the scale, and value's head_dim."""
+    """q, k, v in autocast's dtype when autocast is on (as SDPA under autocast), and the scale. Value keeps its own
+    head dim (MLA-style models: 192 for q·k, 128 for v): the kernels take it as it is, with no padding to compute."""
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    qk_dim, v_dim = query.shape[-1], value.shape[-1]
-    scale = qk_dim**-0.5 if scaling is None else scaling
-    if v_dim < qk_dim:
-        value = F.pad(value, (0, qk_dim - v_dim))
-    elif v_dim > qk_dim:
-        query, key = F.pad(query, (0, v_dim - qk_dim)), F.pad(key, (0, v_dim - qk_dim))
-    return query, key, value, scale, v_dim
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return query, key, value, scale
 
 
 def _sdpa(module, query, key, value, mask: torch.Tensor, dropout, scaling, is_causal, kwargs: dict):
