@@ -135,7 +135,7 @@ def test_every_split_count_matches_the_reference_over_ragged_lengths(page, split
 
 
 def test_many_splits_merge_in_blocks_at_a_wide_head_dim(device):
-    # d=256 with 40 splits: the merge loads a row's partials 16 splits at a time (launch.decode.MERGE_ELEMENTS), so
+    # d=256 with 40 splits: the merge loads a row's partials 16 splits at a time (decode_plan.merge_blocks), so
     # its last block is part outside the splits and one wholly outside; chunks of 32 keys put keys in most splits
     _check_case([200, 700], head_dim=256, heads=4, kv_heads=2, splits=40, device=device)
 

@@ -15,12 +15,6 @@ MIN_TIMEOUT_S = 10.0
 # configs re-timed, the float64 check) runs past its share.
 RUN_BUDGET_S = 240.0
 
-
-def study_timeout(timeout: float | None, studies: int) -> float:
-    """Seconds each of `studies` studies may start trials in: --timeout if given, else its share of RUN_BUDGET_S."""
-    if timeout is not None:
-        return timeout
-    return max(MIN_TIMEOUT_S, RUN_BUDGET_S / max(1, studies))
 # --storage: an Optuna database URL of one of these SQLAlchemy dialects (dialect+driver allowed), or a journal
 # file named by one of these suffixes. A bare word is neither: taken for a journal file, `--storage foo` would
 # silently make ./foo.
@@ -164,3 +158,10 @@ def known_gpus() -> list[str]:
     from ..config.device import KNOWN_GPUS
 
     return sorted(KNOWN_GPUS)
+
+
+def study_timeout(timeout: float | None, studies: int) -> float:
+    """Seconds each of `studies` studies may time configs in: --timeout if given, else its share of RUN_BUDGET_S."""
+    if timeout is not None:
+        return timeout
+    return max(MIN_TIMEOUT_S, RUN_BUDGET_S / max(1, studies))

@@ -11,6 +11,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+from . import arguments
 from .common import end_progress_line, fail, log, note_interpreter, progress, to_json
 from .outputs import check_writable, interrupted
 
@@ -40,7 +41,8 @@ def tune_decode(args: argparse.Namespace, devices: list[str]) -> int:
     target = job.config_path(device, config_dir)
     check_writable(config_dir, target, None)
     spec = decode_tuner.DecodeSpec(head_dim=args.head_dim, dtype=args.dtype, heads=heads, kv_heads=kv_heads,
-                                   trials=args.trials, timeout_s=args.timeout)  # fmt: skip
+                                   trials=args.trials,
+                                   timeout_s=arguments.study_timeout(args.timeout, 1))  # fmt: skip
     spec = replace(spec, incumbent=job.incumbent(spec, target))  # what the file holds is timed beside the rest
     note_interpreter(device)
     if device == "cpu":

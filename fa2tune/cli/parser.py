@@ -153,10 +153,10 @@ def _add_tune_lengths(tune) -> None:
 
 def _add_tune_budget(tune) -> None:
     tune.add_argument("--trials", type=arguments.positive_int, default=40,
-                      help="configs timed per study (>= 1; the config the file holds for the key is timed beside "
-                           "them, whatever the budget)")  # fmt: skip
+                      help="configs timed per study at most, within its --timeout (>= 1; the config the file holds "
+                           "for the key is timed beside them, whatever the budget)")  # fmt: skip
     tune.add_argument("--timeout", type=arguments.timeout, default=None,
-                      help=f"seconds per study (>= {MIN_TIMEOUT_S:g}): no new trial starts after it (default: "
+                      help=f"seconds per study (>= {MIN_TIMEOUT_S:g}): no config is timed after it (default: "
                            f"{RUN_BUDGET_S:g} s shared by the run's studies)")  # fmt: skip
     tune.add_argument("--storage", type=arguments.storage, default=None,
                       help="where the trials are kept, to resume or share between workers: a database URL of "

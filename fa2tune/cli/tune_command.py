@@ -106,6 +106,9 @@ def _specs(args: argparse.Namespace, seqlens: tuple[int, ...], storage: str | No
     kernels = {"bwd": ["bwd_dkdv", "bwd_dq"], "all": list(planner.KERNELS)}.get(args.kernel, [args.kernel])
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     timeout_s = arguments.study_timeout(args.timeout, len(kernels) * len(causals))
+    if args.timeout is None:
+        log.info(f"note: each study times configs for {timeout_s:g} s at most ({arguments.RUN_BUDGET_S:g} s shared "
+                 f"by {len(kernels) * len(causals)}), then finishes with what it timed; --timeout S gives each S s")
     specs = [
         job.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
                           seqlens=seqlens, tokens=args.tokens, trials=args.trials, timeout_s=timeout_s,

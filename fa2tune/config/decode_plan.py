@@ -19,12 +19,14 @@ from . import planner
 from .decode_config import DecodeConfig
 from .types import DeviceInfo
 
-__all__ = ["CANDIDATES", "DEFAULT_CONFIG", "INTERPRETER_CONFIG", "MAX_SPLITS", "MIN_BLOCK_M", "DecodeConfig",
-           "DecodeVariant", "check", "default_config", "launch_shape", "num_splits", "row_tiles",
-           "sram_bytes"]  # fmt: skip
+__all__ = ["CANDIDATES", "DEFAULT_CONFIG", "INTERPRETER_CONFIG", "MAX_SPLITS", "MERGE_ELEMENTS", "MERGE_WARPS",
+           "MIN_BLOCK_M", "DecodeConfig", "DecodeVariant", "check", "default_config", "launch_shape", "merge_blocks",
+           "num_splits", "row_tiles", "sram_bytes"]  # fmt: skip
 
 MIN_BLOCK_M = 16  # tl.dot takes 16 rows at least: fewer packed rows are padded to it
 MAX_SPLITS = 128  # splits one launch may take (num_splits above it is an error: its partials would outweigh K/V)
+MERGE_WARPS = 4  # a merge program's warps
+MERGE_ELEMENTS = 4096  # partial-output elements a merge program loads at once: 32 fp32 registers a thread
 
 
 @dataclass(frozen=True)
@@ -124,3 +126,10 @@ def launch_shape(config: DecodeConfig, *, batch: int, seqlen_q: int, heads_q: in
     splits = num_splits(batch=batch, kv_heads=kv_heads, tiles=tiles, max_keys=capacity, sm_count=sm_count,
                         config=config)  # fmt: skip
     return block_m, tiles, splits
+
+
+def merge_blocks(splits: int, head_dim: int) -> tuple[int, int]:
+    """(SPLITS_PAD, SPLIT_BLOCK) of the merge kernel: the split count rounded up to a power of two, and how many
+    splits' partial rows of `head_dim` columns (padded) a merge program loads at once (MERGE_ELEMENTS at most)."""
+    splits_pad = 1 << (max(1, splits) - 1).bit_length()
+    return splits_pad, max(1, min(splits_pad, MERGE_ELEMENTS // planner.head_dim_padded(head_dim)))

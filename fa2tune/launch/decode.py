@@ -33,7 +33,6 @@ from .grid import LOG2E, cdiv, input_precision
 from .layout import on_device
 
 APPEND_ROWS = 16  # new keys an append program copies
-MERGE_ELEMENTS = 4096  # partial-output elements a merge program loads at once: 32 fp32 registers a thread of 4 warps
 
 
 Resolve = Callable[[torch.device, int, torch.dtype], DecodeConfig]  # (device, head_dim, dtype) -> config
@@ -137,12 +136,11 @@ def _plan(q, cache: KVCache, scale: float, window: tuple[int, int], splits: int,
     merge = None
     if splits > 1:
         rows = group * seqlen_q
-        splits_pad = 1 << (splits - 1).bit_length()
+        splits_pad, split_block = decode_plan.merge_blocks(splits, head_dim)
         merge = fastlaunch.Launcher(
             module._decode_merge, (batch * kv_heads * rows,),
             (*o_strides, *lse_strides, kv_heads, group, rows, tiles * block_m, splits),
-            dict(**head, SPLITS_PAD=splits_pad, SPLIT_BLOCK=min(splits_pad, MERGE_ELEMENTS // head["HEAD_DIM_PAD"]),
-                 num_warps=4),
+            dict(**head, SPLITS_PAD=splits_pad, SPLIT_BLOCK=split_block, num_warps=decode_plan.MERGE_WARPS),
         )  # fmt: skip
     part_shape = (splits, batch * kv_heads, tiles * block_m)
 

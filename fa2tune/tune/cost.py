@@ -64,9 +64,11 @@ class Cost:
             self.study.tell(trial, state=_FAIL)
         self.history.append(TrialRecord(trial.number, cfg, None, reason))
 
-    def _prune(self, trial: optuna.trial.Trial, reason: str) -> None:
+    def prune(self, trial: optuna.trial.Trial, cfg: KernelConfig, reason: str) -> None:
+        """Tells the trial pruned, untimed, with the reason: it counts against no budget."""
         trial.set_user_attr("reason", reason)
         self.study.tell(trial, state=_PRUNED)
+        self.history.append(TrialRecord(trial.number, cfg, None, reason))
 
     def time_trial(self, trial: optuna.trial.Trial, cfg: KernelConfig, wait: Wait) -> None:
         """Tells the trial cfg's reading, timing cfg unless it has one; wait: its compile's (Options.prepare).
@@ -107,7 +109,7 @@ class Cost:
         self.refresh()  # another process may have timed it meanwhile
         if cfg in self.measured or self.spent() < self.budget:
             return False
-        self._prune(trial, "the budget was spent by other processes")
+        self.prune(trial, cfg, "the budget was spent by other processes")
         return True
 
     def _await_build(self, cfg: KernelConfig, wait: Wait) -> bool:
@@ -129,7 +131,7 @@ class Cost:
         self.refresh()
         if cfg in self.measured:
             return False
-        self._prune(trial, "timed by another process")
+        self.prune(trial, cfg, "timed by another process")
         return True
 
     def _time(self, trial: optuna.trial.Trial, cfg: KernelConfig) -> float | None:

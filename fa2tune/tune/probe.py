@@ -202,22 +202,27 @@ _DECODE_ANY_STRIDES = {"stride_lh", "stride_tb"}
 
 
 def compile_decode(kernel: str, config, head_dim: int, dtype: torch.dtype, *, paged: bool, page_size: int = 16,
-                   block_m: int = 16, capability: tuple[int, int] = (9, 0)) -> CompileReport:  # fmt: skip
+                   block_m: int = 16, splits: int = 64,
+                   capability: tuple[int, int] = (9, 0)) -> CompileReport:  # fmt: skip
     """Compiles a decode kernel of templates/decode.py.jinja ("_decode_fwd" with split partials, "_decode_merge",
     "_append_kv") with a DecodeConfig for a CUDA target, as fa2tune.launch.decode launches it on typical tensors:
     every pointer 16-byte aligned, the strides multiples of 16 (but _DECODE_ANY_STRIDES), lengths plain i32, paged
-    or not; block_m packed query rows a tile (decode_plan.row_tiles)."""
+    or not; block_m packed query rows a tile (decode_plan.row_tiles), `splits` splits merged (the merge's blocks,
+    decode_plan.merge_blocks)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from ..config import decode_plan
     from ..config.decode_plan import DecodeVariant
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_decode needs Triton's compiler: unset TRITON_INTERPRET in this process")
     fn = getattr(codegen.load("decode", DecodeVariant(paged=paged)), kernel)
+    splits_pad, split_block = decode_plan.merge_blocks(splits, head_dim)
     constexprs: dict[str, object] = {
+        "SPLITS_PAD": splits_pad, "SPLIT_BLOCK": split_block,
         **head_dim_options(head_dim, head_dim), "BLOCK_M": block_m, "BLOCK_N": config.block_n, "BLOCK_R": 16,
-        "PAGE_SIZE": page_size if paged else 0, "PARTIAL": True, "SPLITS_PAD": 64, "SPLIT_BLOCK": 32,
+        "PAGE_SIZE": page_size if paged else 0, "PARTIAL": True,
         "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
     }  # fmt: skip
     signature: dict[str, str] = {}
@@ -236,4 +241,5 @@ def compile_decode(kernel: str, config, head_dim: int, dtype: torch.dtype, *, pa
                 attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn, signature, constexprs={k: v for k, v in constexprs.items() if k in signature}, attrs=attrs)
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    return _compile(source, target, {"num_warps": config.num_warps, "num_stages": config.num_stages})
+    warps = decode_plan.MERGE_WARPS if kernel == "_decode_merge" else config.num_warps  # as the launcher takes them
+    return _compile(source, target, {"num_warps": warps, "num_stages": config.num_stages})

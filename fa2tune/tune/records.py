@@ -61,8 +61,8 @@ class Options:
             pruned and failed trials and repeats do not count): a resumed study times only what it still lacks,
             and a config another process timed or is timing is not timed again. The tune also stops once every
             config of the space is timed or failed.
-        timeout_s: stop asking for new trials after this many seconds (once a config is timed: a study always
-            times its first).
+        timeout_s: after this many seconds, ask no new trials and time none of those asked ahead (told pruned,
+            strategy.NOT_TIMED) — once a config is timed: a study always times its first.
         storage: an Optuna storage or URL (sqlite:///tune.db, a journal file, an RDB server) shared by workers.
         verify: checks a winner's output; returns a reason to reject it, or None.
         remeasure_top: how many of the fastest configs the finish times again before naming a winner (1: none).

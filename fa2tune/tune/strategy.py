@@ -25,6 +25,7 @@ from .records import Options, Target, TrialRecord, Wait
 from .search_space import Space, first_configs, params
 
 Batch = list[tuple[optuna.trial.Trial, KernelConfig]]
+NOT_TIMED = "not timed: the study's timeout passed"  # a trial asked before the timeout, reached after it
 _REPEATS_BEFORE_EXPLORING = 5  # proposals of configs timed before, in a row, before an untried one is enqueued
 
 
@@ -81,8 +82,11 @@ class _Search:
                     break
                 batch, wait = self.in_flight.popleft()
                 for trial, cfg in batch:
-                    if self._out_of_time():  # the batches asked ahead are not timed past the timeout either
-                        self._not_timed(trial, cfg)
+                    # A batch asked ahead is not timed past the timeout either; a config timed (or failed) already
+                    # still gets its reading.
+                    known = cfg in self.cost.measured or cfg in self.cost.failures
+                    if self._out_of_time() and not known:
+                        self.cost.prune(trial, cfg, NOT_TIMED)
                     else:
                         self.cost.time_trial(trial, cfg, wait)
         except KeyboardInterrupt:
@@ -124,13 +128,6 @@ class _Search:
         timed_out = timeout_s is not None and time.time() - self.start > timeout_s
         return timed_out and bool(self.cost.measured or self.cost.failures)
 
-    def _not_timed(self, trial: optuna.trial.Trial, cfg: KernelConfig) -> None:
-        """Tells a trial asked before the timeout, but reached after it, pruned: untimed, so a resumed or shared study
-        may ask for its config again."""
-        reason = "not timed: the study's timeout passed"
-        trial.set_user_attr("reason", reason)
-        self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-        self.cost.history.append(TrialRecord(trial.number, cfg, None, reason))
 
     def _told_at_once(self, trial: optuna.trial.Trial, cfg: KernelConfig, batch: Batch) -> bool:
         """Tells the trial now where it needs no timing: the planner rejects cfg (pruned), cfg failed before
@@ -140,9 +137,7 @@ class _Search:
         if reason is None and cfg not in self.space.allowed:
             reason = "not in the search space"
         if reason is not None:
-            trial.set_user_attr("reason", reason)
-            self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-            cost.history.append(TrialRecord(trial.number, cfg, None, reason))
+            cost.prune(trial, cfg, reason)
             return True
         if cfg in cost.failures:
             cost.fail(trial, cfg, cost.failures[cfg])
