@@ -498,7 +498,9 @@ def test_a_call_runs_the_stored_decode_entry_and_an_explicit_config_before_it(co
     # other head dims and dtypes have no entry: the default
     default = decode_plan.default_config(decode_launch.device_info(device), 80, torch.float16)
     assert selection.resolve_decode(torch.device(device), 80, torch.float16) == (default, "planner-default")
-    assert selection.resolve_decode(torch.device(device), 64, torch.bfloat16)[1] == "planner-default"
+    # bf16 has no entry of its own: it reads fp16's (the same bytes and rate), and says so in the source; fp32 not
+    assert selection.resolve_decode(torch.device(device), 64, torch.bfloat16) == (_TUNED, f"{path} (fp16 entry)")
+    assert selection.resolve_decode(torch.device(device), 64, torch.float32)[1] == "planner-default"
     seen = _configs_run(monkeypatch)
     _check_case([20, 41], device=device)  # head_dim 64, fp16: the entry's key
     q, k_cache, v_cache, *_ = _make_case([5], device=device)

@@ -259,6 +259,31 @@ def test_lookup_order_env_then_user_then_shipped(config_dir, monkeypatch):
     assert found.config == KernelConfig(64, 64, 4, 1) and path.parent == shipped
 
 
+def test_a_16_bit_dtype_without_an_entry_of_its_own_reads_the_other_s(config_dir, monkeypatch, device):
+    # bf16 and fp16 cost the same (store.SAME_COST_DTYPES): an fp16 call with no fp16 entry runs the bf16 one, and
+    # its source says which; an entry of the call's own dtype wins wherever it is on the search path (here the
+    # shipped folder, after the bf16 entry's); fp32 reads neither.
+    from dataclasses import replace
+
+    slug = selection.device_info(device).slug
+    shipped = config_dir / "shipped"
+    monkeypatch.setattr(store, "shipped_config_dir", lambda: shipped)
+    as_dtype = lambda entry, dtype: replace(entry, key=replace(entry.key, dtype=dtype))
+    bf16 = config_dir / "env" / f"{slug}.yaml"
+    store.write_entries(bf16, DEVICE, [as_dtype(_entry(cfg=KernelConfig(32, 16, 4, 1)), "bf16")])
+    resolve = lambda dtype: selection.resolve("fwd", 64, dtype, False, device)
+    assert resolve(torch.float16) == (KernelConfig(32, 16, 4, 1), f"{bf16} (bf16 entry)")
+    assert resolve(torch.bfloat16) == (KernelConfig(32, 16, 4, 1), str(bf16))
+    assert resolve(torch.float32)[1] == "planner-default"
+    attention_kernel.clear_cache()
+    store.write_entries(shipped / f"{slug}.yaml", DEVICE, [as_dtype(_entry(cfg=KernelConfig(16, 16, 4, 1)), "fp16")])
+    assert resolve(torch.float16) == (KernelConfig(16, 16, 4, 1), str(shipped / f"{slug}.yaml"))
+    q = torch.randn(1, 2, 40, 64, device=device, dtype=torch.float16)
+    assert fa2tune.get_kernel(64, device=device, dtype=torch.float16).source == str(shipped / f"{slug}.yaml")
+    torch.testing.assert_close(fa2tune.attention(q, q, q).float(), fa2tune.attention(q.float(), q.float(), q.float()),
+                               atol=2e-3, rtol=2e-3)  # fmt: skip
+
+
 _IGNORED = r"ignoring tuned configs in .*; using the next source"  # the file as a whole
 _SKIPPED = r"skipped what is malformed \(entry 0: .*\); using its other entries"  # one entry
 

@@ -53,7 +53,8 @@ def resolve(
     varlen: bool = False,
     seqlen: int | None = None,
 ) -> tuple[KernelConfig, str]:
-    """(config, source) for one kernel launch; source is "<file>" for a tuned entry, else "planner-default".
+    """(config, source) for one kernel launch; source is "<file>" for a tuned entry ("<file> (bf16 entry)" for an
+    fp16 call that reads a bf16 entry, and the reverse: store.lookup_for_dtype), else "planner-default".
 
     window: a band mask (sliding window or prefix-LM); varlen: packed sequences — each its own template variant,
     tuned and stored under its own key. seqlen: the call's max(seqlen_q, seqlen_k), which picks the length bucket
@@ -68,18 +69,18 @@ def resolve(
         return hit
 
     result = None
-    for bucket in buckets:
-        key = store.EntryKey(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=causal, kernel=kernel,
-                             seqlen_bucket=bucket, window=window, varlen=varlen)  # fmt: skip
-        found = store.lookup(info.slug, key, template_hash=lambda config, key=key: codegen.entry_code_hash(key, config))
-        if found is None:
-            continue
-        entry, path = found
+    keys = [store.EntryKey(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=causal, kernel=kernel,
+                           seqlen_bucket=bucket, window=window, varlen=varlen) for bucket in buckets]  # fmt: skip
+
+    def code_hash(config: KernelConfig) -> str:  # the keys differ in bucket and dtype, which the code does not
+        return codegen.entry_code_hash(keys[0], config)
+
+    for entry, source in store.lookup_for_dtype(info.slug, keys, template_hash=code_hash):
         reason = planner.check(entry.config, info, head_dim, dtype, kernel)
         if reason is None:
-            result = (entry.config, str(path))
+            result = (entry.config, source)
             break
-        store._warn_once(f"fa2tune: tuned config {entry.config} in {path} does not fit {info.name}: {reason}")
+        store._warn_once(f"fa2tune: tuned config {entry.config} in {source} does not fit {info.name}: {reason}")
     if result is None:
         config = defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info)
         result = (config, "planner-default")
@@ -130,19 +131,18 @@ def config_for(config: KernelConfig | None, kernel: str, q: torch.Tensor, k: tor
 def resolve_decode(device: torch.device | str, head_dim: int, dtype: torch.dtype) -> tuple[DecodeConfig, str]:
     """(config, source) a decode call on `device` runs when it passes none: the store's decode entry for the device,
     head dim and dtype (`fa2tune tune --kernel decode` writes it; store.lookup: the first file along the search path
-    that has one), source its file's path; else decode_plan.default_config, source "planner-default". An entry the
-    store cannot use — malformed (unknown fields, bad values), tuned on other kernel code (stale) or too large for
-    this device — falls back with one warning. Not cached here: the launcher asks once per call signature."""
+    that has one; else the other 16-bit dtype's, store.lookup_for_dtype), source its file's path; else
+    decode_plan.default_config, source "planner-default". An entry the store cannot use — malformed (unknown fields,
+    bad values), tuned on other kernel code (stale) or too large for this device — falls back with one warning. Not
+    cached here: the launcher asks once per call signature."""
     info = device_info(device)
     key = store.EntryKey(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=False, kernel=DECODE_KERNEL)
-    found = store.lookup(info.slug, key, template_hash=codegen.decode_code_hash())
-    if found is not None:
-        entry, path = found
+    for entry, source in store.lookup_for_dtype(info.slug, [key], template_hash=codegen.decode_code_hash()):
         reason = decode_plan.check(entry.config, info, head_dim, dtype)
         if reason is None:
-            return entry.config, str(path)
-        store._warn_once(f"fa2tune: tuned decode config {entry.config.label()} in {path} does not fit {info.name}: "
-                         f"{reason}; using the default")  # fmt: skip
+            return entry.config, source
+        store._warn_once(f"fa2tune: tuned decode config {entry.config.label()} in {source} does not fit "
+                         f"{info.name}: {reason}; using the default")  # fmt: skip
     return decode_plan.default_config(info, head_dim, dtype), "planner-default"
 
 

@@ -46,8 +46,8 @@ import stat
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -61,6 +61,10 @@ READABLE_VERSIONS = (1, SCHEMA_VERSION)  # what reads read: schema 1's configs t
 # Bounds on what a file may hold before it is parsed or walked, so that no file (hand-edited, truncated, hostile)
 # costs more than a moment or breaks attention(). A file of every key a GPU can have tuned in practice is ~1 MiB and
 # ~100k values, nested 6 deep (entries > entry > baseline > config > value).
+# bf16 and fp16 move the same bytes through the same tensor-core rate, so their tuned configs agree: tuned apart on
+# an H200, 20 of 29 keys picked the same config in both and the other 9 a neighbour (a pipeline stage or the
+# persistent schedule apart). A key with no entry of its own dtype reads the other's (lookup_for_dtype).
+SAME_COST_DTYPES = {"bf16": "fp16", "fp16": "bf16"}
 MAX_FILE_BYTES = 8 * 2**20
 MAX_NODES = 1_000_000  # values in a file, counting an alias as a copy: a "billion laughs" file stops here
 MAX_ENTRY_NODES = 10_000  # values in one entry (a tuned one holds ~40); past it the entry alone is skipped
@@ -294,6 +298,21 @@ def lookup(
                 break
             return entry, path
     return None
+
+
+def lookup_for_dtype(
+    slug: str, keys: list[EntryKey], *, template_hash: str | Callable[[KernelConfig], str]
+) -> Iterator[tuple[Entry, str]]:
+    """(entry, source) of each usable entry for `keys` (tried in order, all of one dtype), then for the same keys in
+    the dtype of the same cost (SAME_COST_DTYPES); source is the file's path, with "(<dtype> entry)" after it for an
+    entry of the other dtype. The caller takes the first that fits its device."""
+    own = keys[0].dtype if keys else None
+    other = [replace(key, dtype=SAME_COST_DTYPES[own]) for key in keys] if own in SAME_COST_DTYPES else []
+    for key in keys + other:
+        found = lookup(slug, key, template_hash=template_hash)
+        if found is not None:
+            entry, path = found
+            yield entry, str(path) if key.dtype == own else f"{path} ({key.dtype} entry)"
 
 
 @contextlib.contextmanager
