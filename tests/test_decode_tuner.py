@@ -98,6 +98,18 @@ def test_the_search_times_each_class_once_and_a_failing_config_scores_inf():
     assert {config for config, quick in bench.timed if not quick} >= {fastest, space.default}
 
 
+def test_the_compile_processes_are_let_go_between_the_search_and_the_finish():
+    # on_timed (the CLI's pool.release) runs after the search's quick readings and before the finish's: no build
+    # left queued runs beside the timings that pick the winner
+    bench = _Recorded(_ms)
+    spec = decode_tuner.DecodeSpec(head_dim=128, dtype="bf16", heads=32, kv_heads=8, trials=6)
+    decode_tuner.tune(spec, _space(), bench, name="h200/decode", verify=lambda config: 0.0, tolerance=1e-2,
+                      on_timed=lambda: bench.timed.append("released"))  # fmt: skip
+    released = bench.timed.index("released")
+    assert all(quick for _, quick in bench.timed[:released]) and released == 6
+    assert bench.timed[released + 1 :] and not any(quick for _, quick in bench.timed[released + 1 :])
+
+
 def test_the_search_ends_once_every_class_is_timed():
     space = _space()
     result = _tune(space, _Recorded(_ms), trials=1000)

@@ -56,14 +56,10 @@ def tune_decode(args: argparse.Namespace, devices: list[str]) -> int:
     try:
         result, entry = decode_tuner.run(spec, device, on_trial=on_trial, compile_pool=pool)
     except KeyboardInterrupt:
-        if pool is not None:
-            pool.release()
-            pool.close()
-            pool = None
         return interrupted(0, None, None, set())
     finally:
         if pool is not None:
-            pool.release()  # the finish built nothing new: the processes may go
+            pool.release()  # after Ctrl-C too (decode_tuner.run releases it before the finish otherwise)
             pool.close()
     end_progress_line()
     path = job.write(entry, device, config_dir)

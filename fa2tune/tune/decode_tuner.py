@@ -32,12 +32,11 @@ from ..config.inputs import DTYPES_BY_NAME
 from ..kernels import codegen
 from . import decode_space, decode_workload, verification
 from .finish import INCUMBENT_MARGIN
-from .records import TrialRecord, failure_reason
+from .records import OnTrial, Options, TrialRecord, failure_reason
+from .strategy import REPEATS_BEFORE_EXPLORING
 from .timing import Timing
 
-REMEASURE_TOP = 3  # the fastest configs the finish times again
-_REPEATS_BEFORE_EXPLORING = 5  # proposals in a row that time nothing new before an untimed class is enqueued
-OnTrial = Callable[[int, int, float | None, float], None]  # (classes timed, budget, best ms so far, elapsed s)
+REMEASURE_TOP = Options.remeasure_top  # the fastest configs the finish times again, as the attention tuner's
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,8 @@ def run(spec: DecodeSpec, device_name: str, *, on_trial: OnTrial | None = None,
         compile_pool=None) -> tuple[DecodeResult, store.Entry]:  # fmt: skip
     """Tunes the decode kernel on one device ("cuda:N", or "cpu": the interpreter's tiny steps); returns the result
     and its store entry. compile_pool: a CompilePool whose processes build each class's kernels ahead of its timing
-    (a GPU tune's); None: the timing process's JIT builds them."""
+    (a GPU tune's), released once the search has timed its classes, so that no build left queued runs beside the
+    finish's timings; None: the timing process's JIT builds them."""
     start = time.time()
     info, dtype, cpu = device_info(device_name), DTYPES_BY_NAME[spec.dtype], device_name == "cpu"
     if not cpu:  # timing (do_bench's events), the checks and every allocation belong on the tuned GPU
@@ -113,14 +113,14 @@ def run(spec: DecodeSpec, device_name: str, *, on_trial: OnTrial | None = None,
                                                       dtype=dtype, device=device_name)  # fmt: skip
     result = tune(spec, space, bench, name=f"{info.slug}/{DECODE_KERNEL}/d{spec.head_dim}/{spec.dtype}",
                   verify=verify, tolerance=verification.REL_TOLERANCE[dtype], built=built, on_trial=on_trial,
-                  start=start)  # fmt: skip
+                  start=start, on_timed=compile_pool.release if compile_pool is not None else None)  # fmt: skip
     return result, _entry(spec, result, on_gpu=not cpu)
 
 
 def tune(spec: DecodeSpec, space: decode_space.DecodeSpace, bench: Bench, *, name: str,
          verify: Callable[[DecodeConfig], float], tolerance: float,
          built: Callable[[DecodeConfig], str | None] = lambda config: None, on_trial: OnTrial | None = None,
-         start: float | None = None) -> DecodeResult:  # fmt: skip
+         start: float | None = None, on_timed: Callable[[], None] | None = None) -> DecodeResult:  # fmt: skip
     """The study of `space` with `bench`'s readings: the search, then the finish (the module's text).
 
     Args:
@@ -128,10 +128,13 @@ def tune(spec: DecodeSpec, space: decode_space.DecodeSpace, bench: Bench, *, nam
         verify: a config's worst relative error against the reference; `tolerance` the most it may be.
         built: wait(config) -> why its kernels failed to build, or None (_start_builds).
         start: when the tune started (time.time()), for --timeout and the wall time; None: now.
+        on_timed: called between the search and the finish (where the compile processes are let go).
     """
     start = time.time() if start is None else start
     search = _Search(space, lambda config: _score(bench, config, built), spec, on_trial, start)
     search.run()
+    if on_timed is not None:
+        on_timed()
     best, second, note = _finish(search, space, bench, verify, tolerance, name)
     ms = lambda config: _geomean([t.median_ms for t in second[config]])
     gbps = lambda config: _geomean(bench.gigabytes) / (ms(config) * 1e-3) if bench.on_gpu else None
@@ -202,21 +205,25 @@ class _Search:
         for first in (self.space.default, self.space.incumbent):  # timed first: the baseline, then the file's
             if first is not None:
                 study.enqueue_trial(first.to_dict(), skip_if_exists=True)
-        budget = min(self.spec.trials, len(self.space.classes))
+        budget = self._budget()
         # Each proposal either times a class or, after a few in a row that do not, leads to one enqueued: the loop
-        # ends within budget · (_REPEATS_BEFORE_EXPLORING + 1) asks
+        # ends within budget · (REPEATS_BEFORE_EXPLORING + 1) asks
         repeats = 0
         while self._timed() < budget and not self._timed_out():
             trial = study.ask(distributions)
             timed = self._tell(study, trial, DecodeConfig(**trial.params))
             repeats = 0 if timed else repeats + 1
-            if repeats >= _REPEATS_BEFORE_EXPLORING:
+            if repeats >= REPEATS_BEFORE_EXPLORING:
                 untimed = [c for c in self.space.classes if c not in self.measured and c not in self.failures]
                 study.enqueue_trial(self.rng.choice(untimed).to_dict())
                 repeats = 0
 
     def _timed(self) -> int:
         return len(self.measured) + len(self.failures)
+
+    def _budget(self) -> int:
+        """Classes to time: --trials, or every class where the space has fewer."""
+        return min(self.spec.trials, len(self.space.classes))
 
     def _timed_out(self) -> bool:
         """Whether no new class is to be timed: the timeout passed, once a class was timed."""
@@ -245,8 +252,7 @@ class _Search:
                                         self.failures.get(config)))  # fmt: skip
         study.tell(trial, ms)
         if self.on_trial is not None and self.measured:
-            self.on_trial(self._timed(), min(self.spec.trials, len(self.space.classes)), min(self.measured.values()),
-                          time.time() - self.start)  # fmt: skip
+            self.on_trial(self._timed(), self._budget(), min(self.measured.values()), time.time() - self.start)
         return True
 
 

@@ -45,11 +45,6 @@ class Workload:
         """Keys an entry's cache holds: `keys`, rounded up to whole pages in a paged cache."""
         return -(-self.keys // self.page_size) * self.page_size if self.page_size else self.keys
 
-    def label(self) -> str:
-        """e.g. "32x8192 q1 paged256"."""
-        cache = f"paged{self.page_size}" if self.page_size else "contiguous"
-        return f"{self.batch}x{self.keys} q{self.seqlen_q} {cache}"
-
 
 def workloads(cpu: bool) -> tuple[Workload, ...]:
     """The steps a decode tune times: each shape over a contiguous and a paged cache."""
@@ -95,14 +90,13 @@ class DecodeBench:
     """The workloads' inputs on one device, and their readings with a config.
 
     Attributes:
-        workloads: the timed steps.
-        inputs: their inputs, in the same order.
+        inputs: the timed steps' inputs, in their order.
         gigabytes: each step's K and V read (timing.kv_read_bytes), GB.
     """
 
     def __init__(self, steps: tuple[Workload, ...], *, heads: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: str) -> None:  # fmt: skip
-        self.workloads, self.device, self.on_gpu = steps, device, str(device).startswith("cuda")
+        self.device, self.on_gpu = device, str(device).startswith("cuda")
         self.inputs = [make_inputs(w, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
                        for w in steps]  # fmt: skip
         self.gigabytes = [kv_read_bytes(w.batch, w.keys, kv_heads, head_dim, itemsize=dtype.itemsize) / 1e9

@@ -26,7 +26,7 @@ from .search_space import Space, first_configs, params
 
 Batch = list[tuple[optuna.trial.Trial, KernelConfig]]
 NOT_TIMED = "not timed: the study's timeout passed"  # a trial asked before the timeout, reached after it
-_REPEATS_BEFORE_EXPLORING = 5  # proposals of configs timed before, in a row, before an untried one is enqueued
+REPEATS_BEFORE_EXPLORING = 5  # proposals of configs timed before, in a row, before an untried one is enqueued
 
 
 def open_study(target: Target, options: Options) -> optuna.Study:
@@ -156,7 +156,7 @@ class _Search:
         self.repeats += 1
         done = self.cost.measured.keys() | self.cost.failures.keys() | self._planned(batch)
         untried = [c for c in self.space.feasible if c not in done]
-        if self.repeats >= _REPEATS_BEFORE_EXPLORING and untried:
+        if self.repeats >= REPEATS_BEFORE_EXPLORING and untried:
             self.study.enqueue_trial(params(self.rng.choice(untried)), skip_if_exists=True)
             self.repeats = 0
 
