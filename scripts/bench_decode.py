@@ -30,6 +30,8 @@ import time
 
 import torch
 
+from fa2tune.cli.arguments import positive_ints
+
 DEFAULT_SHAPES = "32x8192x1,8x32768x1,1x131072x1,32x8192x4"  # batch x keys x query tokens
 CPU_SHAPES = "2x64x1,1x100x4"
 CPU_LIMITS = dict(batch=2, keys=256, heads=4)  # what the interpreter runs in seconds
@@ -43,16 +45,6 @@ def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
     if not shapes or any(len(shape) != 3 or min(shape) < 1 for shape in shapes):
         raise argparse.ArgumentTypeError(f"shapes are batch x keys x query tokens, e.g. 32x8192x1, got {text!r}")
     return shapes
-
-
-def _parse_splits(text: str) -> tuple[int, ...]:
-    try:
-        splits = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        splits = ()
-    if not splits or min(splits) < 1:
-        raise argparse.ArgumentTypeError(f"--num-splits takes split counts >= 1, e.g. 8,16,33, got {text!r}")
-    return splits
 
 
 def _cache(batch, keys, kv_heads, head_dim, dtype, device):
@@ -175,7 +167,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--page-size", type=int, default=None,
                         help="keys a page of the paged cache holds; 0: contiguous only (default 256; cpu: 16)")
-    parser.add_argument("--num-splits", type=_parse_splits, default=(),
+    parser.add_argument("--num-splits", type=positive_ints, default=(),
                         help="also time fa2tune at these split counts, e.g. 8,16,33 (rows fa2tune/sN; default: only "
                              "the split rule's choice)")  # fmt: skip
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (tiny shapes, interpreter)")
