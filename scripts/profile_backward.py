@@ -23,8 +23,6 @@ MATMULS = {"dkdv": 4, "_dq": 3}  # tile matmuls per (Q tile, K tile) pair, by ke
 
 def _profile(d: int, n: int, causal: bool, configs: list) -> None:
     """Prints each backward kernel's time at each dK/dV config (None: the tuned one), for one head dim."""
-    from dataclasses import astuple
-
     from fa2tune.api import ops
     from fa2tune.tune.timing import attention_flops, kernel_times_ms
     from fa2tune.tune.workload import random_qkv
@@ -40,12 +38,14 @@ def _profile(d: int, n: int, causal: bool, configs: list) -> None:
                 do, q, k, v, o, lse, causal=causal, scale=d**-0.5, dkdv_config=config
             )
         )
-        label = "tuned" if config is None else str(astuple(config)[:4])
+        label = "tuned" if config is None else config.label()
         for name, ms in sorted(times.items()):
             count = next((m for frag, m in MATMULS.items() if frag in name), 0)
+            if config is not None and config.fused_dq and "dkdv" in name:
+                count += 1  # dS·K too: dQ fused in
             own = f"{count * matmul_flops / ms / 1e9:.0f}" if count else "-"
-            print(f"{d:>4} {label:<22} {name[:22]:<22} {ms:>7.3f} {own:>11}")
-        print(f"{d:>4} {label:<22} {'total':<22} {sum(times.values()):>7.3f}")
+            print(f"{d:>4} {label:<40} {name[:22]:<22} {ms:>7.3f} {own:>11}")
+        print(f"{d:>4} {label:<40} {'total':<22} {sum(times.values()):>7.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from fa2tune.config.types import KernelConfig
 
     configs = [None] + [KernelConfig.parse(c) for c in args.dkdv]
-    print(f"{'d':>4} {'dK/dV config':<22} {'kernel':<22} {'ms':>7} {'own TFLOP/s':>11}")
+    print(f"{'d':>4} {'dK/dV config':<40} {'kernel':<22} {'ms':>7} {'own TFLOP/s':>11}")
     for d in map(int, args.head_dims.split(",")):
         _profile(d, args.seqlen, args.causal, configs)
     return 0

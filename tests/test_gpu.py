@@ -7,7 +7,7 @@ import torch
 
 import fa2tune
 from fa2tune.api import ops, selection
-from fa2tune.config import defaults
+from fa2tune.config import defaults, planner
 from fa2tune.config.device import device_info
 from fa2tune.config.schedule import PERSISTENT
 from fa2tune.config.types import KernelConfig
@@ -376,6 +376,46 @@ def test_warpspec_backward_at_every_head_dim_matches_reference(head_dim, dtype, 
         _assert_gradients_match_reference(grads, q, k, v, do, causal=causal)
 
 
+# dQ fused into the dK/dV kernel a head-dim chunk at a time (head_chunks.dq_blocks): the form of two 64-row K/V
+# blocks at d=80, 96, 112 (column blocks of 64, 32 and 16 dealt to two consumers unevenly), split roles at d=136 …
+# 208 (the dK side hands dSᵀ over; the dV side adds its share of the last step's dQ under this step's dV), and V's
+# own head dim (MLA's 192/128, 96/160, 64/32): dQ follows K's chunks, dV V's. Split roles at d=64 leave the dV side
+# no dQ block; at d=128 each side one.
+_FUSED_CHUNKED = [
+    (80, 80, torch.float16, False, "64,128,4,2,ws,fused-dq"),
+    (96, 96, torch.bfloat16, False, "64,128,4,2,ws,fused-dq,persistent"),
+    (96, 96, torch.bfloat16, True, "64,128,4,2,ws,fused-dq"),
+    (112, 112, torch.bfloat16, True, "64,128,4,2,ws,fused-dq"),
+    (136, 136, torch.float16, True, "64,64,4,2,ws,split-roles,fused-dq,persistent"),
+    (192, 192, torch.bfloat16, False, "64,64,4,2,ws,split-roles,fused-dq"),
+    (192, 192, torch.bfloat16, True, "64,64,4,2,ws,split-roles,fused-dq"),
+    (208, 208, torch.bfloat16, False, "64,64,4,2,ws,split-roles,fused-dq"),
+    (192, 128, torch.bfloat16, True, "64,64,4,2,ws,split-roles,fused-dq"),
+    (96, 160, torch.float16, False, "64,64,4,2,ws,split-roles,fused-dq"),
+    (64, 32, torch.bfloat16, True, "64,128,4,2,ws,fused-dq"),
+    (64, 64, torch.bfloat16, True, "64,64,4,2,ws,split-roles,fused-dq"),  # the dV side has no dQ block
+    (128, 128, torch.float16, False, "64,64,4,2,ws,split-roles,fused-dq,persistent"),
+]  # fmt: skip
+
+
+@_HOPPER
+@pytest.mark.parametrize("head_dim, head_dim_v, dtype, causal, config", _FUSED_CHUNKED,
+                         ids=lambda x: str(x).replace("torch.", "").replace(",", "-"))  # fmt: skip
+def test_fused_dq_at_every_head_dim_matches_reference(head_dim, head_dim_v, dtype, causal, config, monkeypatch):
+    # GQA (four query heads over two K/V heads), ragged lengths, N_Q ≠ N_K, rows that see no key; persistent over
+    # three programs
+    config = KernelConfig.parse(config)
+    assert planner.check(config, device_info(0), max(head_dim, head_dim_v), dtype, "bwd_dkdv") is None
+    if config.schedule.persistent:
+        monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
+    torch.manual_seed(head_dim + head_dim_v)
+    for q, k, v in _v_inputs(head_dim, head_dim_v, dtype):
+        o, lse = ops.forward(q, k, v, causal=causal, scale=head_dim**-0.5)
+        do = torch.randn_like(o)
+        grads = ops.backward(do, q, k, v, o, lse, causal=causal, scale=head_dim**-0.5, dkdv_config=config)
+        _assert_gradients_match_reference(grads, q, k, v, do, causal=causal)
+
+
 def _assert_gradients_match_reference(grads, q, k, v, do, *, causal: bool) -> None:
     """dQ, dK, dV (grads) against float64 autograd through naive attention, at q's dtype's tolerance."""
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
@@ -410,7 +450,7 @@ def test_fused_dq_backward_is_deterministic_when_torch_asks(monkeypatch):
 
 
 # Every backward kernel (Triton; warp-specialized dK/dV and dQ; dK/dV with dQ fused in, one and two programs an SM, at
-# d=64 with K and V as register operands and at d=128 from shared memory) on flash-attention's
+# d=64 with K and V as register operands and at d=128 from shared memory, and with split roles) on flash-attention's
 # test_flash_attn_bwd_overflow inputs (tests/test_backward.py): lengths 1-3, one past each tile (16, 32, 64, 128),
 # q ≠ k. A key past N_K of a ragged tile has P = e^(−lse), past the 16-bit range; the fused dQ added it as inf·0 = NaN.
 _OVERFLOW_LENGTHS = [(1, 1), (2, 2), (3, 3), (17, 17), (33, 33), (65, 65), (129, 129), (2, 129), (129, 2), (1, 65)]
@@ -424,6 +464,8 @@ _OVERFLOW_CASES = [
     *((64, dtype, causal, KernelConfig.parse("64,64,4,3,ws,fused-dq,persistent,x2"), None)
       for dtype in (torch.float16, torch.bfloat16) for causal in (False, True)),
     *((128, dtype, False, KernelConfig.parse("64,128,4,2,ws,fused-dq"), None)
+      for dtype in (torch.float16, torch.bfloat16)),
+    *((128, dtype, False, KernelConfig.parse("64,64,4,2,ws,split-roles,fused-dq"), None)
       for dtype in (torch.float16, torch.bfloat16)),
 ]  # fmt: skip
 

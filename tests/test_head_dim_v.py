@@ -1,16 +1,18 @@
 """V's head dim apart from Q's and K's (dv != d, as MLA-style models use): outputs and every gradient against the
 float64 reference, through attention(), attention_varlen(), the custom op under torch.compile, get_kernel and the
-drop-in calls; the configs such a call resolves and runs (the larger head dim's; no fused dQ)."""
+drop-in calls; the configs such a call resolves and runs (the larger head dim's)."""
 
 from __future__ import annotations
 
+import ast
 from dataclasses import replace
 
 import pytest
 import torch
 
 import fa2tune
-from fa2tune.api import ops, sdpa
+from fa2tune.api import sdpa
+from fa2tune.config import head_chunks
 from fa2tune.config.types import KernelConfig, Variant
 from fa2tune.kernels import codegen
 from fa2tune.launch import fallback
@@ -138,19 +140,27 @@ def test_get_kernel_resolves_both_head_dims_and_refuses_other_calls(device):
     assert fa2tune.get_kernel(32, head_dim_v=32, device=device) is fa2tune.get_kernel(32, device=device)
 
 
-def test_fused_dq_gives_way_where_v_has_a_head_dim_of_its_own(device):
-    # The dK/dV kernel with dQ fused in takes one head dim for Q, K and V: a resolved config (of the larger head dim,
-    # where a tuned entry may fuse) runs its twin with a dQ kernel, an explicit one is refused naming the argument.
+def test_fused_dq_renders_dq_in_k_s_chunks_and_dv_in_v_s():
+    # The dK/dV kernel with dQ fused in takes V's head dim apart from Q's and K's: its dQ blocks (and their fp32 TMA
+    # descriptors) follow K's chunks, its dV wgmmas V's, in both forms (two K/V blocks, and split roles). A resolved
+    # fused config (an entry, tuned and checked with one head dim) gives way to its twin with a dQ kernel; an
+    # explicit one runs as given.
     fused = KernelConfig(64, 128, 4, 2, warp_specialized=True, fused_dq=True)
     assert fallback.unfused_for_v(fused, False, 64, 32) == replace(fused, fused_dq=False)
-    assert fallback.unfused_for_v(fused, True, 64, 64) is fused
-    q, k, v = _qkv((1, 2, 2, 8, 8, 64, 32), torch.float32, device, seed=10)
-    o, lse = fa2tune.attention(q, k, v, return_lse=True)
-    with pytest.raises(ValueError, match=r"dkdv_config .* takes V's head dim equal to Q's and K's, got 32 and 64"):
-        ops.backward(torch.ones_like(o), q, k, v, o, lse, causal=False, scale=0.125, dkdv_config=fused)
-    with pytest.raises(ValueError, match=r"fused_dq takes V's head dim equal to Q's and K's, got 32 and 64"):
-        Variant.for_template("bwd_ws", causal=False, banded=False, varlen=False, even_m=False, even_n=False,
-                             fused_dq=True, head_dim=64, head_dim_v=32)  # fmt: skip
+    assert fallback.unfused_for_v(fused, True, 64, 32) is fused
+    assert fallback.unfused_for_v(fused, False, 64, 64) is fused
+    for split_roles, head_dim, head_dim_v in ((False, 64, 32), (True, 192, 128), (True, 96, 160)):
+        variant = Variant.for_template("bwd_ws", causal=False, banded=False, varlen=False, even_m=False, even_n=False,
+                                       fused_dq=True, split_roles=split_roles, head_dim=head_dim,
+                                       head_dim_v=head_dim_v)  # fmt: skip
+        source = codegen.render("bwd_ws", variant)
+        ast.parse(source)
+        qk, vc = head_chunks.chunks(head_dim), head_chunks.chunks(head_dim_v)
+        assert variant.fused_dq and variant.qk_chunks == qk and variant.v_chunks == vc
+        assert f"dqacc_desc{len(qk) - 1}" in source and f"dqacc_desc{len(qk)}" not in source
+        assert f"dv_desc{len(vc) - 1}" in source and f"dv_desc{len(vc)}" not in source
+        for index, _, width in head_chunks.dq_blocks(head_dim):
+            assert f"tma_reduce_add(dqacc_desc[{index}]" in source and f"dq_buf{width}" in source
 
 
 def test_the_triton_templates_render_v_head_dim_only_where_it_differs():

@@ -111,7 +111,7 @@ def test_split_roles_is_a_dkdv_form_of_one_k_v_block_that_takes_every_head_dim()
     assert KernelConfig.parse("64,64,4,2,ws,split-roles") == split and "split-roles" in split.label()
     assert KernelConfig.from_dict(split.to_dict()) == split and KernelConfig.from_ints(split.to_ints()) == split
     assert "split_roles" not in KernelConfig(64, 128, 4, 2, warp_specialized=True).to_dict()  # old entries read alike
-    for other, words in ((replace(split, fused_dq=True), "no fused_dq"), (replace(split, block_n=128), "block_n=64"),
+    for other, words in ((replace(split, block_n=128), "block_n=64"),
                          (replace(split, warp_specialized=False), "warp-specialized"),
                          (replace(split, schedule=TWO_AN_SM), "one-consumer")):  # fmt: skip
         assert words in other.combination_error("bwd_dkdv"), other
@@ -125,6 +125,18 @@ def test_split_roles_is_a_dkdv_form_of_one_k_v_block_that_takes_every_head_dim()
         assert defaults.default_config(head_dim, torch.bfloat16, kernel="bwd_dkdv", device=h200) == split
     assert "shared memory" in planner.check(replace(split, schedule=PERSISTENT), h200, 256, torch.bfloat16, "bwd_dkdv")
     assert not defaults.default_config(128, torch.bfloat16, kernel="bwd_dkdv", device=h200).split_roles
+    # with dQ fused in: the dK side's dSᵀ goes to shared memory for both sides' dQ blocks (double-buffered, and an
+    # fp32 staging buffer a side), which fits two stages up to d=208, and 64 × 64 fp32 dQ partials beside one
+    # accumulator fit the registers at every head dim
+    fused = replace(split, fused_dq=True)
+    assert fused.combination_error("bwd_dkdv") is None
+    assert KernelConfig.parse("64,64,4,2,ws,split-roles,fused-dq") == fused
+    for head_dim in range(136, 257, 8):
+        reason = planner.check(fused, h200, head_dim, torch.bfloat16, "bwd_dkdv")
+        assert (reason is None) == (head_dim <= 208), (head_dim, reason)
+        assert reason is None or reason.startswith("shared memory")
+    assert planner.sram_bytes(fused, 192, torch.bfloat16, "bwd_dkdv") - planner.sram_bytes(
+        split, 192, torch.bfloat16, "bwd_dkdv") == 2 * 2 * 64 * 64 + 2 * 64 * 64 * 4 + 256
     assert planner.check(split, known_gpu("l4"), 192, torch.bfloat16, "bwd_dkdv").startswith("warpspec needs a Hopper")
 
 
@@ -136,21 +148,17 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatc
         "warpspec needs a Hopper GPU (compute capability 9.x: wgmma), this one is 8.0"
     )
     assert planner.check(WS, h200, 128, torch.float32).startswith("warpspec takes float16/bfloat16")
-    # the kernels are written out a head-dim chunk at a time: every multiple of 8 up to 256; dQ fused into the dK/dV
-    # kernel only where the head dim is one chunk
+    # the kernels are written out a head-dim chunk at a time: every multiple of 8 up to 256, dQ fused into the dK/dV
+    # kernel too
     fits_all = KernelConfig(128, 64, 4, 2, warp_specialized=True)
     assert all(planner.check(fits_all, h200, d, torch.bfloat16) is None for d in (16, 40, 96, 136, 192, 248))
     assert planner.check(WS, h200, 100, torch.bfloat16).startswith("warpspec takes head_dim a multiple of 8")
     dkdv_ws = KernelConfig(64, 128, 4, 2, warp_specialized=True)
     assert planner.check(dkdv_ws, h200, 96, torch.bfloat16, "bwd_dkdv") is None
-    assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 96, torch.bfloat16, "bwd_dkdv") == (
-        "fused_dq takes a head dim of one chunk (a power of two), got 96 = 64 + 32"
-    )
+    assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 96, torch.bfloat16, "bwd_dkdv") is None
     assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 64, torch.bfloat16, "bwd_dkdv") is None
-    # V's head dim of its own: dQ never fused in, both head dims taken by warpspec, the model at the larger
-    assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 64, torch.bfloat16, "bwd_dkdv", head_dim_v=32) == (
-        "fused_dq takes V's head dim equal to Q's and K's, got 32 and 64"
-    )
+    # V's head dim of its own: both head dims taken by warpspec, the model at the larger
+    assert planner.check(replace(dkdv_ws, fused_dq=True), h200, 64, torch.bfloat16, "bwd_dkdv", head_dim_v=32) is None
     assert planner.check(fits_all, h200, 128, torch.bfloat16, head_dim_v=100).startswith(
         "warpspec takes head_dim a multiple of 8 in 16..256, got 100"
     )
@@ -208,11 +216,12 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatc
     persistent_fused = KernelConfig(64, 128, 4, 2, warp_specialized=True, fused_dq=True, schedule=PERSISTENT)
     assert planner.check(persistent_fused, h200, 128, torch.bfloat16, "bwd_dkdv").startswith("shared memory")
     assert planner.check(persistent_fused, h200, 64, torch.bfloat16, "bwd_dkdv") is None
-    assert len([c for c in planner.candidates("bwd_dkdv") if c.fused_dq and c.schedule != TWO_AN_SM]) == 12
-    # the fp32 dQ's TMA block: a consumer's share of the columns, ≤ 64 (d > 64 split between consumers; d = 64 whole)
-    assert warpspec.dq_partial_block((1, 1, 64, 128), 2) == (1, 1, 64, 64)
-    assert warpspec.dq_partial_block((1, 1, 64, 128), 1) == (1, 1, 64, 64)  # two 64-column reductions a step
-    assert warpspec.dq_partial_block((1, 1, 64, 64), 2) == (1, 1, 64, 64)
+    fused_space = [c for c in planner.candidates("bwd_dkdv") if c.fused_dq and c.schedule != TWO_AN_SM]
+    assert len(fused_space) == 18 and sum(c.split_roles for c in fused_space) == 6  # split roles at block_n 64
+    # the fp32 dQ's TMA blocks, one a head-dim chunk: its query-side block, at most 64 columns (a 64 × 64 fp32 partial
+    # is 32 registers a thread); d = 128's two 64-column blocks are one descriptor
+    assert warpspec.dq_partial_blocks(((1, 1, 64, 128),)) == ((1, 1, 64, 64),)
+    assert warpspec.dq_partial_blocks(((1, 1, 64, 64), (1, 1, 64, 32))) == ((1, 1, 64, 64), (1, 1, 64, 32))
     # at d <= 64 without a mask K and V are register operands too (a consumer's 64 × d of each, 16-bit): 32 values
     # a thread more than d=64's accumulators, in both forms (the model has no mask: it counts them for causal too);
     # none at d=128, where they would not fit
@@ -319,6 +328,29 @@ def test_head_chunks_cover_every_head_dim_in_powers_of_two():
     assert "[b, hk, row, 192]" in source and "acc2 = gl.zeros([M, 32]" in source and "acc3" not in source
     with pytest.raises(ValueError, match="fwd_ws is rendered for a head dim"):
         Variant.for_template("fwd_ws", causal=False, banded=False, varlen=False, even_m=False, even_n=False)
+
+
+def test_fused_dq_blocks_cover_k_s_chunks_and_are_dealt_evenly():
+    # dQ fused into the dK/dV kernel forms and reduces dQ in blocks of at most 64 columns within one chunk (a wgmma's
+    # B operand is a slice of one chunk's K buffer; a TMA reduction a block): every column once, in column order;
+    # dealt to two consumers whose column counts differ by at most one block, the split-roles dK side first
+    for d in range(16, 257, 8):
+        blocks = head_chunks.dq_blocks(d)
+        widths = head_chunks.chunks(d)
+        columns = [head_chunks.offsets(widths)[c] + start + k for c, start, w in blocks for k in range(w)]
+        assert columns == list(range(head_chunks.padded(d)))
+        assert all(w == head_chunks.dq_block_width(d, c) <= head_chunks.DQ_BLOCK_MAX for c, _, w in blocks)
+        for first in (0, 1):
+            shares = head_chunks.dq_shares(d, 2, first)
+            assert sorted(b for share in shares for b in share) == sorted(blocks)
+            counts = [sum(w for *_, w in share) for share in shares]
+            assert abs(counts[0] - counts[1]) <= max(w for *_, w in blocks)
+            assert counts[first] >= counts[1 - first]
+        assert head_chunks.dq_widths(d)[0][0] == blocks[0][2]  # the widest first: the staging buffer's shape
+    assert head_chunks.dq_blocks(192) == ((0, 0, 64), (0, 64, 64), (1, 0, 64))
+    assert head_chunks.dq_shares(192, 2, 1) == (((0, 64, 64),), ((0, 0, 64), (1, 0, 64)))
+    assert head_chunks.dq_shares(128, 2) == (((0, 0, 64),), ((0, 64, 64),))  # consumer c: columns 64c … 64c + 63
+    assert head_chunks.dq_widths(112) == ((64, 0), (32, 1), (16, 2))
 
 
 def test_code_hash_names_the_template_and_its_switches():

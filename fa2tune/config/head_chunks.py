@@ -39,16 +39,46 @@ def padded(head_dim: int) -> int:
     return sum(chunks(head_dim))
 
 
-def fused_dq_error(head_dim: int, head_dim_v: int | None = None) -> str | None:
-    """Why the warp-specialized dK/dV kernel cannot add dQ in (KernelConfig.fused_dq) at these head dims, or None:
-    its dQ partials take a head dim of one chunk (a power of two), and V's the same as Q's and K's (bwd_ws.py.jinja's
-    fused dQ is written and measured for one head dim)."""
-    if len(chunks(head_dim)) > 1:
-        widths = " + ".join(map(str, chunks(head_dim)))
-        return f"fused_dq takes a head dim of one chunk (a power of two), got {head_dim} = {widths}"
-    if head_dim_v is not None and head_dim_v != head_dim:
-        return f"fused_dq takes V's head dim equal to Q's and K's, got {head_dim_v} and {head_dim}"
-    return None
+DQ_BLOCK_MAX = 64  # columns of one fused-dQ partial: 64 × 64 fp32 is 32 registers a thread of a warpgroup
+
+
+@functools.cache
+def dq_blocks(head_dim: int) -> tuple[tuple[int, int, int], ...]:
+    """The blocks a fused-dQ dK/dV kernel (KernelConfig.fused_dq) forms and reduces dQ in: (chunk, first column in the
+    chunk, width), each chunk cut into blocks of at most DQ_BLOCK_MAX columns (a wgmma's B operand is a column slice
+    of one chunk's K buffer; a TMA reduction a block, with its chunk's descriptor)."""
+    return tuple((index, start, min(width, DQ_BLOCK_MAX))
+                 for index, width in enumerate(chunks(head_dim))
+                 for start in range(0, width, DQ_BLOCK_MAX))  # fmt: skip
+
+
+def dq_block_width(head_dim: int, index: int) -> int:
+    """The width of chunk `index`'s dQ blocks: its TMA descriptor's block columns (a chunk's blocks are as wide)."""
+    return min(chunks(head_dim)[index], DQ_BLOCK_MAX)
+
+
+@functools.cache
+def dq_widths(head_dim: int) -> tuple[tuple[int, int], ...]:
+    """(width, the first chunk whose blocks are that wide) of each distinct dQ block width, widest first: the
+    staging buffers a fused-dQ consumer views its one buffer as, in that chunk's TMA layout."""
+    first: dict[int, int] = {}
+    for index, _, width in dq_blocks(head_dim):
+        first.setdefault(width, index)
+    return tuple(first.items())
+
+
+@functools.cache
+def dq_shares(head_dim: int, consumers: int, first: int = 0) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """dq_blocks dealt to `consumers` warpgroups, one tuple each: block by block, in column order, to the one with the
+    fewest columns so far, ties to the one that comes first counting from `first` (the split-roles kernel deals
+    its dK side first: the dV side also computes the exponentials). Widths are powers of two, largest first, so
+    the shares differ by at most one block."""
+    shares: list[list[tuple[int, int, int]]] = [[] for _ in range(consumers)]
+    order = [(first + k) % consumers for k in range(consumers)]
+    for block in dq_blocks(head_dim):
+        taker = min(order, key=lambda wg: sum(width for _, _, width in shares[wg]))
+        shares[taker].append(block)
+    return tuple(tuple(share) for share in shares)
 
 
 def offsets(widths: tuple[int, ...]) -> tuple[int, ...]:

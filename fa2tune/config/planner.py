@@ -22,6 +22,8 @@ the tiles):
                                                   (+ 2·e·d·B_c persistent: dK, dV staged apart from K, V)
               split_roles: B_c = 64 for both consumers, + 2·2·64·B_r + 64: Pᵀ (fp16) handed from the dV side to the
                                                   dK side, double-buffered, and its two mbarrier pairs
+              fused_dq: + 2·e·B_c·B_r + consumers·B_r·w·4 + 256: dSᵀ double-buffered, an fp32 dQ staging buffer
+                                                  a consumer (w = the widest dQ block, ≤ 64 columns), mbarriers
     dq_ws     e·d·(2·B_r + 2·S·B_c) + 512         Q, dO owned (B_r = 64 per consumer); K_j, V_j streamed
                                                   (+ e·d·B_r persistent: dQ staged apart from Q)
 
@@ -32,6 +34,8 @@ On the wgmma path the seed's B_r·B_c term lives in the register file, with the 
               + 64·d at d <= 64      K and V as 16-bit operands (kv_in_registers; counted for both masks)
               64·(d + 2.5·B_r)       split_roles, the dK side (the dV side holds less): dK, dPᵀ, the Pᵀ it reads,
                                      dSᵀ (16-bit)
+              64·(d + max(2.5·B_r, 1.5·B_r + w))  split_roles with dQ fused in: the dK side's step, or the dV side's
+                                     Sᵀ, in-flight Pᵀ and a dQ partial (w ≤ 64 columns)
     dq_ws     64·(d + 2.5·B_c)       per consumer: dQ, S (then P), dP, and the in-flight wgmma's dS_j-1 (16-bit)
     bwd_dkdv  B_c·(2·d + 2·B_r)      dK_j, dV_j, P_ijᵀ and dP_ijᵀ
     bwd_dq    B_r·(d + 2·B_c)        dQ_i, P_ij and dP_ij
@@ -167,11 +171,11 @@ def sram_bytes(
     if cfg.warp_specialized and kernel == "bwd_dkdv":
         staging = 2 * n if persistent else 0  # dK, dV staged apart from the next tile's K, V; else in K's, V's
         exchange = 0  # what consumers pass each other through shared memory
-        if cfg.fused_dq:  # dSᵀ (n × m, 16-bit) twice, and an fp32 staging buffer of its dQ columns a consumer
-            consumers = n // 64
-            exchange = 2 * e * n * m + consumers * m * fused_dq_columns(d, consumers) * 4 + 256  # + 4 mbarriers
+        if cfg.fused_dq:  # dSᵀ (n × m, 16-bit) twice, and an fp32 staging buffer of its dQ blocks a consumer
+            dq_staging = m * head_chunks.dq_block_width(d, 0) * 4
+            exchange = 2 * e * n * m + cfg.consumers(kernel) * dq_staging + 256  # + 4 mbarriers
         if cfg.split_roles:  # Pᵀ, fp16, 64 × m, double-buffered, and its ready / free mbarrier pairs
-            exchange = 2 * 2 * n * m + 64
+            exchange += 2 * 2 * n * m + 64
         return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + exchange + _ws_overhead(head_dim)  # S Q_i, dO_i
     if cfg.warp_specialized and kernel == "bwd_dq":
         staging = m if persistent else 0  # dQ staged apart from the next tile's Q; else in Q's buffer
@@ -208,15 +212,6 @@ def _ws_overhead(head_dim: int) -> int:
     return _WS_SMEM_OVERHEAD + _WS_CHUNK_OVERHEAD * (len(head_chunks.chunks(head_dim)) - 1)
 
 
-def fused_dq_columns(head_dim: int, consumers: int) -> int:
-    """The dQ columns one consumer of a fused-dQ dK/dV kernel (KernelConfig.fused_dq) reduces at a time: its share —
-    head_dim / consumers where head_dim > 64 (the consumers split the columns over all their K/V rows), all of them
-    at 64 (each over its own rows): bwd_ws.py.jinja's SPLIT_DQ — in blocks of at most 64 (a 64 × 64 fp32 partial
-    is 32 registers a thread)."""
-    share = head_dim // consumers if head_dim > 64 else head_dim
-    return min(share, 64)
-
-
 def kv_in_registers(head_dim: int, causal: bool = False) -> bool:
     """Whether the warp-specialized dK/dV kernel holds its K and V rows in registers as the Sᵀ and dPᵀ wgmmas' A
     operands (bwd_ws.py.jinja's KV_IN_REGS), rather than reading them from shared memory every step: at d <= 64,
@@ -236,14 +231,18 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
     d, m, n = computed_width(cfg, head_dim), cfg.block_m, cfg.block_n
     # K and V as 16-bit register operands (half a register a value) of the dK/dV kernel's Sᵀ and dPᵀ at d <= 64
     kv_operands = 64 * d / 128 if kernel == "bwd_dkdv" and kv_in_registers(d) else 0
+    if cfg.split_roles and cfg.fused_dq:
+        # the dK side: dK, then dPᵀ, the Pᵀ it reads and dSᵀ (to shared memory), or a dQ partial (64 × at most 64
+        # fp32) once they are dead; the dV side: dV, Sᵀ, the in-flight Pᵀ (16-bit) and the last step's dQ partial
+        return 64 * (d + max(2.5 * m, 1.5 * m + head_chunks.dq_block_width(d, 0))) / 128
+    if cfg.split_roles:
+        # the dK side, the fuller of the two: dK (64 × d), dPᵀ and the Pᵀ it reads (64 × B_r each), dSᵀ 16-bit
+        return 64 * (d + 2.5 * m) / 128
     if cfg.fused_dq and kernel == "bwd_dkdv":
         # dQ fused in: dSᵀ goes through shared memory (no 16-bit register copy); the dQ partial (64 × at most 64
         # fp32) is live only once Sᵀ, dPᵀ are dead. Compiled for sm_90, d=128 keeps 40 B (causal 112 B) of stack
         # beside it, as persistent loops do (timing decides); d=64 none
-        return 64 * (2 * d + max(2.5 * m, fused_dq_columns(d, n // 64))) / 128 + kv_operands
-    if cfg.split_roles:
-        # the dK side, the fuller of the two: dK (64 × d), dPᵀ and the Pᵀ it reads (64 × B_r each), dSᵀ 16-bit
-        return 64 * (d + 2.5 * m) / 128
+        return 64 * (2 * d + max(2.5 * m, head_chunks.dq_block_width(d, 0))) / 128 + kv_operands
     if cfg.warp_specialized and kernel == "bwd_dkdv":
         # each consumer warpgroup: its 64 rows of dK and dV, Sᵀ and dPᵀ (64 × B_r), and Pᵀ, dSᵀ as 16-bit operands
         return 64 * (2 * d + 2 * m + m) / 128 + kv_operands
@@ -266,13 +265,12 @@ def ws_registers(cfg: KernelConfig, kernel: str = "fwd") -> tuple[int | None, in
 def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dtype, kernel: str = "fwd",
           head_dim_v: int | None = None) -> str | None:  # fmt: skip
     """Returns why `cfg` should not run `kernel` on `device` (does not fit, or would spill), or None.
-    head_dim_v: V's head dim where it is not Q's and K's (None: the same): warpspec must take both, dQ is not fused
-    in (head_chunks.fused_dq_error), and the model is that of config_head_dim."""
+    head_dim_v: V's head dim where it is not Q's and K's (None: the same): warpspec must take both, and the model is
+    that of config_head_dim."""
     check_kernel(kernel)
     for name, dim in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
         if dim is not None and not 1 <= dim <= MAX_HEAD_DIM:
             return f"{name} must be in 1..{MAX_HEAD_DIM}, got {dim}"
-    fused_dq = head_chunks.fused_dq_error(head_dim, head_dim_v) if cfg.fused_dq else None
     narrower = head_dim  # warpspec must take both head dims: the larger is checked below
     if head_dim_v is not None:
         narrower, head_dim = min(head_dim, head_dim_v), config_head_dim(head_dim, head_dim_v)
@@ -285,8 +283,6 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
         reason = warpspec_unsupported(narrower, dtype, device.capability, device.triton_version, head_dim)
         if reason is not None:
             return reason
-        if fused_dq is not None:
-            return fused_dq
         consumer_registers = ws_registers(cfg, kernel)[1]
         budget = consumer_registers - _registers_beside(kernel, cfg.consumers(kernel), device.triton_version)
         regs = accumulators_per_thread(cfg, head_dim, kernel)
@@ -295,7 +291,7 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
                 f"registers: {regs:.0f} fp32 accumulator values per consumer thread, more than the {budget} its "
                 f"{consumer_registers} registers leave beside them: would spill"
             )
-        if kernel == "bwd_dkdv" and cfg.fused_dq and head_dim > 64 and cfg.num_stages > 2:
+        if kernel == "bwd_dkdv" and cfg.fused_dq and not cfg.split_roles and head_dim > 64 and cfg.num_stages > 2:
             # measured, not modelled: (64, 128) 3 stages at d=128 compiles with 232 B of stack (2 stages: 40 B) and
             # ran 25-30 % slower; timed first by the tuner, it hid the 2-stage config
             return (
@@ -335,6 +331,8 @@ def _model_terms(cfg: KernelConfig, kernel: str) -> str:
     if kernel == "bwd_dkdv":
         staging = f" + dK,dV {cfg.block_n}×d" if persistent else ""
         handoff = f" + 2×Pᵀ {cfg.block_n}×{cfg.block_m} fp16" if cfg.split_roles else ""
+        if cfg.fused_dq:
+            handoff += f" + 2×dSᵀ {cfg.block_n}×{cfg.block_m} + {cfg.consumers(kernel)}×dQ staging fp32"
         return f"K,V {cfg.block_n}×d{staging} + {s}×(Q,dO) {cfg.block_m}×d{handoff}"
     staging = f" + dQ {cfg.block_m}×d" if persistent else ""
     return f"Q,dO {cfg.block_m}×d{staging} + {s}×(K,V) {cfg.block_n}×d"
@@ -350,8 +348,8 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     the forward also pipeline_qk in {0, 1}, and the warp-specialized template: block_m in {64, 128, 192}, block_n
     in {64, 128}, num_stages in {2, 3, 4}, each of WS_SCHEDULES, with ping-pong too at block_m = 128; bwd_dkdv and
     bwd_dq their warp-specialized templates, each of WS_SCHEDULES: bwd_dkdv at block_m 64, block_n in {64, 128},
-    with dQ fused in or not, and at block_n 64 with split_roles (not two an SM), bwd_dq at block_m and block_n in
-    {64, 128}, num_stages in {2, 3, 4} (check() drops them off Hopper)."""
+    with dQ fused in or not, and at block_n 64 with split_roles (not two an SM; dQ fused in or not), bwd_dq at
+    block_m and block_n in {64, 128}, num_stages in {2, 3, 4} (check() drops them off Hopper)."""
     check_kernel(kernel)
     switches = (0, 1) if kernel == "fwd" else (0,)
     grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES, switches)
@@ -368,7 +366,8 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
             fused = (False, True) if kernel == "bwd_dkdv" else (False,)  # bwd_dkdv: dQ fused in or not
             shapes = [KernelConfig(m, n, 4, s, warp_specialized=True, fused_dq=f, schedule=schedule) for f in fused]
             if kernel == "bwd_dkdv":
-                shapes.append(KernelConfig(m, n, 4, s, warp_specialized=True, split_roles=True, schedule=schedule))
+                shapes += [KernelConfig(m, n, 4, s, warp_specialized=True, split_roles=True, fused_dq=f,
+                                        schedule=schedule) for f in fused]  # fmt: skip
             configs += [c for c in shapes if c.combination_error(kernel) is None]
     return configs
 

@@ -68,7 +68,8 @@ class KernelConfig:
         split_roles: bwd_dkdv only, warp-specialized, block_n = 64: the two consumer warpgroups share the program's
             64 K/V rows and split the work by role — one forms Sᵀ, Pᵀ and dV, the other dPᵀ, dSᵀ (from that Pᵀ,
             handed over in shared memory) and dK — so each holds one 64 × d accumulator instead of two: the dK/dV
-            kernel for head dims whose dK and dV do not fit one warpgroup's registers together (d > 128).
+            kernel for head dims whose dK and dV do not fit one warpgroup's registers together (d > 128). With
+            fused_dq the dK side hands its dSᵀ to the dV side too, and each adds a share of dQ's columns.
         schedule: how the warp-specialized kernel's programs walk the tiles (Schedule: persistent or one program a
             tile, programs an SM, the split tail); one program a tile for the Triton templates.
     """
@@ -193,12 +194,12 @@ class KernelConfig:
                 f"warpspec's pingpong (ping-pong of two consumers) is a switch of warp-specialized forward configs, "
                 f"got warp_specialized={self.warp_specialized} for {kernel}"
             )
-        if self.split_roles and (kernel != "bwd_dkdv" or not self.warp_specialized or self.fused_dq
+        if self.split_roles and (kernel != "bwd_dkdv" or not self.warp_specialized
                                  or self.block_n != WS_DKDV_BLOCK_N[0]):
             return (
                 f"warpspec's split_roles (two consumers on one 64-row K/V block) is a switch of warp-specialized "
-                f"bwd_dkdv configs with block_n={WS_DKDV_BLOCK_N[0]} and no fused_dq, got warp_specialized="
-                f"{self.warp_specialized}, block_n={self.block_n}, fused_dq={self.fused_dq} for {kernel}"
+                f"bwd_dkdv configs with block_n={WS_DKDV_BLOCK_N[0]}, got warp_specialized="
+                f"{self.warp_specialized}, block_n={self.block_n} for {kernel}"
             )
         if self.fused_dq and (kernel != "bwd_dkdv" or not self.warp_specialized):
             return (
@@ -357,9 +358,8 @@ class Variant:
         The warpspec templates have causal, persistent, fwd_ws pingpong, bwd_ws fused_dq and split_roles:
         TMA bounds every tile, so tails need no code of their own, and they take neither band masks nor packed
         sequences (the launcher routes those to the Triton templates). They are written out a head-dim chunk at a
-        time: they need head_dim (and head_dim_v, V's, where it differs); fused dQ only where it is one chunk and
-        V's head dim is Q's (head_chunks.fused_dq_error). The Triton templates take any head dims as constexprs; a
-        head_dim_v other than head_dim gives them V's own (distinct_v)."""
+        time: they need head_dim (and head_dim_v, V's, where it differs). The Triton templates take any head dims as
+        constexprs; a head_dim_v other than head_dim gives them V's own (distinct_v)."""
         if template.endswith("_ws"):
             forward = template == "fwd_ws"
             persistent = bool(persistent) and template in PERSISTENT_TEMPLATES
@@ -368,8 +368,6 @@ class Variant:
             qk_chunks = head_chunks.chunks(head_dim)
             v_chunks = head_chunks.chunks(head_dim if head_dim_v is None else head_dim_v)
             fused_dq = fused_dq and template == "bwd_ws"
-            if fused_dq and head_chunks.fused_dq_error(head_dim, head_dim_v) is not None:
-                raise ValueError(head_chunks.fused_dq_error(head_dim, head_dim_v))
             return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
                        persistent=persistent, fused_dq=fused_dq, split_roles=split_roles and template == "bwd_ws",
                        qk_chunks=qk_chunks, v_chunks=v_chunks)  # fmt: skip

@@ -181,6 +181,9 @@ def _environment() -> jinja2.Environment:
         autoescape=False,
     )
     environment.filters["offsets"] = head_chunks.offsets  # the first column of each of a list of chunks
+    # the fused-dQ backward's column blocks, their widths and their shares among consumers
+    environment.globals.update(dq_blocks=head_chunks.dq_blocks, dq_widths=head_chunks.dq_widths,
+                               dq_shares=head_chunks.dq_shares)  # fmt: skip
     return environment
 
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from ..config import defaults, head_chunks, planner
+from ..config import defaults, planner
 from ..config.device import device_info
 from ..config.types import KernelConfig, Mask
 from . import warpspec
@@ -59,15 +59,12 @@ def deterministic(config: KernelConfig, explicit: bool) -> KernelConfig:
 
 
 def unfused_for_v(config: KernelConfig, explicit: bool, head_dim: int, head_dim_v: int) -> KernelConfig:
-    """The dK/dV config a backward whose V has a head dim of its own runs: a config that fuses dQ in (fused_dq) takes
-    one head dim for Q, K and V (head_chunks.fused_dq_error), so a resolved one — a call resolves its configs at the
-    larger head dim (planner.config_head_dim), where a tuned entry may fuse — gives way to its twin with a dQ kernel
-    (same tiles, less shared memory); an explicit one is an error."""
-    if not config.fused_dq or head_dim_v == head_dim:
+    """The dK/dV config a backward whose V has a head dim of its own runs. A resolved config that fuses dQ in
+    (fused_dq) gives way to its twin with a dQ kernel (same tiles, less shared memory): the store keys entries by one
+    head dim, so a resolved one was tuned and checked on calls whose V's head dim is Q's, and the fused kernel with V's
+    own is checked only where a caller asks for it (an explicit config runs as given)."""
+    if explicit or not config.fused_dq or head_dim_v == head_dim:
         return config
-    if explicit:
-        reason = head_chunks.fused_dq_error(head_dim, head_dim_v)
-        raise ValueError(f"dkdv_config {config} cannot run this call: {reason}; pass fused_dq=False")
     return replace(config, fused_dq=False)
 
 

@@ -77,10 +77,10 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
-def dq_partial_block(q_block: tuple[int, ...], consumers: int) -> tuple[int, ...]:
-    """TMA block of the fp32 dQ that a fused-dQ dK/dV kernel (KernelConfig.fused_dq) adds its partials into: the
-    query-side block, planner.fused_dq_columns wide."""
-    return (*q_block[:-1], planner.fused_dq_columns(q_block[-1], consumers))
+def dq_partial_blocks(q_blocks: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """TMA blocks of the fp32 dQ that a fused-dQ dK/dV kernel (KernelConfig.fused_dq) adds its partials into, one a
+    head-dim chunk: the chunk's query-side block, as wide as its dQ blocks (head_chunks.dq_block_width)."""
+    return tuple((*block[:-1], min(block[-1], head_chunks.DQ_BLOCK_MAX)) for block in q_blocks)
 
 
 @functools.cache
@@ -165,14 +165,14 @@ def _launcher(
 ):
     """A function of the call's tensors that launches a warpspec config of `kernel` on `grid`: its arguments are the
     tensors the kernel reads through TMA descriptors, in the kernel's order — sides names each one's blocks, "q",
-    "o", "k" and "v" (compiled_form), "dq_partial" a fused-dQ partial's (dq_partial_block) —,
+    "o", "k" and "v" (compiled_form), "dq_partial" a fused-dQ partial's (dq_partial_blocks) —,
     then its pointer parameters; scalars are the rest. A tensor of several blocks (the forward's head-dim chunks) is
     passed once and described once a block.
     Everything but the tensors is worked out here, once per call signature (launcher's plans keep the function).
     head_dims: (Q's and K's, V's)."""
     head_dim, head_dim_v = head_dims
     fn, blocks, kwargs = compiled_form(kernel, config, head_dim, causal, None if head_dim_v == head_dim else head_dim_v)
-    by_side = dict(blocks, dq_partial=(dq_partial_block(blocks["q"][0], kwargs["CONSUMERS"]),))
+    by_side = dict(blocks, dq_partial=dq_partial_blocks(blocks["q"]))
     flat = tuple(block for side in sides for block in by_side[side])
     launcher = fastlaunch.TmaLauncher(fn, grid, flat, _describe, scalars, kwargs)
     if len(flat) == len(sides):

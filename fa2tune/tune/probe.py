@@ -176,9 +176,10 @@ def _compile_warpspec(
         if name in sides:
             side = sides[name]
             descriptors[arg] = warpspec._descriptor(x_v if side in ("o", "v") else x, blocks[side][int(chunk or 0)])
-    if "dqacc_desc" in fn.arg_names:  # bwd_dkdv with dQ fused in: the fp32 dQ its partials are added into
-        block = warpspec.dq_partial_block(blocks["q"][0], kwargs["CONSUMERS"])
-        descriptors["dqacc_desc"] = warpspec._descriptor(torch.empty_like(x, dtype=torch.float32), block)
+    if "dqacc_desc0" in fn.arg_names:  # bwd_dkdv with dQ fused in: the fp32 dQ its partials are added into
+        dq_acc = torch.empty_like(x, dtype=torch.float32)
+        for index, block in enumerate(warpspec.dq_partial_blocks(blocks["q"])):
+            descriptors[f"dqacc_desc{index}"] = warpspec._descriptor(dq_acc, block)
     scalars = {"LSE": "*fp32", "DELTA": "*fp32", "PART_O": "*fp32", "PART_LSE": "*fp32", "qk_scale": "fp32",
                "scale": "fp32", "GROUP": "i32"}  # fmt: skip
     signature, constexprs, attrs = {}, {}, {}
