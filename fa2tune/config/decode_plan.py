@@ -20,10 +20,14 @@ from .decode_config import DecodeConfig
 from .types import DeviceInfo
 
 __all__ = ["CANDIDATES", "DEFAULT_CONFIG", "INTERPRETER_CONFIG", "MAX_SPLITS", "MERGE_ELEMENTS", "MERGE_WARPS",
-           "MIN_BLOCK_M", "DecodeConfig", "DecodeVariant", "check", "default_config", "launch_shape", "merge_blocks",
-           "num_splits", "row_tiles", "sram_bytes"]  # fmt: skip
+           "MIN_BLOCK_M", "SHORT_QUERY_TOKENS", "DecodeConfig", "DecodeVariant", "check", "default_config",
+           "launch_shape", "merge_blocks", "num_splits", "row_tiles", "sram_bytes"]  # fmt: skip
 
 MIN_BLOCK_M = 16  # tl.dot takes 16 rows at least: fewer packed rows are padded to it
+# attention()'s forward-only calls of at most this many query tokens run the decode kernels (launch.short_query): a
+# decode step's range (GQA packing of 1–16 tokens, flash_attn_with_kvcache's), where a forward tile of 64–128 query
+# rows holds at most a quarter of real ones
+SHORT_QUERY_TOKENS = 16
 MAX_SPLITS = 128  # splits one launch may take (num_splits above it is an error: its partials would outweigh K/V)
 MERGE_WARPS = 4  # a merge program's warps
 MERGE_ELEMENTS = 4096  # partial-output elements a merge program loads at once: 32 fp32 registers a thread

@@ -1,0 +1,79 @@
+"""attention()'s forward over a few query tokens (a generation step without a KV-cache API) on the decode kernels
+(fa2tune.launch.short_query): against float64, in SDPA's and flash_attn's layouts; and the calls it leaves to the
+forward kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fa2tune
+from fa2tune.config.decode_plan import SHORT_QUERY_TOKENS
+from fa2tune.config.types import KernelConfig
+from fa2tune.launch import short_query
+from fa2tune.tune.reference import naive_attention
+
+from .conftest import assert_close
+
+
+@pytest.fixture
+def decode_calls(monkeypatch) -> list:
+    """The short-query route's decode launches, recorded (each still runs)."""
+    calls = []
+    launch = short_query.decode
+    monkeypatch.setattr(short_query, "decode", lambda *a, **kw: (calls.append(a[0].shape), launch(*a, **kw))[1])
+    return calls
+
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window, dtype): one token over GQA 4 (splits of
+# the keys), three tokens at a head dim of two chunks, 16 tokens (the most the route takes) in a causal window, five
+# tokens over three keys (causal: the first two see none), fp32 and bf16
+_CASES = [
+    (2, 8, 2, 1, 300, 64, False, (-1, -1), torch.float16),
+    (2, 4, 4, 3, 77, 96, True, (-1, -1), torch.float16),
+    (1, 8, 2, SHORT_QUERY_TOKENS, 130, 64, True, (32, 0), torch.bfloat16),
+    (2, 4, 2, 5, 3, 64, True, (-1, -1), torch.float32),
+    (1, 2, 1, 2, 50, 32, False, (4, 4), torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", _CASES, ids=lambda c: "-".join(map(str, c[:6])) + f"-causal{c[6]}")
+def test_a_few_query_tokens_run_the_decode_kernels(case, decode_calls, device):
+    batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window, dtype = case
+    torch.manual_seed(seqlen_q + seqlen_k)
+    q = torch.randn(batch, heads, seqlen_q, head_dim, device=device, dtype=dtype)
+    k, v = (torch.randn(batch, kv_heads, seqlen_k, head_dim, device=device, dtype=dtype) for _ in range(2))
+    with torch.no_grad():
+        o, lse = fa2tune.attention(q, k, v, causal=causal, window=window, return_lse=True)
+    assert decode_calls == [(batch, seqlen_q, heads, head_dim)]
+    ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=causal, window=window)
+    assert o.shape == q.shape and o.dtype == dtype and o.is_contiguous()
+    assert_close(o, ref.nan_to_num(0.0), dtype)
+    seen = torch.isfinite(ref_lse)
+    assert_close(lse[seen], ref_lse[seen], torch.float32, what="lse")
+    assert (lse[~seen] == float("-inf")).all() and (o[~seen] == 0).all()  # a query that sees no key
+
+
+def test_flash_attn_s_layout_takes_the_route_too(decode_calls, device):
+    # flash_attn_func's (batch, seqlen, heads, head_dim) tensors reach attention() as transposed views
+    torch.manual_seed(3)
+    q = torch.randn(2, 1, 8, 64, device=device, dtype=torch.float16)
+    k, v = (torch.randn(2, 200, 2, 64, device=device, dtype=torch.float16) for _ in range(2))
+    out = fa2tune.flash_attn_func(q, k, v, causal=True)
+    assert len(decode_calls) == 1
+    ref, _ = naive_attention(*(t.transpose(1, 2).double() for t in (q, k, v)), causal=True)
+    assert_close(out, ref.transpose(1, 2), torch.float16)
+
+
+def test_other_calls_run_the_forward_kernels(decode_calls, device):
+    # more tokens than the route takes, a gradient to come, a prefix, V's own head dim and a config the caller gave
+    torch.manual_seed(4)
+    make = lambda *shape: torch.randn(*shape, device=device, dtype=torch.float16)
+    q, k, v = make(1, 2, 4, 32), make(1, 2, 40, 32), make(1, 2, 40, 32)
+    with torch.no_grad():
+        fa2tune.attention(make(1, 2, SHORT_QUERY_TOKENS + 1, 32), k, v)
+        fa2tune.attention(q, k, v, prefix_len=2)
+        fa2tune.attention(q, k, make(1, 2, 40, 16))
+        fa2tune.attention(q, k, v, config=KernelConfig(16, 16, 4, 1))
+    fa2tune.attention(q.requires_grad_(), k, v)
+    assert decode_calls == []
