@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Decode steps over a KV cache: fa2tune.flash_attn_with_kvcache beside SDPA's cuDNN and flash backends (and
-flash_attn's flash_attn_with_kvcache where installed), in GB/s of K and V read.
+flash_attn's flash_attn_with_kvcache where installed), in GB/s of K and V read; and fa2tune.attention() on the same
+K and V ("fa2tune_attention": an inference call of a few query tokens, which runs the decode kernels too).
 
 GB/s = 2 · batch · keys · kv_heads · head_dim · bytes per element / time: the bytes of K and V a step must read,
 over the median of triton.testing.do_bench (L2 flushed between runs). A decode step is bound by that read; the
@@ -71,8 +72,8 @@ def _paged(contiguous, page_size, gen):
 
 
 def _providers(q, k_cache, v_cache, table, seqlens, contiguous, num_splits=()):
-    """name -> step(): fa2tune on this cache (and at each forced split count, "fa2tune/sN"); SDPA's backends (and
-    flash_attn) on the contiguous one."""
+    """name -> step(): fa2tune on this cache (and at each forced split count, "fa2tune/sN"); attention() and SDPA's
+    backends (and flash_attn) on the contiguous one."""
     import fa2tune
 
     steps = {}
@@ -81,6 +82,12 @@ def _providers(q, k_cache, v_cache, table, seqlens, contiguous, num_splits=()):
         steps[name] = lambda splits=splits: fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
                                                                             block_table=table, num_splits=splits)
     q_t, k_t, v_t = q.transpose(1, 2), contiguous[0].transpose(1, 2), contiguous[1].transpose(1, 2)
+
+    def attention_step():
+        with torch.no_grad():  # inference: the decode kernels (fa2tune.launch.short_query)
+            return fa2tune.attention(q_t, k_t, v_t).transpose(1, 2)
+
+    steps["fa2tune_attention"] = attention_step
     sdpa = torch.nn.functional.scaled_dot_product_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
