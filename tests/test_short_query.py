@@ -25,9 +25,9 @@ def decode_calls(monkeypatch) -> list:
     return calls
 
 
-# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window, dtype): one token over GQA 4 (splits of
-# the keys), three tokens at a head dim of two chunks, 16 tokens (the most the route takes) in a causal window, five
-# tokens over three keys (causal: the first two see none), fp32 and bf16
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, window, dtype): one token over GQA 4, three
+# tokens at a head dim of two chunks, 16 tokens (the most the route takes) in a causal window, five tokens over three
+# keys (causal: the first two see none), fp32 and bf16
 _CASES = [
     (2, 8, 2, 1, 300, 64, False, (-1, -1), torch.float16),
     (2, 4, 4, 3, 77, 96, True, (-1, -1), torch.float16),
@@ -47,11 +47,30 @@ def test_a_few_query_tokens_run_the_decode_kernels(case, decode_calls, device):
         o, lse = fa2tune.attention(q, k, v, causal=causal, window=window, return_lse=True)
     assert decode_calls == [(batch, seqlen_q, heads, head_dim)]
     ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=causal, window=window)
-    assert o.shape == q.shape and o.dtype == dtype and o.is_contiguous()
+    assert o.shape == q.shape and o.dtype == dtype and o.stride() == torch.empty(q.shape).stride()  # as the forward's
     assert_close(o, ref.nan_to_num(0.0), dtype)
     seen = torch.isfinite(ref_lse)
     assert_close(lse[seen], ref_lse[seen], torch.float32, what="lse")
     assert (lse[~seen] == float("-inf")).all() and (o[~seen] == 0).all()  # a query that sees no key
+
+
+def test_keys_split_over_programs_merge_to_the_same_answer(decode_calls, monkeypatch, device):
+    # the split-KV path (several programs an entry's keys, merged exactly), which an interpreter "GPU" of one SM never
+    # chooses by itself: forced to 1, 3 and 7 splits over 1 and 4 query tokens, causal and not
+    from fa2tune.launch import decode as decode_launch
+
+    torch.manual_seed(5)
+    k, v = (torch.randn(2, 2, 150, 64, device=device, dtype=torch.float16) for _ in range(2))
+    for splits in (1, 3, 7):
+        monkeypatch.setattr(decode_launch, "_auto_splits", lambda q, cache, config, splits=splits: splits)
+        for seqlen_q, causal in ((1, False), (4, True)):
+            q = torch.randn(2, 8, seqlen_q, 64, device=device, dtype=torch.float16)
+            with torch.no_grad():
+                o, lse = fa2tune.attention(q, k, v, causal=causal, return_lse=True)
+            ref, ref_lse = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+            assert_close(o, ref, torch.float16, what=f"{splits} splits")
+            assert_close(lse, ref_lse, torch.float32, what=f"lse, {splits} splits")
+    assert len(decode_calls) == 6
 
 
 def test_flash_attn_s_layout_takes_the_route_too(decode_calls, device):

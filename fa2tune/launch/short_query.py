@@ -35,4 +35,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale
                     seqlen=k.shape[2])  # fmt: skip
     left, right, _ = mask.bounds(q.shape[2], k.shape[2])
     out, lse = decode(q.transpose(1, 2), cache, scale=scale, window=(left, right), resolve=resolve)
-    return out.transpose(1, 2).contiguous(), lse  # one token: the transposed view is contiguous already
+    if q.shape[2] == 1:  # (batch, 1, heads, d) holds its values in (batch, heads, 1, d)'s order: a view, no copy
+        return out.view(q.shape), lse
+    return out.transpose(1, 2).contiguous(), lse
