@@ -11,7 +11,7 @@ import fa2tune
 from fa2tune.config.decode_plan import SHORT_QUERY_TOKENS
 from fa2tune.config.types import KernelConfig
 from fa2tune.launch import short_query
-from fa2tune.tune.reference import naive_attention
+from fa2tune.tune.reference import naive_attention, naive_attention_varlen
 
 from .conftest import assert_close
 
@@ -82,6 +82,45 @@ def test_flash_attn_s_layout_takes_the_route_too(decode_calls, device):
     assert len(decode_calls) == 1
     ref, _ = naive_attention(*(t.transpose(1, 2).double() for t in (q, k, v)), causal=True)
     assert_close(out, ref.transpose(1, 2), torch.float16)
+
+
+@pytest.mark.parametrize("tokens, causal, window", [(1, False, (-1, -1)), (3, True, (-1, -1)), (2, True, (5, 0))])
+def test_packed_sequences_of_as_many_query_tokens_each_run_the_decode_kernels(tokens, causal, window, decode_calls,
+                                                                              device):  # fmt: skip
+    # attention_varlen as the Hugging Face integration calls it in a generation step of a padded batch: each sequence
+    # `tokens` query tokens over keys of its own length (0 included: O = 0, lse = -inf), GQA; K and V packed
+    torch.manual_seed(tokens + 11)
+    key_lengths = [37, 0, 90, 5]
+    cu_k = torch.tensor([0, *torch.tensor(key_lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_q = torch.arange(0, tokens * len(key_lengths) + 1, tokens, dtype=torch.int32, device=device)
+    q = torch.randn(int(cu_q[-1]), 8, 64, device=device, dtype=torch.float16)
+    k, v = (torch.randn(int(cu_k[-1]), 2, 64, device=device, dtype=torch.float16) for _ in range(2))
+    with torch.no_grad():
+        o, lse = fa2tune.attention_varlen(q, k, v, cu_q, cu_k, tokens, max(key_lengths), causal=causal, window=window,
+                                          return_lse=True)  # fmt: skip
+    assert decode_calls == [(len(key_lengths), tokens, 8, 64)]
+    ref, ref_lse = naive_attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, causal=causal, window=window)
+    assert o.shape == q.shape and o.is_contiguous() and lse.shape == (8, q.shape[0])
+    assert_close(o, ref.nan_to_num(0.0), torch.float16)
+    seen = torch.isfinite(ref_lse)
+    assert_close(lse[seen], ref_lse[seen], torch.float32, what="lse")
+    assert (lse[~seen] == float("-inf")).all()
+    # the same call through the varlen forward kernels, an explicit config
+    forced = fa2tune.attention_varlen(q, k, v, cu_q, cu_k, tokens, max(key_lengths), causal=causal, window=window,
+                                      config=KernelConfig(16, 16, 4, 1))  # fmt: skip
+    assert_close(o, forced.double(), torch.float16, what="against the varlen forward")
+
+
+def test_packed_sequences_of_unequal_query_lengths_run_the_forward_kernels(decode_calls, device):
+    # 1 and 3 query tokens: max_seqlen_q = 3 but total_q = 4, not 2 · 3 — not a decode step of uniform rows
+    cu_q, cu_k = (torch.tensor(offsets, dtype=torch.int32, device=device) for offsets in ([0, 1, 4], [0, 20, 50]))
+    q = torch.randn(4, 4, 32, device=device, dtype=torch.float16)
+    k, v = (torch.randn(50, 4, 32, device=device, dtype=torch.float16) for _ in range(2))
+    with torch.no_grad():
+        o = fa2tune.attention_varlen(q, k, v, cu_q, cu_k, 3, 30, causal=True)
+    assert decode_calls == []
+    ref, _ = naive_attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, causal=True)
+    assert_close(o, ref, torch.float16)
 
 
 def test_other_calls_run_the_forward_kernels(decode_calls, device):

@@ -6,7 +6,8 @@ computes one row in 64, and a K/V head's tiles are read once per query head of i
 (fa2tune.launch.decode) pack the query heads of a K/V head into one tile (GQA packing) and split the keys over
 programs when too few would run, reading each K/V tile once per K/V head (docs/PERF.md, "Decode": 0.92–0.99× cuDNN's
 K/V bandwidth where the forward kernel reads 0.1–0.3×). attention()'s K and V are read in place, as a cache of one
-entry a batch row that holds every key.
+entry a batch row that holds every key; attention_varlen()'s packed K and V (a padded batch unpadded, as the Hugging
+Face integration passes a generation step) as a paged cache of one-key pages, each sequence's pages its rows.
 """
 
 from __future__ import annotations
@@ -14,16 +15,24 @@ from __future__ import annotations
 import torch
 
 from ..config.decode_plan import SHORT_QUERY_TOKENS
+from ..config.inputs import check_offsets
 from ..config.kvcache_inputs import KVCache
 from ..config.types import Mask
 from .decode import Resolve, decode
+from .layout import Packing
 
 
-def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> bool:
-    """Whether a forward-only attention() call of SDPA's layout (batch, heads, seqlen, head_dim) runs on the decode
-    kernels: at most SHORT_QUERY_TOKENS query tokens, V's head dim Q's (a cache holds one), no prefix (the decode
-    kernels take causal and windowed masks)."""
-    return q.shape[2] <= SHORT_QUERY_TOKENS and v.shape[-1] == q.shape[-1] and mask.prefix_len == 0
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, packing: Packing | None = None) -> bool:
+    """Whether a forward-only call runs on the decode kernels: at most SHORT_QUERY_TOKENS query tokens — in SDPA's
+    layout (batch, heads, seqlen, head_dim), or packed with every sequence as many (total_q = batch · max_seqlen_q:
+    no sequence is longer than max_seqlen_q, so each is that long) —, V's head dim Q's (a cache holds one), no
+    prefix (the decode kernels take causal and windowed masks)."""
+    if v.shape[-1] != q.shape[-1] or mask.prefix_len != 0:
+        return False
+    if packing is None:
+        return q.shape[2] <= SHORT_QUERY_TOKENS
+    tokens = packing.max_seqlen_q
+    return 0 < tokens <= SHORT_QUERY_TOKENS and q.shape[0] == packing.batch * tokens
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float,
@@ -38,3 +47,23 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale
     if q.shape[2] == 1:  # (batch, 1, heads, d) holds its values in (batch, heads, 1, d)'s order: a view, no copy
         return out.view(q.shape), lse
     return out.transpose(1, 2).contiguous(), lse
+
+
+def forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float, packing: Packing,
+                   resolve: Resolve | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(O, logsumexp) of attention_varlen for a packed call `takes` admits: O (total_q, heads, head_dim), the fp32
+    logsumexp (heads, total_q), as the varlen forward gives them. The offsets are checked on the host as that
+    forward checks them (once per offsets tensor); sequence b's keys, rows cu_seqlens_k[b] … of k and v, are its
+    pages of one key, found through a block table made on the device."""
+    check_offsets(packing.cu_seqlens_q, packing.cu_seqlens_k, packing.max_seqlen_q, packing.max_seqlen_k,
+                  q.shape[0], k.shape[0])  # fmt: skip
+    batch, tokens = packing.batch, packing.max_seqlen_q
+    starts, ends = packing.cu_seqlens_k[:-1], packing.cu_seqlens_k[1:]
+    pages = torch.arange(max(packing.max_seqlen_k, 1), device=k.device, dtype=starts.dtype)
+    table = (starts[:, None] + pages).to(torch.int32)  # pages past a sequence's end are never read (cache_seqlens)
+    cache = KVCache(k_cache=k.unsqueeze(1), v_cache=v.unsqueeze(1), block_table=table,
+                    cache_seqlens=(ends - starts).to(torch.int32), seqlen=packing.max_seqlen_k)  # fmt: skip
+    left, right, _ = mask.bounds(tokens, packing.max_seqlen_k)
+    out, lse = decode(q.view(batch, tokens, *q.shape[1:]), cache, scale=scale, window=(left, right),
+                      resolve=resolve)  # fmt: skip
+    return out.view(q.shape), lse.permute(1, 0, 2).reshape(q.shape[1], q.shape[0])
