@@ -42,19 +42,25 @@ def padded(head_dim: int) -> int:
 DQ_BLOCK_MAX = 64  # columns of one fused-dQ partial: 64 × 64 fp32 is 32 registers a thread of a warpgroup
 
 
+def dq_width(chunk_width: int) -> int:
+    """The width of the dQ blocks of a chunk `chunk_width` wide: its TMA descriptor's block columns (a chunk's
+    blocks are as wide)."""
+    return min(chunk_width, DQ_BLOCK_MAX)
+
+
 @functools.cache
 def dq_blocks(head_dim: int) -> tuple[tuple[int, int, int], ...]:
     """The blocks a fused-dQ dK/dV kernel (KernelConfig.fused_dq) forms and reduces dQ in: (chunk, first column in the
-    chunk, width), each chunk cut into blocks of at most DQ_BLOCK_MAX columns (a wgmma's B operand is a column slice
-    of one chunk's K buffer; a TMA reduction a block, with its chunk's descriptor)."""
-    return tuple((index, start, min(width, DQ_BLOCK_MAX))
+    chunk, width), each chunk cut into blocks of dq_width columns (a wgmma's B operand is a column slice of one
+    chunk's K buffer; a TMA reduction a block, with its chunk's descriptor)."""
+    return tuple((index, start, dq_width(width))
                  for index, width in enumerate(chunks(head_dim))
-                 for start in range(0, width, DQ_BLOCK_MAX))  # fmt: skip
+                 for start in range(0, width, dq_width(width)))  # fmt: skip
 
 
 def dq_block_width(head_dim: int, index: int) -> int:
-    """The width of chunk `index`'s dQ blocks: its TMA descriptor's block columns (a chunk's blocks are as wide)."""
-    return min(chunks(head_dim)[index], DQ_BLOCK_MAX)
+    """The width of chunk `index`'s dQ blocks (dq_width)."""
+    return dq_width(chunks(head_dim)[index])
 
 
 @functools.cache

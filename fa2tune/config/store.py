@@ -58,13 +58,14 @@ from .types import KernelConfig
 
 READABLE_VERSIONS = (1, SCHEMA_VERSION)  # what reads read: schema 1's configs through config.schema_v1
 
-# Bounds on what a file may hold before it is parsed or walked, so that no file (hand-edited, truncated, hostile)
-# costs more than a moment or breaks attention(). A file of every key a GPU can have tuned in practice is ~1 MiB and
-# ~100k values, nested 6 deep (entries > entry > baseline > config > value).
 # bf16 and fp16 move the same bytes through the same tensor-core rate, so their tuned configs agree: tuned apart on
 # an H200, 20 of 29 keys picked the same config in both and the other 9 a neighbour (a pipeline stage or the
 # persistent schedule apart). A key with no entry of its own dtype reads the other's (lookup_for_dtype).
 SAME_COST_DTYPES = {"bf16": "fp16", "fp16": "bf16"}
+
+# Bounds on what a file may hold before it is parsed or walked, so that no file (hand-edited, truncated, hostile)
+# costs more than a moment or breaks attention(). A file of every key a GPU can have tuned in practice is ~1 MiB and
+# ~100k values, nested 6 deep (entries > entry > baseline > config > value).
 MAX_FILE_BYTES = 8 * 2**20
 MAX_NODES = 1_000_000  # values in a file, counting an alias as a copy: a "billion laughs" file stops here
 MAX_ENTRY_NODES = 10_000  # values in one entry (a tuned one holds ~40); past it the entry alone is skipped

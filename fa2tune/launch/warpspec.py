@@ -79,8 +79,8 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype):
 
 def dq_partial_blocks(q_blocks: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
     """TMA blocks of the fp32 dQ that a fused-dQ dK/dV kernel (KernelConfig.fused_dq) adds its partials into, one a
-    head-dim chunk: the chunk's query-side block, as wide as its dQ blocks (head_chunks.dq_block_width)."""
-    return tuple((*block[:-1], min(block[-1], head_chunks.DQ_BLOCK_MAX)) for block in q_blocks)
+    head-dim chunk: the chunk's query-side block, as wide as its dQ blocks (head_chunks.dq_width)."""
+    return tuple((*block[:-1], head_chunks.dq_width(block[-1])) for block in q_blocks)
 
 
 @functools.cache

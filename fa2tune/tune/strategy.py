@@ -128,7 +128,6 @@ class _Search:
         timed_out = timeout_s is not None and time.time() - self.start > timeout_s
         return timed_out and bool(self.cost.measured or self.cost.failures)
 
-
     def _told_at_once(self, trial: optuna.trial.Trial, cfg: KernelConfig, batch: Batch) -> bool:
         """Tells the trial now where it needs no timing: the planner rejects cfg (pruned), cfg failed before
         (failed), or cfg was timed before (its reading again, no device time spent)."""
