@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Decode steps over a KV cache: fa2tune.flash_attn_with_kvcache beside SDPA's cuDNN and flash backends (and
 flash_attn's flash_attn_with_kvcache where installed), in GB/s of K and V read; and fa2tune.attention() on the same
-K and V ("fa2tune_attention": an inference call of a few query tokens, which runs the decode kernels too).
+K and V ("fa2tune_attention": an inference call of a few query tokens, which runs the decode kernels too), and the
+Hugging Face integration's step of a left-padded batch ("fa2tune_hf", K and V read in place; "fa2tune_unpad", the
+keys gathered first).
 
 GB/s = 2 · batch · keys · kv_heads · head_dim · bytes per element / time: the bytes of K and V a step must read,
 over the median of triton.testing.do_bench (L2 flushed between runs). A decode step is bound by that read; the
@@ -88,6 +90,8 @@ def _providers(q, k_cache, v_cache, table, seqlens, contiguous, num_splits=()):
             return fa2tune.attention(q_t, k_t, v_t).transpose(1, 2)
 
     steps["fa2tune_attention"] = attention_step
+    if table is None:  # the integration reads a model's cache, never a paged one
+        steps.update(_hf_steps(q_t, contiguous))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -106,6 +110,37 @@ def _providers(q, k_cache, v_cache, table, seqlens, contiguous, num_splits=()):
         return steps
     steps["flash_attn"] = lambda: flash_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table)
     return steps
+
+
+def _hf_steps(q_t, contiguous) -> dict:
+    """The Hugging Face integration's step of a left-padded batch on the same keys: "fa2tune_hf" as a model runs it
+    (K and V read in place), "fa2tune_unpad" with the keys gathered into attention_varlen's layout first (what the
+    integration does where the cache's strides allow no in-place read). Each row of the cache gets one padding key in
+    front, so the keys attended are the other providers'."""
+    from fa2tune.integrations import transformers as fa2tune_hf
+    from fa2tune.integrations.hf_masks import MaskPlan, Pattern, Rows
+
+    k, v = (torch.nn.functional.pad(t.transpose(1, 2), (0, 0, 1, 0)) for t in contiguous[:2])  # (b, h, 1 + keys, d)
+    batch, _, length, _ = k.shape
+    valid = torch.ones(batch, length, dtype=torch.bool, device=k.device)
+    valid[:, 0] = False
+    rows = Rows.from_valid(torch.ones(batch, q_t.shape[2], dtype=torch.bool, device=k.device), valid)
+    plan = MaskPlan(Pattern(causal=False), batch, q_t.shape[2], length, rows)
+
+    def hf_step():
+        with torch.no_grad():
+            return fa2tune_hf.attention_forward(None, q_t, k, v, plan, scaling=q_t.shape[-1] ** -0.5)[0]
+
+    def unpad_step():
+        with torch.no_grad():
+            packed = [t.transpose(1, 2)[rows.k_batch, rows.k_pos] for t in (k, v)]
+            out = fa2tune.attention_varlen(q_t.transpose(1, 2).flatten(0, 1), *packed, rows.cu_seqlens_q,
+                                           rows.cu_seqlens_k, rows.max_seqlen_q, rows.max_seqlen_k)  # fmt: skip
+            return out.view(batch, -1, *out.shape[1:])
+
+    import fa2tune
+
+    return {"fa2tune_hf": hf_step, "fa2tune_unpad": unpad_step}
 
 
 def _time_ms(step, device) -> float:
@@ -204,10 +239,10 @@ def main(argv=None) -> int:
             writer.writeheader()
             writer.writerows(rows)
     print(_environment(device))
-    print(f"{'batch x keys x q':>18} {'cache':>10} {'provider':>11} {'ms':>9} {'GB/s':>8}  note")
+    print(f"{'batch x keys x q':>18} {'cache':>10} {'provider':>17} {'ms':>9} {'GB/s':>8}  note")
     for r in rows:
         shape = f"{r['batch']}x{r['keys']}x{r['seqlen_q']}"
-        print(f"{shape:>18} {r['cache']:>10} {r['provider']:>11} {r['ms']:>9} {r['gbps']:>8}  {r['note']}")
+        print(f"{shape:>18} {r['cache']:>10} {r['provider']:>17} {r['ms']:>9} {r['gbps']:>8}  {r['note']}")
     return 0
 
 

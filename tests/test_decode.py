@@ -536,8 +536,9 @@ def test_an_unusable_decode_entry_falls_back_to_the_default_with_one_warning(con
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run; on a GPU the script measures for real")
 def test_bench_decode_runs_every_provider_on_both_caches(tmp_path, capsys):
-    # scripts/bench_decode.py --device cpu: fa2tune (contiguous and paged), attention() on the same keys and SDPA's
-    # math backend, each checked against fa2tune's output before it is timed
+    # scripts/bench_decode.py --device cpu: fa2tune (contiguous and paged), attention() on the same keys, the Hugging
+    # Face integration's padded step (in place and unpadded) and SDPA's math backend, each checked against fa2tune's
+    # output before it is timed
     script = load_script("bench_decode")
     assert script.main(["--device", "cpu", "--shapes", "2x40x1,1x30x4", "--num-splits", "3",
                         "--csv", str(tmp_path / "d.csv")]) == 0  # fmt: skip
@@ -545,7 +546,8 @@ def test_bench_decode_runs_every_provider_on_both_caches(tmp_path, capsys):
         rows = list(csv.DictReader(handle))
     providers = ("fa2tune", "fa2tune/s3", "fa2tune_attention", "sdpa_math")
     assert {(r["provider"], r["cache"]) for r in rows} == {(p, c) for p in providers
-                                                          for c in ("contiguous", "paged16")}  # fmt: skip
+                                                          for c in ("contiguous", "paged16")} | {
+        ("fa2tune_hf", "contiguous"), ("fa2tune_unpad", "contiguous")}  # fmt: skip
     assert all(r["note"].startswith("rel err") and float(r["gbps"]) > 0 for r in rows)
     assert "sdpa_math" in capsys.readouterr().out
     with pytest.raises(SystemExit):

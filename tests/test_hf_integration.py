@@ -137,6 +137,72 @@ def test_a_value_head_dim_of_its_own_reaches_the_kernels_unpadded(layout, v_dim,
     torch.testing.assert_close(out[kept].double(), want[kept], atol=2e-5, rtol=2e-5)
 
 
+def _step_layout(name: str) -> tuple[torch.Tensor, int, int, int]:
+    """A padded batch's generation step: (2-D padding mask, q_length, kv_length, q_offset) for 3 rows."""
+    padding = torch.ones(3, N, dtype=torch.bool)
+    padding[0, :5] = padding[2, :1] = False  # left-padded prompts
+    if name == "one_token":
+        return padding, 1, N, N - 1
+    if name == "gap":  # padding between a row's tokens too
+        padding[1, 6:9] = False
+        return padding, 2, N, N - 2
+    if name == "static":  # 6 cache slots past the tokens seen so far
+        return padding, 3, N + 6, N - 3
+    raise ValueError(name)
+
+
+def _strided(t: torch.Tensor, how: str) -> torch.Tensor:
+    """t's values, (batch, heads, length, d), in memory laid out as `how` says."""
+    if how == "token_major":  # (batch, length, heads, d) memory, as a projection's output viewed per head
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if how == "odd_rows":  # a row's stride no whole number of positions': no one-key page view
+        batch, heads, length, d = t.shape
+        buffer = torch.full((batch * (heads * length * d + 3),), float("nan"))
+        view = buffer.as_strided(t.shape, (heads * length * d + 3, length * d, d, 1))
+        return view.copy_(t)
+    return t
+
+
+@pytest.mark.parametrize("how", ["contiguous", "token_major", "odd_rows"])
+@pytest.mark.parametrize("layout", ["one_token", "gap", "static"])
+@pytest.mark.parametrize("pattern", ["causal", "sliding4", "bidirectional"])
+def test_a_padded_generation_step_reads_the_cache_in_place(pattern, layout, how, monkeypatch):
+    # A generation step of a padded batch: every query takes part, the padding is among the keys. The decode
+    # kernels read K and V where they lie, through one-key pages, rather than a gathered copy of the whole cache;
+    # where the strides allow no such view (odd_rows) the gather runs. Either way the values are the mask's.
+    padding, q_length, kv_length, q_offset = _step_layout(layout)
+    if pattern == "sliding4" and layout == "gap":
+        pytest.skip("a sliding window over padding between tokens goes to SDPA")
+    arguments = dict(batch_size=3, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=0,
+                     mask_function=PATTERNS[pattern][0], attention_mask=padding)  # fmt: skip
+    plan = hf_masks.fa2tune_mask(**arguments)
+    calls = []
+    for name in ("attention_varlen", "flash_attn_with_kvcache"):
+        real = getattr(fa2tune_hf, name)
+        monkeypatch.setattr(fa2tune_hf, name, lambda *a, name=name, real=real, **kw: calls.append(name) or real(
+            *a, **kw))  # fmt: skip
+    torch.manual_seed(len(pattern) + 3 * len(layout))
+    q = torch.randn(3, 4, q_length, 16)
+    k, v = (_strided(torch.randn(3, 2, kv_length, 16), how) for _ in range(2))
+    with torch.no_grad():
+        out, _ = fa2tune_hf.attention_forward(_Layer(), q, k, v, plan, scaling=0.3)
+    assert calls == ["attention_varlen" if how == "odd_rows" else "flash_attn_with_kvcache"]
+    want = _reference(q, k, v, masking_utils.sdpa_mask(**arguments, allow_is_causal_skip=False), 0.3)
+    assert out.shape == (3, q_length, 4, 16)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_a_generation_step_with_a_gradient_to_come_gathers_for_the_backward(monkeypatch):
+    padding, q_length, kv_length, q_offset = _step_layout("one_token")
+    plan = hf_masks.fa2tune_mask(3, q_length, kv_length, q_offset, 0, masking_utils.causal_mask_function, padding)
+    monkeypatch.setattr(fa2tune_hf, "flash_attn_with_kvcache", None)  # never called
+    q = torch.randn(3, 4, q_length, 16, requires_grad=True)
+    k, v = torch.randn(3, 2, kv_length, 16), torch.randn(3, 2, kv_length, 16)
+    out, _ = fa2tune_hf.attention_forward(_Layer(), q, k, v, plan, scaling=0.3)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0
+
+
 def test_flash_attention_2s_packed_sequence_arguments_run_each_sequence_alone():
     # cu_seq_lens_q/k and max_length_q/k (a flattening data collator's flash-attention arguments) with no mask built:
     # each packed sequence attends causally within itself, as under flash_attention_2.

@@ -22,6 +22,9 @@ import warnings
 import torch
 
 from ..api.attention import attention, attention_varlen
+from ..api.kvcache import flash_attn_with_kvcache
+from ..config.decode_plan import SHORT_QUERY_TOKENS
+from ..launch.launcher import is_eager
 from .hf_masks import MaskPlan, Pattern, Rows, fa2tune_mask
 
 NAME = "fa2tune"
@@ -202,17 +205,73 @@ def _binding(pattern: Pattern, longest: int) -> tuple[int, int] | None:
 
 
 def _run_rows(rows: Rows, query, key, value, options: dict) -> torch.Tensor:
-    """attention_varlen over the rows that take part, scattered back to (batch, q_length, heads_q, v_head_dim)."""
+    """attention_varlen over the rows that take part, scattered back to (batch, q_length, heads_q, v_head_dim); a
+    padded batch's generation step reads K and V where they are (_step_in_place)."""
     batch, heads, q_length, _ = query.shape
     out = query.new_zeros(batch, q_length, heads, value.shape[-1])  # padded queries' output: 0
     if not (rows.total_q and rows.total_k):
         return out
+    if _generation_step(rows, query, key, value):
+        pages = _one_key_pages(key, value)
+        if pages is not None:
+            return _step_in_place(rows, query, pages, options)
     q = query.transpose(1, 2)[rows.q_batch, rows.q_pos]
     k = key.transpose(1, 2)[rows.k_batch, rows.k_pos]
     v = value.transpose(1, 2)[rows.k_batch, rows.k_pos]
     packed = attention_varlen(q, k, v, rows.cu_seqlens_q, rows.cu_seqlens_k, rows.max_seqlen_q, rows.max_seqlen_k,
                               **options)  # fmt: skip
     return out.index_put((rows.q_batch, rows.q_pos), packed)
+
+
+def _generation_step(rows: Rows, query, key, value) -> bool:
+    """Whether the call is a padded batch's generation step that the decode kernels run as it stands: forward only
+    (nothing traces it, no gradient to come), at most SHORT_QUERY_TOKENS queries a row and every one of them taking
+    part (the padding is among the keys), and V's head dim Q's (a cache holds one)."""
+    batch, _, q_length, head_dim = query.shape
+    if q_length > SHORT_QUERY_TOKENS or rows.total_q != batch * q_length or value.shape[-1] != head_dim:
+        return False
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return False
+    return is_eager(query, key, value)
+
+
+# The decode kernels' block table holds int32 page numbers.
+_MAX_PAGES = 2**31 - 1
+
+
+def _one_key_pages(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """K and V (batch, kv_heads, kv_length, head_dim) seen as paged caches of one key a page, (pages, 1, kv_heads,
+    head_dim) views of the same memory: key position p of batch row b is page b · per_row + p. None where the
+    strides give no such view (a row's stride not a whole number of positions', or K's and V's rows differing)
+    or the pages outnumber an int32. Pages overlap in memory; the kernels only read them."""
+    batch, kv_heads, length, head_dim = key.shape
+    per_row = []
+    for t in (key, value):
+        step = t.stride(2)
+        if t.stride(3) != 1 or step <= 0 or (batch > 1 and t.stride(0) % step):
+            return None
+        per_row.append(t.stride(0) // step if batch > 1 else 0)
+    if per_row[0] != per_row[1] or (batch - 1) * per_row[0] + length > _MAX_PAGES:
+        return None
+    pages = (batch - 1) * per_row[0] + length  # the last row's last key is the last page: no view leaves the tensor
+    k_pages, v_pages = (t.as_strided((pages, 1, kv_heads, head_dim), (t.stride(2), t.stride(2), t.stride(1), 1))
+                        for t in (key, value))  # fmt: skip
+    return k_pages, v_pages, per_row[0]
+
+
+def _step_in_place(rows: Rows, query, pages: tuple[torch.Tensor, torch.Tensor, int], options: dict) -> torch.Tensor:
+    """(batch, q_length, heads_q, head_dim): a generation step on the decode kernels, each row's kept keys its
+    pages through a block table made on the device — no copy of K and V (the gather reads and writes the whole
+    cache, twice the bytes the attention itself reads)."""
+    k_pages, v_pages, per_row = pages
+    first = rows.cu_seqlens_k[:-1, None].long()
+    width = max(rows.max_seqlen_k, 1)
+    kept = (first + torch.arange(width, device=first.device)).clamp_(max=rows.total_k - 1)  # past a row's end: unread
+    table = (rows.k_batch * per_row + rows.k_pos)[kept].to(torch.int32)
+    window = options["window"] if options["window"] is not None else (-1, -1)
+    return flash_attn_with_kvcache(query.transpose(1, 2), k_pages, v_pages, cache_seqlens=rows.cu_seqlens_k.diff(),
+                                   block_table=table, softmax_scale=options["scale"], causal=options["causal"],
+                                   window_size=window)  # fmt: skip
 
 
 def _prepared(query, key, value, scaling):
