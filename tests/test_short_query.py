@@ -135,3 +135,29 @@ def test_other_calls_run_the_forward_kernels(decode_calls, device):
         fa2tune.attention(q, k, v, config=KernelConfig(16, 16, 4, 1))
     fa2tune.attention(q.requires_grad_(), k, v)
     assert decode_calls == []
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+def test_a_get_kernel_kernel_s_inference_step_runs_the_decode_kernels(varlen, decode_calls, device):
+    # get_kernel()'s configs are resolved for the caller, not chosen by it: its one-token inference call is a decode
+    # step as attention()'s is; with a gradient to come the same kernel runs its forward config
+    kernel = fa2tune.get_kernel(64, device=str(device), dtype=torch.float16, causal=True, varlen=varlen)
+    torch.manual_seed(9)
+    make = lambda *shape: torch.randn(*shape, device=device, dtype=torch.float16)
+    if varlen:
+        cu_q = torch.arange(0, 4, dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, 30, 31, 101], dtype=torch.int32, device=device)
+        q, k, v = make(3, 4, 64), make(101, 2, 64), make(101, 2, 64)
+        packing = (cu_q, cu_k, 1, 70)
+        reference = lambda q: naive_attention_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, causal=True)[0]
+    else:
+        q, k, v = make(2, 4, 1, 64), make(2, 2, 70, 64), make(2, 2, 70, 64)
+        packing = ()
+        reference = lambda q: naive_attention(q.double(), k.double(), v.double(), causal=True)[0]
+    with torch.no_grad():
+        out = kernel(q, k, v, *packing)
+    assert len(decode_calls) == 1
+    assert_close(out, reference(q), torch.float16)
+    trained = kernel(q.clone().requires_grad_(), k, v, *packing)
+    assert len(decode_calls) == 1
+    assert_close(trained, reference(q), torch.float16, what="the forward kernels")

@@ -473,13 +473,13 @@ def test_a_short_entry_serves_calls_up_to_1024_and_the_all_entry_the_rest(config
     torch.testing.assert_close(kernel(x, x, x).double(), naive_attention(x.double(), x.double(), x.double())[0],
                                rtol=1e-5, atol=1e-5)  # fmt: skip
     launched = []
-    real = attention_kernel.attention
+    real = attention_kernel.checked_apply
     try:
-        attention_kernel.attention = lambda *args, config=None, **kw: launched.append(config)
+        attention_kernel.checked_apply = lambda *args, chosen: launched.append(args[8])  # args[8]: the config
         kernel(x, x, x)
         kernel(x, torch.empty(1, 2, 1100, 64), torch.empty(1, 2, 1100, 64))
     finally:
-        attention_kernel.attention = real
+        attention_kernel.checked_apply = real
     assert launched == [short_cfg, long_cfg]
 
 
@@ -509,14 +509,14 @@ def test_a_medium_entry_serves_calls_past_1024_up_to_4096(config_dir, device):
     assert (kernel.short_config, kernel.medium_config, kernel.config) == (short_cfg, medium_cfg, long_cfg)
     assert kernel.medium_source == str(path)
     launched = []
-    real = attention_kernel.attention
+    real = attention_kernel.checked_apply
     x = torch.empty(1, 1, 8, 64)
     try:
-        attention_kernel.attention = lambda *args, config=None, **kw: launched.append(config)
+        attention_kernel.checked_apply = lambda *args, chosen: launched.append(args[8])  # args[8]: the config
         for n in (1000, 1025, 4096, 4097):
             kernel(x, torch.empty(1, 1, n, 64), torch.empty(1, 1, n, 64))
     finally:
-        attention_kernel.attention = real
+        attention_kernel.checked_apply = real
     assert launched == [short_cfg, medium_cfg, medium_cfg, long_cfg]
 
 

@@ -23,16 +23,19 @@ def apply_eager(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, 
     return launcher.EagerAttention.apply(q, k, v, mask, scale, packing, configs, config is not None)
 
 
-def _apply(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packing: Packing | None = None):
+def _apply(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packing: Packing | None = None,
+           chosen: bool = True):  # fmt: skip
     """The eager path when nothing traces the call, else the custom op (which resolves its configs when it runs,
-    never while torch.compile traces)."""
+    never while torch.compile traces). chosen: the caller chose `config` (attention()'s argument), so the call runs
+    it; False: it was resolved for the caller (a get_kernel() kernel's), and a decode step leaves it for the decode
+    kernels as a call without one does."""
     if launcher.is_eager(q, k, v):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             return apply_eager(q, k, v, mask, scale, config, packing)
         # Nothing to differentiate (inference, torch.no_grad, inputs without grad): the forward alone. The
         # autograd.Function's own host time (14 µs of a trivial one on the development machine) would buy nothing,
         # and a short inference call waits for its host.
-        if config is None and short_query.takes(q, k, v, mask, packing):  # a decode step
+        if (config is None or not chosen) and short_query.takes(q, k, v, mask, packing):  # a decode step
             if packing is None:
                 return short_query.forward(q, k, v, mask, scale, resolve=selection.decode_config)
             return short_query.forward_packed(q, k, v, mask, scale, packing, resolve=selection.decode_config)
@@ -102,7 +105,7 @@ def attention(
         O with q's shape (v's head dim) and dtype; with return_lse, (O, lse). Differentiable in q, k and v.
     """
     check_qkv(q, k, v)
-    return _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, None)
+    return checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, None)
 
 
 def attention_varlen(
@@ -136,15 +139,16 @@ def attention_varlen(
         O (total_q, heads_q, v's head_dim) in q's dtype; with return_lse, (O, lse). Differentiable in q, k and v.
     """
     packing = Packing(*check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    return _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, packing)
+    return checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, packing)
 
 
-def _checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, packing):
-    """The keyword arguments attention() and attention_varlen() share, checked; then the differentiable op."""
+def checked_apply(q, k, v, causal, scale, window, prefix_len, return_lse, config, packing, chosen=True):
+    """The keyword arguments attention() and attention_varlen() share, checked; then the differentiable op (chosen:
+    as _apply's)."""
     mask = _mask(causal, window, prefix_len)
     return_lse = check_flag("return_lse", return_lse)
     scale = check_scale(scale, q.shape[-1])
-    o, lse = _apply(q, k, v, mask, scale, _check_config(config), packing)
+    o, lse = _apply(q, k, v, mask, scale, _check_config(config), packing, chosen)
     return (o, lse) if return_lse else o
 
 

@@ -10,8 +10,9 @@ import torch
 from ..config import defaults, lengths, planner
 from ..config.inputs import check_dtype, check_flag, check_int, check_prefix_len, check_qkv, check_varlen, check_window
 from ..config.types import MAX_HEAD_DIM, DeviceInfo, KernelConfig, integer
+from ..launch.launcher import Packing
 from . import selection
-from .attention import attention, attention_varlen
+from .attention import checked_apply
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,9 @@ class AttentionKernel:
         return_lse: bool = False,
     ):
         """attention(q, k, v) — or attention_varlen(q, k, v, *packing) for a varlen kernel — with this kernel's
-        mask and configs (the backward's come from the same store)."""
+        mask and configs (the backward's come from the same store). An inference call of a few query tokens runs
+        the decode kernels, as attention()'s does (docs/API.md, "A few query tokens are a decode step"): the
+        configs were resolved for the caller, not chosen by it."""
         if len(packing) != (4 if self.varlen else 0):
             expected = (
                 "cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k after q, k, v"
@@ -88,11 +91,9 @@ class AttentionKernel:
         # The call's longer side picks the forward config, by the store's rule (what attention() does without one).
         bucket = lengths.bucket_of(longest)
         config = self.short_config if bucket == "short" else self.medium_config if bucket == "medium" else None
-        mask = dict(causal=self.causal, window=self.window, prefix_len=self.prefix_len)
-        options = dict(scale=scale, return_lse=return_lse, config=config or self.config)
-        if self.varlen:
-            return attention_varlen(q, k, v, *packing, **mask, **options)
-        return attention(q, k, v, **mask, **options)
+        return checked_apply(q, k, v, self.causal, scale, self.window, self.prefix_len, return_lse,
+                              config or self.config, Packing(*packing) if self.varlen else None,
+                              chosen=False)  # fmt: skip
 
 
 @functools.cache
