@@ -203,6 +203,43 @@ def test_a_generation_step_with_a_gradient_to_come_gathers_for_the_backward(monk
     assert q.grad is not None and q.grad.abs().sum() > 0
 
 
+def test_short_packed_sequences_in_inference_run_each_sequence_alone():
+    # Sequences packed into one row (flash_attention_2's cu_seq_lens arguments) are not a padded batch's rows, however
+    # few their tokens: they run as attention_varlen runs them, which checks their offsets
+    torch.manual_seed(8)
+    q, k, v = torch.randn(1, 4, 12, 16), torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with torch.no_grad():
+        out, _ = fa2tune_hf.attention_forward(_Layer(), q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                              max_length_q=7, max_length_k=7)  # fmt: skip
+    sequence = torch.repeat_interleave(torch.arange(2), torch.tensor([5, 7]))
+    dense = (sequence[:, None] == sequence[None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()
+    torch.testing.assert_close(out.double(), _reference(q, k, v, dense[None, None], 0.3), atol=2e-5, rtol=2e-5)
+    short = torch.tensor([0, 10], dtype=torch.int32)  # offsets that leave two tokens out
+    with torch.no_grad(), pytest.raises(ValueError, match="cu_seqlens_q must end at the number of tokens"):
+        fa2tune_hf.attention_forward(_Layer(), q, k, v, None, scaling=0.3, cu_seq_lens_q=short, cu_seq_lens_k=short)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "dtypes", "match"),
+    [
+        (((6, 16), (4, 16), (4, 16)), None, "multiple of k/v's heads"),
+        (((4, 16), (2, 8), (2, 16)), None, "k's head_dim must equal q's"),
+        (((4, 16), (2, 16), (2, 16)), (torch.float16, torch.float32), "share one dtype"),
+    ],
+    ids=["heads", "head_dim", "dtype"],
+)
+def test_a_generation_step_names_a_bad_input_as_attention_does(shapes, dtypes, match):
+    padding, q_length, kv_length, q_offset = _step_layout("one_token")
+    plan = hf_masks.fa2tune_mask(3, q_length, kv_length, q_offset, 0, masking_utils.causal_mask_function, padding)
+    (hq, dq), (hk, dk), (hv, dv) = shapes
+    q_dtype, kv_dtype = dtypes or (torch.float32, torch.float32)
+    q = torch.randn(3, hq, q_length, dq, dtype=q_dtype)
+    k, v = torch.randn(3, hk, kv_length, dk, dtype=kv_dtype), torch.randn(3, hv, kv_length, dv, dtype=kv_dtype)
+    with torch.no_grad(), pytest.raises((ValueError, TypeError), match=match):
+        fa2tune_hf.attention_forward(_Layer(), q, k, v, plan, scaling=0.3)
+
+
 def test_flash_attention_2s_packed_sequence_arguments_run_each_sequence_alone():
     # cu_seq_lens_q/k and max_length_q/k (a flattening data collator's flash-attention arguments) with no mask built:
     # each packed sequence attends causally within itself, as under flash_attention_2.

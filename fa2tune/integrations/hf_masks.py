@@ -55,7 +55,8 @@ class Pattern:
 class Rows:
     """The query and key rows that take part, packed as attention_varlen takes them: packed row r of the queries is
     position q_pos[r] of batch row q_batch[r] (int64), likewise for the keys; cu_seqlens_* (int32) bound the
-    sequences."""
+    sequences. by_row: sequence b is batch row b's kept positions, as a padding mask gives them (from_valid), so a
+    row's keys can be read where they lie; False for sequences packed into a row, whose offsets the caller gave."""
 
     q_batch: torch.Tensor
     q_pos: torch.Tensor
@@ -65,6 +66,7 @@ class Rows:
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    by_row: bool = False
 
     @classmethod
     def from_valid(cls, q_valid: torch.Tensor, k_valid: torch.Tensor) -> Rows:
@@ -72,7 +74,7 @@ class Rows:
         q_batch, q_pos = q_valid.nonzero(as_tuple=True)
         k_batch, k_pos = k_valid.nonzero(as_tuple=True)
         (cu_q, max_q), (cu_k, max_k) = _offsets(q_valid.sum(1)), _offsets(k_valid.sum(1))
-        return cls(q_batch, q_pos, k_batch, k_pos, cu_q, cu_k, max_q, max_k)
+        return cls(q_batch, q_pos, k_batch, k_pos, cu_q, cu_k, max_q, max_k, by_row=True)
 
     @classmethod
     def from_segments(cls, segments: torch.Tensor) -> Rows:

@@ -24,6 +24,7 @@ import torch
 from ..api.attention import attention, attention_varlen
 from ..api.kvcache import flash_attn_with_kvcache
 from ..config.decode_plan import SHORT_QUERY_TOKENS
+from ..config.inputs import check_qkv
 from ..launch.launcher import is_eager
 from .hf_masks import MaskPlan, Pattern, Rows, fa2tune_mask
 
@@ -224,11 +225,16 @@ def _run_rows(rows: Rows, query, key, value, options: dict) -> torch.Tensor:
 
 
 def _generation_step(rows: Rows, query, key, value) -> bool:
-    """Whether the call is a padded batch's generation step that the decode kernels run as it stands: forward only
-    (nothing traces it, no gradient to come), at most SHORT_QUERY_TOKENS queries a row and every one of them taking
-    part (the padding is among the keys), and V's head dim Q's (a cache holds one)."""
+    """Whether the call is a padded batch's generation step that the decode kernels run as it stands: each batch
+    row its sequence (a padding mask's rows, not packed sequences), forward only (nothing traces it, no gradient to
+    come), at most SHORT_QUERY_TOKENS queries a row and every one of them taking part (the padding is among the
+    keys), and V's head dim Q's (a cache holds one). Such a call's q, k and v are checked as attention() checks
+    them, so a bad one is named as there rather than as a cache."""
     batch, _, q_length, head_dim = query.shape
-    if q_length > SHORT_QUERY_TOKENS or rows.total_q != batch * q_length or value.shape[-1] != head_dim:
+    if not rows.by_row or q_length > SHORT_QUERY_TOKENS or rows.total_q != batch * q_length:
+        return False
+    check_qkv(query, key, value)
+    if value.shape[-1] != head_dim:
         return False
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return False
