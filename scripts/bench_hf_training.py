@@ -85,7 +85,7 @@ def time_steps(model, batch: dict, implementation: str, warmup: int, steps: int)
     return seconds, loss
 
 
-def _versions(device: torch.device) -> str:
+def versions(device: torch.device) -> str:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (Triton interpreter)"
     names = ("torch", "triton", "transformers", "fa2tune")  # fa2tune may run from a checkout, not installed
     return where + ", " + ", ".join(f"{name} {importlib.import_module(name).__version__}" for name in names)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     fa2tune_hf.register()
     model, batch = build_model(args, device), make_batch(args, device)
     tokens = int(batch["attention_mask"].sum())
-    print(f"# {_versions(device)}")
+    print(f"# {versions(device)}")
     print(f"# Llama {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, {args.dtype}; "
           f"batch {args.batch} x {args.seqlen}, {tokens} unpadded tokens; forward + backward")  # fmt: skip
     results = {}

@@ -229,3 +229,19 @@ def test_hf_training_benchmark_times_a_step_under_each_implementation(capsys):
     assert set(rows) == {"sdpa", "fa2tune"} and all(float(row[3].replace(",", "")) > 0 for row in rows.values())
     assert float(rows["sdpa"][4]) == pytest.approx(float(rows["fa2tune"][4]), abs=2e-3)
     assert lines[5].startswith("fa2tune speed / sdpa speed:")
+
+
+def test_hf_generate_benchmark_times_a_decode_step_under_each_implementation(capsys):
+    # scripts/bench_hf_generate.py on a tiny Llama from left-padded prompts: a row for "sdpa" and one for "fa2tune",
+    # each with a decode step's time and the share of its tokens that are the first implementation's (greedy, fp32:
+    # all of them)
+    pytest.importorskip("transformers")
+    script = load_script("bench_hf_generate")
+    sizes = ["--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "97", "--dtype", "fp32"]
+    assert script.main([*sizes, "--batch", "3", "--prompt", "12", "--new-tokens", "2", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "batch 3 x 12 prompt tokens, 27 unpadded" in lines[1]
+    rows = {line.split()[0]: line.split() for line in lines[3:5]}
+    assert set(rows) == {"sdpa", "fa2tune"} and all(float(row[1]) >= 0 for row in rows.values())
+    assert rows["fa2tune"][3] == "100.0%"
+    assert lines[5].startswith("fa2tune speed / sdpa speed:")
