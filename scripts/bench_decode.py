@@ -3,7 +3,7 @@
 flash_attn's flash_attn_with_kvcache where installed), in GB/s of K and V read; and fa2tune.attention() on the same
 K and V ("fa2tune_attention": an inference call of a few query tokens, which runs the decode kernels too), and the
 Hugging Face integration's step of a left-padded batch ("fa2tune_hf", K and V read in place; "fa2tune_unpad", the
-keys gathered first).
+integration's gathering fallback).
 
 GB/s = 2 · batch · keys · kv_heads · head_dim · bytes per element / time: the bytes of K and V a step must read,
 over the median of triton.testing.do_bench (L2 flushed between runs). A decode step is bound by that read; the
@@ -113,10 +113,13 @@ def _providers(q, k_cache, v_cache, table, seqlens, contiguous, num_splits=()):
 
 
 def _hf_steps(q_t, contiguous) -> dict:
-    """The Hugging Face integration's step of a left-padded batch on the same keys: "fa2tune_hf" as a model runs it
-    (K and V read in place), "fa2tune_unpad" with the keys gathered into attention_varlen's layout first (what the
-    integration does where the cache's strides allow no in-place read). Each row of the cache gets one padding key in
-    front, so the keys attended are the other providers'."""
+    """The Hugging Face integration's step of a left-padded batch on the same keys, the cache in transformers'
+    layout (batch, kv_heads, keys, head_dim), where the other rows read (batch, keys, kv_heads, head_dim):
+    "fa2tune_hf" as a model runs it (K and V read in place), "fa2tune_unpad" as it runs where the cache's strides
+    allow no in-place read (the kept keys gathered into attention_varlen's layout, the output scattered back). Each
+    row of the cache gets one padding key in front, so the keys attended are the other providers'."""
+    import contextlib
+
     from fa2tune.integrations import transformers as fa2tune_hf
     from fa2tune.integrations.hf_masks import MaskPlan, Pattern, Rows
 
@@ -131,14 +134,17 @@ def _hf_steps(q_t, contiguous) -> dict:
         with torch.no_grad():
             return fa2tune_hf.attention_forward(None, q_t, k, v, plan, scaling=q_t.shape[-1] ** -0.5)[0]
 
-    def unpad_step():
-        with torch.no_grad():
-            packed = [t.transpose(1, 2)[rows.k_batch, rows.k_pos] for t in (k, v)]
-            out = fa2tune.attention_varlen(q_t.transpose(1, 2).flatten(0, 1), *packed, rows.cu_seqlens_q,
-                                           rows.cu_seqlens_k, rows.max_seqlen_q, rows.max_seqlen_k)  # fmt: skip
-            return out.view(batch, -1, *out.shape[1:])
+    @contextlib.contextmanager
+    def no_page_view():  # the integration's own fallback, whole: what a cache without the view's strides runs
+        real, fa2tune_hf._one_key_pages = fa2tune_hf._one_key_pages, lambda key, value: None
+        try:
+            yield
+        finally:
+            fa2tune_hf._one_key_pages = real
 
-    import fa2tune
+    def unpad_step():
+        with no_page_view():
+            return hf_step()
 
     return {"fa2tune_hf": hf_step, "fa2tune_unpad": unpad_step}
 

@@ -9,10 +9,12 @@ A step of such a batch is where fa2tune's integration reads the cache in place (
 transformers"). The decode time per step is (time of generate(max_new_tokens = 1 + N) − time of generate(1)) / N:
 the prefill cancels out. Each is the median of --repeats runs. The generated tokens of each implementation are
 compared with the first's (random weights in 16-bit floats can make a greedy choice flip on a near tie, so the
-match is reported, not required).
+match is reported, not required). generate() runs eagerly: transformers compiles a static cache's decode step by
+default, and fa2tune's calls then run through its custom ops, the keys gathered; --compile times that instead.
 
     python scripts/bench_hf_generate.py
     python scripts/bench_hf_generate.py --batch 64 --prompt 8192 --new-tokens 32 --cache static
+    python scripts/bench_hf_generate.py --cache static --compile     # transformers' default for a static cache
 
 Needs torch, transformers and fa2tune. Without a GPU it runs on the CPU through Triton's interpreter when
 TRITON_INTERPRET=1 is set (tiny shapes only: the tests' smoke run).
@@ -44,10 +46,11 @@ def make_prompts(args: argparse.Namespace, device: torch.device) -> dict[str, to
     return dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
 
 
-def _generate(model, prompts: dict, new_tokens: int, cache: str) -> torch.Tensor:
+def _generate(model, prompts: dict, new_tokens: int, args: argparse.Namespace) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(**prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              pad_token_id=0, cache_implementation=cache)  # fmt: skip
+                              pad_token_id=0, cache_implementation=args.cache,
+                              disable_compile=not args.compile)  # fmt: skip
 
 
 def _seconds(run, device: torch.device) -> float:
@@ -64,10 +67,10 @@ def time_decode(model, prompts: dict, implementation: str, args: argparse.Namesp
     """(seconds a decode step, the tokens generated) under `implementation`."""
     model.set_attn_implementation(implementation)
     device = prompts["input_ids"].device
-    tokens = _generate(model, prompts, 1 + args.new_tokens, args.cache)  # warm-up: compiles fa2tune's kernels
-    prefill = statistics.median(_seconds(lambda: _generate(model, prompts, 1, args.cache), device)
+    tokens = _generate(model, prompts, 1 + args.new_tokens, args)  # warm-up: compiles fa2tune's kernels
+    prefill = statistics.median(_seconds(lambda: _generate(model, prompts, 1, args), device)
                                 for _ in range(args.repeats))  # fmt: skip
-    whole = statistics.median(_seconds(lambda: _generate(model, prompts, 1 + args.new_tokens, args.cache), device)
+    whole = statistics.median(_seconds(lambda: _generate(model, prompts, 1 + args.new_tokens, args), device)
                               for _ in range(args.repeats))  # fmt: skip
     return max(whole - prefill, 0.0) / args.new_tokens, tokens[:, args.prompt :]
 
@@ -90,6 +93,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pad", type=float, default=0.5, help="the last row's fraction of padding, 0 <= F < 1")
     parser.add_argument("--new-tokens", type=int, default=32, help="decode steps timed")
     parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic", help="transformers' KV cache")
+    parser.add_argument("--compile", action="store_true",
+                        help="let generate() compile the decode step where transformers would (a static cache)")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers")
     parser.add_argument("--hidden", type=int, default=4096, help="hidden size")
     parser.add_argument("--intermediate", type=int, default=0, help="MLP width (default 2.75 x hidden)")
@@ -121,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     kept = int(prompts["attention_mask"].sum())
     print(f"# {versions(device)}")
     print(f"# Llama {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, {args.dtype}; "
-          f"batch {args.batch} x {args.prompt} prompt tokens, {kept} unpadded; {args.cache} cache; "
-          f"{args.new_tokens} decode steps")  # fmt: skip
+          f"batch {args.batch} x {args.prompt} prompt tokens, {kept} unpadded; {args.cache} cache"
+          f"{', compiled' if args.compile else ''}; {args.new_tokens} decode steps")  # fmt: skip
     results = {name: time_decode(model, prompts, name, args) for name in args.implementations.split(",")}
     report(args, results)
     return 0

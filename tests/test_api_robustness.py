@@ -398,3 +398,18 @@ def test_expanded_inputs_with_stride_0_give_the_right_output_and_gradients(devic
     ref = naive_attention(*(t.expand(3, 2, 20, 16) for t in leaves), causal=True)[0]
     for got, want in zip((out, *grads), (ref, *torch.autograd.grad(ref, leaves, do.double())), strict=True):
         assert_close(got, want, F32)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_a_config_resolved_for_the_caller_falls_back_where_a_chosen_one_is_refused(grad, device):
+    # A get_kernel() kernel's configs are resolved for it (attention.checked_apply's chosen=False): a call a
+    # warp-specialized one cannot run (here fp32, which the Hopper kernels do not take) runs the Triton template, as
+    # a call without a config does; the same config passed to attention() is the caller's choice, refused by name
+    from fa2tune.api.attention import checked_apply
+
+    q, k, v = _qkv(device, (1, 2, 40, 16), requires_grad=grad)
+    hopper = KernelConfig(64, 64, 4, 2, warp_specialized=True)
+    out = checked_apply(q, k, v, True, None, None, 0, False, hopper, None, chosen=False)
+    assert_close(out, _reference(q.detach(), k.detach(), v.detach(), causal=True), F32)
+    with pytest.raises(ValueError, match=r"config KernelConfig\(.*\) cannot run this call"):
+        fa2tune.attention(q, k, v, causal=True, config=hopper)

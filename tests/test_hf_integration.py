@@ -194,13 +194,50 @@ def test_a_padded_generation_step_reads_the_cache_in_place(pattern, layout, how,
 
 def test_a_generation_step_with_a_gradient_to_come_gathers_for_the_backward(monkeypatch):
     padding, q_length, kv_length, q_offset = _step_layout("one_token")
-    plan = hf_masks.fa2tune_mask(3, q_length, kv_length, q_offset, 0, masking_utils.causal_mask_function, padding)
+    arguments = dict(batch_size=3, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=0,
+                     mask_function=masking_utils.causal_mask_function, attention_mask=padding)  # fmt: skip
+    plan = hf_masks.fa2tune_mask(**arguments)
     monkeypatch.setattr(fa2tune_hf, "flash_attn_with_kvcache", None)  # never called
+    torch.manual_seed(6)
     q = torch.randn(3, 4, q_length, 16, requires_grad=True)
     k, v = torch.randn(3, 2, kv_length, 16), torch.randn(3, 2, kv_length, 16)
     out, _ = fa2tune_hf.attention_forward(_Layer(), q, k, v, plan, scaling=0.3)
     out.sum().backward()
-    assert q.grad is not None and q.grad.abs().sum() > 0
+    leaf = q.detach().double().requires_grad_()
+    dense = masking_utils.sdpa_mask(**arguments, allow_is_causal_skip=False)
+    _reference(leaf, k, v, dense, 0.3).sum().backward()
+    torch.testing.assert_close(q.grad.double(), leaf.grad, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("case", ["batch_of_one", "storage_offset", "pages_past_int32"])
+def test_a_generation_step_reads_in_place_at_the_view_s_edges(case, monkeypatch):
+    # one batch row (no row stride to divide); K and V inside larger buffers (the views keep their storage offset);
+    # page numbers past an int32 (here a lowered bound) gather instead
+    padding, q_length, kv_length, q_offset = _step_layout("one_token")
+    batch = 1 if case == "batch_of_one" else 3
+    padding = padding[:batch].clone()
+    padding[0, :4] = False
+    arguments = dict(batch_size=batch, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=0,
+                     mask_function=masking_utils.causal_mask_function, attention_mask=padding)  # fmt: skip
+    plan = hf_masks.fa2tune_mask(**arguments)
+    calls = []
+    for name in ("attention_varlen", "flash_attn_with_kvcache"):
+        real = getattr(fa2tune_hf, name)
+        monkeypatch.setattr(fa2tune_hf, name, lambda *a, name=name, real=real, **kw: calls.append(name) or real(
+            *a, **kw))  # fmt: skip
+    if case == "pages_past_int32":
+        monkeypatch.setattr(fa2tune_hf, "_MAX_PAGES", 2 * kv_length)
+    torch.manual_seed(len(case))
+    q = torch.randn(batch, 4, q_length, 16)
+    if case == "storage_offset":  # rows 1..3 of a 5-row buffer, keys 2.. of a longer cache
+        k, v = (torch.randn(batch + 2, 2, kv_length + 5, 16)[1 : 1 + batch, :, 2 : 2 + kv_length] for _ in range(2))
+    else:
+        k, v = torch.randn(batch, 2, kv_length, 16), torch.randn(batch, 2, kv_length, 16)
+    with torch.no_grad():
+        out, _ = fa2tune_hf.attention_forward(_Layer(), q, k, v, plan, scaling=0.3)
+    assert calls == ["attention_varlen" if case == "pages_past_int32" else "flash_attn_with_kvcache"]
+    want = _reference(q, k, v, masking_utils.sdpa_mask(**arguments, allow_is_causal_skip=False), 0.3)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
 
 
 def test_short_packed_sequences_in_inference_run_each_sequence_alone():

@@ -231,12 +231,16 @@ def test_hf_training_benchmark_times_a_step_under_each_implementation(capsys):
     assert lines[5].startswith("fa2tune speed / sdpa speed:")
 
 
-def test_hf_generate_benchmark_times_a_decode_step_under_each_implementation(capsys):
+def test_hf_generate_benchmark_times_a_decode_step_under_each_implementation(capsys, monkeypatch):
     # scripts/bench_hf_generate.py on a tiny Llama from left-padded prompts: a row for "sdpa" and one for "fa2tune",
     # each with a decode step's time and the share of its tokens that are the first implementation's (greedy, fp32:
-    # all of them)
+    # all of them); fa2tune's decode steps read the cache in place
     pytest.importorskip("transformers")
     script = load_script("bench_hf_generate")
+    in_place = []
+    real = script.fa2tune_hf.flash_attn_with_kvcache
+    monkeypatch.setattr(script.fa2tune_hf, "flash_attn_with_kvcache", lambda *a, **kw: in_place.append(1) or real(
+        *a, **kw))  # fmt: skip
     sizes = ["--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "97", "--dtype", "fp32"]
     assert script.main([*sizes, "--batch", "3", "--prompt", "12", "--new-tokens", "2", "--repeats", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -245,3 +249,4 @@ def test_hf_generate_benchmark_times_a_decode_step_under_each_implementation(cap
     assert set(rows) == {"sdpa", "fa2tune"} and all(float(row[1]) >= 0 for row in rows.values())
     assert rows["fa2tune"][3] == "100.0%"
     assert lines[5].startswith("fa2tune speed / sdpa speed:")
+    assert len(in_place) == 2 * 2  # generate(3) warm-up and timed: 2 decode steps each, 1 layer (generate(1): none)

@@ -475,7 +475,8 @@ def test_a_short_entry_serves_calls_up_to_1024_and_the_all_entry_the_rest(config
     launched = []
     real = attention_kernel.checked_apply
     try:
-        attention_kernel.checked_apply = lambda *args, chosen: launched.append(args[8])  # args[8]: the config
+        attention_kernel.checked_apply = lambda q, k, v, causal, scale, window, prefix, lse, config, packing, chosen: (
+            launched.append(config))  # fmt: skip
         kernel(x, x, x)
         kernel(x, torch.empty(1, 2, 1100, 64), torch.empty(1, 2, 1100, 64))
     finally:
@@ -512,7 +513,8 @@ def test_a_medium_entry_serves_calls_past_1024_up_to_4096(config_dir, device):
     real = attention_kernel.checked_apply
     x = torch.empty(1, 1, 8, 64)
     try:
-        attention_kernel.checked_apply = lambda *args, chosen: launched.append(args[8])  # args[8]: the config
+        attention_kernel.checked_apply = lambda q, k, v, causal, scale, window, prefix, lse, config, packing, chosen: (
+            launched.append(config))  # fmt: skip
         for n in (1000, 1025, 4096, 4097):
             kernel(x, torch.empty(1, 1, n, 64), torch.empty(1, 1, n, 64))
     finally:

@@ -13,25 +13,29 @@ from ..launch.launcher import Packing
 from . import ops, selection
 
 
-def apply_eager(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packing: Packing | None = None):
+def apply_eager(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packing: Packing | None = None,
+                chosen: bool = True):  # fmt: skip
     """(O, logsumexp) through the eager autograd path (launcher.EagerAttention), the configs the caller left out
-    resolved as attention() resolves them: the forward's, and the backward's for the backward to come."""
+    resolved as attention() resolves them: the forward's, and the backward's for the backward to come. chosen: as
+    _apply's."""
     if config is None:
         configs = selection.for_call(selection.FORWARD_BACKWARD, q, k, v, mask, packing)
     else:
         configs = (config, *selection.for_call(selection.BACKWARD, q, k, v, mask, packing))
-    return launcher.EagerAttention.apply(q, k, v, mask, scale, packing, configs, config is not None)
+    return launcher.EagerAttention.apply(q, k, v, mask, scale, packing, configs, config is not None and chosen)
 
 
 def _apply(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packing: Packing | None = None,
            chosen: bool = True):  # fmt: skip
     """The eager path when nothing traces the call, else the custom op (which resolves its configs when it runs,
-    never while torch.compile traces). chosen: the caller chose `config` (attention()'s argument), so the call runs
-    it; False: it was resolved for the caller (a get_kernel() kernel's), and a decode step leaves it for the decode
-    kernels as a call without one does."""
+    never while torch.compile traces). chosen: the caller chose `config` (attention()'s argument): the call runs it
+    as given, and one it cannot run is an error; False: it was resolved for the caller (a get_kernel() kernel's), so
+    a decode step leaves it for the decode kernels and a call it cannot run (a misaligned tensor for a
+    warp-specialized config) falls back, as a call without one does. Traced calls (the custom op) run a config
+    given to them as chosen."""
     if launcher.is_eager(q, k, v):
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return apply_eager(q, k, v, mask, scale, config, packing)
+        if launcher.needs_grad(q, k, v):
+            return apply_eager(q, k, v, mask, scale, config, packing, chosen)
         # Nothing to differentiate (inference, torch.no_grad, inputs without grad): the forward alone. The
         # autograd.Function's own host time (14 µs of a trivial one on the development machine) would buy nothing,
         # and a short inference call waits for its host.
@@ -40,7 +44,7 @@ def _apply(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packi
                 return short_query.forward(q, k, v, mask, scale, resolve=selection.decode_config)
             return short_query.forward_packed(q, k, v, mask, scale, packing, resolve=selection.decode_config)
         fwd = selection.for_call(selection.FORWARD, q, k, v, mask, packing)[0] if config is None else config
-        return launcher.checked_forward(q, k, v, mask, scale, fwd, config is not None, packing)
+        return launcher.checked_forward(q, k, v, mask, scale, fwd, config is not None and chosen, packing)
     return ops.apply_op(q, k, v, mask, scale, config, packing)
 
 

@@ -65,7 +65,8 @@ class AttentionKernel:
     ):
         """attention(q, k, v) — or attention_varlen(q, k, v, *packing) for a varlen kernel — with this kernel's
         mask and configs (the backward's come from the same store). An inference call of a few query tokens runs
-        the decode kernels, as attention()'s does (docs/API.md, "A few query tokens are a decode step"): the
+        the decode kernels, as attention()'s does (docs/API.md, "A few query tokens are a decode step"), and a call
+        a config cannot run (a misaligned tensor for a warp-specialized one) falls back as attention()'s does: the
         configs were resolved for the caller, not chosen by it."""
         if len(packing) != (4 if self.varlen else 0):
             expected = (
@@ -114,7 +115,7 @@ def _resolved(
                                                             varlen=varlen, seqlen=seqlen)  # fmt: skip
     (fwd, source), (dkdv, bwd_source), (dq, _) = (resolve(kernel) for kernel in ("fwd", "bwd_dkdv", "bwd_dq"))
     short, medium = (resolve("fwd", lengths.longest(bucket)) for bucket in ("short", "medium"))
-    if head_dim_v is not None:  # the forward's configs are passed to attention() as the caller's: they must run
+    if head_dim_v is not None:  # the forward's configs, resolved at the larger head dim, must take both
         info = selection.device_info(device)
         fwd, source = _for_both_head_dims((fwd, source), info, head_dim, head_dim_v, dtype, causal)
         short, medium = (_for_both_head_dims(found, info, head_dim, head_dim_v, dtype, causal)

@@ -145,7 +145,7 @@ def _attend(q, k, v, causal, window_size, softmax_scale, packing: Packing | None
     unbounded = isinstance(window_size, (tuple, list)) and tuple(window_size) == (-1, -1)
     mask = _mask(causal, None if unbounded else window_size, 0)
     scale = check_scale(softmax_scale, q.shape[-1])
-    if not check_flag("deterministic", deterministic) or not _needs_grad(q, k, v):
+    if not check_flag("deterministic", deterministic) or not launcher.needs_grad(q, k, v):
         return _apply(q, k, v, mask, scale, None, packing)
     if launcher.is_eager(q, k, v):
         configs = _deterministic_configs(q, k, v, mask, packing)
@@ -159,10 +159,6 @@ def _attend(q, k, v, causal, window_size, softmax_scale, packing: Packing | None
             stacklevel=3,
         )
     return _apply(q, k, v, mask, scale, None, packing)
-
-
-def _needs_grad(q, k, v) -> bool:
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def _deterministic_configs(q, k, v, mask: Mask, packing: Packing | None) -> tuple:

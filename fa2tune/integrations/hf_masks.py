@@ -56,7 +56,8 @@ class Rows:
     """The query and key rows that take part, packed as attention_varlen takes them: packed row r of the queries is
     position q_pos[r] of batch row q_batch[r] (int64), likewise for the keys; cu_seqlens_* (int32) bound the
     sequences. by_row: sequence b is batch row b's kept positions, as a padding mask gives them (from_valid), so a
-    row's keys can be read where they lie; False for sequences packed into a row, whose offsets the caller gave."""
+    row's keys can be read where they lie; False for sequences packed into a row, whose offsets the caller gave.
+    derived: tensors the attention function works out from the rows, kept for the other layers of the forward."""
 
     q_batch: torch.Tensor
     q_pos: torch.Tensor
@@ -67,6 +68,7 @@ class Rows:
     max_seqlen_q: int
     max_seqlen_k: int
     by_row: bool = False
+    derived: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def from_valid(cls, q_valid: torch.Tensor, k_valid: torch.Tensor) -> Rows:

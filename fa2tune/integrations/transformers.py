@@ -23,9 +23,9 @@ import torch
 
 from ..api.attention import attention, attention_varlen
 from ..api.kvcache import flash_attn_with_kvcache
-from ..config.decode_plan import SHORT_QUERY_TOKENS
 from ..config.inputs import check_qkv
-from ..launch.launcher import is_eager
+from ..launch.launcher import is_eager, needs_grad
+from ..launch.short_query import few_tokens, one_key_table
 from .hf_masks import MaskPlan, Pattern, Rows, fa2tune_mask
 
 NAME = "fa2tune"
@@ -209,13 +209,13 @@ def _run_rows(rows: Rows, query, key, value, options: dict) -> torch.Tensor:
     """attention_varlen over the rows that take part, scattered back to (batch, q_length, heads_q, v_head_dim); a
     padded batch's generation step reads K and V where they are (_step_in_place)."""
     batch, heads, q_length, _ = query.shape
-    out = query.new_zeros(batch, q_length, heads, value.shape[-1])  # padded queries' output: 0
-    if not (rows.total_q and rows.total_k):
-        return out
-    if _generation_step(rows, query, key, value):
+    if rows.total_q and rows.total_k and _generation_step(rows, query, key, value):
         pages = _one_key_pages(key, value)
         if pages is not None:
             return _step_in_place(rows, query, pages, options)
+    out = query.new_zeros(batch, q_length, heads, value.shape[-1])  # padded queries' output: 0
+    if not (rows.total_q and rows.total_k):
+        return out
     q = query.transpose(1, 2)[rows.q_batch, rows.q_pos]
     k = key.transpose(1, 2)[rows.k_batch, rows.k_pos]
     v = value.transpose(1, 2)[rows.k_batch, rows.k_pos]
@@ -226,19 +226,17 @@ def _run_rows(rows: Rows, query, key, value, options: dict) -> torch.Tensor:
 
 def _generation_step(rows: Rows, query, key, value) -> bool:
     """Whether the call is a padded batch's generation step that the decode kernels run as it stands: each batch
-    row its sequence (a padding mask's rows, not packed sequences), forward only (nothing traces it, no gradient to
-    come), at most SHORT_QUERY_TOKENS queries a row and every one of them taking part (the padding is among the
-    keys), and V's head dim Q's (a cache holds one). Such a call's q, k and v are checked as attention() checks
-    them, so a bad one is named as there rather than as a cache."""
+    row its sequence (a padding mask's rows, not packed sequences), every query taking part (the padding is among
+    the keys), a decode step by its tokens and head dims (short_query.few_tokens), nothing to differentiate and
+    nothing tracing it, unit last strides (a cache read in place has them; others are gathered). Such a call's q, k
+    and v are checked as attention() checks them, so a bad one is named as there rather than as a cache's."""
     batch, _, q_length, head_dim = query.shape
-    if not rows.by_row or q_length > SHORT_QUERY_TOKENS or rows.total_q != batch * q_length:
+    if not rows.by_row or rows.total_q != batch * q_length or not few_tokens(q_length, head_dim, value.shape[-1]):
+        return False
+    if any(t.stride(-1) != 1 for t in (query, key, value)):
         return False
     check_qkv(query, key, value)
-    if value.shape[-1] != head_dim:
-        return False
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        return False
-    return is_eager(query, key, value)
+    return not needs_grad(query, key, value) and is_eager(query, key, value)
 
 
 # The decode kernels' block table holds int32 page numbers.
@@ -246,15 +244,15 @@ _MAX_PAGES = 2**31 - 1
 
 
 def _one_key_pages(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """K and V (batch, kv_heads, kv_length, head_dim) seen as paged caches of one key a page, (pages, 1, kv_heads,
-    head_dim) views of the same memory: key position p of batch row b is page b · per_row + p. None where the
-    strides give no such view (a row's stride not a whole number of positions', or K's and V's rows differing)
-    or the pages outnumber an int32. Pages overlap in memory; the kernels only read them."""
+    """K and V (batch, kv_heads, kv_length, head_dim), unit last stride, seen as paged caches of one key a page,
+    (pages, 1, kv_heads, head_dim) views of the same memory: key position p of batch row b is page b · per_row + p.
+    None where the strides give no such view (a row's stride not a whole number of positions', or K's and V's rows
+    differing) or the pages outnumber an int32. Pages overlap in memory; the kernels only read them."""
     batch, kv_heads, length, head_dim = key.shape
     per_row = []
     for t in (key, value):
         step = t.stride(2)
-        if t.stride(3) != 1 or step <= 0 or (batch > 1 and t.stride(0) % step):
+        if step <= 0 or (batch > 1 and t.stride(0) % step):
             return None
         per_row.append(t.stride(0) // step if batch > 1 else 0)
     if per_row[0] != per_row[1] or (batch - 1) * per_row[0] + length > _MAX_PAGES:
@@ -267,17 +265,23 @@ def _one_key_pages(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor
 
 def _step_in_place(rows: Rows, query, pages: tuple[torch.Tensor, torch.Tensor, int], options: dict) -> torch.Tensor:
     """(batch, q_length, heads_q, head_dim): a generation step on the decode kernels, each row's kept keys its
-    pages through a block table made on the device — no copy of K and V (the gather reads and writes the whole
-    cache, twice the bytes the attention itself reads)."""
+    pages — no copy of K and V (a gather reads and writes every kept key, twice the bytes the attention reads)."""
     k_pages, v_pages, per_row = pages
-    first = rows.cu_seqlens_k[:-1, None].long()
-    width = max(rows.max_seqlen_k, 1)
-    kept = (first + torch.arange(width, device=first.device)).clamp_(max=rows.total_k - 1)  # past a row's end: unread
-    table = (rows.k_batch * per_row + rows.k_pos)[kept].to(torch.int32)
+    table, lengths = _kept_pages(rows, per_row)
     window = options["window"] if options["window"] is not None else (-1, -1)
-    return flash_attn_with_kvcache(query.transpose(1, 2), k_pages, v_pages, cache_seqlens=rows.cu_seqlens_k.diff(),
-                                   block_table=table, softmax_scale=options["scale"], causal=options["causal"],
+    return flash_attn_with_kvcache(query.transpose(1, 2), k_pages, v_pages, cache_seqlens=lengths, block_table=table,
+                                   softmax_scale=options["scale"], causal=options["causal"],
                                    window_size=window)  # fmt: skip
+
+
+def _kept_pages(rows: Rows, per_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block table, cache_seqlens) of the rows' kept keys as one-key pages numbered per_row a batch row: made by the
+    forward's first layer, read by the others (their caches are laid out alike)."""
+    key = ("one_key_pages", per_row)
+    if key not in rows.derived:
+        pages = rows.k_batch * per_row + rows.k_pos
+        rows.derived[key] = (one_key_table(rows.cu_seqlens_k[:-1], rows.max_seqlen_k, pages), rows.cu_seqlens_k.diff())
+    return rows.derived[key]
 
 
 def _prepared(query, key, value, scaling):

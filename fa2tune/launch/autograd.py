@@ -29,6 +29,12 @@ def refuse_second_order(*tensors: torch.Tensor | None) -> None:
         raise RuntimeError(SECOND_ORDER_ERROR)
 
 
+def needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a call has a gradient to come: grad mode on and an input that requires one. Without, the forward
+    alone runs (nothing is saved for a backward)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def is_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """True when nothing traces this call: no torch.compile, no dispatch mode (make_fx, fake tensors), and plain
     tensors, so the launchers may run directly."""

@@ -16,7 +16,7 @@ decode (the decode kernels' launches).
 
 from __future__ import annotations
 
-from .autograd import SECOND_ORDER_ERROR, EagerAttention, is_eager, refuse_second_order
+from .autograd import SECOND_ORDER_ERROR, EagerAttention, is_eager, needs_grad, refuse_second_order
 from .backward import backward
 from .decode import decode
 from .forward import checked_forward, forward
@@ -33,6 +33,7 @@ __all__ = [
     "decode",
     "forward",
     "is_eager",
+    "needs_grad",
     "refuse_second_order",
 ]
 

@@ -22,17 +22,33 @@ from .decode import Resolve, decode
 from .layout import Packing
 
 
+def few_tokens(tokens: int, head_dim: int, head_dim_v: int) -> bool:
+    """Whether a forward-only call of `tokens` query tokens a sequence is a decode step: at most SHORT_QUERY_TOKENS,
+    and V's head dim Q's (a cache holds one)."""
+    return tokens <= SHORT_QUERY_TOKENS and head_dim_v == head_dim
+
+
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, packing: Packing | None = None) -> bool:
-    """Whether a forward-only call runs on the decode kernels: at most SHORT_QUERY_TOKENS query tokens — in SDPA's
-    layout (batch, heads, seqlen, head_dim), or packed with every sequence as many (total_q = batch · max_seqlen_q:
-    no sequence is longer than max_seqlen_q, so each is that long) —, V's head dim Q's (a cache holds one), no
-    prefix (the decode kernels take causal and windowed masks)."""
-    if v.shape[-1] != q.shape[-1] or mask.prefix_len != 0:
+    """Whether a forward-only call runs on the decode kernels: few_tokens — in SDPA's layout (batch, heads, seqlen,
+    head_dim), or packed with every sequence as many (total_q = batch · max_seqlen_q: no sequence is longer than
+    max_seqlen_q, so each is that long) —, no prefix (the decode kernels take causal and windowed masks)."""
+    if mask.prefix_len != 0:
         return False
     if packing is None:
-        return q.shape[2] <= SHORT_QUERY_TOKENS
+        return few_tokens(q.shape[2], q.shape[-1], v.shape[-1])
     tokens = packing.max_seqlen_q
-    return 0 < tokens <= SHORT_QUERY_TOKENS and q.shape[0] == packing.batch * tokens
+    return 0 < tokens and few_tokens(tokens, q.shape[-1], v.shape[-1]) and q.shape[0] == packing.batch * tokens
+
+
+def one_key_table(starts: torch.Tensor, width: int, pages: torch.Tensor | None = None) -> torch.Tensor:
+    """The int32 (len(starts), max(width, 1)) block table of a cache of one-key pages, made on the device: sequence
+    b's key j is page starts[b] + j, or with `pages` (the page of each packed key) pages[starts[b] + j]. Entries
+    past a sequence's keys are never read (its cache_seqlens); with `pages` they repeat its last page, so that the
+    lookup stays inside `pages`."""
+    index = starts[:, None].long() + torch.arange(max(width, 1), device=starts.device)
+    if pages is not None:
+        index = pages[index.clamp_(max=max(pages.numel() - 1, 0))]
+    return index.to(torch.int32)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float,
@@ -59,8 +75,7 @@ def forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask
                   q.shape[0], k.shape[0])  # fmt: skip
     batch, tokens = packing.batch, packing.max_seqlen_q
     starts, ends = packing.cu_seqlens_k[:-1], packing.cu_seqlens_k[1:]
-    pages = torch.arange(max(packing.max_seqlen_k, 1), device=k.device, dtype=starts.dtype)
-    table = (starts[:, None] + pages).to(torch.int32)  # pages past a sequence's end are never read (cache_seqlens)
+    table = one_key_table(starts, packing.max_seqlen_k)
     cache = KVCache(k_cache=k.unsqueeze(1), v_cache=v.unsqueeze(1), block_table=table,
                     cache_seqlens=(ends - starts).to(torch.int32), seqlen=packing.max_seqlen_k)  # fmt: skip
     left, right, _ = mask.bounds(tokens, packing.max_seqlen_k)
