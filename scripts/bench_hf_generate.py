@@ -23,13 +23,11 @@ TRITON_INTERPRET=1 is set (tiny shapes only: the tests' smoke run).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
-from bench_hf_training import DTYPES, IMPLEMENTATIONS, build_model, versions
+from bench_hf_training import DTYPES, IMPLEMENTATIONS, build_model, device_for, versions
 
 from fa2tune.integrations import transformers as fa2tune_hf
 
@@ -116,11 +114,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if not torch.cuda.is_available() and not interpreting:
-        print("bench_hf_generate.py needs a CUDA GPU (or TRITON_INTERPRET=1 for a tiny CPU run)", file=sys.stderr)
+    device = device_for("bench_hf_generate.py")
+    if device is None:
         return 2
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fa2tune_hf.register()
     model, prompts = build_model(args, device).eval(), make_prompts(args, device)
     kept = int(prompts["attention_mask"].sum())

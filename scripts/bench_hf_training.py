@@ -125,13 +125,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def device_for(script: str) -> torch.device | None:
+    """The GPU, or the CPU under Triton's interpreter; None (and why, on stderr) without either."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return torch.device("cpu")
+    print(f"{script} needs a CUDA GPU (or TRITON_INTERPRET=1 for a tiny CPU run)", file=sys.stderr)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if not torch.cuda.is_available() and not interpreting:
-        print("bench_hf_training.py needs a CUDA GPU (or TRITON_INTERPRET=1 for a tiny CPU run)", file=sys.stderr)
+    device = device_for("bench_hf_training.py")
+    if device is None:
         return 2
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     fa2tune_hf.register()
     model, batch = build_model(args, device), make_batch(args, device)
     tokens = int(batch["attention_mask"].sum())
