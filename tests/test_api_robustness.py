@@ -413,3 +413,27 @@ def test_a_config_resolved_for_the_caller_falls_back_where_a_chosen_one_is_refus
     assert_close(out, _reference(q.detach(), k.detach(), v.detach(), causal=True), F32)
     with pytest.raises(ValueError, match=r"config KernelConfig\(.*\) cannot run this call"):
         fa2tune.attention(q, k, v, causal=True, config=hopper)
+
+
+def test_every_entry_point_runs_under_inference_mode(device):
+    # torch.inference_mode makes inference tensors, which have no version counter: the offsets' check, which keeps
+    # a checked offsets tensor by its version, reads them at every call instead; results are no_grad's
+    q, k, v = _qkv(device, (1, 2, 20, 16))
+    pq, pk, pv, cu = _packed(device)
+    calls = {
+        "attention": lambda: fa2tune.attention(q, k, v, causal=True),
+        "one token": lambda: fa2tune.attention(q[:, :, :1], k, v),
+        "varlen": lambda: fa2tune.attention_varlen(pq, pk, pv, cu, cu, 15, 15, causal=True),
+        "varlen, a token a sequence": lambda: fa2tune.attention_varlen(
+            pq[:2], pk, pv, torch.arange(3, dtype=torch.int32, device=device), cu, 1, 15),
+        "flash_attn_varlen_func": lambda: fa2tune.flash_attn_varlen_func(pq, pk, pv, cu, cu, 15, 15, causal=True),
+        "kvcache": lambda: fa2tune.flash_attn_with_kvcache(q.transpose(1, 2)[:, :1], k.transpose(1, 2),
+                                                          v.transpose(1, 2), causal=True),
+    }  # fmt: skip
+    for name, call in calls.items():
+        with torch.no_grad():
+            want = call()
+        with torch.inference_mode():
+            cu = cu.clone()  # an inference tensor, as offsets made inside inference_mode are
+            got = call()
+        assert_close(got, want.double(), F32, what=name)

@@ -220,9 +220,11 @@ def check_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: i
         ("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k),
     ):
-        stamp = (cu._version, cu.data_ptr(), total, max_len)  # data_ptr: `cu.data = other` keeps the version
+        # data_ptr: `cu.data = other` keeps the version. An inference tensor (made under torch.inference_mode) has
+        # no version counter, so nothing tells a write to it: it is read at every call.
+        stamp = None if cu.is_inference() else (cu._version, cu.data_ptr(), total, max_len)
         seen = _checked_offsets.get(id(cu))
-        if seen is not None and seen[0]() is cu and seen[1] == stamp:
+        if stamp is not None and seen is not None and seen[0]() is cu and seen[1] == stamp:
             continue
         offsets = cu.tolist()
         seq_lens = [b - a for a, b in itertools.pairwise(offsets)]
@@ -234,6 +236,8 @@ def check_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: i
         longest = max(seq_lens)
         if longest > max_len:
             raise ValueError(f"{max_name}={max_len} is below the longest sequence in {name} ({longest})")
+        if stamp is None:
+            continue
         if len(_checked_offsets) >= 64:  # a bound, not an LRU: offsets tensors normally live for one step
             _checked_offsets.clear()
         _checked_offsets[id(cu)] = (weakref.ref(cu), stamp)
