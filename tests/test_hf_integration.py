@@ -406,6 +406,20 @@ def test_generation_from_left_padded_prompts_matches_sdpa(cache):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_generation_under_inference_mode_matches_sdpa():
+    # torch.inference_mode (as transformers' pipelines run): the padded prefill's offsets are inference tensors
+    model = _model("llama", torch.float32).eval()
+    prompt = _batch(11)
+    outputs = {}
+    for implementation in ("sdpa", "fa2tune"):
+        model.set_attn_implementation(implementation)
+        with torch.inference_mode():
+            outputs[implementation] = model.generate(input_ids=prompt["input_ids"],
+                                                     attention_mask=prompt["attention_mask"], max_new_tokens=2,
+                                                     do_sample=False, pad_token_id=0)  # fmt: skip
+    assert torch.equal(outputs["fa2tune"], outputs["sdpa"])
+
+
 # --- what fa2tune refuses -----------------------------------------------------------------------------------------
 
 
