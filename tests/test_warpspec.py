@@ -339,7 +339,7 @@ def test_fused_dq_blocks_cover_k_s_chunks_and_are_dealt_evenly():
         widths = head_chunks.chunks(d)
         columns = [head_chunks.offsets(widths)[c] + start + k for c, start, w in blocks for k in range(w)]
         assert columns == list(range(head_chunks.padded(d)))
-        assert all(w == head_chunks.dq_block_width(d, c) <= head_chunks.DQ_BLOCK_MAX for c, _, w in blocks)
+        assert all(w == head_chunks.dq_width(widths[c]) <= head_chunks.DQ_BLOCK_MAX for c, _, w in blocks)
         for first in (0, 1):
             shares = head_chunks.dq_shares(d, 2, first)
             assert sorted(b for share in shares for b in share) == sorted(blocks)

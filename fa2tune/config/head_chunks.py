@@ -58,9 +58,10 @@ def dq_blocks(head_dim: int) -> tuple[tuple[int, int, int], ...]:
                  for start in range(0, width, dq_width(width)))  # fmt: skip
 
 
-def dq_block_width(head_dim: int, index: int) -> int:
-    """The width of chunk `index`'s dQ blocks (dq_width)."""
-    return dq_width(chunks(head_dim)[index])
+def widest_dq_block(head_dim: int) -> int:
+    """The widest dQ block's columns: the first chunk's (chunks run widest first), what a consumer's fp32 staging
+    buffer and its dQ partial's registers hold."""
+    return dq_width(chunks(head_dim)[0])
 
 
 @functools.cache

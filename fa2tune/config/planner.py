@@ -172,7 +172,7 @@ def sram_bytes(
         staging = 2 * n if persistent else 0  # dK, dV staged apart from the next tile's K, V; else in K's, V's
         exchange = 0  # what consumers pass each other through shared memory
         if cfg.fused_dq:  # dSᵀ (n × m, 16-bit) twice, and an fp32 staging buffer of its dQ blocks a consumer
-            dq_staging = m * head_chunks.dq_block_width(d, 0) * 4
+            dq_staging = m * head_chunks.widest_dq_block(d) * 4
             exchange = 2 * e * n * m + cfg.consumers(kernel) * dq_staging + 256  # + 4 mbarriers
         if cfg.split_roles:  # Pᵀ, fp16, 64 × m, double-buffered, and its ready / free mbarrier pairs
             exchange += 2 * 2 * n * m + 64
@@ -234,7 +234,7 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
     if cfg.split_roles and cfg.fused_dq:
         # the dK side: dK, then dPᵀ, the Pᵀ it reads and dSᵀ (to shared memory), or a dQ partial (64 × at most 64
         # fp32) once they are dead; the dV side: dV, Sᵀ, the in-flight Pᵀ (16-bit) and the last step's dQ partial
-        return 64 * (d + max(2.5 * m, 1.5 * m + head_chunks.dq_block_width(d, 0))) / 128
+        return 64 * (d + max(2.5 * m, 1.5 * m + head_chunks.widest_dq_block(d))) / 128
     if cfg.split_roles:
         # the dK side, the fuller of the two: dK (64 × d), dPᵀ and the Pᵀ it reads (64 × B_r each), dSᵀ 16-bit
         return 64 * (d + 2.5 * m) / 128
@@ -242,7 +242,7 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
         # dQ fused in: dSᵀ goes through shared memory (no 16-bit register copy); the dQ partial (64 × at most 64
         # fp32) is live only once Sᵀ, dPᵀ are dead. Compiled for sm_90, d=128 keeps 40 B (causal 112 B) of stack
         # beside it, as persistent loops do (timing decides); d=64 none
-        return 64 * (2 * d + max(2.5 * m, head_chunks.dq_block_width(d, 0))) / 128 + kv_operands
+        return 64 * (2 * d + max(2.5 * m, head_chunks.widest_dq_block(d))) / 128 + kv_operands
     if cfg.warp_specialized and kernel == "bwd_dkdv":
         # each consumer warpgroup: its 64 rows of dK and dV, Sᵀ and dPᵀ (64 × B_r), and Pᵀ, dSᵀ as 16-bit operands
         return 64 * (2 * d + 2 * m + m) / 128 + kv_operands

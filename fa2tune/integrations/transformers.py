@@ -209,13 +209,13 @@ def _run_rows(rows: Rows, query, key, value, options: dict) -> torch.Tensor:
     """attention_varlen over the rows that take part, scattered back to (batch, q_length, heads_q, v_head_dim); a
     padded batch's generation step reads K and V where they are (_step_in_place)."""
     batch, heads, q_length, _ = query.shape
-    if rows.total_q and rows.total_k and _generation_step(rows, query, key, value):
+    if not (rows.total_q and rows.total_k):
+        return query.new_zeros(batch, q_length, heads, value.shape[-1])
+    if _generation_step(rows, query, key, value):
         pages = _one_key_pages(key, value)
         if pages is not None:
             return _step_in_place(rows, query, pages, options)
     out = query.new_zeros(batch, q_length, heads, value.shape[-1])  # padded queries' output: 0
-    if not (rows.total_q and rows.total_k):
-        return out
     q = query.transpose(1, 2)[rows.q_batch, rows.q_pos]
     k = key.transpose(1, 2)[rows.k_batch, rows.k_pos]
     v = value.transpose(1, 2)[rows.k_batch, rows.k_pos]
