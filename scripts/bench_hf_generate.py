@@ -27,7 +27,7 @@ import statistics
 import time
 
 import torch
-from bench_hf_training import DTYPES, IMPLEMENTATIONS, build_model, device_for, versions
+from bench_hf_training import add_model_arguments, build_model, device_for, versions
 
 from fa2tune.integrations import transformers as fa2tune_hf
 
@@ -93,15 +93,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic", help="transformers' KV cache")
     parser.add_argument("--compile", action="store_true",
                         help="let generate() compile the decode step where transformers would (a static cache)")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
-    parser.add_argument("--hidden", type=int, default=4096, help="hidden size")
-    parser.add_argument("--intermediate", type=int, default=0, help="MLP width (default 2.75 x hidden)")
-    parser.add_argument("--heads", type=int, default=32, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=8, help="key/value heads (GQA)")
-    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="the model's dtype")
+    add_model_arguments(parser, hidden=4096, heads=32, kv_heads=8)  # Llama-3-8B's attention
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each generate(); the median counts")
-    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS), help="comma-separated, in order")
     args = parser.parse_args(argv)
     if not 0.0 <= args.pad < 1.0:
         parser.error(f"--pad must be in [0, 1), got {args.pad}")

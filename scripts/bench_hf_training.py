@@ -102,21 +102,26 @@ def report(args: argparse.Namespace, results: dict[str, tuple[list[float], float
         print(f"fa2tune speed / sdpa speed: {ratio:.3f}x")
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, *, hidden: int, heads: int, kv_heads: int) -> None:
+    """The Llama's sizes and dtype (build_model's arguments) and the implementations to compare."""
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
+    parser.add_argument("--hidden", type=int, default=hidden, help="hidden size")
+    parser.add_argument("--intermediate", type=int, default=0, help="MLP width (default 2.75 x hidden)")
+    parser.add_argument("--heads", type=int, default=heads, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=kv_heads, help="key/value heads (GQA)")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="the model's dtype")
+    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS), help="comma-separated, in order")
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=4, help="rows per step")
     parser.add_argument("--seqlen", type=int, default=2048, help="tokens per row")
     parser.add_argument("--pad", type=float, default=0.0, help="fraction of each row that is padding, 0 <= F < 1")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers")
-    parser.add_argument("--hidden", type=int, default=2048, help="hidden size")
-    parser.add_argument("--intermediate", type=int, default=0, help="MLP width (default 2.75 x hidden)")
-    parser.add_argument("--heads", type=int, default=16, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=4, help="key/value heads (GQA)")
-    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
-    parser.add_argument("--dtype", choices=DTYPES, default="bf16", help="the model's dtype")
+    add_model_arguments(parser, hidden=2048, heads=16, kv_heads=4)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles fa2tune's kernels)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
-    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS), help="comma-separated, in order")
     args = parser.parse_args(argv)
     if not 0.0 <= args.pad < 1.0:
         parser.error(f"--pad must be in [0, 1), got {args.pad}")
