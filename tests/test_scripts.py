@@ -250,3 +250,13 @@ def test_hf_generate_benchmark_times_a_decode_step_under_each_implementation(cap
     assert rows["fa2tune"][3] == "100.0%"
     assert lines[5].startswith("fa2tune speed / sdpa speed:")
     assert len(in_place) == 2 * 2  # generate(3) warm-up and timed: 2 decode steps each, 1 layer (generate(1): none)
+
+
+def test_persistent_rounds_counts_the_last_round_s_fill():
+    # scripts/persistent_rounds.py: units equal to the programs fill one round; one unit more takes a second round
+    # that holds it alone; causal pairs make a head's tiles half as many units of twice the work
+    script = load_script("persistent_rounds")
+    assert script.busy(1024, 1024, 16, 128, 128, causal=False) == 1.0  # 16 heads × 8 tiles = 128 units
+    assert script.busy(1024, 1024, 16, 128, 127, causal=False) == pytest.approx(128 / (127 * 2))
+    assert script.busy(1024, 1024, 16, 128, 64, causal=True) == 1.0  # 16 heads × 4 pairs = 64 units
+    assert script.busy(1152, 1152, 1, 128, 5, causal=True) == pytest.approx(4.5 / (5 * 1.0))  # 9 tiles: 4 pairs, 1 half
