@@ -142,17 +142,16 @@ def test_get_kernel_resolves_both_head_dims_and_refuses_other_calls(device):
 
 def test_fused_dq_renders_dq_in_k_s_chunks_and_dv_in_v_s():
     # The dK/dV kernel with dQ fused in takes V's head dim apart from Q's and K's: its dQ blocks (and their fp32 TMA
-    # descriptors) follow K's chunks, its dV wgmmas V's, in both forms (two K/V blocks, and split roles). A resolved
+    # descriptors) follow K's chunks, its dV wgmmas V's. A resolved
     # fused config (an entry, tuned and checked with one head dim) gives way to its twin with a dQ kernel; an
     # explicit one runs as given.
     fused = KernelConfig(64, 128, 4, 2, warp_specialized=True, fused_dq=True)
     assert fallback.unfused_for_v(fused, False, 64, 32) == replace(fused, fused_dq=False)
     assert fallback.unfused_for_v(fused, True, 64, 32) is fused
     assert fallback.unfused_for_v(fused, False, 64, 64) is fused
-    for split_roles, head_dim, head_dim_v in ((False, 64, 32), (True, 192, 128), (True, 96, 160)):
+    for head_dim, head_dim_v in ((64, 32), (112, 80), (96, 128)):
         variant = Variant.for_template("bwd_ws", causal=False, banded=False, varlen=False, even_m=False, even_n=False,
-                                       fused_dq=True, split_roles=split_roles, head_dim=head_dim,
-                                       head_dim_v=head_dim_v)  # fmt: skip
+                                       fused_dq=True, head_dim=head_dim, head_dim_v=head_dim_v)  # fmt: skip
         source = codegen.render("bwd_ws", variant)
         ast.parse(source)
         qk, vc = head_chunks.chunks(head_dim), head_chunks.chunks(head_dim_v)

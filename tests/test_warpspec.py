@@ -125,18 +125,12 @@ def test_split_roles_is_a_dkdv_form_of_one_k_v_block_that_takes_every_head_dim()
         assert defaults.default_config(head_dim, torch.bfloat16, kernel="bwd_dkdv", device=h200) == split
     assert "shared memory" in planner.check(replace(split, schedule=PERSISTENT), h200, 256, torch.bfloat16, "bwd_dkdv")
     assert not defaults.default_config(128, torch.bfloat16, kernel="bwd_dkdv", device=h200).split_roles
-    # with dQ fused in: the dK side's dSᵀ goes to shared memory for both sides' dQ blocks (double-buffered, and an
-    # fp32 staging buffer a side), which fits two stages up to d=208, and 64 × 64 fp32 dQ partials beside one
-    # accumulator fit the registers at every head dim
+    # not with dQ fused in: a program's 64 K/V rows would reduce each dQ tile twice as often as two 64-row blocks
     fused = replace(split, fused_dq=True)
-    assert fused.combination_error("bwd_dkdv") is None
-    assert KernelConfig.parse("64,64,4,2,ws,split-roles,fused-dq") == fused
-    for head_dim in range(136, 257, 8):
-        reason = planner.check(fused, h200, head_dim, torch.bfloat16, "bwd_dkdv")
-        assert (reason is None) == (head_dim <= 208), (head_dim, reason)
-        assert reason is None or reason.startswith("shared memory")
-    assert planner.sram_bytes(fused, 192, torch.bfloat16, "bwd_dkdv") - planner.sram_bytes(
-        split, 192, torch.bfloat16, "bwd_dkdv") == 2 * 2 * 64 * 64 + 2 * 64 * 64 * 4 + 256
+    assert "split_roles does not take fused_dq" in fused.combination_error("bwd_dkdv")
+    assert "split_roles does not take fused_dq" in planner.check(fused, h200, 192, torch.bfloat16, "bwd_dkdv")
+    with pytest.raises(ValueError, match=r"dkdv_config .*split_roles does not take fused_dq"):
+        fallback.check_combination(fused, "bwd_dkdv")
     assert planner.check(split, known_gpu("l4"), 192, torch.bfloat16, "bwd_dkdv").startswith("warpspec needs a Hopper")
 
 
@@ -217,7 +211,7 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatc
     assert planner.check(persistent_fused, h200, 128, torch.bfloat16, "bwd_dkdv").startswith("shared memory")
     assert planner.check(persistent_fused, h200, 64, torch.bfloat16, "bwd_dkdv") is None
     fused_space = [c for c in planner.candidates("bwd_dkdv") if c.fused_dq and c.schedule != TWO_AN_SM]
-    assert len(fused_space) == 18 and sum(c.split_roles for c in fused_space) == 6  # split roles at block_n 64
+    assert len(fused_space) == 12 and not any(c.split_roles for c in fused_space)
     # the fp32 dQ's TMA blocks, one a head-dim chunk: its query-side block, at most 64 columns (a 64 × 64 fp32 partial
     # is 32 registers a thread); d = 128's two 64-column blocks are one descriptor
     assert warpspec.dq_partial_blocks(((1, 1, 64, 128),)) == ((1, 1, 64, 64),)
@@ -333,22 +327,20 @@ def test_head_chunks_cover_every_head_dim_in_powers_of_two():
 def test_fused_dq_blocks_cover_k_s_chunks_and_are_dealt_evenly():
     # dQ fused into the dK/dV kernel forms and reduces dQ in blocks of at most 64 columns within one chunk (a wgmma's
     # B operand is a slice of one chunk's K buffer; a TMA reduction a block): every column once, in column order;
-    # dealt to two consumers whose column counts differ by at most one block, the split-roles dK side first
+    # dealt to two consumers whose column counts differ by at most one block, the first no fewer
     for d in range(16, 257, 8):
         blocks = head_chunks.dq_blocks(d)
         widths = head_chunks.chunks(d)
         columns = [head_chunks.offsets(widths)[c] + start + k for c, start, w in blocks for k in range(w)]
         assert columns == list(range(head_chunks.padded(d)))
         assert all(w == head_chunks.dq_width(widths[c]) <= head_chunks.DQ_BLOCK_MAX for c, _, w in blocks)
-        for first in (0, 1):
-            shares = head_chunks.dq_shares(d, 2, first)
-            assert sorted(b for share in shares for b in share) == sorted(blocks)
-            counts = [sum(w for *_, w in share) for share in shares]
-            assert abs(counts[0] - counts[1]) <= max(w for *_, w in blocks)
-            assert counts[first] >= counts[1 - first]
+        shares = head_chunks.dq_shares(d, 2)
+        assert sorted(b for share in shares for b in share) == sorted(blocks)
+        counts = [sum(w for *_, w in share) for share in shares]
+        assert 0 <= counts[0] - counts[1] <= max(w for *_, w in blocks)
         assert head_chunks.dq_widths(d)[0][0] == blocks[0][2]  # the widest first: the staging buffer's shape
     assert head_chunks.dq_blocks(192) == ((0, 0, 64), (0, 64, 64), (1, 0, 64))
-    assert head_chunks.dq_shares(192, 2, 1) == (((0, 64, 64),), ((0, 0, 64), (1, 0, 64)))
+    assert head_chunks.dq_shares(192, 2) == (((0, 0, 64), (1, 0, 64)), ((0, 64, 64),))
     assert head_chunks.dq_shares(128, 2) == (((0, 0, 64),), ((0, 64, 64),))  # consumer c: columns 64c … 64c + 63
     assert head_chunks.dq_widths(112) == ((64, 0), (32, 1), (16, 2))
 

@@ -75,15 +75,13 @@ def dq_widths(head_dim: int) -> tuple[tuple[int, int], ...]:
 
 
 @functools.cache
-def dq_shares(head_dim: int, consumers: int, first: int = 0) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+def dq_shares(head_dim: int, consumers: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
     """dq_blocks dealt to `consumers` warpgroups, one tuple each: block by block, in column order, to the one with the
-    fewest columns so far, ties to the one that comes first counting from `first` (the split-roles kernel deals
-    its dK side first: the dV side also computes the exponentials). Widths are powers of two, largest first, so
-    the shares differ by at most one block."""
+    fewest columns so far, ties to the first. Widths are powers of two, largest first, so the shares differ by at
+    most one block."""
     shares: list[list[tuple[int, int, int]]] = [[] for _ in range(consumers)]
-    order = [(first + k) % consumers for k in range(consumers)]
     for block in dq_blocks(head_dim):
-        taker = min(order, key=lambda wg: sum(width for _, _, width in shares[wg]))
+        taker = min(range(consumers), key=lambda wg: sum(width for _, _, width in shares[wg]))
         shares[taker].append(block)
     return tuple(tuple(share) for share in shares)
 

@@ -34,8 +34,6 @@ On the wgmma path the seed's B_r·B_c term lives in the register file, with the 
               + 64·d at d <= 64      K and V as 16-bit operands (kv_in_registers; counted for both masks)
               64·(d + 2.5·B_r)       split_roles, the dK side (the dV side holds less): dK, dPᵀ, the Pᵀ it reads,
                                      dSᵀ (16-bit)
-              64·(d + max(2.5·B_r, 1.5·B_r + w))  split_roles with dQ fused in: the dK side's step, or the dV side's
-                                     Sᵀ, in-flight Pᵀ and a dQ partial (w ≤ 64 columns)
     dq_ws     64·(d + 2.5·B_c)       per consumer: dQ, S (then P), dP, and the in-flight wgmma's dS_j-1 (16-bit)
     bwd_dkdv  B_c·(2·d + 2·B_r)      dK_j, dV_j, P_ijᵀ and dP_ijᵀ
     bwd_dq    B_r·(d + 2·B_c)        dQ_i, P_ij and dP_ij
@@ -175,7 +173,7 @@ def sram_bytes(
             dq_staging = m * head_chunks.widest_dq_block(d) * 4
             exchange = 2 * e * n * m + cfg.consumers(kernel) * dq_staging + 256  # + 4 mbarriers
         if cfg.split_roles:  # Pᵀ, fp16, 64 × m, double-buffered, and its ready / free mbarrier pairs
-            exchange += 2 * 2 * n * m + 64
+            exchange = 2 * 2 * n * m + 64
         return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + exchange + _ws_overhead(head_dim)  # S Q_i, dO_i
     if cfg.warp_specialized and kernel == "bwd_dq":
         staging = m if persistent else 0  # dQ staged apart from the next tile's Q; else in Q's buffer
@@ -231,10 +229,6 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
     d, m, n = computed_width(cfg, head_dim), cfg.block_m, cfg.block_n
     # K and V as 16-bit register operands (half a register a value) of the dK/dV kernel's Sᵀ and dPᵀ at d <= 64
     kv_operands = 64 * d / 128 if kernel == "bwd_dkdv" and kv_in_registers(d) else 0
-    if cfg.split_roles and cfg.fused_dq:
-        # the dK side: dK, then dPᵀ, the Pᵀ it reads and dSᵀ (to shared memory), or a dQ partial (64 × at most 64
-        # fp32) once they are dead; the dV side: dV, Sᵀ, the in-flight Pᵀ (16-bit) and the last step's dQ partial
-        return 64 * (d + max(2.5 * m, 1.5 * m + head_chunks.widest_dq_block(d))) / 128
     if cfg.split_roles:
         # the dK side, the fuller of the two: dK (64 × d), dPᵀ and the Pᵀ it reads (64 × B_r each), dSᵀ 16-bit
         return 64 * (d + 2.5 * m) / 128
@@ -291,7 +285,7 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
                 f"registers: {regs:.0f} fp32 accumulator values per consumer thread, more than the {budget} its "
                 f"{consumer_registers} registers leave beside them: would spill"
             )
-        if kernel == "bwd_dkdv" and cfg.fused_dq and not cfg.split_roles and head_dim > 64 and cfg.num_stages > 2:
+        if kernel == "bwd_dkdv" and cfg.fused_dq and head_dim > 64 and cfg.num_stages > 2:
             # measured, not modelled: (64, 128) 3 stages at d=128 compiles with 232 B of stack (2 stages: 40 B) and
             # ran 25-30 % slower; timed first by the tuner, it hid the 2-stage config
             return (
@@ -348,7 +342,7 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     the forward also pipeline_qk in {0, 1}, and the warp-specialized template: block_m in {64, 128, 192}, block_n
     in {64, 128}, num_stages in {2, 3, 4}, each of WS_SCHEDULES, with ping-pong too at block_m = 128; bwd_dkdv and
     bwd_dq their warp-specialized templates, each of WS_SCHEDULES: bwd_dkdv at block_m 64, block_n in {64, 128},
-    with dQ fused in or not, and at block_n 64 with split_roles (not two an SM; dQ fused in or not), bwd_dq at
+    with dQ fused in or not, and at block_n 64 with split_roles (not two an SM, no fused dQ), bwd_dq at
     block_m and block_n in {64, 128}, num_stages in {2, 3, 4} (check() drops them off Hopper)."""
     check_kernel(kernel)
     switches = (0, 1) if kernel == "fwd" else (0,)
@@ -366,8 +360,7 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
             fused = (False, True) if kernel == "bwd_dkdv" else (False,)  # bwd_dkdv: dQ fused in or not
             shapes = [KernelConfig(m, n, 4, s, warp_specialized=True, fused_dq=f, schedule=schedule) for f in fused]
             if kernel == "bwd_dkdv":
-                shapes += [KernelConfig(m, n, 4, s, warp_specialized=True, split_roles=True, fused_dq=f,
-                                        schedule=schedule) for f in fused]  # fmt: skip
+                shapes.append(KernelConfig(m, n, 4, s, warp_specialized=True, split_roles=True, schedule=schedule))
             configs += [c for c in shapes if c.combination_error(kernel) is None]
     return configs
 

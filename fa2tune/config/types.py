@@ -68,8 +68,8 @@ class KernelConfig:
         split_roles: bwd_dkdv only, warp-specialized, block_n = 64: the two consumer warpgroups share the program's
             64 K/V rows and split the work by role — one forms Sᵀ, Pᵀ and dV, the other dPᵀ, dSᵀ (from that Pᵀ,
             handed over in shared memory) and dK — so each holds one 64 × d accumulator instead of two: the dK/dV
-            kernel for head dims whose dK and dV do not fit one warpgroup's registers together (d > 128). With
-            fused_dq the dK side hands its dSᵀ to the dV side too, and each adds a share of dQ's columns.
+            kernel for head dims whose dK and dV do not fit one warpgroup's registers together (d > 128). Not with
+            fused_dq (_switch_error says why).
         schedule: how the warp-specialized kernel's programs walk the tiles (Schedule: persistent or one program a
             tile, programs an SM, the split tail); one program a tile for the Triton templates.
     """
@@ -200,6 +200,14 @@ class KernelConfig:
                 f"warpspec's split_roles (two consumers on one 64-row K/V block) is a switch of warp-specialized "
                 f"bwd_dkdv configs with block_n={WS_DKDV_BLOCK_N[0]}, got warp_specialized="
                 f"{self.warp_specialized}, block_n={self.block_n} for {kernel}"
+            )
+        if self.split_roles and self.fused_dq:
+            # A program of split roles owns 64 K/V rows, so each Q tile's fp32 dQ is reduced N_K / 64 times, twice as
+            # often as with two 64-row blocks: on the H200 at d=192 N=8k that traffic made the fused kernel 6.5 ms
+            # against 5.25 ms for split roles and a dQ kernel (docs/PERF.md, "The backward's dK/dV kernel")
+            return (
+                "warpspec's split_roles does not take fused_dq: its 64 K/V rows a program would reduce each dQ tile "
+                "twice as often as two 64-row blocks do (slower than its dQ kernel); drop one of the two"
             )
         if self.fused_dq and (kernel != "bwd_dkdv" or not self.warp_specialized):
             return (
