@@ -161,3 +161,36 @@ def test_a_get_kernel_kernel_s_inference_step_runs_the_decode_kernels(varlen, de
     trained = kernel(q.clone().requires_grad_(), k, v, *packing)
     assert len(decode_calls) == 1
     assert_close(trained, reference(q), torch.float16, what="the forward kernels")
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+def test_a_compiled_decode_step_runs_the_decode_kernels_and_its_gradient_is_exact(varlen, decode_calls, device):
+    # torch.compile sees the custom op, which routes a few query tokens as the eager path does; the op cannot tell
+    # whether a backward follows, so the decode kernels' (O, logsumexp) must serve one: gradients against float64
+    torch._dynamo.reset()
+    torch.manual_seed(13)
+    make = lambda *shape: torch.randn(*shape, device=device, dtype=torch.float32)
+    if varlen:
+        cu_q = torch.arange(0, 7, 2, dtype=torch.int32, device=device)  # three sequences of two tokens
+        cu_k = torch.tensor([0, 40, 41, 100], dtype=torch.int32, device=device)
+        q, k, v = make(6, 4, 32), make(100, 2, 32), make(100, 2, 32)
+        step = lambda q, k, v: fa2tune.attention_varlen(q, k, v, cu_q, cu_k, 2, 59, causal=True)
+        reference = lambda q, k, v: naive_attention_varlen(q, k, v, cu_q, cu_k, causal=True)[0]
+    else:
+        q, k, v = make(2, 4, 2, 32), make(2, 2, 70, 32), make(2, 2, 70, 32)
+        step = lambda q, k, v: fa2tune.attention(q, k, v, causal=True)
+        reference = lambda q, k, v: naive_attention(q, k, v, causal=True)[0]
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        out = compiled(q, k, v)
+    assert len(decode_calls) == 1
+    assert out.shape == q.shape and out.is_contiguous()
+    assert_close(out, reference(q.double(), k.double(), v.double()), torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    do = torch.randn_like(q)
+    grads = torch.autograd.grad(compiled(*leaves), leaves, do)
+    assert len(decode_calls) == 2
+    wants = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = torch.autograd.grad(reference(*wants), wants, do.double())
+    for got, want, name in zip(grads, expected, "qkv", strict=True):
+        assert_close(got, want, torch.float32, what=f"d{name}")

@@ -40,9 +40,7 @@ def _apply(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packi
         # autograd.Function's own host time (14 µs of a trivial one on the development machine) would buy nothing,
         # and a short inference call waits for its host.
         if (config is None or not chosen) and short_query.takes(q, k, v, mask, packing):  # a decode step
-            if packing is None:
-                return short_query.forward(q, k, v, mask, scale, resolve=selection.decode_config)
-            return short_query.forward_packed(q, k, v, mask, scale, packing, resolve=selection.decode_config)
+            return ops.decode_step(q, k, v, mask, scale, packing)
         fwd = selection.for_call(selection.FORWARD, q, k, v, mask, packing)[0] if config is None else config
         return launcher.checked_forward(q, k, v, mask, scale, fwd, config is not None and chosen, packing)
     return ops.apply_op(q, k, v, mask, scale, config, packing)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..config.types import KernelConfig, Mask
-from ..launch import launcher
+from ..launch import launcher, short_query
 from ..launch.launcher import Packing
 from . import selection
 
@@ -66,6 +66,14 @@ def clear_plans() -> None:
     that patch what those are worked out from: selection.resolve, warpspec._sm_count)."""
     launcher.clear_plans()
     selection.clear_cache()
+
+
+def decode_step(q, k, v, mask: Mask, scale: float, packing: Packing | None = None):
+    """(O, logsumexp) of a call short_query.takes admits, on the decode kernels, in the forward kernels' layouts (a
+    backward reads them as it reads the forward's); the decode config resolved for the call's signature."""
+    if packing is None:
+        return short_query.forward(q, k, v, mask, scale, resolve=selection.decode_config)
+    return short_query.forward_packed(q, k, v, mask, scale, packing, resolve=selection.decode_config)
 
 
 def apply_op(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packing: Packing | None = None):
@@ -124,6 +132,10 @@ def _fwd_op(
     max_seqlens: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     packing, mask, given = _packing(cu_seqlens_q, cu_seqlens_k, max_seqlens), _mask_from_ints(mask), _from_ints(config)
+    if given is None and short_query.takes(q, k, v, mask, packing):
+        # a decode step, traced: the decode kernels, as the eager path runs it. Their (O, logsumexp) are the forward
+        # kernels' to rounding, so a backward that follows (the op cannot tell whether one will) reads them alike
+        return decode_step(q, k, v, mask, scale, packing)
     resolved = selection.config_for(given, "fwd", q, k, v, mask, packing)
     return launcher.checked_forward(q, k, v, mask, scale, resolved, given is not None, packing)
 
