@@ -163,23 +163,31 @@ def test_a_get_kernel_kernel_s_inference_step_runs_the_decode_kernels(varlen, de
     assert_close(trained, reference(q), torch.float16, what="the forward kernels")
 
 
+@pytest.mark.parametrize("tokens", [1, 2])
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
-def test_a_compiled_decode_step_runs_the_decode_kernels_and_its_gradient_is_exact(varlen, decode_calls, device):
+def test_a_compiled_decode_step_runs_the_decode_kernels_and_its_gradient_is_exact(varlen, tokens, decode_calls,
+                                                                                  device):  # fmt: skip
     # torch.compile sees the custom op, which routes a few query tokens as the eager path does; the op cannot tell
-    # whether a backward follows, so the decode kernels' (O, logsumexp) must serve one: gradients against float64
+    # whether a backward follows, so the decode kernels' (O, logsumexp) must serve one: gradients against float64.
+    # The op's outputs have its fake's strides (one token a packed sequence once gave a transposed logsumexp).
     torch._dynamo.reset()
     torch.manual_seed(13)
     make = lambda *shape: torch.randn(*shape, device=device, dtype=torch.float32)
     if varlen:
-        cu_q = torch.arange(0, 7, 2, dtype=torch.int32, device=device)  # three sequences of two tokens
+        cu_q = torch.arange(0, 3 * tokens + 1, tokens, dtype=torch.int32, device=device)  # three sequences
         cu_k = torch.tensor([0, 40, 41, 100], dtype=torch.int32, device=device)
-        q, k, v = make(6, 4, 32), make(100, 2, 32), make(100, 2, 32)
-        step = lambda q, k, v: fa2tune.attention_varlen(q, k, v, cu_q, cu_k, 2, 59, causal=True)
+        q, k, v = make(3 * tokens, 4, 32), make(100, 2, 32), make(100, 2, 32)
+        step = lambda q, k, v: fa2tune.attention_varlen(q, k, v, cu_q, cu_k, tokens, 59, causal=True)
         reference = lambda q, k, v: naive_attention_varlen(q, k, v, cu_q, cu_k, causal=True)[0]
+        arguments = (q, k, v, [1, -1, -1, 0], 0.2, [], cu_q, cu_k, [tokens, 59])
+        torch.library.opcheck(torch.ops.fa2tune.fwd.default, arguments, test_utils=("test_faketensor",))
     else:
-        q, k, v = make(2, 4, 2, 32), make(2, 2, 70, 32), make(2, 2, 70, 32)
+        q, k, v = make(2, 4, tokens, 32), make(2, 2, 70, 32), make(2, 2, 70, 32)
         step = lambda q, k, v: fa2tune.attention(q, k, v, causal=True)
         reference = lambda q, k, v: naive_attention(q, k, v, causal=True)[0]
+        torch.library.opcheck(torch.ops.fa2tune.fwd.default, (q, k, v, [1, -1, -1, 0], 0.2, [], None, None, []),
+                              test_utils=("test_faketensor",))  # fmt: skip
+    decode_calls.clear()
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     with torch.no_grad():
         out = compiled(q, k, v)

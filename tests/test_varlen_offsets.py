@@ -202,3 +202,20 @@ def test_offsets_given_other_memory_between_forward_and_backward_are_checked_aga
     cu_k.data = torch.tensor([0, 10], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="one length"):
         torch.autograd.grad(o, leaves, do)
+
+
+def test_offsets_are_not_read_back_while_a_cuda_graph_is_captured(monkeypatch, device):
+    # A host read during capture is an error (torch.compile's "reduce-overhead" captures the op's launches): the
+    # values go unchecked there — the kernels keep them in bounds — and are checked again outside the capture
+    from fa2tune.config import inputs
+
+    q, k, _, _ = _inputs(device, 1)
+    bad = torch.tensor([0, 5, 7, 10], dtype=torch.int32, device=device)  # a sequence of 5, above max_seqlen 4
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t) or [])
+    monkeypatch.setattr(inputs, "capturing_cuda_graph", lambda: True)
+    inputs.check_offsets(bad, bad, MAX_LEN, MAX_LEN, q.shape[0], k.shape[0])
+    assert reads == []
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="max_seqlen_q=4 is below the longest sequence in cu_seqlens_q \\(5\\)"):
+        inputs.check_offsets(bad, bad, MAX_LEN, MAX_LEN, q.shape[0], k.shape[0])

@@ -68,6 +68,11 @@ class AttentionShape:
     head_dim_v: int
 
 
+def capturing_cuda_graph() -> bool:
+    """Whether the current CUDA stream is capturing a graph, where reading a tensor back to the host is an error."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -206,7 +211,9 @@ def check_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: i
     the version counter does not see (`cu.data[i] = ...`, a NumPy or DLPack view) escapes this check, not the
     kernels' bounds: they clamp every offset to the tensor's rows (templates/_common.py.jinja, _sequence_rows), so
     such offsets give a defined result, never a read or write outside a tensor. Called inside the fa2tune::fwd op,
-    which runs eagerly even in a torch.compile graph, where a host read would break the graph.
+    which runs eagerly even in a torch.compile graph, where a host read would break the graph. While a CUDA graph is
+    captured (torch.compile's "reduce-overhead", as transformers compiles a static cache's decode step) nothing can
+    be read back: the values go unchecked there, the shapes and dtypes still are, and the kernels' clamping holds.
     """
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dtype != torch.int32 or (cu.dim() == 1 and cu.stride(0) != 1):  # `cu.data = ...` may change either
@@ -216,6 +223,8 @@ def check_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: i
             f"cu_seqlens_q and cu_seqlens_k must be 1-D and of one length (batch + 1), got shapes "
             f"{tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}"
         )
+    if capturing_cuda_graph():
+        return
     for name, cu, total, max_name, max_len in (
         ("cu_seqlens_q", cu_seqlens_q, total_q, "max_seqlen_q", max_seqlen_q),
         ("cu_seqlens_k", cu_seqlens_k, total_k, "max_seqlen_k", max_seqlen_k),

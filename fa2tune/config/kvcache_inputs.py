@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .decode_plan import MAX_SPLITS
-from .inputs import SUPPORTED_DTYPES, check_int, interpreting
+from .inputs import SUPPORTED_DTYPES, capturing_cuda_graph, check_int, interpreting
 from .types import MAX_HEAD_DIM, integer
 
 CHECK_ENV = "FA2TUNE_CHECK_KVCACHE"  # "1": every call checks its lengths and block table on the host (a sync)
@@ -209,4 +209,4 @@ def values_checked_per_call() -> bool:
     where reading a tensor back is an error."""
     if os.environ.get(CHECK_ENV, "0") in ("", "0"):
         return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return not capturing_cuda_graph()

@@ -81,4 +81,6 @@ def forward_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask
     left, right, _ = mask.bounds(tokens, packing.max_seqlen_k)
     out, lse = decode(q.view(batch, tokens, *q.shape[1:]), cache, scale=scale, window=(left, right),
                       resolve=resolve)  # fmt: skip
-    return out.view(q.shape), lse.permute(1, 0, 2).reshape(q.shape[1], q.shape[0])
+    # contiguous: with one token a sequence the reshape is a transposed view, and a backward reads a packed
+    # logsumexp with unit token stride (layout.lse_strides), as the op's fake promises
+    return out.view(q.shape), lse.permute(1, 0, 2).reshape(q.shape[1], q.shape[0]).contiguous()
