@@ -406,6 +406,34 @@ def test_generation_from_left_padded_prompts_matches_sdpa(cache):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_a_compiled_generation_step_reads_the_cache_in_place_outside_the_graph(monkeypatch):
+    # transformers compiles a static cache's decode step; traced, its padded rows would be gathered into sizes that
+    # change every step (a new graph, and a new CUDA graph, each step). The mask and the attention of a step run
+    # outside the graph instead, reading the cache in place; the logits are SDPA's.
+    model = _model("llama", torch.float32).eval()
+    prompt = _batch(11)
+    steps = []
+    real = fa2tune_hf._step_in_place
+    monkeypatch.setattr(fa2tune_hf, "_step_in_place", lambda *a, **kw: steps.append(1) or real(*a, **kw))
+    logits = {}
+    for implementation in ("sdpa", "fa2tune"):
+        torch._dynamo.reset()
+        model.set_attn_implementation(implementation)
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        mask = prompt["attention_mask"]
+        with torch.no_grad():
+            out = model(**prompt, past_key_values=cache, cache_position=torch.arange(11))
+            step = torch.compile(model.forward, backend="aot_eager")
+            for position in (11, 12):
+                token = out.logits[:, -1:].argmax(-1)
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                out = step(input_ids=token, attention_mask=mask, past_key_values=cache,
+                           cache_position=torch.tensor([position]))  # fmt: skip
+        logits[implementation] = out.logits
+    assert len(steps) == 2 * model.config.num_hidden_layers
+    torch.testing.assert_close(logits["fa2tune"], logits["sdpa"], atol=1e-5, rtol=1e-5)
+
+
 def test_generation_under_inference_mode_matches_sdpa():
     # torch.inference_mode (as transformers' pipelines run): the padded prefill's offsets are inference tensors
     model = _model("llama", torch.float32).eval()

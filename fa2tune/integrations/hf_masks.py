@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..config.decode_plan import SHORT_QUERY_TOKENS
+
 FALLBACK_NOTE = "attention runs through PyTorch SDPA with a materialized mask (exact, without fa2tune's kernels)"
 
 
@@ -299,6 +301,17 @@ def fa2tune_mask(
 ) -> MaskPlan | torch.Tensor:
     """fa2tune's entry in transformers' AttentionMaskInterface (its arguments are sdpa_mask's): a MaskPlan for a mask
     fa2tune runs exactly, else SDPA's (batch, 1, q_length, kv_length) boolean mask."""
+    # A generation step under torch.compile: its rows, whose sizes change every step, are built outside the graph,
+    # as its attention runs (integrations.transformers._traced_generation_step)
+    traced_step = torch.compiler.is_compiling() and q_length <= SHORT_QUERY_TOKENS
+    return (_plan_eagerly if traced_step else _plan)(batch_size, q_length, kv_length, q_offset, kv_offset,
+                                                     mask_function, attention_mask, **kwargs)  # fmt: skip
+
+
+def _plan(batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor = 0, kv_offset: int = 0,
+          mask_function: object = None, attention_mask: torch.Tensor | None = None,
+          **kwargs) -> MaskPlan | torch.Tensor:  # fmt: skip
+    """fa2tune_mask's work, its arguments as there."""
     arguments = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      **kwargs)  # fmt: skip
@@ -331,6 +344,10 @@ def fa2tune_mask(
 
 
 def _dense(reason: str, arguments: dict) -> torch.Tensor:
-    warnings.warn(f"fa2tune: {reason} is not a mask fa2tune runs; {FALLBACK_NOTE}", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"fa2tune: {reason} is not a mask fa2tune runs; {FALLBACK_NOTE}", RuntimeWarning, stacklevel=4)
     arguments.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
     return _known().masking.sdpa_mask(**arguments)
+
+
+# the traced generation step's plan, built eagerly: dynamo breaks the graph around it
+_plan_eagerly = torch.compiler.disable(_plan)

@@ -115,6 +115,26 @@ def attention_forward(
         (output (batch, q_length, heads_q, v_head_dim), None): no attention weights. Queries at padded positions
         get an output of 0, as with flash_attention_2 (SDPA computes values there that a padded loss ignores).
     """
+    arguments = (module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, is_causal,
+                 kwargs)
+    if _traced_generation_step(query, key, value):
+        return _forward_eagerly(*arguments)
+    return _forward(*arguments)
+
+
+def _traced_generation_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether torch.compile traces a generation step (a few query tokens, nothing to differentiate), which runs
+    outside the graph instead (_forward_eagerly): traced, its padded rows are gathered into sizes that change every
+    step (each a new graph, and under "reduce-overhead", transformers' default for a static cache, a new CUDA graph
+    recorded), where run eagerly it reads the cache in place (_step_in_place)."""
+    if not torch.compiler.is_compiling():
+        return False
+    return few_tokens(query.shape[2], query.shape[-1], value.shape[-1]) and not needs_grad(query, key, value)
+
+
+def _forward(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, is_causal,
+             kwargs: dict) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """attention_forward's work, its arguments as there (kwargs a dict)."""
     _refuse_unsupported(dropout, softcap, kwargs)
     if isinstance(attention_mask, torch.Tensor):
         return _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
@@ -136,6 +156,10 @@ def attention_forward(
         )
     rows = plan.rows if plan.rows is not None else _packed_by_arguments(kwargs, batch, q_length, kv_length)
     return _run(plan.pattern, rows, query, key, value, scaling), None
+
+
+# A generation step's attention under torch.compile, run eagerly: dynamo breaks the graph around it
+_forward_eagerly = torch.compiler.disable(_forward)
 
 
 def _refuse_unsupported(dropout: object, softcap: object, kwargs: dict) -> None:
