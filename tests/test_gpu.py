@@ -441,7 +441,7 @@ def test_fused_dq_backward_is_deterministic_when_torch_asks(monkeypatch):
 
 
 # Every backward kernel (Triton; warp-specialized dK/dV and dQ; dK/dV with dQ fused in, one and two programs an SM, at
-# d=64 with K and V as register operands and at d=128 from shared memory, and with split roles) on flash-attention's
+# d=64 with K and V as register operands and at d=128 from shared memory) on flash-attention's
 # test_flash_attn_bwd_overflow inputs (tests/test_backward.py): lengths 1-3, one past each tile (16, 32, 64, 128),
 # q ≠ k. A key past N_K of a ragged tile has P = e^(−lse), past the 16-bit range; the fused dQ added it as inf·0 = NaN.
 _OVERFLOW_LENGTHS = [(1, 1), (2, 2), (3, 3), (17, 17), (33, 33), (65, 65), (129, 129), (2, 129), (129, 2), (1, 65)]
