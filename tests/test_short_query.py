@@ -179,13 +179,13 @@ def test_a_compiled_decode_step_runs_the_decode_kernels_and_its_gradient_is_exac
         q, k, v = make(3 * tokens, 4, 32), make(100, 2, 32), make(100, 2, 32)
         step = lambda q, k, v: fa2tune.attention_varlen(q, k, v, cu_q, cu_k, tokens, 59, causal=True)
         reference = lambda q, k, v: naive_attention_varlen(q, k, v, cu_q, cu_k, causal=True)[0]
-        arguments = (q, k, v, [1, -1, -1, 0], 0.2, [], cu_q, cu_k, [tokens, 59])
+        arguments = (q, k, v, [1, -1, -1, 0], 0.2, [], True, cu_q, cu_k, [tokens, 59])
         torch.library.opcheck(torch.ops.fa2tune.fwd.default, arguments, test_utils=("test_faketensor",))
     else:
         q, k, v = make(2, 4, tokens, 32), make(2, 2, 70, 32), make(2, 2, 70, 32)
         step = lambda q, k, v: fa2tune.attention(q, k, v, causal=True)
         reference = lambda q, k, v: naive_attention(q, k, v, causal=True)[0]
-        torch.library.opcheck(torch.ops.fa2tune.fwd.default, (q, k, v, [1, -1, -1, 0], 0.2, [], None, None, []),
+        torch.library.opcheck(torch.ops.fa2tune.fwd.default, (q, k, v, [1, -1, -1, 0], 0.2, [], True, None, None, []),
                               test_utils=("test_faketensor",))  # fmt: skip
     decode_calls.clear()
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
@@ -202,3 +202,16 @@ def test_a_compiled_decode_step_runs_the_decode_kernels_and_its_gradient_is_exac
     expected = torch.autograd.grad(reference(*wants), wants, do.double())
     for got, want, name in zip(grads, expected, "qkv", strict=True):
         assert_close(got, want, torch.float32, what=f"d{name}")
+
+
+def test_a_compiled_get_kernel_kernel_s_decode_step_runs_the_decode_kernels(decode_calls, device):
+    # traced, the op is told the kernel's configs were resolved for the caller, not chosen: a decode step is one
+    torch._dynamo.reset()
+    kernel = fa2tune.get_kernel(64, device=str(device), dtype=torch.float16, causal=True)
+    torch.manual_seed(10)
+    make = lambda *shape: torch.randn(*shape, device=device, dtype=torch.float16)
+    q, k, v = make(2, 4, 1, 64), make(2, 2, 70, 64), make(2, 2, 70, 64)
+    with torch.no_grad():
+        out = torch.compile(lambda q, k, v: kernel(q, k, v), backend="aot_eager", fullgraph=True)(q, k, v)
+    assert len(decode_calls) == 1
+    assert_close(out, naive_attention(q.double(), k.double(), v.double(), causal=True)[0], torch.float16)

@@ -31,8 +31,7 @@ def _apply(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packi
     never while torch.compile traces). chosen: the caller chose `config` (attention()'s argument): the call runs it
     as given, and one it cannot run is an error; False: it was resolved for the caller (a get_kernel() kernel's), so
     a decode step leaves it for the decode kernels and a call it cannot run (a misaligned tensor for a
-    warp-specialized config) falls back, as a call without one does. Traced calls (the custom op) run a config
-    given to them as chosen."""
+    warp-specialized config) falls back, as a call without one does; traced calls (the custom op) alike."""
     if launcher.is_eager(q, k, v):
         if launcher.needs_grad(q, k, v):
             return apply_eager(q, k, v, mask, scale, config, packing, chosen)
@@ -43,7 +42,7 @@ def _apply(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packi
             return ops.decode_step(q, k, v, mask, scale, packing)
         fwd = selection.for_call(selection.FORWARD, q, k, v, mask, packing)[0] if config is None else config
         return launcher.checked_forward(q, k, v, mask, scale, fwd, config is not None and chosen, packing)
-    return ops.apply_op(q, k, v, mask, scale, config, packing)
+    return ops.apply_op(q, k, v, mask, scale, config, packing, chosen)
 
 
 class FlashAttnFunction:

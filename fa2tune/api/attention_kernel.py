@@ -67,8 +67,7 @@ class AttentionKernel:
         mask and configs (the backward's come from the same store). An inference call of a few query tokens runs
         the decode kernels, as attention()'s does (docs/API.md, "A few query tokens are a decode step"), and a call
         a config cannot run (a misaligned tensor for a warp-specialized one) falls back as attention()'s does: the
-        configs were resolved for the caller, not chosen by it. Under torch.compile the custom op takes the kernel's
-        configs as given (its schema has no such flag), so a traced call of a few tokens runs the forward kernels."""
+        configs were resolved for the caller, not chosen by it — under torch.compile too."""
         if len(packing) != (4 if self.varlen else 0):
             expected = (
                 "cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k after q, k, v"

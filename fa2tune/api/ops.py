@@ -76,16 +76,18 @@ def decode_step(q, k, v, mask: Mask, scale: float, packing: Packing | None = Non
     return short_query.forward_packed(q, k, v, mask, scale, packing, resolve=selection.decode_config)
 
 
-def apply_op(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packing: Packing | None = None):
+def apply_op(q, k, v, mask: Mask, scale: float, config: KernelConfig | None, packing: Packing | None = None,
+             chosen: bool = True):  # fmt: skip
     """(O, logsumexp) through the custom op, as torch.compile and tracing run attention() (the eager path:
-    fa2tune.api.attention.apply_eager). Tests and benchmarks call it to compare the two."""
+    fa2tune.api.attention.apply_eager). Tests and benchmarks call it to compare the two. chosen: as attention's
+    _apply takes it (False: `config` was resolved for the caller, as a get_kernel() kernel's)."""
     cu_q, cu_k, max_seqlens = (
         (None, None, [])
         if packing is None
         else (packing.cu_seqlens_q, packing.cu_seqlens_k, [packing.max_seqlen_q, packing.max_seqlen_k])
     )
     config_ints = _to_ints(config) if config is not None else []
-    return torch.ops.fa2tune.fwd(q, k, v, _mask_to_ints(mask), scale, config_ints, cu_q, cu_k, max_seqlens)
+    return torch.ops.fa2tune.fwd(q, k, v, _mask_to_ints(mask), scale, config_ints, chosen, cu_q, cu_k, max_seqlens)
 
 
 # ---- torch custom ops: what torch.compile sees -------------------------------------------------------------
@@ -127,21 +129,22 @@ def _fwd_op(
     mask: list[int],
     scale: float,
     config: list[int],
+    chosen: bool,
     cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None,
     max_seqlens: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     packing, mask, given = _packing(cu_seqlens_q, cu_seqlens_k, max_seqlens), _mask_from_ints(mask), _from_ints(config)
-    if given is None and short_query.takes(q, k, v, mask, packing):
+    if (given is None or not chosen) and short_query.takes(q, k, v, mask, packing):
         # a decode step, traced: the decode kernels, as the eager path runs it. Their (O, logsumexp) are the forward
         # kernels' to rounding, so a backward that follows (the op cannot tell whether one will) reads them alike
         return decode_step(q, k, v, mask, scale, packing)
     resolved = selection.config_for(given, "fwd", q, k, v, mask, packing)
-    return launcher.checked_forward(q, k, v, mask, scale, resolved, given is not None, packing)
+    return launcher.checked_forward(q, k, v, mask, scale, resolved, given is not None and chosen, packing)
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, mask, scale, config, cu_seqlens_q, cu_seqlens_k, max_seqlens):
+def _fwd_fake(q, k, v, mask, scale, config, chosen, cu_seqlens_q, cu_seqlens_k, max_seqlens):
     o = q.new_empty((*q.shape[:-1], v.shape[-1]))  # q's shape with V's head dim, contiguous
     return o, _lse_like(q, cu_seqlens_q is not None)
 
@@ -176,7 +179,7 @@ def _bwd_fake(do, q, k, v, o, lse, mask, scale, dkdv_config, dq_config, cu_seqle
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, mask, scale, _config, cu_q, cu_k, max_seqlens = inputs
+    q, k, v, mask, scale, _config, _chosen, cu_q, cu_k, max_seqlens = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
     ctx.mask, ctx.scale, ctx.max_seqlens = mask, scale, max_seqlens
@@ -191,7 +194,7 @@ def _backward(ctx, do, dlse):
         do = torch.zeros_like(o)
     dq, dk, dv = torch.ops.fa2tune.bwd(do, q, k, v, o, lse, ctx.mask, ctx.scale, [], [], cu_q, cu_k,
                                        ctx.max_seqlens, dlse)  # fmt: skip
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 # The autograd formula lives on the op itself (not a Python autograd.Function), so torch.compile traces one op —
