@@ -27,9 +27,7 @@ import statistics
 import time
 
 import torch
-from bench_hf_training import add_model_arguments, build_model, device_for, versions
-
-from fa2tune.integrations import transformers as fa2tune_hf
+from bench_hf_training import add_model_arguments, build_model, model_summary, start
 
 
 def make_prompts(args: argparse.Namespace, device: torch.device) -> dict[str, torch.Tensor]:
@@ -107,16 +105,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    device = device_for("bench_hf_generate.py")
+    device = start("bench_hf_generate.py")
     if device is None:
         return 2
-    fa2tune_hf.register()
     model, prompts = build_model(args, device).eval(), make_prompts(args, device)
     kept = int(prompts["attention_mask"].sum())
-    print(f"# {versions(device)}")
-    print(f"# Llama {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, {args.dtype}; "
-          f"batch {args.batch} x {args.prompt} prompt tokens, {kept} unpadded; {args.cache} cache"
-          f"{', compiled' if args.compile else ''}; {args.new_tokens} decode steps")  # fmt: skip
+    print(f"# {model_summary(args)}; batch {args.batch} x {args.prompt} prompt tokens, {kept} unpadded; "
+          f"{args.cache} cache{', compiled' if args.compile else ''}; {args.new_tokens} decode steps")  # fmt: skip
     results = {name: time_decode(model, prompts, name, args) for name in args.implementations.split(",")}
     report(args, results)
     return 0

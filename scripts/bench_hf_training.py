@@ -140,17 +140,29 @@ def device_for(script: str) -> torch.device | None:
     return None
 
 
+def start(script: str) -> torch.device | None:
+    """A benchmark's device (device_for), fa2tune registered with transformers and the versions line printed; None
+    without a device."""
+    device = device_for(script)
+    if device is not None:
+        fa2tune_hf.register()
+        print(f"# {versions(device)}")
+    return device
+
+
+def model_summary(args: argparse.Namespace) -> str:
+    """The model add_model_arguments describes, as the benchmarks' header line opens."""
+    return f"Llama {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, {args.dtype}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    device = device_for("bench_hf_training.py")
+    device = start("bench_hf_training.py")
     if device is None:
         return 2
-    fa2tune_hf.register()
     model, batch = build_model(args, device), make_batch(args, device)
     tokens = int(batch["attention_mask"].sum())
-    print(f"# {versions(device)}")
-    print(f"# Llama {args.layers} layers, hidden {args.hidden}, heads {args.heads}/{args.kv_heads}, {args.dtype}; "
-          f"batch {args.batch} x {args.seqlen}, {tokens} unpadded tokens; forward + backward")  # fmt: skip
+    print(f"# {model_summary(args)}; batch {args.batch} x {args.seqlen}, {tokens} unpadded tokens; forward + backward")
     results = {}
     for name in args.implementations.split(","):
         results[name] = time_steps(model, batch, name, args.warmup, args.steps)

@@ -236,10 +236,12 @@ def test_hf_generate_benchmark_times_a_decode_step_under_each_implementation(cap
     # each with a decode step's time and the share of its tokens that are the first implementation's (greedy, fp32:
     # all of them); fa2tune's decode steps read the cache in place
     pytest.importorskip("transformers")
+    from fa2tune.integrations import transformers as fa2tune_hf
+
     script = load_script("bench_hf_generate")
     in_place = []
-    real = script.fa2tune_hf.flash_attn_with_kvcache
-    monkeypatch.setattr(script.fa2tune_hf, "flash_attn_with_kvcache", lambda *a, **kw: in_place.append(1) or real(
+    real = fa2tune_hf.flash_attn_with_kvcache
+    monkeypatch.setattr(fa2tune_hf, "flash_attn_with_kvcache", lambda *a, **kw: in_place.append(1) or real(
         *a, **kw))  # fmt: skip
     sizes = ["--layers", "1", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "97", "--dtype", "fp32"]
     assert script.main([*sizes, "--batch", "3", "--prompt", "12", "--new-tokens", "2", "--repeats", "1"]) == 0
