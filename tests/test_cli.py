@@ -215,6 +215,13 @@ def test_a_re_tune_times_the_config_the_file_holds_for_its_key(tmp_path, capsys,
     before_ms = row.split(winner.label())[1].split()[2]  # after the winner: ms, default ms, before ms
     assert "default ms before ms" in header and float(before_ms) > 0
     assert job.incumbent(seen[0], tmp_path / "missing.yaml") is None
+    # A key with no entry of its own starts from the same-cost dtype's entry (what its calls run until it has one),
+    # and the file's own entry wins over it.
+    assert job.incumbent(replace(seen[0], dtype="fp16"), path) == winner
+    fp16_held = KernelConfig(32, 32, 4, 1)
+    store.write_entries(path, {"name": "cpu"}, [replace(entry, key=replace(entry.key, dtype="fp16"), config=fp16_held)])
+    assert job.incumbent(replace(seen[0], dtype="fp16"), path) == fp16_held
+    assert job.incumbent(replace(seen[0], dtype="fp32"), path) is None  # fp32 has no same-cost dtype
     (tmp_path / "bad.yaml").write_text("entries: [")
     assert job.incumbent(seen[0], tmp_path / "bad.yaml") is None
 

@@ -302,6 +302,29 @@ def test_short_backward_studies_time_the_whole_training_call(interpreter_only, m
     assert entry.key.seqlen_bucket == "short" and result.measured >= 1
 
 
+def test_a_dq_study_times_its_configs_beside_the_resolved_dkdv_config_without_fused_dq(interpreter_only, monkeypatch):
+    # Where the dK/dV config a call resolves fuses dQ in, no dQ kernel runs: a dQ study timing beside it would time
+    # the same backward for every dQ config (seen on the H200: 16x32 and 128x64 dQ tiles within 1 %). It times beside
+    # that config's twin without fused dQ, the pairing its entry serves; a resolved config without it is left as is.
+    from fa2tune.api import ops, selection
+    from fa2tune.config.types import KernelConfig, Mask
+    from fa2tune.tune import workload
+
+    x = workload.kernel_inputs("bwd_dq", Mask(causal=True), 1, 2, 32, 16, dtype=torch.float16, device="cpu")
+    plain = KernelConfig(16, 16, 4, 1)
+    fused = KernelConfig(64, 128, 4, 2, warp_specialized=True, fused_dq=True)
+    seen = []
+    monkeypatch.setattr(ops, "backward", lambda *a, **kw: seen.append(kw))
+    for resolved, partner in ((fused, replace(fused, fused_dq=False)), (plain, None)):
+        monkeypatch.setattr(selection, "config_for", lambda config, kernel, *a, resolved=resolved: config or resolved)
+        seen.clear()
+        workload.run_kernel("bwd_dq", plain, x, Mask(causal=True))
+        assert seen[0]["dq_config"] == plain and seen[0]["dkdv_config"] == partner
+        seen.clear()
+        workload.run_kernel("bwd_dkdv", plain, x, Mask(causal=True))  # a dK/dV study times its own config alone
+        assert seen[0]["dkdv_config"] == plain and "dq_config" not in seen[0]
+
+
 def test_an_all_study_beside_bucket_entries_is_tuned_at_the_lengths_it_serves(tmp_path):
     from fa2tune.config.types import KernelConfig
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -101,16 +101,31 @@ def kernel_inputs(
 
 
 def run_kernel(kernel: str, cfg, x: KernelInputs, causal: bool | Mask):
-    """Runs `kernel` with `cfg` (a backward kernel: the whole backward, the other kernel at its resolved config)."""
+    """Runs `kernel` with `cfg` (a backward kernel: the whole backward, the other kernel at its resolved config).
+
+    A dQ config runs beside the resolved dK/dV config's twin without dQ fused in (dq_partner): where the resolved
+    one fuses dQ, no dQ kernel would run, and every dQ config would time the same."""
     from ..api import ops
 
     scale = x.q.shape[-1] ** -0.5
     if kernel == "fwd":
         return ops.forward(x.q, x.k, x.v, causal=causal, scale=scale, config=cfg, packing=x.packing)
-    key = "dkdv_config" if kernel == "bwd_dkdv" else "dq_config"
-    return ops.backward(
-        x.do, x.q, x.k, x.v, x.o, x.lse, causal=causal, scale=scale, packing=x.packing, **{key: cfg}
-    )
+    if kernel == "bwd_dkdv":
+        configs = {"dkdv_config": cfg}
+    else:
+        configs = {"dq_config": cfg, "dkdv_config": dq_partner(x, causal)}
+    return ops.backward(x.do, x.q, x.k, x.v, x.o, x.lse, causal=causal, scale=scale, packing=x.packing, **configs)
+
+
+def dq_partner(x: KernelInputs, causal: bool | Mask):
+    """The dK/dV config a dQ study times its configs beside: the one resolved for the inputs, its dQ unfused (a dQ
+    entry serves the calls whose dK/dV kernel leaves dQ to it: deterministic mode, V's own head dim, a dK/dV
+    entry without fused dQ); None (resolved by the call) where it does not fuse dQ."""
+    from ..api import selection
+
+    mask = causal if isinstance(causal, Mask) else Mask(causal=causal)
+    resolved = selection.config_for(None, "bwd_dkdv", x.q, x.k, x.v, mask, x.packing)
+    return replace(resolved, fused_dq=False) if resolved.fused_dq else None
 
 
 def make_measure(
