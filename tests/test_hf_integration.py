@@ -406,15 +406,17 @@ def test_generation_from_left_padded_prompts_matches_sdpa(cache):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_a_compiled_generation_step_reads_the_cache_in_place_outside_the_graph(monkeypatch):
-    # transformers compiles a static cache's decode step; traced, its padded rows would be gathered into sizes that
-    # change every step (a new graph, and a new CUDA graph, each step). The mask and the attention of a step run
-    # outside the graph instead, reading the cache in place; the logits are SDPA's.
+def test_a_compiled_generation_step_reads_the_cache_in_place(monkeypatch):
+    # transformers compiles a static cache's decode step; traced as an eager step runs, its padded rows would be
+    # gathered into sizes that change every step (a new graph, and a new CUDA graph, each step). Given the 2-D
+    # padding mask, the step's plan is built outside the graph and its attention runs in the graph on the plan's
+    # fixed-size tensors (fa2tune::padded_step), reading the cache in place; the logits are SDPA's.
     model = _model("llama", torch.float32).eval()
     prompt = _batch(11)
-    steps = []
-    real = fa2tune_hf._step_in_place
-    monkeypatch.setattr(fa2tune_hf, "_step_in_place", lambda *a, **kw: steps.append(1) or real(*a, **kw))
+    tables = []
+    real = fa2tune_hf.flash_attn_with_kvcache
+    monkeypatch.setattr(fa2tune_hf, "flash_attn_with_kvcache",
+                        lambda *a, **kw: tables.append(kw["block_table"].shape) or real(*a, **kw))  # fmt: skip
     logits = {}
     for implementation in ("sdpa", "fa2tune"):
         torch._dynamo.reset()
@@ -430,8 +432,43 @@ def test_a_compiled_generation_step_reads_the_cache_in_place_outside_the_graph(m
                 out = step(input_ids=token, attention_mask=mask, past_key_values=cache,
                            cache_position=torch.tensor([position]))  # fmt: skip
         logits[implementation] = out.logits
-    assert len(steps) == 2 * model.config.num_hidden_layers
+    # every layer of both steps, each row's kept keys in a table as wide as the cache
+    assert tables == [(3, 16)] * (2 * model.config.num_hidden_layers)
     torch.testing.assert_close(logits["fa2tune"], logits["sdpa"], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_generate_with_a_static_cache_compiles_to_one_graph_without_breaks(model_type, monkeypatch):
+    # generate() with a static cache builds each step's mask before the forward and compiles the forward
+    # (fullgraph=True: a graph break raises). As many graphs serve the steps as serve SDPA's (mistral's sliding-window
+    # cache, its rows whole, takes two); the sequences and logits are SDPA's.
+    from torch._dynamo.utils import counters
+
+    model = _model(model_type, torch.float32).eval()
+    prompt = _batch(11)
+    prompt = dict(input_ids=prompt["input_ids"][0::2], attention_mask=prompt["attention_mask"][0::2])
+    steps = []
+    real = fa2tune_hf.flash_attn_with_kvcache
+    monkeypatch.setattr(fa2tune_hf, "flash_attn_with_kvcache", lambda *a, **kw: steps.append(1) or real(*a, **kw))
+    outputs, graphs = {}, {}
+    for implementation in ("sdpa", "fa2tune"):
+        torch._dynamo.reset()
+        counters.clear()
+        model.set_attn_implementation(implementation)
+        config = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+        config._compile_all_devices = True  # transformers compiles generation on accelerators only
+        outputs[implementation] = model.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                                 cache_implementation="static", compile_config=config,
+                                                 return_dict_in_generate=True, output_logits=True)  # fmt: skip
+        graphs[implementation] = counters["stats"]["unique_graphs"]
+        assert not counters["graph_break"]
+    assert graphs["fa2tune"] == graphs["sdpa"] <= 2
+    # the steps after the prefill: llama's layers read the padded cache in place; mistral's sliding-window cache
+    # (5 slots, every one a kept key by the step) has whole rows, run by attention() as they are
+    assert len(steps) == (3 * model.config.num_hidden_layers if model_type == "llama" else 0)
+    assert torch.equal(outputs["fa2tune"].sequences, outputs["sdpa"].sequences)
+    for got, want in zip(outputs["fa2tune"].logits, outputs["sdpa"].logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_generation_under_inference_mode_matches_sdpa():

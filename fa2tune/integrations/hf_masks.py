@@ -117,15 +117,42 @@ def _offsets(lengths: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 @dataclass(frozen=True, eq=False)
+class StepKeys:
+    """A padded batch's generation step in tensors whose sizes do not change from step to step, for a step that
+    runs inside a compiled graph (integrations.transformers._step_in_graph): positions (batch, kv_length) int32,
+    row b's kept key positions in order, then zeros; lengths (batch,) int32, how many row b keeps. Every query of
+    the step takes part, and meets the last `lengths[b]` kept keys bottom-right aligned, as in Rows."""
+
+    positions: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def from_rows(cls, rows: Rows, batch: int, kv_length: int) -> StepKeys:
+        device = rows.k_pos.device
+        starts = rows.cu_seqlens_k[:-1].long()
+        index = torch.arange(rows.total_k, device=device) - starts[rows.k_batch]  # each key's place in its row
+        positions = torch.zeros(batch, kv_length, dtype=torch.int32, device=device)
+        positions[rows.k_batch, index] = rows.k_pos.to(torch.int32)
+        return cls(positions, rows.cu_seqlens_k.diff())
+
+    def to(self, device: torch.device) -> StepKeys:
+        if self.positions.device == device:
+            return self
+        return StepKeys(self.positions.to(device), self.lengths.to(device))
+
+
+@dataclass(frozen=True, eq=False)
 class MaskPlan:
     """What fa2tune_mask hands the attention function for a (batch, q_length) by (batch, kv_length) attention:
-    the pattern, and the rows that take part (None: every row's queries and keys, bottom-right aligned)."""
+    the pattern, and the rows that take part (None: every row's queries and keys, bottom-right aligned). step: the
+    rows as StepKeys, where they are a padded batch's generation step whose every query takes part, else None."""
 
     pattern: Pattern
     batch: int
     q_length: int
     kv_length: int
     rows: Rows | None
+    step: StepKeys | None = None
 
     # The shape of the mask it stands for. generate() with a static cache builds the masks before the forward and
     # passes them in as attention_mask; transformers' mask builders then read its ndim (a 2-D mask is a padding
@@ -301,9 +328,11 @@ def fa2tune_mask(
 ) -> MaskPlan | torch.Tensor:
     """fa2tune's entry in transformers' AttentionMaskInterface (its arguments are sdpa_mask's): a MaskPlan for a mask
     fa2tune runs exactly, else SDPA's (batch, 1, q_length, kv_length) boolean mask."""
-    # A generation step under torch.compile: its rows, whose sizes change every step, are built outside the graph,
-    # as its attention runs (integrations.transformers._traced_generation_step)
-    traced_step = torch.compiler.is_compiling() and q_length <= SHORT_QUERY_TOKENS
+    # A generation step under torch.compile: its rows, whose sizes change every step, are built outside the graph
+    # (integrations.transformers._traced_generation_step). A plan built before the forward (generate() with a
+    # static cache builds its masks so) is returned as it is, in the graph.
+    traced_step = (torch.compiler.is_compiling() and q_length <= SHORT_QUERY_TOKENS
+                   and not isinstance(attention_mask, MaskPlan))  # fmt: skip
     return (_plan_eagerly if traced_step else _plan)(batch_size, q_length, kv_length, q_offset, kv_offset,
                                                      mask_function, attention_mask, **kwargs)  # fmt: skip
 
@@ -340,7 +369,14 @@ def _plan(batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.
     )
     if isinstance(rows, str):
         return _dense(rows, arguments)
-    return MaskPlan(pattern, batch_size, q_length, kv_length, rows)
+    return MaskPlan(pattern, batch_size, q_length, kv_length, rows, _step_keys(rows, batch_size, q_length, kv_length))
+
+
+def _step_keys(rows: Rows | None, batch: int, q_length: int, kv_length: int) -> StepKeys | None:
+    """The rows as StepKeys where they are a padded batch's generation step whose every query takes part."""
+    if rows is None or not rows.by_row or q_length > SHORT_QUERY_TOKENS or rows.total_q != batch * q_length:
+        return None
+    return StepKeys.from_rows(rows, batch, kv_length)
 
 
 def _dense(reason: str, arguments: dict) -> torch.Tensor:

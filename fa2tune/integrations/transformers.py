@@ -118,18 +118,70 @@ def attention_forward(
     arguments = (module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, is_causal,
                  kwargs)
     if _traced_generation_step(query, key, value):
+        if _whole_rows(attention_mask, kwargs):  # attention() over the call's tensors: fixed sizes, in the graph
+            return _forward(*arguments)
+        if isinstance(attention_mask, MaskPlan) and attention_mask.step is not None:
+            _refuse_unsupported(dropout, softcap, kwargs)
+            out = _step_in_graph(attention_mask, query, key, value, scaling)
+            if out is not None:
+                return out, None
         return _forward_eagerly(*arguments)
     return _forward(*arguments)
 
 
+def _whole_rows(attention_mask: object, kwargs: dict) -> bool:
+    """Whether a call runs attention() over every row's queries and keys (no rows to gather, no offsets to read):
+    no mask built or a plan without rows, and no packed-sequence arguments."""
+    plan_without_rows = attention_mask is None or (isinstance(attention_mask, MaskPlan) and attention_mask.rows is None)
+    return plan_without_rows and kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None
+
+
 def _traced_generation_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether torch.compile traces a generation step (a few query tokens, nothing to differentiate), which runs
-    outside the graph instead (_forward_eagerly): traced, its padded rows are gathered into sizes that change every
-    step (each a new graph, and under "reduce-overhead", transformers' default for a static cache, a new CUDA graph
-    recorded), where run eagerly it reads the cache in place (_step_in_place)."""
+    """Whether torch.compile traces a generation step (a few query tokens, nothing to differentiate). Traced as
+    an eager step runs, its padded rows would be gathered into sizes that change every step (each a new graph, and
+    under "reduce-overhead", transformers' default for a static cache, a new CUDA graph recorded). It runs in the
+    graph where its sizes are fixed — every row whole (_whole_rows), or the plan's StepKeys (_step_in_graph) —,
+    else outside the graph (_forward_eagerly), reading the cache in place (_step_in_place)."""
     if not torch.compiler.is_compiling():
         return False
     return few_tokens(query.shape[2], query.shape[-1], value.shape[-1]) and not needs_grad(query, key, value)
+
+
+def _step_in_graph(plan: MaskPlan, query, key, value, scaling) -> torch.Tensor | None:
+    """(batch, q_length, heads_q, v_head_dim): a traced generation step as _step_in_place runs it, through the
+    custom op fa2tune::padded_step, on the plan's StepKeys, whose sizes do not change from step to step (one graph,
+    one CUDA graph, for every step); None where the call's sizes are not the plan's or its K and V give no one-key
+    pages (then it runs outside the graph)."""
+    batch, _, q_length, _ = query.shape
+    if (plan.batch, plan.q_length, plan.kv_length) != (batch, q_length, key.shape[2]):
+        return None
+    if any(t.stride(-1) != 1 for t in (query, key, value)) or _rows_apart(key, value) is None:
+        return None
+    check_qkv(query, key, value)
+    query, key, value, scale = _prepared(query, key, value, scaling)
+    window = _binding(plan.pattern, max(q_length, plan.kv_length))
+    step = plan.step.to(query.device)
+    return torch.ops.fa2tune.padded_step(query, key, value, step.positions, step.lengths, scale, plan.pattern.causal,
+                                         list(window) if window is not None else [-1, -1])  # fmt: skip
+
+
+@torch.library.custom_op("fa2tune::padded_step", mutates_args=())
+def _padded_step_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                    lengths: torch.Tensor, scale: float, causal: bool, window: list[int]) -> torch.Tensor:  # fmt: skip
+    """A generation step on the decode kernels, K and V read in place as one-key pages; StepKeys' positions and
+    lengths say which keys each row keeps. Its own op, not fa2tune::kvcache: that one declares that it writes the
+    caches (its append), which a compiled graph would answer by copying them."""
+    k_pages, v_pages, per_row = _one_key_pages(key, value)
+    rows = torch.arange(query.shape[0], device=positions.device, dtype=torch.int32)[:, None]
+    table = positions + rows * per_row
+    return flash_attn_with_kvcache(query.transpose(1, 2), k_pages, v_pages, cache_seqlens=lengths, block_table=table,
+                                   softmax_scale=scale, causal=causal, window_size=(window[0], window[1]))  # fmt: skip
+
+
+@_padded_step_op.register_fake
+def _(query, key, value, positions, lengths, scale, causal, window):
+    batch, heads, q_length, _ = query.shape
+    return query.new_empty(batch, q_length, heads, value.shape[-1])
 
 
 def _forward(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, is_causal,
@@ -267,12 +319,12 @@ def _generation_step(rows: Rows, query, key, value) -> bool:
 _MAX_PAGES = 2**31 - 1
 
 
-def _one_key_pages(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """K and V (batch, kv_heads, kv_length, head_dim), unit last stride, seen as paged caches of one key a page,
-    (pages, 1, kv_heads, head_dim) views of the same memory: key position p of batch row b is page b · per_row + p.
-    None where the strides give no such view (a row's stride not a whole number of positions', or K's and V's rows
-    differing) or the pages outnumber an int32. Pages overlap in memory; the kernels only read them."""
-    batch, kv_heads, length, head_dim = key.shape
+def _rows_apart(key: torch.Tensor, value: torch.Tensor) -> int | None:
+    """Positions from one batch row of K and V to the next (0 for one row), where K and V (batch, kv_heads,
+    kv_length, head_dim) can be seen as one-key pages (_one_key_pages); None where their strides give no such view
+    (a row's stride not a whole number of positions', or K's and V's rows differing) or the pages outnumber an
+    int32. Strides alone: a traced call decides with it."""
+    batch, length = key.shape[0], key.shape[2]
     per_row = []
     for t in (key, value):
         step = t.stride(2)
@@ -281,10 +333,22 @@ def _one_key_pages(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor
         per_row.append(t.stride(0) // step if batch > 1 else 0)
     if per_row[0] != per_row[1] or (batch - 1) * per_row[0] + length > _MAX_PAGES:
         return None
-    pages = (batch - 1) * per_row[0] + length  # the last row's last key is the last page: no view leaves the tensor
+    return per_row[0]
+
+
+def _one_key_pages(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """K and V (batch, kv_heads, kv_length, head_dim), unit last stride, seen as paged caches of one key a page,
+    (pages, 1, kv_heads, head_dim) views of the same memory: key position p of batch row b is page b · per_row + p,
+    per_row = _rows_apart(key, value). None where there is no such view. Pages overlap in memory; the kernels only
+    read them."""
+    batch, kv_heads, length, head_dim = key.shape
+    per_row = _rows_apart(key, value)
+    if per_row is None:
+        return None
+    pages = (batch - 1) * per_row + length  # the last row's last key is the last page: no view leaves the tensor
     k_pages, v_pages = (t.as_strided((pages, 1, kv_heads, head_dim), (t.stride(2), t.stride(2), t.stride(1), 1))
                         for t in (key, value))  # fmt: skip
-    return k_pages, v_pages, per_row[0]
+    return k_pages, v_pages, per_row
 
 
 def _step_in_place(rows: Rows, query, pages: tuple[torch.Tensor, torch.Tensor, int], options: dict) -> torch.Tensor:
