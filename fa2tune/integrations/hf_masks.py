@@ -127,6 +127,12 @@ class StepKeys:
     lengths: torch.Tensor
 
     @classmethod
+    def whole(cls, batch: int, kv_length: int, device: torch.device | str) -> StepKeys:
+        """Every row keeps every key."""
+        positions = torch.arange(kv_length, dtype=torch.int32, device=device).expand(batch, kv_length)
+        return cls(positions, torch.full((batch,), kv_length, dtype=torch.int32, device=device))
+
+    @classmethod
     def from_rows(cls, rows: Rows, batch: int, kv_length: int) -> StepKeys:
         device = rows.k_pos.device
         starts = rows.cu_seqlens_k[:-1].long()
@@ -369,12 +375,19 @@ def _plan(batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.
     )
     if isinstance(rows, str):
         return _dense(rows, arguments)
-    return MaskPlan(pattern, batch_size, q_length, kv_length, rows, _step_keys(rows, batch_size, q_length, kv_length))
+    step = _step_keys(rows, batch_size, q_length, kv_length, kwargs.get("device", "cpu"))
+    return MaskPlan(pattern, batch_size, q_length, kv_length, rows, step)
 
 
-def _step_keys(rows: Rows | None, batch: int, q_length: int, kv_length: int) -> StepKeys | None:
-    """The rows as StepKeys where they are a padded batch's generation step whose every query takes part."""
-    if rows is None or not rows.by_row or q_length > SHORT_QUERY_TOKENS or rows.total_q != batch * q_length:
+def _step_keys(rows: Rows | None, batch: int, q_length: int, kv_length: int,
+               device: torch.device | str) -> StepKeys | None:  # fmt: skip
+    """The rows as StepKeys where they are a generation step whose every query takes part (whole rows too, so that
+    a compiled step's plan keeps its form while padding leaves a sliding window: one graph for both)."""
+    if q_length > SHORT_QUERY_TOKENS:
+        return None
+    if rows is None:
+        return StepKeys.whole(batch, kv_length, device)
+    if not rows.by_row or rows.total_q != batch * q_length:
         return None
     return StepKeys.from_rows(rows, batch, kv_length)
 

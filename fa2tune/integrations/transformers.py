@@ -54,6 +54,7 @@ def register(name: str = NAME) -> str:
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     attention_interface, mask_interface = _interfaces()
+    _sdpa_attention()
     attention_interface.register(name, attention_forward)
     mask_interface.register(name, fa2tune_mask)
     return name
@@ -118,9 +119,12 @@ def attention_forward(
     arguments = (module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, is_causal,
                  kwargs)
     if _traced_generation_step(query, key, value):
-        if _whole_rows(attention_mask, kwargs):  # attention() over the call's tensors: fixed sizes, in the graph
+        # In the graph wherever the step's sizes are fixed: a 4-D mask (SDPA's path), the plan's StepKeys, or no
+        # mask built; otherwise outside it.
+        packed = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
+        if isinstance(attention_mask, torch.Tensor) or (attention_mask is None and not packed):
             return _forward(*arguments)
-        if isinstance(attention_mask, MaskPlan) and attention_mask.step is not None:
+        if isinstance(attention_mask, MaskPlan) and attention_mask.step is not None and not packed:
             _refuse_unsupported(dropout, softcap, kwargs)
             out = _step_in_graph(attention_mask, query, key, value, scaling)
             if out is not None:
@@ -129,19 +133,12 @@ def attention_forward(
     return _forward(*arguments)
 
 
-def _whole_rows(attention_mask: object, kwargs: dict) -> bool:
-    """Whether a call runs attention() over every row's queries and keys (no rows to gather, no offsets to read):
-    no mask built or a plan without rows, and no packed-sequence arguments."""
-    plan_without_rows = attention_mask is None or (isinstance(attention_mask, MaskPlan) and attention_mask.rows is None)
-    return plan_without_rows and kwargs.get("cu_seq_lens_q") is None and kwargs.get("cu_seq_lens_k") is None
-
-
 def _traced_generation_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
     """Whether torch.compile traces a generation step (a few query tokens, nothing to differentiate). Traced as
     an eager step runs, its padded rows would be gathered into sizes that change every step (each a new graph, and
     under "reduce-overhead", transformers' default for a static cache, a new CUDA graph recorded). It runs in the
-    graph where its sizes are fixed — every row whole (_whole_rows), or the plan's StepKeys (_step_in_graph) —,
-    else outside the graph (_forward_eagerly), reading the cache in place (_step_in_place)."""
+    graph where its sizes are fixed (the plan's StepKeys: _step_in_graph), else outside the graph
+    (_forward_eagerly), reading the cache in place (_step_in_place)."""
     if not torch.compiler.is_compiling():
         return False
     return few_tokens(query.shape[2], query.shape[-1], value.shape[-1]) and not needs_grad(query, key, value)
@@ -390,5 +387,16 @@ def _sdpa(module, query, key, value, mask: torch.Tensor, dropout, scaling, is_ca
             "attention_mask as a tensor must be 4-D (batch, 1 or heads, q_length, kv_length), got shape "
             f"{tuple(mask.shape)}; pass the 2-D padding mask to the model, which builds the attention's mask"
         )
-    sdpa = importlib.import_module("transformers.integrations.sdpa_attention").sdpa_attention_forward
-    return sdpa(module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    return _sdpa_attention()(module, query, key, value, mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                             **kwargs)  # fmt: skip
+
+
+# transformers' SDPA attention function, imported by register(): torch.compile cannot trace an import, so a traced
+# call that runs it (a 4-D mask) finds it here
+_imported: dict[str, object] = {}
+
+
+def _sdpa_attention():
+    if "sdpa" not in _imported:
+        _imported["sdpa"] = importlib.import_module("transformers.integrations.sdpa_attention").sdpa_attention_forward
+    return _imported["sdpa"]

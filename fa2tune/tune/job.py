@@ -250,16 +250,18 @@ def baseline(spec: StudySpec, device_name: str, info: DeviceInfo | None = None) 
 
 def incumbent(spec: StudySpec, path: Path) -> planner.KernelConfig | None:
     """The config the tuned-config file at `path` holds for spec's key; where it holds none, its config for the same
-    key in the dtype of the same cost (store.SAME_COST_DTYPES: what calls of spec's dtype run until this tune writes
-    their own entry, so the tune keeps it unless it finds better); None where neither is there or the file is
-    unreadable.
+    key in the dtype of the same cost (store.SAME_COST_DTYPES: the entry calls of spec's dtype read from this file
+    until the tune writes their own, so the tune keeps it unless it finds better); None where neither is there or
+    the file is unreadable. The first entry for a key counts, as at run time (store.lookup).
 
     Stale entries count: their config won under the templates of their day, a strong first guess under today's."""
     try:
         _, entries = store.read_file(path)
     except (OSError, ValueError, yaml.YAMLError):
         return None
-    stored = {e.key: e.config for e in entries}
+    stored: dict = {}
+    for e in entries:
+        stored.setdefault(e.key, e.config)
     keys = [spec.key]
     if spec.key.dtype in store.SAME_COST_DTYPES:
         keys.append(replace(spec.key, dtype=store.SAME_COST_DTYPES[spec.key.dtype]))
