@@ -691,3 +691,30 @@ def test_warpspec_split_tail_with_a_v_head_dim_of_its_own_matches_reference(head
     ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double())
     assert_close(o, ref_o, torch.bfloat16)
     assert_close(lse, ref_lse, torch.float32, what="lse")
+
+
+def test_hf_generate_with_a_static_cache_runs_its_compiled_step_in_cuda_graphs():
+    # transformers' default for a static cache: the decode step compiled by inductor in mode "reduce-overhead",
+    # recorded and replayed as a CUDA graph. fa2tune's step (fa2tune::padded_step on the plan's StepKeys) compiles
+    # whole (fullgraph=True), reads no value on the host inside the capture, and gives SDPA's tokens and logits.
+    pytest.importorskip("transformers")
+    import transformers
+
+    from fa2tune.integrations import transformers as fa2tune_hf
+
+    from .test_hf_integration import _batch, _model
+
+    fa2tune_hf.register()
+    model = _model("llama", torch.float32).eval().cuda()
+    prompt = {name: t[0::2].cuda() for name, t in _batch(11).items() if name != "labels"}  # one row left-padded
+    outputs = {}
+    for implementation in ("sdpa", "fa2tune"):
+        torch._dynamo.reset()
+        model.set_attn_implementation(implementation)
+        outputs[implementation] = model.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                                 cache_implementation="static",
+                                                 compile_config=transformers.CompileConfig(fullgraph=True),
+                                                 return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    assert torch.equal(outputs["fa2tune"].sequences, outputs["sdpa"].sequences)
+    for got, want in zip(outputs["fa2tune"].logits, outputs["sdpa"].logits, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
