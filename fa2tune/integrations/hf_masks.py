@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config.decode_plan import SHORT_QUERY_TOKENS
+from ..launch.short_query import one_key_table
 
 FALLBACK_NOTE = "attention runs through PyTorch SDPA with a materialized mask (exact, without fa2tune's kernels)"
 
@@ -120,8 +121,9 @@ def _offsets(lengths: torch.Tensor) -> tuple[torch.Tensor, int]:
 class StepKeys:
     """A padded batch's generation step in tensors whose sizes do not change from step to step, for a step that
     runs inside a compiled graph (integrations.transformers._step_in_graph): positions (batch, kv_length) int32,
-    row b's kept key positions in order, then zeros; lengths (batch,) int32, how many row b keeps. Every query of
-    the step takes part, and meets the last `lengths[b]` kept keys bottom-right aligned, as in Rows."""
+    row b's kept key positions in order, then positions never read; lengths (batch,) int32, how many row b keeps.
+    Every query of the step takes part, and meets the last `lengths[b]` kept keys bottom-right aligned, as in
+    Rows."""
 
     positions: torch.Tensor
     lengths: torch.Tensor
@@ -134,12 +136,11 @@ class StepKeys:
 
     @classmethod
     def from_rows(cls, rows: Rows, batch: int, kv_length: int) -> StepKeys:
-        device = rows.k_pos.device
-        starts = rows.cu_seqlens_k[:-1].long()
-        index = torch.arange(rows.total_k, device=device) - starts[rows.k_batch]  # each key's place in its row
-        positions = torch.zeros(batch, kv_length, dtype=torch.int32, device=device)
-        positions[rows.k_batch, index] = rows.k_pos.to(torch.int32)
-        return cls(positions, rows.cu_seqlens_k.diff())
+        """The kept keys of Rows made by from_valid (one sequence a batch row)."""
+        lengths = rows.cu_seqlens_k.diff()
+        if not rows.total_k:  # no row keeps a key: one_key_table has no position to repeat past a row's end
+            return cls(torch.zeros(batch, kv_length, dtype=torch.int32, device=rows.k_pos.device), lengths)
+        return cls(one_key_table(rows.cu_seqlens_k[:-1], kv_length, rows.k_pos), lengths)
 
     def to(self, device: torch.device) -> StepKeys:
         if self.positions.device == device:

@@ -122,9 +122,9 @@ def dq_partner(x: KernelInputs, causal: bool | Mask):
     entry serves the calls whose dK/dV kernel leaves dQ to it: deterministic mode, V's own head dim, a dK/dV
     entry without fused dQ); None (resolved by the call) where it does not fuse dQ."""
     from ..api import selection
+    from ..launch.layout import as_mask
 
-    mask = causal if isinstance(causal, Mask) else Mask(causal=causal)
-    resolved = selection.config_for(None, "bwd_dkdv", x.q, x.k, x.v, mask, x.packing)
+    resolved = selection.config_for(None, "bwd_dkdv", x.q, x.k, x.v, as_mask(causal), x.packing)
     return replace(resolved, fused_dq=False) if resolved.fused_dq else None
 
 
