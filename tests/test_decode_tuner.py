@@ -122,6 +122,23 @@ def test_no_new_class_is_timed_after_the_timeout():
     assert result.measured == 1 and result.best == result.default  # the first class is always timed
 
 
+def test_the_timeout_counts_from_the_first_class_timed_not_from_the_builds(monkeypatch):
+    # Every class's kernels start building when the tune starts; the first reading waits for its build (30 s here,
+    # on a clock the test moves), and the timeout counts from that reading: 10 s of 4 s timings is three classes.
+    from fa2tune.tune import records
+
+    clock = [1000.0]
+    monkeypatch.setattr(records.time, "time", lambda: clock[0])
+
+    def slow_first(config):
+        clock[0] += 34.0 if not bench.timed[:-1] else 4.0  # the first class's build, then each timing
+        return _ms(config)
+
+    bench = _Recorded(slow_first)
+    result = _tune(_space(), bench, trials=1000, timeout_s=10.0)
+    assert result.measured + result.failed == 4  # read at 34 s, then classes starting at 34, 38 and 42 s
+
+
 def test_a_winner_that_fails_verification_gives_way_to_the_next():
     space = _space()
     wrong = DecodeConfig(block_n=128, num_warps=4, num_stages=2, programs_per_sm=8)

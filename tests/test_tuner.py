@@ -662,12 +662,12 @@ def test_a_timeout_shorter_than_the_first_timing_still_times_one_config():
 
 def test_batches_asked_ahead_are_not_timed_past_the_timeout(monkeypatch):
     # Two batches of 8 are asked before any is timed (one compiles while the other is timed); each timing takes 4 s
-    # of a clock the test moves. With a 10 s timeout the study times three configs (at 0, 4 and 8 s) and tells the
-    # rest of its batches pruned, untimed, with the reason.
-    from fa2tune.tune import strategy
+    # of a clock the test moves. With a 10 s timeout, counted from the first reading (in at 4 s), the study times
+    # four configs (starting at 0, 4, 8 and 12 s) and tells the rest of its batches pruned, untimed, with the reason.
+    from fa2tune.tune import records, strategy
 
     clock = [1000.0]
-    monkeypatch.setattr(strategy.time, "time", lambda: clock[0])  # the time module: the tuner's clock too
+    monkeypatch.setattr(records.time, "time", lambda: clock[0])  # the time module: the tuner's clock too
     table = _recorded(128, False)
     space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
     replay, _ = _replay(table)
@@ -681,15 +681,48 @@ def test_batches_asked_ahead_are_not_timed_past_the_timeout(monkeypatch):
     options = tuner.Options(trials=40, timeout_s=10.0, batch_size=8, remeasure_top=1,
                             prepare=lambda configs: lambda cfg: None)  # fmt: skip
     result = tuner.tune(target, measure, options)
-    assert result.measured == 3
+    assert result.measured == 4
     untimed = [r for r in result.history if r.ms is None and r.reason == strategy.NOT_TIMED]
-    assert len(untimed) == 16 - 3
+    assert len(untimed) == 16 - 4
     # A batch may repeat a config timed before the timeout (TPE proposes its best again): that trial gets its
     # reading, never "not timed". A later cut, other seeds, so that batches repeat timed configs.
     for seed in (2, 3):
         result = tuner.tune(target, measure, replace(options, timeout_s=60.0, seed=seed))
         timed = {r.config for r in result.history if r.ms is not None}
         assert timed and not timed & {r.config for r in result.history if r.reason == strategy.NOT_TIMED}
+
+
+def test_the_timeout_counts_from_the_first_reading_not_from_the_first_builds(monkeypatch):
+    # A lone study's first batch builds for 30 s (warp-specialized kernels at a head dim the cache has not seen)
+    # before anything can be timed. Counted from the study's start, a 10 s timeout left it one config; counted from
+    # its first reading it times configs for 10 s whatever the builds took.
+    from fa2tune.tune import records
+
+    clock = [1000.0]
+    monkeypatch.setattr(records.time, "time", lambda: clock[0])
+    table = _recorded(128, False)
+    space = sorted(table, key=lambda c: tuple(c.to_dict().values()))
+    replay, _ = _replay(table)
+    built = set()
+
+    def measure(cfg):
+        clock[0] += 4.0
+        return replay(cfg)
+
+    def prepare(configs):
+        def wait(cfg):
+            if not built:  # the first build of the study: the only slow one
+                clock[0] += 30.0
+            built.add(cfg)
+            return None
+
+        return wait
+
+    target = tuner.Target(device=known_gpu("h200"), kernel="fwd", head_dim=128, dtype=torch.bfloat16, causal=False,
+                          space=space, default=_TRITON_DEFAULT)  # fmt: skip
+    options = tuner.Options(trials=40, timeout_s=10.0, batch_size=8, remeasure_top=1, prepare=prepare)
+    result = tuner.tune(target, measure, options)
+    assert built and result.measured == 4  # read at 34 s, then timings starting at 34, 38 and 42 s
 
 
 def test_an_interrupted_study_leaves_no_trial_running_in_its_storage(tmp_path):

@@ -32,7 +32,7 @@ from ..config.inputs import DTYPES_BY_NAME
 from ..kernels import codegen
 from . import decode_space, decode_workload, verification
 from .finish import INCUMBENT_MARGIN
-from .records import OnTrial, Options, TrialRecord, failure_reason
+from .records import OnTrial, Options, TimingClock, TrialRecord, failure_reason
 from .strategy import REPEATS_BEFORE_EXPLORING
 from .timing import Timing
 
@@ -43,7 +43,7 @@ REMEASURE_TOP = Options.remeasure_top  # the fastest configs the finish times ag
 class DecodeSpec:
     """What to tune: the decode kernel at one head dim and dtype, timed on steps of `heads` query heads over `kv_heads`
     K/V heads (the interpreter's tiny steps take decode_workload.CPU_HEADS), and how long: `trials` classes timed at
-    most, no new one after timeout_s."""
+    most, no new one timeout_s after the first (records.TimingClock)."""
 
     head_dim: int
     dtype: str  # "bf16" | "fp16" | "fp32"
@@ -195,6 +195,7 @@ class _Search:
         self.history: list[TrialRecord] = []
         self.pruned = 0
         self.rng = random.Random(spec.seed)
+        self.clock = TimingClock(spec.timeout_s)
 
     def run(self) -> None:
         optuna.logging.set_verbosity(logging.WARNING)
@@ -226,9 +227,8 @@ class _Search:
         return min(self.spec.trials, len(self.space.classes))
 
     def _timed_out(self) -> bool:
-        """Whether no new class is to be timed: the timeout passed, once a class was timed."""
-        timeout = self.spec.timeout_s
-        return timeout is not None and bool(self.measured) and time.time() - self.start > timeout
+        """Whether no new class is to be timed: the timeout passed since the first class was timed."""
+        return self.clock.spent()
 
     def _tell(self, study: optuna.Study, trial: optuna.trial.Trial, proposed: DecodeConfig) -> bool:
         """Tells the trial its config's score; True when a class was timed for it."""
@@ -248,6 +248,7 @@ class _Search:
             trial.set_user_attr("reason", self.failures[config])
         else:
             self.measured[config] = ms
+            self.clock.reading_in()  # a failure does not start it: the search goes on until one class is timed
         self.history.append(TrialRecord(trial.number, config, ms if config in self.measured else None,
                                         self.failures.get(config)))  # fmt: skip
         study.tell(trial, ms)

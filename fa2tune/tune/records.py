@@ -1,8 +1,9 @@
 """The tuner's records: what to tune (Target), how to run the study (Options), one trial (TrialRecord), what the
-study found (TuneResult), and how a failure is written down (failure_reason)."""
+study found (TuneResult), how a failure is written down (failure_reason), and a study's --timeout (TimingClock)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -139,3 +140,27 @@ def failure_reason(exc: BaseException) -> str:
     """One line saying why a config failed: the exception's type and the first line of its message."""
     message = str(exc).strip()
     return f"{type(exc).__name__}: {message.splitlines()[0][:200] if message else ''}"
+
+
+class TimingClock:
+    """A study's timeout, counted from its first reading (a config timed, or failed to build or run).
+
+    What comes before that reading is the build of the first configs, which a study needs whatever its budget: a
+    warp-specialized kernel at a head dim the cache has not seen takes 20-40 s to compile, and counted against a
+    --timeout of 20 s it left a lone study (one not prefetched by the one before it) with one config timed.
+    """
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self.first_reading_at: float | None = None
+
+    def reading_in(self) -> None:
+        """Notes that a reading came in; the first one starts the clock."""
+        if self.first_reading_at is None:
+            self.first_reading_at = time.time()
+
+    def spent(self) -> bool:
+        """Whether the timeout has passed since the first reading (never before it: a study times its first)."""
+        if self.timeout_s is None or self.first_reading_at is None:
+            return False
+        return time.time() - self.first_reading_at > self.timeout_s

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections import deque
 
 import optuna
@@ -21,7 +20,7 @@ from ..config import planner
 from ..config.types import KernelConfig
 from . import study_trials
 from .cost import Cost
-from .records import Options, Target, TrialRecord, Wait
+from .records import Options, Target, TimingClock, TrialRecord, Wait
 from .search_space import Space, first_configs, params
 
 Batch = list[tuple[optuna.trial.Trial, KernelConfig]]
@@ -39,11 +38,12 @@ def open_study(target: Target, options: Options) -> optuna.Study:
     )
 
 
-def search(study: optuna.Study, target: Target, space: Space, options: Options, cost: Cost, start: float) -> None:
+def search(study: optuna.Study, target: Target, space: Space, options: Options, cost: Cost) -> None:
     """Times trials of the study through cost until the budget (options.trials, by every process sharing the
-    study), the space or the timeout is spent. Ctrl-C fails the trials this process holds, then propagates."""
+    study), the space or the timeout (counted from the study's first reading: records.TimingClock) is spent.
+    Ctrl-C fails the trials this process holds, then propagates."""
     _enqueue_first(study, target, space, options.trials)
-    _Search(study, target, space, options, cost, start).run()
+    _Search(study, target, space, options, cost).run()
 
 
 def _enqueue_first(study: optuna.Study, target: Target, space: Space, budget: int) -> None:
@@ -61,10 +61,8 @@ def _enqueue_first(study: optuna.Study, target: Target, space: Space, budget: in
 class _Search:
     """The ask/tell loop of one process over one study."""
 
-    def __init__(self, study, target: Target, space: Space, options: Options, cost: Cost, start: float) -> None:
-        self.study, self.target, self.space, self.options, self.cost, self.start = (
-            study, target, space, options, cost, start
-        )  # fmt: skip
+    def __init__(self, study, target: Target, space: Space, options: Options, cost: Cost) -> None:
+        self.study, self.target, self.space, self.options, self.cost = study, target, space, options, cost
         self.asked = 0
         self.repeats = 0
         self.rng = random.Random(options.seed)
@@ -72,6 +70,7 @@ class _Search:
         # Batches asked of Optuna, each with the wait for its compile.
         self.in_flight: deque[tuple[Batch, Wait]] = deque()
         self.depth = 2 if options.prepare is not None else 1
+        self.clock = TimingClock(options.timeout_s)
 
     def run(self) -> None:
         try:
@@ -85,10 +84,12 @@ class _Search:
                     # A batch asked ahead is not timed past the timeout either; a config timed (or failed) already
                     # still gets its reading.
                     known = cfg in self.cost.measured or cfg in self.cost.failures
-                    if self._out_of_time() and not known:
+                    if self.clock.spent() and not known:
                         self.cost.prune(trial, cfg, NOT_TIMED)
                     else:
                         self.cost.time_trial(trial, cfg, wait)
+                        if self.cost.measured or self.cost.failures:
+                            self.clock.reading_in()
         except KeyboardInterrupt:
             study_trials.abandon(self.study, self.opened)
             raise
@@ -120,13 +121,7 @@ class _Search:
             return True
         if all(c in timed_or_planned or c in self.cost.failures for c in self.space.feasible):
             return True  # the whole space is timed or failed: asking again would only repeat configs
-        return self._out_of_time()
-
-    def _out_of_time(self) -> bool:
-        """Whether the study's timeout has passed (once something is timed: a study always times its first config)."""
-        timeout_s = self.options.timeout_s
-        timed_out = timeout_s is not None and time.time() - self.start > timeout_s
-        return timed_out and bool(self.cost.measured or self.cost.failures)
+        return self.clock.spent()
 
     def _told_at_once(self, trial: optuna.trial.Trial, cfg: KernelConfig, batch: Batch) -> bool:
         """Tells the trial now where it needs no timing: the planner rejects cfg (pruned), cfg failed before
