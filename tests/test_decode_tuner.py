@@ -137,6 +137,10 @@ def test_the_timeout_counts_from_the_first_class_timed_not_from_the_builds(monke
     bench = _Recorded(slow_first)
     result = _tune(_space(), bench, trials=1000, timeout_s=10.0)
     assert result.measured + result.failed == 4  # read at 34 s, then classes starting at 34, 38 and 42 s
+    # a share of a run's wall time counts the builds: past it at the first reading
+    bench = _Recorded(slow_first)
+    result = _tune(_space(), bench, trials=1000, timeout_s=10.0, timeout_counts_builds=True)
+    assert result.measured + result.failed == 1
 
 
 def test_a_winner_that_fails_verification_gives_way_to_the_next():

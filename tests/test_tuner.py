@@ -723,6 +723,10 @@ def test_the_timeout_counts_from_the_first_reading_not_from_the_first_builds(mon
     options = tuner.Options(trials=40, timeout_s=10.0, batch_size=8, remeasure_top=1, prepare=prepare)
     result = tuner.tune(target, measure, options)
     assert built and result.measured == 4  # read at 34 s, then timings starting at 34, 38 and 42 s
+    # A share of a run's wall time (a tune without --timeout) counts the builds: past it at the first reading
+    built.clear()
+    result = tuner.tune(target, measure, replace(options, timeout_counts_builds=True))
+    assert result.measured == 1
 
 
 def test_an_interrupted_study_leaves_no_trial_running_in_its_storage(tmp_path):

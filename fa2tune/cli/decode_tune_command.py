@@ -42,7 +42,8 @@ def tune_decode(args: argparse.Namespace, devices: list[str]) -> int:
     check_writable(config_dir, target, None)
     spec = decode_tuner.DecodeSpec(head_dim=args.head_dim, dtype=args.dtype, heads=heads, kv_heads=kv_heads,
                                    trials=args.trials,
-                                   timeout_s=arguments.study_timeout(args.timeout, 1))  # fmt: skip
+                                   timeout_s=arguments.study_timeout(args.timeout, 1),
+                                   timeout_counts_builds=args.timeout is None)  # fmt: skip
     spec = replace(spec, incumbent=job.incumbent(spec, target))  # what the file holds is timed beside the rest
     note_interpreter(device)
     if device == "cpu":

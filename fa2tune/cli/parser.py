@@ -157,7 +157,8 @@ def _add_tune_budget(tune) -> None:
                            "for the key is timed beside them, whatever the budget)")  # fmt: skip
     tune.add_argument("--timeout", type=arguments.timeout, default=None,
                       help=f"seconds per study (>= {MIN_TIMEOUT_S:g}), counted from its first reading: no config is "
-                           f"timed after it (default: {RUN_BUDGET_S:g} s shared by the run's studies)")  # fmt: skip
+                           f"timed after it (default: {RUN_BUDGET_S:g} s of wall time shared by the run's studies, "
+                           "builds included)")  # fmt: skip
     tune.add_argument("--storage", type=arguments.storage, default=None,
                       help="where the trials are kept, to resume or share between workers: a database URL of "
                            f"{', '.join(STORAGE_DIALECTS)} (dialect+driver:// allowed), e.g. sqlite:///t.db, "

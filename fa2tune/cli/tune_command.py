@@ -112,8 +112,8 @@ def _specs(args: argparse.Namespace, seqlens: tuple[int, ...], storage: str | No
     specs = [
         job.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
                           seqlens=seqlens, tokens=args.tokens, trials=args.trials, timeout_s=timeout_s,
-                          storage=storage, window=args.window, varlen=args.varlen,
-                          seqlen_bucket=args.seqlen_bucket)
+                          timeout_counts_builds=args.timeout is None, storage=storage, window=args.window,
+                          varlen=args.varlen, seqlen_bucket=args.seqlen_bucket)
         for kernel in kernels for causal in causals
     ]  # fmt: skip
     specs = [replace(spec, incumbent=job.incumbent(spec, target)) for spec in specs]

@@ -43,7 +43,7 @@ REMEASURE_TOP = Options.remeasure_top  # the fastest configs the finish times ag
 class DecodeSpec:
     """What to tune: the decode kernel at one head dim and dtype, timed on steps of `heads` query heads over `kv_heads`
     K/V heads (the interpreter's tiny steps take decode_workload.CPU_HEADS), and how long: `trials` classes timed at
-    most, no new one timeout_s after the first (records.TimingClock)."""
+    most, no new one timeout_s after the first (records.TimingClock; timeout_counts_builds: after the tune's start)."""
 
     head_dim: int
     dtype: str  # "bf16" | "fp16" | "fp32"
@@ -51,6 +51,7 @@ class DecodeSpec:
     kv_heads: int
     trials: int = 40
     timeout_s: float | None = None
+    timeout_counts_builds: bool = False  # timeout_s is a share of the run's wall time (records.Options)
     seed: int = 0
     incumbent: DecodeConfig | None = None  # the config the file the tune writes holds for the key
 
@@ -195,7 +196,7 @@ class _Search:
         self.history: list[TrialRecord] = []
         self.pruned = 0
         self.rng = random.Random(spec.seed)
-        self.clock = TimingClock(spec.timeout_s)
+        self.clock = TimingClock(spec.timeout_s, start if spec.timeout_counts_builds else None)
 
     def run(self) -> None:
         optuna.logging.set_verbosity(logging.WARNING)

@@ -42,6 +42,7 @@ class StudySpec:
     tokens: int = 16384
     trials: int = 40
     timeout_s: float | None = None
+    timeout_counts_builds: bool = False  # timeout_s is a share of the run's wall time (records.Options)
     storage: str | None = None
     seed: int = 0  # workers of one study get different seeds, so their first proposals differ
     window: tuple[int, int] | None = None  # tune the band-mask variant at this (left, right) window
@@ -135,7 +136,8 @@ def run_study(
         target = tuner.Target(device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype, causal=spec.causal,
                               variant=spec.variant, space=space, default=default, incumbent=spec.incumbent)  # fmt: skip
         options = tuner.Options(
-            trials=spec.trials, timeout_s=spec.timeout_s, storage=open_storage(spec.storage),
+            trials=spec.trials, timeout_s=spec.timeout_s, timeout_counts_builds=spec.timeout_counts_builds,
+            storage=open_storage(spec.storage),
             verify=_verifier(spec, dtype, device_name, sizes.shape) if finalize else None,
             remeasure_top=3 if finalize else 1, seed=spec.seed, on_trial=on_trial,
             prepare=_preparer(spec, device_name, info, sizes.seqlens, pool, then) if pool is not None else None,

@@ -63,7 +63,10 @@ class Options:
             and a config another process timed or is timing is not timed again. The tune also stops once every
             config of the space is timed or failed.
         timeout_s: after this many seconds, ask no new trials and time none of those asked ahead (told pruned,
-            strategy.NOT_TIMED) — once a config is timed: a study always times its first.
+            strategy.NOT_TIMED) — once a config is timed: a study always times its first. Counted from the first
+            reading (TimingClock), or from the study's start with timeout_counts_builds.
+        timeout_counts_builds: the timeout is a share of a run's wall time (a tune without --timeout), which the
+            builds before the first reading spend too.
         storage: an Optuna storage or URL (sqlite:///tune.db, a journal file, an RDB server) shared by workers.
         verify: checks a winner's output; returns a reason to reject it, or None.
         remeasure_top: how many of the fastest configs the finish times again before naming a winner (1: none).
@@ -88,6 +91,7 @@ class Options:
 
     trials: int = 40
     timeout_s: float | None = None
+    timeout_counts_builds: bool = False
     storage: str | optuna.storages.BaseStorage | None = None
     verify: Verify | None = None
     remeasure_top: int = 3
@@ -143,24 +147,32 @@ def failure_reason(exc: BaseException) -> str:
 
 
 class TimingClock:
-    """A study's timeout, counted from its first reading (a config timed, or failed to build or run).
+    """A study's timeout: counted from its first reading (a config timed, or failed to build or run), or, where it is
+    a share of a run's wall time, from the study's start.
 
-    What comes before that reading is the build of the first configs, which a study needs whatever its budget: a
-    warp-specialized kernel at a head dim the cache has not seen takes 20-40 s to compile, and counted against a
-    --timeout of 20 s it left a lone study (one not prefetched by the one before it) with one config timed.
+    What comes before the first reading is the build of the first configs, which a study needs whatever its budget:
+    a warp-specialized kernel at a head dim the cache has not seen takes 20-40 s to compile, and counted against a
+    --timeout of 20 s it left a lone study (one not prefetched by the one before it) with one config timed. A share
+    of RUN_BUDGET_S (a tune without --timeout) counts those builds, so that the run keeps to its wall time. Either
+    way no config is timed past the timeout once one has a reading: a study always times its first.
     """
 
-    def __init__(self, timeout_s: float | None) -> None:
+    def __init__(self, timeout_s: float | None, started_at: float | None = None) -> None:
+        """started_at: when the clock starts, where the timeout counts the builds (time.time()); None: at the first
+        reading."""
         self.timeout_s = timeout_s
-        self.first_reading_at: float | None = None
+        self.started_at = started_at
+        self.has_reading = False
 
     def reading_in(self) -> None:
-        """Notes that a reading came in; the first one starts the clock."""
-        if self.first_reading_at is None:
-            self.first_reading_at = time.time()
+        """Notes that a reading came in; the first one starts a clock that has not started."""
+        if not self.has_reading:
+            self.has_reading = True
+            if self.started_at is None:
+                self.started_at = time.time()
 
     def spent(self) -> bool:
-        """Whether the timeout has passed since the first reading (never before it: a study times its first)."""
-        if self.timeout_s is None or self.first_reading_at is None:
+        """Whether the timeout has passed (never before the first reading)."""
+        if self.timeout_s is None or not self.has_reading:
             return False
-        return time.time() - self.first_reading_at > self.timeout_s
+        return time.time() - self.started_at > self.timeout_s

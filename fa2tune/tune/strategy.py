@@ -38,12 +38,12 @@ def open_study(target: Target, options: Options) -> optuna.Study:
     )
 
 
-def search(study: optuna.Study, target: Target, space: Space, options: Options, cost: Cost) -> None:
+def search(study: optuna.Study, target: Target, space: Space, options: Options, cost: Cost, start: float) -> None:
     """Times trials of the study through cost until the budget (options.trials, by every process sharing the
-    study), the space or the timeout (counted from the study's first reading: records.TimingClock) is spent.
-    Ctrl-C fails the trials this process holds, then propagates."""
+    study), the space or the timeout (records.TimingClock: from the first reading, or from `start`, the study's,
+    with Options.timeout_counts_builds) is spent. Ctrl-C fails the trials this process holds, then propagates."""
     _enqueue_first(study, target, space, options.trials)
-    _Search(study, target, space, options, cost).run()
+    _Search(study, target, space, options, cost, start).run()
 
 
 def _enqueue_first(study: optuna.Study, target: Target, space: Space, budget: int) -> None:
@@ -61,7 +61,7 @@ def _enqueue_first(study: optuna.Study, target: Target, space: Space, budget: in
 class _Search:
     """The ask/tell loop of one process over one study."""
 
-    def __init__(self, study, target: Target, space: Space, options: Options, cost: Cost) -> None:
+    def __init__(self, study, target: Target, space: Space, options: Options, cost: Cost, start: float) -> None:
         self.study, self.target, self.space, self.options, self.cost = study, target, space, options, cost
         self.asked = 0
         self.repeats = 0
@@ -70,7 +70,7 @@ class _Search:
         # Batches asked of Optuna, each with the wait for its compile.
         self.in_flight: deque[tuple[Batch, Wait]] = deque()
         self.depth = 2 if options.prepare is not None else 1
-        self.clock = TimingClock(options.timeout_s)
+        self.clock = TimingClock(options.timeout_s, start if options.timeout_counts_builds else None)
 
     def run(self) -> None:
         try:

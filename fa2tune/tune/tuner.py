@@ -48,7 +48,7 @@ def tune(target: Target, measure: Measure, options: Options | None = None) -> Tu
     space = search_space.build(target)
     study = strategy.open_study(target, options)
     cost = Cost(study, measure, options, start)
-    strategy.search(study, target, space, options, cost)
+    strategy.search(study, target, space, options, cost, start)
     if options.on_timed is not None:
         options.on_timed()
     return finish.finish(study, target, space, options, cost, start)
