@@ -615,3 +615,18 @@ def test_a_running_trial_without_any_heartbeat_goes_stale_from_its_start(tmp_pat
     study = optuna.load_study(study_name="s", storage=study_storage.open_storage(path))
     (frozen,) = study.get_trials()
     assert frozen.state == optuna.trial.TrialState.FAIL and frozen.user_attrs["reason"] == study_storage.STALE_REASON
+
+
+
+def test_a_dq_study_resolves_its_dkdv_partner_once_an_input_not_in_every_timed_run(interpreter_only, monkeypatch):
+    # The partner is a store lookup: inside the timed run it would add host time to every reading of a dQ config.
+    from fa2tune.config.types import KernelConfig, Mask
+    from fa2tune.tune import workload
+
+    real, resolved = workload.dq_partner, []
+    monkeypatch.setattr(workload, "dq_partner", lambda x, causal: resolved.append(x) or real(x, causal))
+    measure = workload.make_measure("bwd_dq", 16, torch.float16, Mask(causal=True), seqlens=(32, 64), device="cpu",
+                                    tokens=64, width=32)  # fmt: skip
+    assert resolved == measure.inputs  # one an input
+    resolved.clear()
+    assert measure(KernelConfig(16, 16, 4, 1)) > 0 and not resolved

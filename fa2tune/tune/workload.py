@@ -100,11 +100,15 @@ def kernel_inputs(
     return KernelInputs(q, k, v, o, lse, torch.randn_like(o), packing)
 
 
-def run_kernel(kernel: str, cfg, x: KernelInputs, causal: bool | Mask):
+_RESOLVE = object()  # run_kernel's partner, not worked out by the caller
+
+
+def run_kernel(kernel: str, cfg, x: KernelInputs, causal: bool | Mask, partner=_RESOLVE):
     """Runs `kernel` with `cfg` (a backward kernel: the whole backward, the other kernel at its resolved config).
 
     A dQ config runs beside the resolved dK/dV config's twin without dQ fused in (dq_partner): where the resolved
-    one fuses dQ, no dQ kernel would run, and every dQ config would time the same."""
+    one fuses dQ, no dQ kernel would run, and every dQ config would time the same. partner: that config as
+    dq_partner gave it for x, where the caller runs x many times (make_measure: not resolved in every timed run)."""
     from ..api import ops
 
     scale = x.q.shape[-1] ** -0.5
@@ -113,7 +117,7 @@ def run_kernel(kernel: str, cfg, x: KernelInputs, causal: bool | Mask):
     if kernel == "bwd_dkdv":
         configs = {"dkdv_config": cfg}
     else:
-        configs = {"dq_config": cfg, "dkdv_config": dq_partner(x, causal)}
+        configs = {"dq_config": cfg, "dkdv_config": dq_partner(x, causal) if partner is _RESOLVE else partner}
     return ops.backward(x.do, x.q, x.k, x.v, x.o, x.lse, causal=causal, scale=scale, packing=x.packing, **configs)
 
 
@@ -162,10 +166,13 @@ def make_measure(
     if with_forward and kernel == "fwd":
         raise ValueError("with_forward times a backward kernel inside the training call; kernel is 'fwd'")
 
+    # a dQ study's dK/dV partner, resolved once for each input rather than in every timed run
+    partners = {id(x): dq_partner(x, causal) if kernel == "bwd_dq" else None for x in inputs}
+
     def run(cfg, x):
         if with_forward:
             run_kernel("fwd", None, x, causal)  # None: the forward's resolved config, as a call would run it
-        return run_kernel(kernel, cfg, x, causal)
+        return run_kernel(kernel, cfg, x, causal, partners[id(x)])
 
     def measure(cfg) -> float:
         total = 0.0
