@@ -152,31 +152,36 @@ def _step_in_graph(plan: MaskPlan, query, key, value, scaling) -> torch.Tensor |
     batch, _, q_length, _ = query.shape
     if (plan.batch, plan.q_length, plan.kv_length) != (batch, q_length, key.shape[2]):
         return None
-    if any(t.stride(-1) != 1 for t in (query, key, value)) or _rows_apart(key, value) is None:
+    if any(t.stride(-1) != 1 for t in (query, key, value)):
         return None
     check_qkv(query, key, value)
     query, key, value, scale = _prepared(query, key, value, scaling)
+    per_row = _rows_apart(key, value)
+    if per_row is None:
+        return None
     window = _binding(plan.pattern, max(q_length, plan.kv_length))
     step = plan.step.to(query.device)
-    return torch.ops.fa2tune.padded_step(query, key, value, step.positions, step.lengths, scale, plan.pattern.causal,
+    # the block table in the graph, not inside the op (opaque to the compiler, which can then neither fuse it nor
+    # share it between layers whose caches have the same strides)
+    table = step.positions + torch.arange(batch, device=query.device, dtype=torch.int32)[:, None] * per_row
+    return torch.ops.fa2tune.padded_step(query, key, value, table, step.lengths, scale, plan.pattern.causal,
                                          list(window) if window is not None else [-1, -1])  # fmt: skip
 
 
 @torch.library.custom_op("fa2tune::padded_step", mutates_args=())
-def _padded_step_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+def _padded_step_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, table: torch.Tensor,
                     lengths: torch.Tensor, scale: float, causal: bool, window: list[int]) -> torch.Tensor:  # fmt: skip
-    """A generation step on the decode kernels, K and V read in place as one-key pages; StepKeys' positions and
-    lengths say which keys each row keeps. Its own op, not fa2tune::kvcache: that one declares that it writes the
-    caches (its append), which a compiled graph would answer by copying them."""
-    k_pages, v_pages, per_row = _one_key_pages(key, value)
-    rows = torch.arange(query.shape[0], device=positions.device, dtype=torch.int32)[:, None]
-    table = positions + rows * per_row
+    """A generation step on the decode kernels, K and V read in place as one-key pages: table (batch, kv_length)
+    int32, each row's kept keys as pages (StepKeys' positions + b · _rows_apart), lengths how many it keeps. Its own
+    op, not fa2tune::kvcache: that one declares that it writes the caches (its append), which a compiled graph would
+    answer by copying them."""
+    k_pages, v_pages, _ = _one_key_pages(key, value)
     return flash_attn_with_kvcache(query.transpose(1, 2), k_pages, v_pages, cache_seqlens=lengths, block_table=table,
                                    softmax_scale=scale, causal=causal, window_size=(window[0], window[1]))  # fmt: skip
 
 
 @_padded_step_op.register_fake
-def _(query, key, value, positions, lengths, scale, causal, window):
+def _(query, key, value, table, lengths, scale, causal, window):
     batch, heads, q_length, _ = query.shape
     return query.new_empty(batch, q_length, heads, value.shape[-1])
 
