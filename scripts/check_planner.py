@@ -30,11 +30,12 @@ from fa2tune.config.inputs import DTYPES_BY_NAME
 from fa2tune.config.types import KernelConfig
 
 
-def _compile(job: tuple[str, int, str, KernelConfig, tuple[int, int], bool]) -> dict:
+def _compile(job: tuple[str, int, str, KernelConfig, tuple[int, int], bool, int]) -> dict:
     from fa2tune.tune.probe import compile_config, cuobjdump
 
-    kernel, head_dim, dtype, cfg, capability, causal = job
-    report = compile_config(kernel, cfg, head_dim, DTYPES_BY_NAME[dtype], causal=causal, capability=capability)
+    kernel, head_dim, dtype, cfg, capability, causal, seqlen = job
+    report = compile_config(kernel, cfg, head_dim, DTYPES_BY_NAME[dtype], causal=causal, capability=capability,
+                            seqlen=seqlen)  # fmt: skip
     stack = ""
     if report.cubin is not None and cfg.warp_specialized:
         usage = cuobjdump(report.cubin, "-res-usage").split()
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summarize", action="store_true", help="only print the comparison table of an existing CSV")
     parser.add_argument("--warpspec", action="store_true",
                         help="the warp-specialized candidates the planner accepts, plain and causal (see above)")
+    parser.add_argument("--seqlen", type=int, default=8192,
+                        help="the example call's length the compiles specialize for: one that is not a multiple of 16 "
+                             "compiles the code such calls run (fa2tune.tune.probe.compile_config)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.summarize:
         print(summarize(args.csv, args.gpu))
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.warpspec:
         dtype = DTYPES_BY_NAME[args.dtype]
         jobs = [
-            (kernel, head_dim, args.dtype, cfg, info.capability, causal)
+            (kernel, head_dim, args.dtype, cfg, info.capability, causal, args.seqlen)
             for kernel in args.kernels.split(",")
             for head_dim in map(int, args.head_dims.split(","))
             for cfg in planner.candidates(kernel)
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
     else:
         jobs = [
-            (kernel, head_dim, args.dtype, cfg, info.capability, True)
+            (kernel, head_dim, args.dtype, cfg, info.capability, True, args.seqlen)
             for kernel in args.kernels.split(",")
             for head_dim in map(int, args.head_dims.split(","))
             for cfg in planner.candidates()

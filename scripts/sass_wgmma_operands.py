@@ -100,8 +100,9 @@ def _reused_operands(body: list[str]) -> tuple[str, ...]:
     return tuple(found)
 
 
-def compile_sass(kernel: str, config: str, head_dim: int, causal: bool) -> str:
-    """sm_90 SASS of one config of `kernel`, compiled without a GPU."""
+def compile_sass(kernel: str, config: str, head_dim: int, causal: bool, seqlen: int | None = None) -> str:
+    """sm_90 SASS of one config of `kernel`, compiled without a GPU, as a call of `seqlen` tokens specializes it (None:
+    probe.EXAMPLE_SEQLEN, a multiple of 16)."""
     os.environ.pop("TRITON_INTERPRET", None)
     import torch
 
@@ -109,7 +110,8 @@ def compile_sass(kernel: str, config: str, head_dim: int, causal: bool) -> str:
     from fa2tune.tune import probe
 
     cfg = KernelConfig.parse(config)
-    report = probe.compile_config(kernel, cfg, head_dim, torch.bfloat16, causal=causal)
+    report = probe.compile_config(kernel, cfg, head_dim, torch.bfloat16, causal=causal,
+                                  seqlen=seqlen or probe.EXAMPLE_SEQLEN)  # fmt: skip
     if report.error:
         sys.exit(f"{cfg.label()}: {report.error}")
     return probe.cuobjdump(report.cubin, "-sass")
@@ -125,6 +127,13 @@ def add_compile_arguments(parser: argparse.ArgumentParser, kernel: str, config: 
         default=config,
         help="block_m,block_n,warps,stages[,switch words of KernelConfig.label] (KernelConfig.parse)",
     )
+    parser.add_argument(
+        "--seqlen",
+        type=int,
+        default=None,
+        help="the call's length the compile specializes for (default 8192; one that is not a multiple of 16 compiles "
+        "the code such a call runs)",
+    )
 
 
 def main() -> None:
@@ -136,7 +145,7 @@ def main() -> None:
         with open(args.sass) as f:
             sass = f.read()
     else:
-        sass = compile_sass(args.kernel, args.config, args.head_dim, args.causal)
+        sass = compile_sass(args.kernel, args.config, args.head_dim, args.causal, args.seqlen)
     reports = innermost_hgmma_loops(parse(sass))
     for r in reports:
         print(f"loop {r.start:#06x}-{r.end:#06x}: {r.hgmmas} HGMMA, register A operands from "

@@ -410,11 +410,19 @@ _ATTRS_PROBE = """
 import json, torch
 from fa2tune.tune import probe
 from fa2tune.config.types import KernelConfig
-seen = []
-probe._compile = lambda source, target, options: seen.append(source)
-probe.compile_config("bwd_dkdv", KernelConfig.parse("64,128,4,3,ws,fused-dq,persistent"), 64, torch.bfloat16)
-kinds = list(seen[0].signature.values())
-print(json.dumps([[kind, seen[0].attrs.get((index,))] for index, kind in enumerate(kinds) if kind.startswith("*")]))
+out = []
+for kernel, config, seqlen in (("bwd_dkdv", "64,128,4,3,ws,fused-dq,persistent", 8192),
+                               ("bwd_dkdv", "64,128,4,3,ws,fused-dq,persistent", 3000),
+                               ("fwd", "128,128,4,2,ws,persistent", 8192)):
+    seen = []
+    probe._compile = lambda source, target, options: seen.append(source)
+    probe.compile_config(kernel, KernelConfig.parse(config), 64, torch.bfloat16, seqlen=seqlen)
+    names = seen[0].fn.arg_names
+    kinds = {name: seen[0].signature[name] for name in names}
+    attrs = {name: seen[0].attrs.get((index,)) for index, name in enumerate(names)}
+    constants = {name: seen[0].constants.get((index,)) for index, name in enumerate(names)}
+    out.append({"kinds": kinds, "attrs": attrs, "constants": constants})
+print(json.dumps(out))
 """
 
 
@@ -430,13 +438,24 @@ def _probe(script: str, *args: str, timeout: int = 600):
 
 
 @ON_WS_TRITON
-def test_offline_compiles_specialize_pointers_as_a_launch_does():
-    # Triton's JIT marks a 16-byte-aligned tensor argument tt.divisibility=16, which lets the compiler vectorize its
-    # loads; an offline compile (probe, hence the register and SASS checks here) must too, or it reads other code
-    # than runs (an in-kernel dQ cast compiled so showed scalar loads and more stack: docs/HISTORY.md, "Backward").
-    pointers = _probe(_ATTRS_PROBE, timeout=300)
-    assert [kind for kind, _ in pointers] == ["*fp32", "*fp32"]  # LSE, DELTA
-    assert all(attrs == [["tt.divisibility", 16]] for _, attrs in pointers)
+def test_offline_compiles_specialize_arguments_as_a_launch_does():
+    # Triton's JIT marks a 16-byte-aligned tensor argument, and an int divisible by 16, tt.divisibility=16, which lets
+    # the compiler vectorize the loads they address and bound, and passes an int equal to 1 as a constant; an offline
+    # compile (probe, hence the register and SASS checks here) must too, or it reads other code than runs (an in-kernel
+    # dQ cast compiled without the pointers' showed scalar loads and more stack: docs/HISTORY.md, "Backward"; without
+    # the lengths', the d=128 dK/dV step issued 613 instructions where a call of 8192 tokens runs 545).
+    divisible = [["tt.divisibility", 16]]
+    aligned, ragged, forward = _probe(_ATTRS_PROBE, timeout=300)
+    pointers = [name for name, kind in aligned["kinds"].items() if kind.startswith("*")]
+    assert pointers == ["LSE", "DELTA"] and all(aligned["attrs"][name] == divisible for name in pointers)
+    lengths = ("N_Q", "N_K", "stride_lh")  # the logsumexp's head stride is the query length
+    assert all(aligned["kinds"][name] == "i32" and aligned["attrs"][name] == divisible for name in lengths)
+    assert all(ragged["kinds"][name] == "i32" and ragged["attrs"][name] is None for name in lengths)
+    assert ragged["attrs"]["stride_lb"] == divisible  # 16 heads × 3000
+    assert aligned["kinds"]["GROUP"] == "constexpr" and aligned["constants"]["GROUP"] == 1  # one query head a K/V head
+    # the split tail's counts are do_not_specialize: one binary whether a launch splits its tail or not
+    assert forward["kinds"]["MAIN"] == forward["kinds"]["SPLIT"] == "i32"
+    assert forward["attrs"]["MAIN"] is None and forward["attrs"]["SPLIT"] is None
 
 
 # A spill of two registers around a loop (8 B of stack) is not the register model's business: Triton 3.9 keeps one

@@ -51,18 +51,36 @@ def cuobjdump(cubin: bytes, *options: str) -> str:
                               check=True).stdout  # fmt: skip
 
 
-def _example_ints(head_dim_pad: int, heads: int, group: int) -> dict[str, int]:
-    # A (batch, heads, 8192, d) contiguous layout: every stride a multiple of 16, as in real use.
-    seqlen = 8192
+EXAMPLE_SEQLEN = 8192  # the example call's lengths: a multiple of 16, as every tuning length is
+_EXAMPLE_BATCH = 2
+
+
+def _example_ints(head_dim_pad: int, heads: int, group: int, seqlen: int = EXAMPLE_SEQLEN) -> dict[str, int]:
+    """The int arguments of an example call: a (2, heads, seqlen, d) contiguous layout, whose strides are multiples
+    of 16 as in real use, and whose lengths and logsumexp strides are multiples of 16 where seqlen is."""
     return {
         "stride_b": heads * seqlen * head_dim_pad,
         "stride_h": seqlen * head_dim_pad,
         "stride_m": head_dim_pad,
         "H_Q": heads,
+        "H_KV": heads // group,
         "GROUP": group,
         "stride_lb": heads * seqlen,  # the fp32 logsumexp (batch, heads, seqlen)
         "stride_lh": seqlen,
+        "N_Q": seqlen,
+        "N_K": seqlen,
+        # a persistent launch's work units: (batch, head) pairs times tiles, so as divisible as batch·heads
+        "TILES": _EXAMPLE_BATCH * heads * max(1, seqlen // 128),
     }
+
+
+def _int_specialization(value: int) -> tuple[str, object]:
+    """How Triton's JIT passes an int argument of this value (not in do_not_specialize): ("constexpr", 1) for 1;
+    else ("i32", attrs), attrs marking it divisible by 16 where it is (which lets the compiler vectorize loads it
+    bounds or offsets), None where not."""
+    if value == 1:
+        return "constexpr", 1
+    return "i32", [["tt.divisibility", 16]] if value % 16 == 0 else None
 
 
 def compile_config(
@@ -76,11 +94,16 @@ def compile_config(
     banded: bool = False,
     varlen: bool = False,
     head_dim_v: int | None = None,
+    seqlen: int = EXAMPLE_SEQLEN,
 ) -> CompileReport:
     """Compiles `kernel` ("fwd", "bwd_dkdv", "bwd_dq") with `config` for a CUDA target of this capability.
 
     banded / varlen: the window/prefix and packed-sequence variants (ragged tails, as they always are).
-    head_dim_v: V's head dim (and O's, dO's, dV's), where it is not Q's and K's head_dim; None: the same."""
+    head_dim_v: V's head dim (and O's, dO's, dV's), where it is not Q's and K's head_dim; None: the same.
+    seqlen: the example call's query and key length. The JIT compiles a length that is not a multiple of 16 (and the
+    logsumexp's head stride, which is the length) without their divisibility, which is other code in the kernels that
+    read the logsumexp per step (the warp-specialized dK/dV kernel's step: docs/PERF.md, "Lengths that are not a
+    multiple of a tile"); the default is a multiple of 16."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -88,7 +111,7 @@ def compile_config(
         raise RuntimeError("compile_config needs Triton's compiler: unset TRITON_INTERPRET in this process")
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     if config.warp_specialized:
-        return _compile_warpspec(kernel, config, head_dim, dtype, causal, target, head_dim_v)
+        return _compile_warpspec(kernel, config, head_dim, dtype, causal, target, head_dim_v, seqlen)
     template, name = codegen.TEMPLATE_OF[kernel], f"_attn_{kernel}"  # the template's kernel of that name
     variant = Variant.for_template(
         template, causal=causal, banded=banded, varlen=varlen, even_m=True, even_n=True, pipeline_qk=config.pipeline_qk,
@@ -96,7 +119,7 @@ def compile_config(
     )  # fmt: skip
     fn = getattr(codegen.load(template, variant), name)
     head_dim_pad = planner.head_dim_padded(head_dim)
-    ints = _example_ints(head_dim_pad, heads=16, group=1)
+    ints = _example_ints(head_dim_pad, heads=16, group=1, seqlen=seqlen)
     signature: dict[str, str] = {}
     constexprs: dict[str, object] = {
         **head_dim_options(head_dim, head_dim_v or head_dim),
@@ -127,13 +150,11 @@ def compile_config(
             # stride_qm / stride_kn / ... are row strides; stride_*b and stride_*h batch and head strides.
             axis = {"b": "stride_b", "h": "stride_h", "m": "stride_m", "n": "stride_m"}
             value = ints.get(arg) or (ints[axis[arg[-1]]] if arg.startswith("stride_") else ints[arg])
-            if value == 1:
-                signature[arg] = "constexpr"
-                constexprs[arg] = 1
-            else:
-                signature[arg] = "i32"
-                if value % 16 == 0:
-                    attrs[(index,)] = [["tt.divisibility", 16]]
+            signature[arg], spec = _int_specialization(value)
+            if signature[arg] == "constexpr":
+                constexprs[arg] = spec
+            elif spec is not None:
+                attrs[(index,)] = spec
     source = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     return _compile(source, target, {"num_warps": config.num_warps, "num_stages": config.num_stages})
 
@@ -156,10 +177,13 @@ def _compile_warpspec(
     causal: bool,
     target,
     head_dim_v: int | None = None,
+    seqlen: int = EXAMPLE_SEQLEN,
 ) -> CompileReport:
     """A Gluon kernel (fwd_ws, bwd_ws for bwd_dkdv, bwd_dq_ws for bwd_dq) as warpspec.compiled_form launches it: its
-    TMA descriptors' types come from CPU tensors of a (2, 16, 8192, head_dim) layout (V's side: head_dim_v), which
-    carry the shapes, strides and block layouts a real launch specializes on."""
+    TMA descriptors' types come from CPU tensors of a (2, 16, seqlen, head_dim) layout (V's side: head_dim_v), which
+    carry the shapes, strides and block layouts a real launch specializes on, and its int arguments are those of
+    that call (_example_ints: lengths, logsumexp strides, heads, one query head a K/V head) as the JIT specializes
+    them."""
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
@@ -167,8 +191,9 @@ def _compile_warpspec(
 
     head_dim_v = None if head_dim_v == head_dim else head_dim_v  # as the launcher asks for it
     fn, blocks, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal, head_dim_v)
-    x = torch.empty(2, 16, 8192, head_dim, dtype=dtype)
-    x_v = torch.empty(2, 16, 8192, head_dim_v or head_dim, dtype=dtype)  # V, O, dO, dV
+    x = torch.empty(_EXAMPLE_BATCH, 16, seqlen, head_dim, dtype=dtype)
+    x_v = torch.empty(_EXAMPLE_BATCH, 16, seqlen, head_dim_v or head_dim, dtype=dtype)  # V, O, dO, dV
+    ints = _example_ints(planner.head_dim_padded(head_dim), heads=16, group=1, seqlen=seqlen)
     sides = {"q": "q", "o": "o", "do": "o", "dq": "q", "k": "k", "v": "v", "dk": "k", "dv": "v"}
     descriptors = {}
     for arg in fn.arg_names:  # q_desc, or q_desc0, q_desc1, … a head-dim chunk each
@@ -181,16 +206,24 @@ def _compile_warpspec(
         for index, block in enumerate(warpspec.dq_partial_blocks(blocks["q"])):
             descriptors[f"dqacc_desc{index}"] = warpspec._descriptor(dq_acc, block)
     scalars = {"LSE": "*fp32", "DELTA": "*fp32", "PART_O": "*fp32", "PART_LSE": "*fp32", "qk_scale": "fp32",
-               "scale": "fp32", "GROUP": "i32"}  # fmt: skip
+               "scale": "fp32"}  # fmt: skip
     signature, constexprs, attrs = {}, {}, {}
     for index, (arg, param) in enumerate(zip(fn.arg_names, fn.params, strict=True)):
         if param.is_constexpr:
             signature[arg] = "constexpr"
             constexprs[(index,)] = kwargs[arg]
-        else:
-            signature[arg] = mangle_type(descriptors[arg]) if arg in descriptors else scalars.get(arg, "i32")
+        elif arg in descriptors or arg in scalars:
+            signature[arg] = mangle_type(descriptors[arg]) if arg in descriptors else scalars[arg]
             if signature[arg].startswith("*"):
                 attrs[(index,)] = [["tt.divisibility", 16]]  # as the JIT specializes a 16-byte-aligned tensor
+        elif param.do_not_specialize or arg not in ints:  # the split tail's counts: one binary for every value
+            signature[arg] = "i32"
+        else:
+            signature[arg], spec = _int_specialization(ints[arg])
+            if signature[arg] == "constexpr":
+                constexprs[(index,)] = spec
+            elif spec is not None:
+                attrs[(index,)] = spec
     options = {name: kwargs[name] for name in ("num_warps", "maxnreg") if name in kwargs}
     return _compile(GluonASTSource(fn, signature, constexprs, attrs), target, options)
 
