@@ -437,3 +437,50 @@ def test_every_entry_point_runs_under_inference_mode(device):
             cu = cu.clone()  # an inference tensor, as offsets made inside inference_mode are
             got = call()
         assert_close(got, want.double(), F32, what=name)
+
+
+def test_function_transforms_and_forward_mode_ad_are_refused_not_dropped(device):
+    # The kernels have no batching rule and no forward derivative. Under torch.func's transforms the eager path took
+    # the wrapped tensors for plain ones (a crash reading their data), and a forward-mode AD tangent on a plain
+    # tensor was dropped: a JVP of 0 with no error. Each is now a NotImplementedError that says what to do.
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = _qkv(device)
+    transforms = {
+        "vmap": lambda: torch.vmap(fa2tune.attention)(q[None], k[None], v[None]),
+        "grad": lambda: torch.func.grad(lambda a: fa2tune.attention(a, k, v).sum())(q),
+        "jvp": lambda: torch.func.jvp(lambda a: fa2tune.attention(a, k, v), (q,), (q,)),
+        "vmap of flash_attn_func": lambda: torch.vmap(fa2tune.flash_attn_func)(q[None], k[None], v[None]),
+        "vmap of kvcache": lambda: torch.vmap(fa2tune.flash_attn_with_kvcache)(q[None, :, :1], k[None], v[None]),
+    }
+    for name, call in transforms.items():
+        with pytest.raises(NotImplementedError, match=r"does not run under torch.func transforms"):
+            call()
+            pytest.fail(f"{name}: no error")
+    with fwAD.dual_level():
+        for index, name in enumerate("qkv"):
+            args = [q, k, v]
+            args[index] = fwAD.make_dual(args[index], torch.randn_like(args[index]))
+            with pytest.raises(NotImplementedError, match=rf"^{name} carries a forward-mode AD tangent"):
+                fa2tune.attention(*args, causal=True)
+        plain = fa2tune.attention(q, k, v, causal=True)  # no tangent: an ordinary call inside a dual level
+    assert_close(plain, _reference(q, k, v, causal=True), F32)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [lambda q, k, v, **kw: fa2tune.flash_attn_func(q, k, v, **kw),
+     lambda q, k, v, **kw: fa2tune.flash_attn_with_kvcache(q, k, v, **kw)],
+    ids=["flash_attn_func", "flash_attn_with_kvcache"],
+)  # fmt: skip
+def test_flash_attn_entry_points_name_their_own_arguments(call, device):
+    # flash_attn's arguments are window_size and softmax_scale; an error names them so, not attention()'s names
+    q, k, v = (t.transpose(1, 2) for t in _qkv(device))
+    with pytest.raises(TypeError, match=r"^window_size must be None or a \(left, right\) pair of ints, got 5"):
+        call(q, k, v, window_size=5)
+    with pytest.raises(ValueError, match=r"^window_size sides must be >= -1"):
+        call(q, k, v, window_size=(-2, 0))
+    with pytest.raises(ValueError, match=r"^softmax_scale must be a positive finite number"):
+        call(q, k, v, softmax_scale=-1.0)
+    with pytest.raises(TypeError, match=r"^softmax_scale must be a float or None, got a torch.Tensor"):
+        call(q, k, v, softmax_scale=torch.tensor(0.5))

@@ -216,6 +216,22 @@ def test_sdpa_refuses_what_it_cannot_run_naming_the_argument(kwargs, error, word
         fa2tune.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
+def test_sdpa_and_its_patch_follow_autocast_as_pytorchs_sdpa(device):
+    # SDPA is one of autocast's lower-precision ops: under torch.autocast its float32 inputs run in autocast's dtype
+    # and so does its output, and inputs of mixed dtypes are cast alike. fa2tune's stand-ins must give the same: the
+    # result in bfloat16, computed from the bfloat16-rounded inputs, not a float32 result nor a dtype error.
+    q, k, v = _tensors((1, 2, 2, 24, 24, 32), torch.float32, device, seed=7)
+    want = sdpa.TORCH_SDPA(*(t.to(torch.bfloat16).double() for t in (q, k, v)), is_causal=True)
+    with torch.autocast(device_type=q.device.type, dtype=torch.bfloat16):
+        outs = {"fa2tune": fa2tune.scaled_dot_product_attention(q, k, v, is_causal=True),
+                "mixed dtypes": fa2tune.scaled_dot_product_attention(q.to(torch.bfloat16), k, v, is_causal=True)}
+        with fa2tune.patch_sdpa():
+            outs["patch_sdpa"] = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for name, out in outs.items():
+        assert out.dtype == torch.bfloat16, (name, out.dtype)
+        assert_close(out, want, torch.bfloat16, what=name)
+
+
 # ---- patch_sdpa ------------------------------------------------------------------------------------------------
 
 

@@ -305,7 +305,7 @@ def test_decode_steps_replay_in_a_cuda_graph():
         (dict(block_table=torch.zeros(2, 2)), TypeError, "block_table must be a 2-D torch.int32"),
         (dict(num_splits=-1), ValueError, "num_splits must be an int in 0..128"),
         (dict(num_splits=1.5), TypeError, "num_splits must be an int"),
-        (dict(window_size=[-2, 0]), ValueError, "window sides must be >= -1"),
+        (dict(window_size=[-2, 0]), ValueError, "window_size sides must be >= -1"),
     ],
 )
 def test_bad_arguments_are_named(change, error, words, device):

@@ -164,9 +164,10 @@ def _check_config(config: object) -> KernelConfig | None:
 _PLAIN_MASKS = {False: Mask(causal=False), True: Mask(causal=True)}
 
 
-def _mask(causal: object, window: object, prefix_len: object) -> Mask:
-    """attention()'s mask arguments, checked, as a Mask."""
+def _mask(causal: object, window: object, prefix_len: object, window_name: str = "window") -> Mask:
+    """attention()'s mask arguments, checked, as a Mask; window_name: the window's argument as the caller's API
+    spells it (flash_attn's window_size)."""
     if window is None and type(prefix_len) is int and prefix_len == 0 and type(causal) is bool:
         return _PLAIN_MASKS[causal]
-    return Mask(causal=check_flag("causal", causal), window=check_window(window),
+    return Mask(causal=check_flag("causal", causal), window=check_window(window, window_name),
                 prefix_len=check_prefix_len(prefix_len))  # fmt: skip

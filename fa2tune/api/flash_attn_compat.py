@@ -143,8 +143,8 @@ def _attend(q, k, v, causal, window_size, softmax_scale, packing: Packing | None
     path with the backward's configs chosen as torch.use_deterministic_algorithms(True) chooses them."""
     # flash_attn's "no window" default as attention()'s None, whose mask is kept once (attention._mask)
     unbounded = isinstance(window_size, (tuple, list)) and tuple(window_size) == (-1, -1)
-    mask = _mask(causal, None if unbounded else window_size, 0)
-    scale = check_scale(softmax_scale, q.shape[-1])
+    mask = _mask(causal, None if unbounded else window_size, 0, "window_size")
+    scale = check_scale(softmax_scale, q.shape[-1], "softmax_scale")
     if not check_flag("deterministic", deterministic) or not launcher.needs_grad(q, k, v):
         return _apply(q, k, v, mask, scale, None, packing)
     if launcher.is_eager(q, k, v):

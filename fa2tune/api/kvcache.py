@@ -79,8 +79,8 @@ def flash_attn_with_kvcache(
     check_flag("rotary_interleaved", rotary_interleaved)
     q = unit_last_stride(q)
     cache = check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
-    scale = check_scale(softmax_scale, q.shape[-1])
-    left, right, _ = Mask(causal=check_flag("causal", causal), window=check_window(window_size)).bounds(
+    scale = check_scale(softmax_scale, q.shape[-1], "softmax_scale")
+    left, right, _ = Mask(causal=check_flag("causal", causal), window=check_window(window_size, "window_size")).bounds(
         q.shape[1], cache.capacity)
     splits = check_splits(num_splits)
     if values_checked_per_call():

@@ -60,8 +60,23 @@ def scaled_dot_product_attention(
     return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, TORCH_SDPA)
 
 
+def autocast_inputs(query, key, value):
+    """query, key and value as PyTorch's SDPA takes them under autocast: where autocast is on for query's device
+    type, each floating tensor but a float64 one in autocast's dtype (SDPA is one of autocast's lower-precision
+    ops), else as they came. An attn_mask is left alone: fa2tune reads only which keys it hides, and a mask it
+    leaves to PyTorch's SDPA is cast there."""
+    if not isinstance(query, torch.Tensor) or not torch.is_autocast_enabled(query.device.type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(query.device.type)
+    return tuple(
+        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in (query, key, value)
+    )
+
+
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, slow):
     """scaled_dot_product_attention, with `slow` the SDPA that computes the masks the kernels do not take."""
+    query, key, value = autocast_inputs(query, key, value)
     _check_dropout(dropout_p)
     is_causal, enable_gqa = check_flag("is_causal", is_causal), check_flag("enable_gqa", enable_gqa)
     query, key, value = (unit_last_stride(t) for t in (query, key, value))
@@ -247,6 +262,7 @@ def patch_sdpa() -> SdpaPatch:
 def _patched(replaced):
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                      enable_gqa=False):  # fmt: skip
+        query, key, value = autocast_inputs(query, key, value)  # what the replaced SDPA would run on
         reason = _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if reason is not None:
             note_once(f"fa2tune.patch_sdpa: calls with {reason} run on the SDPA it replaced")

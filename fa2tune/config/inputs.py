@@ -10,6 +10,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import forward_ad
 
 from .types import DTYPE_CHOICES, MAX_HEAD_DIM, integer
 
@@ -94,6 +95,7 @@ def _check_tensors(q: object, k: object, v: object, layout: str) -> None:
                 "call .contiguous() on it"
             )
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    check_no_function_transform(q, k, v)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if not (q.device == k.device == v.device):
@@ -105,6 +107,30 @@ def _check_tensors(q: object, k: object, v: object, layout: str) -> None:
         )
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"q must be on a CUDA device, got {q.device}")
+
+
+def check_no_function_transform(*tensors: torch.Tensor, names: tuple[str, ...] = ("q", "k", "v")) -> None:
+    """NotImplementedError for a call under a torch.func transform (vmap, grad, jvp, jacrev, ...) or with a
+    forward-mode AD tangent (torch.autograd.forward_ad): the kernels have no batching rule and no forward
+    derivative, and the eager path would take the transform's wrapped tensors for plain ones (a crash) or drop the
+    tangent (a JVP of 0, silently). Reverse mode (backward(), torch.autograd.grad) is what fa2tune differentiates.
+    Not checked while torch.compile traces: dynamo runs the transforms' own rules there."""
+    if torch.compiler.is_compiling():
+        return
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        raise NotImplementedError(
+            "fa2tune's attention does not run under torch.func transforms (vmap, grad, jvp, jacrev, ...): call it "
+            "outside the transform (its batch dimension takes what vmap would map over) and differentiate it with "
+            "backward() or torch.autograd.grad"
+        )
+    if getattr(forward_ad, "_current_level", 0) >= 0:  # inside a dual_level (the private level: a cheap test first)
+        for name, t in zip(names, tensors, strict=True):
+            if forward_ad.unpack_dual(t).tangent is not None:
+                raise NotImplementedError(
+                    f"{name} carries a forward-mode AD tangent (torch.autograd.forward_ad), but fa2tune's attention "
+                    "has no forward derivative: differentiate it in reverse mode (backward() or "
+                    "torch.autograd.grad), or use torch.nn.functional.scaled_dot_product_attention's math backend"
+                )
 
 
 def _check_heads(heads_q: int, heads_k: int, heads_v: int) -> None:
@@ -256,18 +282,19 @@ def check_offsets(cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: i
 _checked_offsets: dict[int, tuple[weakref.ref, tuple[int, int, int, int]]] = {}
 
 
-def check_window(window: object) -> tuple[int, int]:
-    """FlashAttention-2's window_size: (left, right) ints >= -1, -1 = unbounded; None = no window."""
+def check_window(window: object, name: str = "window") -> tuple[int, int]:
+    """FlashAttention-2's window_size: (left, right) ints >= -1, -1 = unbounded; None = no window. name: the
+    argument as the caller's API spells it (flash_attn's window_size)."""
     if window is None:
         return (-1, -1)
     if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"window must be None or a (left, right) pair of ints, got {window!r}")
+        raise TypeError(f"{name} must be None or a (left, right) pair of ints, got {window!r}")
     try:
-        sides = [min(check_int("window side", side, -1), MASK_EXTENT_MAX) for side in window]
+        sides = [min(check_int(f"{name} side", side, -1), MASK_EXTENT_MAX) for side in window]
     except TypeError:
-        raise TypeError(f"window must be None or a (left, right) pair of ints, got {window!r}") from None
+        raise TypeError(f"{name} must be None or a (left, right) pair of ints, got {window!r}") from None
     except ValueError:
-        raise ValueError(f"window sides must be >= -1 (-1 = unbounded), got {tuple(window)}") from None
+        raise ValueError(f"{name} sides must be >= -1 (-1 = unbounded), got {tuple(window)}") from None
     return (sides[0], sides[1])
 
 
@@ -275,21 +302,22 @@ def check_prefix_len(prefix_len: object) -> int:
     return min(check_int("prefix_len", prefix_len, 0), MASK_EXTENT_MAX)
 
 
-def check_scale(scale: object, head_dim: int) -> float:
+def check_scale(scale: object, head_dim: int, name: str = "scale") -> float:
     """Returns the softmax scale: 1/sqrt(head_dim) when None, else a positive finite float up to SCALE_MAX (a
-    Python or NumPy number). Not a tensor: a learnable scale would get no gradient through a float."""
+    Python or NumPy number). Not a tensor: a learnable scale would get no gradient through a float. name: the
+    argument as the caller's API spells it (flash_attn's softmax_scale)."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, torch.Tensor):
         raise TypeError(
-            "scale must be a float or None, got a torch.Tensor; it is taken as a constant (no gradient reaches it): "
-            "pass float(scale), or for a learnable scale multiply q by it and pass scale=1.0"
+            f"{name} must be a float or None, got a torch.Tensor; it is taken as a constant (no gradient reaches it): "
+            f"pass float({name}), or for a learnable scale multiply q by it and pass {name}=1.0"
         )
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+        raise TypeError(f"{name} must be a float or None, got {type(scale).__name__}")
     scale = float(scale)
     if not (math.isfinite(scale) and 0 < scale <= SCALE_MAX):
-        raise ValueError(f"scale must be a positive finite number up to {SCALE_MAX:.3g} (fp32 scores), got {scale!r}")
+        raise ValueError(f"{name} must be a positive finite number up to {SCALE_MAX:.3g} (fp32 scores), got {scale!r}")
     return scale
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .decode_plan import MAX_SPLITS
-from .inputs import SUPPORTED_DTYPES, capturing_cuda_graph, check_int, interpreting
+from .inputs import SUPPORTED_DTYPES, capturing_cuda_graph, check_int, check_no_function_transform, interpreting
 from .types import MAX_HEAD_DIM, integer
 
 CHECK_ENV = "FA2TUNE_CHECK_KVCACHE"  # "1": every call checks its lengths and block table on the host (a sync)
@@ -74,6 +74,7 @@ def check_call(q: object, k_cache: object, v_cache: object, k: object = None, v:
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride in head_dim (it is written in place), got strides "
                              f"{tuple(t.stride())}")  # fmt: skip
+    check_no_function_transform(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")  # fmt: skip

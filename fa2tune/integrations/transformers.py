@@ -23,6 +23,7 @@ import torch
 
 from ..api.attention import attention, attention_varlen
 from ..api.kvcache import flash_attn_with_kvcache
+from ..api.sdpa import autocast_inputs
 from ..config.inputs import check_qkv
 from ..launch.launcher import is_eager, needs_grad
 from ..launch.short_query import few_tokens, one_key_table
@@ -377,10 +378,7 @@ def _kept_pages(rows: Rows, per_row: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _prepared(query, key, value, scaling):
     """q, k, v in autocast's dtype when autocast is on (as SDPA under autocast), and the scale. Value keeps its own
     head dim (MLA-style models: 192 for q·k, 128 for v): the kernels take it as it is, with no padding to compute."""
-    device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    query, key, value = autocast_inputs(query, key, value)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     return query, key, value, scale
 
