@@ -28,6 +28,7 @@ import time
 from fa2tune.config import device, planner
 from fa2tune.config.inputs import DTYPES_BY_NAME
 from fa2tune.config.types import KernelConfig
+from fa2tune.tune.probe import EXAMPLE_SEQLEN
 
 
 def _compile(job: tuple[str, int, str, KernelConfig, tuple[int, int], bool, int]) -> dict:
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summarize", action="store_true", help="only print the comparison table of an existing CSV")
     parser.add_argument("--warpspec", action="store_true",
                         help="the warp-specialized candidates the planner accepts, plain and causal (see above)")
-    parser.add_argument("--seqlen", type=int, default=8192,
+    parser.add_argument("--seqlen", type=int, default=EXAMPLE_SEQLEN,
                         help="the example call's length the compiles specialize for: one that is not a multiple of 16 "
                              "compiles the code such calls run (fa2tune.tune.probe.compile_config)")  # fmt: skip
     args = parser.parse_args(argv)

@@ -111,7 +111,7 @@ def compile_sass(kernel: str, config: str, head_dim: int, causal: bool, seqlen: 
 
     cfg = KernelConfig.parse(config)
     report = probe.compile_config(kernel, cfg, head_dim, torch.bfloat16, causal=causal,
-                                  seqlen=seqlen or probe.EXAMPLE_SEQLEN)  # fmt: skip
+                                  seqlen=probe.EXAMPLE_SEQLEN if seqlen is None else seqlen)  # fmt: skip
     if report.error:
         sys.exit(f"{cfg.label()}: {report.error}")
     return probe.cuobjdump(report.cubin, "-sass")

@@ -454,17 +454,28 @@ def test_function_transforms_and_forward_mode_ad_are_refused_not_dropped(device)
         "vmap of kvcache": lambda: torch.vmap(fa2tune.flash_attn_with_kvcache)(q[None, :, :1], k[None], v[None]),
     }
     for name, call in transforms.items():
-        with pytest.raises(NotImplementedError, match=r"does not run under torch.func transforms"):
+        with pytest.raises(NotImplementedError, match=r"does not run under a torch.func transform \(vmap"):
             call()
             pytest.fail(f"{name}: no error")
     with fwAD.dual_level():
         for index, name in enumerate("qkv"):
             args = [q, k, v]
             args[index] = fwAD.make_dual(args[index], torch.randn_like(args[index]))
-            with pytest.raises(NotImplementedError, match=rf"^{name} carries a forward-mode AD tangent"):
+            with pytest.raises(NotImplementedError, match=rf"under a forward-mode AD tangent on {name} "):
                 fa2tune.attention(*args, causal=True)
+        cache_k, cache_v = (t.transpose(1, 2).contiguous() for t in (k, v))
+        new_k = fwAD.make_dual(cache_k[:, :1].clone(), torch.randn_like(cache_k[:, :1]))
+        with pytest.raises(NotImplementedError, match="under a forward-mode AD tangent on k "):
+            fa2tune.flash_attn_with_kvcache(q.transpose(1, 2)[:, :1], cache_k, cache_v, k=new_k,
+                                            v=cache_v[:, :1].clone(), cache_seqlens=5)  # fmt: skip
         plain = fa2tune.attention(q, k, v, causal=True)  # no tangent: an ordinary call inside a dual level
     assert_close(plain, _reference(q, k, v, causal=True), F32)
+    # traced by torch.compile, a tangent is not visible (dynamo traces stand-in tensors): a call compiled inside a
+    # dual level is refused rather than run with its tangent dropped
+    compiled = torch.compile(lambda a, b, c: fa2tune.attention(a, b, c), backend="aot_eager", fullgraph=True)
+    with fwAD.dual_level(), pytest.raises(Exception, match=r"torch\.compile inside a torch\.autograd\.forward_ad"):
+        compiled(fwAD.make_dual(q, torch.randn_like(q)), k, v)
+    assert_close(compiled(q, k, v), _reference(q, k, v), F32)  # outside one, compiled calls run
 
 
 @pytest.mark.parametrize(

@@ -216,10 +216,14 @@ def test_sdpa_refuses_what_it_cannot_run_naming_the_argument(kwargs, error, word
         fa2tune.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
-def test_sdpa_and_its_patch_follow_autocast_as_pytorchs_sdpa(device):
+def test_sdpa_and_its_patch_follow_autocast_as_pytorchs_sdpa(monkeypatch, device):
     # SDPA is one of autocast's lower-precision ops: under torch.autocast its float32 inputs run in autocast's dtype
     # and so does its output, and inputs of mixed dtypes are cast alike. fa2tune's stand-ins must give the same: the
-    # result in bfloat16, computed from the bfloat16-rounded inputs, not a float32 result nor a dtype error.
+    # result in bfloat16, computed from the bfloat16-rounded inputs by fa2tune's kernels, not a float32 result, a
+    # dtype error, nor a hand-off to PyTorch.
+    served = []
+    monkeypatch.setattr(sdpa, "attention", lambda *args, **kwargs: served.append(args[0].dtype) or
+                        fa2tune.attention(*args, **kwargs))  # fmt: skip
     q, k, v = _tensors((1, 2, 2, 24, 24, 32), torch.float32, device, seed=7)
     want = sdpa.TORCH_SDPA(*(t.to(torch.bfloat16).double() for t in (q, k, v)), is_causal=True)
     with torch.autocast(device_type=q.device.type, dtype=torch.bfloat16):
@@ -227,9 +231,25 @@ def test_sdpa_and_its_patch_follow_autocast_as_pytorchs_sdpa(device):
                 "mixed dtypes": fa2tune.scaled_dot_product_attention(q.to(torch.bfloat16), k, v, is_causal=True)}
         with fa2tune.patch_sdpa():
             outs["patch_sdpa"] = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert served == [torch.bfloat16] * 3
     for name, out in outs.items():
         assert out.dtype == torch.bfloat16, (name, out.dtype)
         assert_close(out, want, torch.bfloat16, what=name)
+
+
+def test_patch_sdpa_hands_meta_tensors_and_function_transforms_to_pytorch(device):
+    # Calls fa2tune cannot run go to the SDPA the patch replaced: meta tensors (shape inference; autocast cannot even
+    # be asked about their device type) and torch.func transforms, which fa2tune's own SDPA refuses by name.
+    q, k, v = _tensors((2, 2, 2, 9, 9, 32), torch.float32, device, seed=5)
+    meta = [t.to("meta") for t in (q, k, v)]
+    with fa2tune.patch_sdpa():
+        assert F.scaled_dot_product_attention(*meta, is_causal=True).device.type == "meta"
+        mapped = torch.vmap(F.scaled_dot_product_attention)(q[None], k[None], v[None])  # 4-D inside the map
+    assert_close(mapped[0], sdpa.TORCH_SDPA(q.double(), k.double(), v.double()), torch.float32)
+    with pytest.raises(ValueError, match="q must be on a CUDA device, got meta"):
+        fa2tune.scaled_dot_product_attention(*meta)
+    with pytest.raises(NotImplementedError, match=r"does not run under a torch\.func transform"):
+        torch.vmap(fa2tune.scaled_dot_product_attention)(q[None], k[None], v[None])
 
 
 # ---- patch_sdpa ------------------------------------------------------------------------------------------------

@@ -11,7 +11,15 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from ..config.inputs import SCALE_MAX, SUPPORTED_DTYPES, check_flag, check_qkv, interpreting, unit_last_stride
+from ..config.inputs import (
+    SCALE_MAX,
+    SUPPORTED_DTYPES,
+    check_flag,
+    check_qkv,
+    function_transform,
+    interpreting,
+    unit_last_stride,
+)
 from ..config.types import MAX_HEAD_DIM
 from .attention import attention, attention_varlen
 
@@ -65,9 +73,13 @@ def autocast_inputs(query, key, value):
     type, each floating tensor but a float64 one in autocast's dtype (SDPA is one of autocast's lower-precision
     ops), else as they came. An attn_mask is left alone: fa2tune reads only which keys it hides, and a mask it
     leaves to PyTorch's SDPA is cast there."""
-    if not isinstance(query, torch.Tensor) or not torch.is_autocast_enabled(query.device.type):
+    if not isinstance(query, torch.Tensor):
         return query, key, value
-    dtype = torch.get_autocast_dtype(query.device.type)
+    device_type = query.device.type
+    # a device type autocast does not know (meta) is an error to ask about: nothing is cast there
+    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device_type)
     return tuple(
         t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
         for t in (query, key, value)
@@ -284,6 +296,9 @@ def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
         return "non-bool is_causal or enable_gqa"
     if any(type(t) is not torch.Tensor or t.dim() != 4 for t in tensors):  # nested tensors, DTensors, 3-D inputs
         return "inputs that are not plain 4-D tensors"
+    transform = function_transform(query, key, value, names=("query", "key", "value"))
+    if transform is not None:
+        return transform
     if not (query.dtype == key.dtype == value.dtype and query.dtype in SUPPORTED_DTYPES):
         return f"{query.dtype} inputs"
     runs_here = query.device.type == "cuda" or (query.device.type == "cpu" and interpreting())

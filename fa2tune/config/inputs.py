@@ -109,28 +109,36 @@ def _check_tensors(q: object, k: object, v: object, layout: str) -> None:
         raise ValueError(f"q must be on a CUDA device, got {q.device}")
 
 
-def check_no_function_transform(*tensors: torch.Tensor, names: tuple[str, ...] = ("q", "k", "v")) -> None:
-    """NotImplementedError for a call under a torch.func transform (vmap, grad, jvp, jacrev, ...) or with a
-    forward-mode AD tangent (torch.autograd.forward_ad): the kernels have no batching rule and no forward
-    derivative, and the eager path would take the transform's wrapped tensors for plain ones (a crash) or drop the
-    tangent (a JVP of 0, silently). Reverse mode (backward(), torch.autograd.grad) is what fa2tune differentiates.
-    Not checked while torch.compile traces: dynamo runs the transforms' own rules there."""
+def function_transform(*tensors: torch.Tensor, names: tuple[str, ...] = ("q", "k", "v")) -> str | None:
+    """Why fa2tune cannot run a call on these tensors because of a torch.func transform (vmap, grad, jvp, jacrev,
+    ...) or forward-mode AD (torch.autograd.forward_ad), or None. The kernels have no batching rule and no forward
+    derivative: the eager path would take a transform's wrapped tensors for plain ones (a crash) and drop a tangent
+    (a JVP of 0, silently). While torch.compile traces, neither a transform nor a tangent is visible (dynamo traces
+    the call on stand-in tensors), so a call traced inside a forward_ad.dual_level gets a reason too."""
+    level = getattr(forward_ad, "_current_level", None)  # the private dual level: a cheap test before unpack_dual
     if torch.compiler.is_compiling():
-        return
+        if level is not None and level >= 0:
+            return "torch.compile inside a torch.autograd.forward_ad.dual_level (a forward-mode tangent)"
+        return None
     if torch._C._functorch.peek_interpreter_stack() is not None:
-        raise NotImplementedError(
-            "fa2tune's attention does not run under torch.func transforms (vmap, grad, jvp, jacrev, ...): call it "
-            "outside the transform (its batch dimension takes what vmap would map over) and differentiate it with "
-            "backward() or torch.autograd.grad"
-        )
-    if getattr(forward_ad, "_current_level", 0) >= 0:  # inside a dual_level (the private level: a cheap test first)
+        return "a torch.func transform (vmap, grad, jvp, jacrev, ...)"
+    if level is None or level >= 0:
         for name, t in zip(names, tensors, strict=True):
-            if forward_ad.unpack_dual(t).tangent is not None:
-                raise NotImplementedError(
-                    f"{name} carries a forward-mode AD tangent (torch.autograd.forward_ad), but fa2tune's attention "
-                    "has no forward derivative: differentiate it in reverse mode (backward() or "
-                    "torch.autograd.grad), or use torch.nn.functional.scaled_dot_product_attention's math backend"
-                )
+            if t is not None and forward_ad.unpack_dual(t).tangent is not None:
+                return f"a forward-mode AD tangent on {name} (torch.autograd.forward_ad)"
+    return None
+
+
+def check_no_function_transform(*tensors: torch.Tensor, names: tuple[str, ...] = ("q", "k", "v")) -> None:
+    """NotImplementedError naming the transform or the tangent where function_transform finds one: fa2tune
+    differentiates in reverse mode only (backward(), torch.autograd.grad)."""
+    reason = function_transform(*tensors, names=names)
+    if reason is not None:
+        raise NotImplementedError(
+            f"fa2tune's attention does not run under {reason}: it has no batching rule and no forward derivative. "
+            "Call it outside the transform (its batch dimension takes what vmap would map over) and differentiate "
+            "it in reverse mode (backward() or torch.autograd.grad)"
+        )
 
 
 def _check_heads(heads_q: int, heads_k: int, heads_v: int) -> None:

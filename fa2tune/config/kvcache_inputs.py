@@ -74,7 +74,7 @@ def check_call(q: object, k_cache: object, v_cache: object, k: object = None, v:
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride in head_dim (it is written in place), got strides "
                              f"{tuple(t.stride())}")  # fmt: skip
-    check_no_function_transform(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
+    check_no_function_transform(q, k_cache, v_cache, k, v, names=("q", "k_cache", "v_cache", "k", "v"))
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")  # fmt: skip

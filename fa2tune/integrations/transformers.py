@@ -155,8 +155,8 @@ def _step_in_graph(plan: MaskPlan, query, key, value, scaling) -> torch.Tensor |
         return None
     if any(t.stride(-1) != 1 for t in (query, key, value)):
         return None
+    query, key, value, scale = _prepared(query, key, value, scaling)  # autocast's dtype first, as SDPA takes it
     check_qkv(query, key, value)
-    query, key, value, scale = _prepared(query, key, value, scaling)
     per_row = _rows_apart(key, value)
     if per_row is None:
         return None

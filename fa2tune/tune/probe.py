@@ -76,11 +76,12 @@ def _example_ints(head_dim_pad: int, heads: int, group: int, seqlen: int = EXAMP
 
 def _int_specialization(value: int) -> tuple[str, object]:
     """How Triton's JIT passes an int argument of this value (not in do_not_specialize): ("constexpr", 1) for 1;
-    else ("i32", attrs), attrs marking it divisible by 16 where it is (which lets the compiler vectorize loads it
-    bounds or offsets), None where not."""
+    else (its type, attrs): i64 from 2**31 on, i32 below, attrs marking it divisible by 16 where it is (which lets
+    the compiler vectorize loads it bounds or offsets), None where not."""
     if value == 1:
         return "constexpr", 1
-    return "i32", [["tt.divisibility", 16]] if value % 16 == 0 else None
+    kind = "i32" if -(2**31) <= value < 2**31 else "i64"
+    return kind, [["tt.divisibility", 16]] if value % 16 == 0 else None
 
 
 def compile_config(
@@ -109,13 +110,15 @@ def compile_config(
 
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("compile_config needs Triton's compiler: unset TRITON_INTERPRET in this process")
+    if isinstance(seqlen, bool) or not isinstance(seqlen, int) or seqlen < 1:
+        raise ValueError(f"seqlen must be an int >= 1 (the example call's length), got {seqlen!r}")
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     if config.warp_specialized:
         return _compile_warpspec(kernel, config, head_dim, dtype, causal, target, head_dim_v, seqlen)
     template, name = codegen.TEMPLATE_OF[kernel], f"_attn_{kernel}"  # the template's kernel of that name
     variant = Variant.for_template(
-        template, causal=causal, banded=banded, varlen=varlen, even_m=True, even_n=True, pipeline_qk=config.pipeline_qk,
-        head_dim=head_dim, head_dim_v=head_dim_v,
+        template, causal=causal, banded=banded, varlen=varlen, even_m=seqlen % config.block_m == 0,
+        even_n=seqlen % config.block_n == 0, pipeline_qk=config.pipeline_qk, head_dim=head_dim, head_dim_v=head_dim_v,
     )  # fmt: skip
     fn = getattr(codegen.load(template, variant), name)
     head_dim_pad = planner.head_dim_padded(head_dim)
