@@ -11,6 +11,7 @@ import torch
 from fa2tune import cli
 from fa2tune.cli.outputs import storage_file
 from fa2tune.config import defaults, planner
+from fa2tune.config.types import KernelConfig
 from fa2tune.tune import verification
 
 
@@ -780,3 +781,81 @@ def test_device_cpu_refuses_a_numpy_that_tritons_interpreter_fails_on(triton, nu
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"in Triton {triton} fails on numpy {numpy}" in err
     assert "pip install 'numpy<2.4'" in err and "fa2tune[cpu]" in err
+
+
+def test_without_config_dir_a_tune_writes_where_calls_look_first(tmp_path, capsys, monkeypatch, fake_timing):
+    # With $FA2TUNE_CONFIG_DIR set, a tune without --config-dir wrote to the user cache, behind the file calls read
+    # first: an entry there for the key kept running and the new winner never did. It writes there now, timing that
+    # file's entry as the incumbent, and a blocked place is named as the variable.
+    monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path / "deployed"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert cli.main([*_CPU_TUNE, "--trials", "1"]) == 0
+    assert (tmp_path / "deployed" / "cpu-interpreter.yaml").is_file()
+    assert not (tmp_path / "cache" / "fa2tune" / "configs").exists()
+    capsys.readouterr()
+    monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("")
+    assert _exit_code([*_CPU_TUNE, "--trials", "1"]) == 2
+    assert capsys.readouterr().err.startswith(f"fa2tune: $FA2TUNE_CONFIG_DIR {tmp_path / 'a-file'}: ")
+
+
+def test_a_tune_writes_through_a_linked_config_file_and_checks_its_lock_first(tmp_path, capsys, no_study,
+                                                                              fake_timing):  # fmt: skip
+    # A <gpu>.yaml linked from a shared place was replaced by a copy beside the link (the shared file kept its old
+    # entries); a directory in the lock file's place failed the tune after all its timing, with a traceback.
+    from fa2tune.config import store
+
+    shared, deployed = tmp_path / "shared", tmp_path / "deployed"
+    shared.mkdir(), deployed.mkdir()
+    (deployed / "cpu-interpreter.yaml").symlink_to(shared / "cpu-interpreter.yaml")
+    (shared / "cpu-interpreter.yaml.lock").mkdir()
+    assert _exit_code([*_CPU_TUNE, "--trials", "1", "--config-dir", str(deployed)]) == 2
+    assert "cpu-interpreter.yaml.lock is a directory, not the file the writer locks" in capsys.readouterr().err
+    (shared / "cpu-interpreter.yaml.lock").rmdir()
+    entry = store.Entry(key=store.EntryKey(head_dim=16, dtype="bf16", causal=False, kernel="fwd"),
+                        config=KernelConfig(16, 16, 4, 1), ms=1.0, tflops=None, baseline={}, trials=1, spread=None,
+                        triton_version="0", torch_version="0", date="2026-12-05", template_hash="0")  # fmt: skip
+    store.write_entries(deployed / "cpu-interpreter.yaml", {"name": "cpu", "slug": "cpu-interpreter"}, [entry])
+    assert (deployed / "cpu-interpreter.yaml").is_symlink()
+    assert len(store.read_file(shared / "cpu-interpreter.yaml")[1]) == 1
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        ([*_CPU_TUNE, "--config-dir", ""], "--config-dir: an empty path (an unset variable?)"),
+        (["codegen", "--template", "fwd_ws", "--head-dim", "0"], "argument --head-dim: must be in 1..256, got 0"),
+        (["show", "--gpu", "h200", "--device", "cuda:1"], "argument --device: not allowed with argument --gpu"),
+        (["bench", "--device", "cpu", "--csv", "."], "--csv .: a directory, not a file"),
+        (["bench", "--device", "cpu", "--merge-into", "notes.txt"], "--merge-into notes.txt: not a benchmark CSV"),
+        (["bench", "--from-csv", "missing.csv"], "--from-csv missing.csv: no such file"),
+    ],
+)
+def test_flags_that_would_fail_after_the_work_are_refused_before_it(argv, says, tmp_path, capsys, monkeypatch,
+                                                                    no_study):  # fmt: skip
+    # each failed after the work with a traceback, or lost it: an empty --config-dir wrote to the cache without a
+    # word, a --merge-into that was not a bench CSV was overwritten
+    from fa2tune.bench import measure
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    monkeypatch.setattr(measure, "measure", lambda *args: pytest.fail("measured"))
+    assert _exit_code(argv) == 2
+    captured = capsys.readouterr()
+    assert says in captured.err and len(captured.err.splitlines()) <= 3 and captured.out == ""
+    assert (tmp_path / "notes.txt").read_text() == "my notes\n"
+
+
+def test_show_json_writes_a_nan_as_null(tmp_path, capsys, monkeypatch):
+    # JSON has no NaN: an entry's tflops of .nan came out as NaN, which strict parsers refuse
+    from fa2tune.config import store
+
+    entry = store.Entry(key=store.EntryKey(head_dim=16, dtype="bf16", causal=False, kernel="fwd"),
+                        config=KernelConfig(16, 16, 4, 1), ms=1.0, tflops=float("nan"), baseline={}, trials=1,
+                        spread=None, triton_version="0", torch_version="0", date="2026-12-05",
+                        template_hash="0")  # fmt: skip
+    store.write_entries(tmp_path / "nvidia-h200.yaml", {"name": "NVIDIA H200", "slug": "nvidia-h200"}, [entry])
+    monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path))
+    assert cli.main(["show", "--gpu", "h200", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert [r["tflops"] for r in shown["rows"] if r.get("file") == str(tmp_path / "nvidia-h200.yaml")] == [None]

@@ -52,6 +52,24 @@ def complete(row: dict) -> dict:
     return row
 
 
+# The columns a benchmark CSV cannot do without (complete fills in the grid's others)
+REQUIRED_COLUMNS = ("provider", "mode", "seqlen", "head_dim", "causal")
+
+
+def csv_problem(path: str | Path) -> str | None:
+    """Why `path` is not a benchmark CSV that read_rows reads, or None."""
+    path = Path(path)
+    if not path.is_file():
+        return "no such file" if not path.exists() else "not a file"
+    try:
+        with open(path, newline="") as handle:
+            header = next(csv.reader(handle), [])
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"cannot be read ({exc})"
+    missing = [name for name in REQUIRED_COLUMNS if name not in header]
+    return f"not a benchmark CSV (no {', '.join(missing)} column)" if missing else None
+
+
 def read_rows(path: str | Path) -> list[dict]:
     """Rows of a benchmark CSV, completed and typed (complete)."""
     with open(path) as handle:

@@ -20,6 +20,7 @@ _CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
 def bench(args: argparse.Namespace) -> int:
     """Measures (or reads --from-csv) the rows, writes what was asked, prints the table or the JSON."""
     plots = _plots_folder(args.plots)
+    _check_files(args)
     if args.from_csv:
         rows, environment, skipped = report.read_rows(args.from_csv), {}, {}
         title = Path(args.from_csv).stem.replace("-", " ").upper()
@@ -50,6 +51,23 @@ def bench(args: argparse.Namespace) -> int:
     else:
         _print_table(rows, environment)
     return 0
+
+
+def _check_files(args: argparse.Namespace) -> None:
+    """Exits 2 before any measurement where a file the bench reads or writes would fail or lose rows after it:
+    --from-csv and an existing --merge-into must be benchmark CSVs, --csv and --merge-into writable files."""
+    if args.from_csv and (problem := report.csv_problem(args.from_csv)):
+        fail(f"--from-csv {args.from_csv}: {problem}")
+    for flag, path in (("--csv", args.csv), ("--merge-into", args.merge_into)):
+        if not path:
+            continue
+        if os.path.isdir(path):
+            fail(f"{flag} {path}: a directory, not a file")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            fail(f"{flag} {path}: {folder} is not a directory this process can write in")
+        if flag == "--merge-into" and os.path.exists(path) and (problem := report.csv_problem(path)):
+            fail(f"--merge-into {path}: {problem}; its rows would be lost")
 
 
 def _shapes(args: argparse.Namespace) -> list[Shape]:

@@ -142,7 +142,7 @@ def show(args: argparse.Namespace) -> int:
     if not args.gpu:  # what the attention_kernel resolves now, including planner defaults
         rows += _resolved_rows(sorted({r["head_dim"] for r in rows if "head_dim" in r} | {64, 128}), device_name)
     if args.json:
-        print(json.dumps({"slug": slug, "search_path": [str(d) for d in store.config_dirs()], "rows": rows}, indent=2))
+        print(to_json({"slug": slug, "search_path": [str(d) for d in store.config_dirs()], "rows": rows}))
         return 0
     print(f"tuned configs for {slug}; search path: " + " -> ".join(str(d) for d in store.config_dirs()))
     for r in rows:

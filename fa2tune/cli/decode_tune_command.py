@@ -13,7 +13,7 @@ from pathlib import Path
 
 from . import arguments
 from .common import end_progress_line, fail, log, note_interpreter, progress, to_json
-from .outputs import check_writable, interrupted
+from .outputs import check_writable, config_destination, interrupted
 
 DEFAULT_HEADS = (32, 8)  # query and K/V heads of the timed steps: issue 45's GQA group of 4 (Llama 3 8B's)
 # The tune flags of the attention kernels' studies, with their defaults: a decode tune takes none of them
@@ -32,14 +32,13 @@ def check_heads(args: argparse.Namespace) -> None:
 def tune_decode(args: argparse.Namespace, devices: list[str]) -> int:
     """`fa2tune tune --kernel decode`: one study on one device, its winner merged into <config dir>/<gpu>.yaml."""
     heads, kv_heads = _check(args, devices)
-    from ..config import store
     from ..launch import plans
     from ..tune import compile_pool, decode_tuner, job
 
     device = devices[0]
-    config_dir = Path(args.config_dir) if args.config_dir else store.user_config_dir()
+    config_dir, source = config_destination(args.config_dir)
     target = job.config_path(device, config_dir)
-    check_writable(config_dir, target, None)
+    check_writable(config_dir, target, None, source)
     spec = decode_tuner.DecodeSpec(head_dim=args.head_dim, dtype=args.dtype, heads=heads, kv_heads=kv_heads,
                                    trials=args.trials,
                                    timeout_s=arguments.study_timeout(args.timeout, 1),

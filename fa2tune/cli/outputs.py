@@ -13,10 +13,10 @@ from .arguments import sqlite_path
 from .common import INTERRUPTED, end_progress_line, fail
 
 
-def _write_problem(path: Path, created: list[Path]) -> str | None:
+def _write_problem(path: Path, created: list[Path], lock: Path | None = None) -> str | None:
     """Why the file at `path` cannot be written, or None; its directory is created if missing (each directory
     made appended to `created`). Tried, not guessed: a directory under a file, a read-only or virtual file system
-    (/proc) or missing permissions show only when written to."""
+    (/proc) or missing permissions show only when written to. lock: the lock file the writer opens beside it."""
     directory = path.parent
     missing = [p for p in (directory, *directory.parents) if not p.exists()]
     if missing and missing[-1].parent.exists() and not missing[-1].parent.is_dir():
@@ -38,15 +38,40 @@ def _write_problem(path: Path, created: list[Path]) -> str | None:
         path.open("rb").close() if path.exists() else None
     except OSError as exc:  # a tune merges its entries into the file: one it cannot read would lose the others
         return f"cannot read {path} ({exc.strerror or exc})"
+    if lock is not None and lock.exists():
+        if not lock.is_file():
+            return f"{lock} is a {'directory' if lock.is_dir() else 'special file'}, not the file the writer locks"
+        try:
+            lock.open("a").close()
+        except OSError as exc:
+            return f"cannot open {lock}, the file the writer locks ({exc.strerror or exc})"
     return None
 
 
-def check_writable(config_dir: Path, target: Path, storage: str | None) -> None:
+def config_destination(config_dir: str | None) -> tuple[Path, str]:
+    """(the directory a tune writes <gpu>.yaml to, how messages name it): --config-dir as given; without it the
+    first directory calls search (store.config_dirs) — $FA2TUNE_CONFIG_DIR where it is set, whose entries would
+    otherwise hide what the tune writes, else the user cache. An empty --config-dir (an unset variable) exits 2."""
+    from ..config import store
+
+    if config_dir is not None:
+        if not config_dir.strip():
+            fail("--config-dir: an empty path (an unset variable?); name a directory, or leave the flag out")
+        return Path(config_dir), "--config-dir"
+    first = store.config_dirs()[0]
+    return first, ("--config-dir" if first == store.user_config_dir() else "$FA2TUNE_CONFIG_DIR")
+
+
+def check_writable(config_dir: Path, target: Path, storage: str | None, source: str = "--config-dir") -> None:
     """Exits with a one-line reason, before any timing, if the tune could not write its entries or its trials;
-    the directories the check made are removed then (nothing is left of a command that did nothing)."""
+    the directories the check made are removed then (nothing is left of a command that did nothing). source: where
+    config_dir came from, as the message names it (the flag, or $FA2TUNE_CONFIG_DIR)."""
+    from ..config import store
+
     created: list[Path] = []
-    problem = _write_problem(target, created)
-    said = f"--config-dir {config_dir}: {problem}" if problem else None
+    written = store.written_file(target)
+    problem = _write_problem(written, created, store.lock_path(written))
+    said = f"{source} {config_dir}: {problem}" if problem else None
     local = storage_file(storage) if storage is not None and not said else None
     if local is not None and (problem := _write_problem(local, created)):
         said = f"--storage {storage}: {problem}"

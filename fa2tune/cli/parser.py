@@ -128,7 +128,8 @@ def _add_tune(sub) -> None:
     _add_tune_lengths(tune)
     _add_tune_budget(tune)
     tune.add_argument("--config-dir", default=None,
-                      help="where to write <gpu>.yaml (default: the user cache dir); checked writable before any "
+                      help="where to write <gpu>.yaml (default: $FA2TUNE_CONFIG_DIR where it is set, the first "
+                           "directory calls search, else the user cache dir); checked writable before any "
                            "timing")  # fmt: skip
     tune.add_argument("--json", action="store_true",
                       help="print what each study found as JSON instead of the table (progress stays on stderr)")
@@ -168,9 +169,10 @@ def _add_tune_budget(tune) -> None:
 
 def _add_show(sub) -> None:
     show = sub.add_parser("show", help="which configs the attention_kernel uses, and from which file")
-    show.add_argument("--device", type=arguments.device_name, default="cuda:0",
-                      help="cuda[:N], or cpu (Triton's interpreter): whose configs to show")  # fmt: skip
-    show.add_argument("--gpu", default=None, help="list the stored entries for a known GPU without the card")
+    where = show.add_mutually_exclusive_group()  # as plan's: a --device beside --gpu would be ignored
+    where.add_argument("--device", type=arguments.device_name, default="cuda:0",
+                       help="cuda[:N], or cpu (Triton's interpreter): whose configs to show")  # fmt: skip
+    where.add_argument("--gpu", default=None, help="list the stored entries for a known GPU without the card")
     show.add_argument("--json", action="store_true", help="print the entries as JSON")
     show.set_defaults(func=commands.show)
 
@@ -190,7 +192,7 @@ def _add_codegen(sub) -> None:
                      help="bwd_ws: two consumers share 64 K/V rows, dV side and dK side (KernelConfig.split_roles)")
     gen.add_argument("--persistent", action="store_true",
                      help="the *_ws templates: programs walk the tiles (Schedule.persistent)")  # fmt: skip
-    gen.add_argument("--head-dim", type=int, default=128,
+    gen.add_argument("--head-dim", type=arguments.head_dim, default=128,
                      help="fwd_ws: the head dim it is written out for, a chunk at a time (default 128)")  # fmt: skip
     gen.set_defaults(func=commands.codegen)
 

@@ -16,7 +16,7 @@ from ..config.decode_config import DECODE_KERNEL
 from . import arguments
 from .common import end_progress_line, fail, log, note_interpreter, progress, resolve_device, to_json
 from .decode_tune_command import check_heads, tune_decode
-from .outputs import check_writable, interrupted
+from .outputs import check_writable, config_destination, interrupted
 
 
 def tune(args: argparse.Namespace) -> int:
@@ -84,17 +84,16 @@ def _destination(args: argparse.Namespace, devices: list[str]) -> tuple[Path, st
     """(config dir, storage, the file the tune writes), checked writable; exits 2 where the tune could not write
     (or the devices cannot share a study)."""
     from ..api import selection
-    from ..config import store
     from ..tune import job
 
     if len({selection.device_info(d).slug for d in devices}) > 1:
         fail(f"--device {','.join(devices)}: GPUs of different kinds cannot share a study; tune each kind alone")
-    config_dir = Path(args.config_dir) if args.config_dir else store.user_config_dir()
+    config_dir, source = config_destination(args.config_dir)
     storage = args.storage
     if storage is None and len(devices) > 1:  # workers share one study through a journal file
         storage = str(config_dir / ".studies" / "tune.journal")
     target = job.config_path(devices[0], config_dir)  # what the file holds now is timed beside the rest
-    check_writable(config_dir, target, storage)
+    check_writable(config_dir, target, storage, source)
     return config_dir, storage, target
 
 

@@ -318,9 +318,9 @@ def lookup_for_dtype(
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    """Holds an exclusive lock on `<path>.lock` (a file of its own: the data file is replaced, not rewritten)."""
+    """Holds an exclusive lock on lock_path(path) (a file of its own: the data file is replaced, not rewritten)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(path.suffix + ".lock"), "w") as lock:
+    with open(lock_path(path), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield
 
@@ -342,15 +342,26 @@ def _keep_aside(path: Path) -> Path:
         return backup
 
 
+def lock_path(path: Path) -> Path:
+    """The lock file beside the config file `path` that write_entries holds while it merges."""
+    return path.with_name(path.name + ".lock")
+
+
+def written_file(path: Path) -> Path:
+    """The file write_entries writes for `path`: a symbolic link's target (a config file linked from a shared place
+    is updated there, not replaced by a copy beside the link)."""
+    return Path(os.path.realpath(path))
+
+
 def write_entries(path: Path, device: dict, new_entries: list[Entry]) -> None:
     """Merges entries into the file at `path` (created if missing): same key replaced, every other key kept.
 
     A file this fa2tune cannot use as a whole (corrupt, another schema) or with malformed entries is first kept
     aside as `<name>.corrupt-<time>` (one per occasion, none overwritten), with a warning; the rewritten file holds
     its well-formed entries. A file that cannot be read (permissions, I/O) raises: merging nothing into it would
-    lose its entries.
+    lose its entries. A symbolic link is written through (written_file).
     """
-    path = Path(path)
+    path = written_file(Path(path))
     with _locked(path):
         entries: dict[EntryKey, Entry] = {}
         try:
