@@ -829,6 +829,8 @@ def test_a_tune_writes_through_a_linked_config_file_and_checks_its_lock_first(tm
         (["bench", "--device", "cpu", "--csv", "."], "--csv .: a directory, not a file"),
         (["bench", "--device", "cpu", "--merge-into", "notes.txt"], "--merge-into notes.txt: not a benchmark CSV"),
         (["bench", "--from-csv", "missing.csv"], "--from-csv missing.csv: no such file"),
+        ([*_CPU_TUNE, "--trials", "1", "--config-dir", "out", "--storage", "notes.log"],
+         "--storage notes.log: notes.log exists and is not an Optuna journal"),
     ],
 )
 def test_flags_that_would_fail_after_the_work_are_refused_before_it(argv, says, tmp_path, capsys, monkeypatch,
@@ -838,12 +840,13 @@ def test_flags_that_would_fail_after_the_work_are_refused_before_it(argv, says, 
     from fa2tune.bench import measure
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "notes.txt").write_text("my notes\n")
+    for name in ("notes.txt", "notes.log"):
+        (tmp_path / name).write_text("my notes\n")
     monkeypatch.setattr(measure, "measure", lambda *args: pytest.fail("measured"))
     assert _exit_code(argv) == 2
     captured = capsys.readouterr()
     assert says in captured.err and len(captured.err.splitlines()) <= 3 and captured.out == ""
-    assert (tmp_path / "notes.txt").read_text() == "my notes\n"
+    assert all((tmp_path / name).read_text() == "my notes\n" for name in ("notes.txt", "notes.log"))
 
 
 def test_show_json_writes_a_nan_as_null(tmp_path, capsys, monkeypatch):
@@ -859,3 +862,39 @@ def test_show_json_writes_a_nan_as_null(tmp_path, capsys, monkeypatch):
     assert cli.main(["show", "--gpu", "h200", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
     assert [r["tflops"] for r in shown["rows"] if r.get("file") == str(tmp_path / "nvidia-h200.yaml")] == [None]
+
+
+def test_show_marks_used_what_lookup_uses(tmp_path, capsys, monkeypatch):
+    # "used" was only "no earlier file has the key": a stale entry in $FA2TUNE_CONFIG_DIR showed as used while calls
+    # ran the cache's entry (lookup skips stale ones and moves down the path), and a config the planner rejects for
+    # the device showed as used too; a <gpu>.yaml that is a directory got no row at all.
+    from fa2tune.config import store
+    from fa2tune.kernels import codegen
+
+    key = store.EntryKey(head_dim=16, dtype="bf16", causal=False, kernel="fwd")
+    big = store.EntryKey(head_dim=16, dtype="bf16", causal=True, kernel="fwd")
+
+    def entry(key, cfg, stale=False):
+        return store.Entry(key=key, config=cfg, ms=1.0, tflops=None, baseline={}, trials=1, spread=None,
+                           triton_version="0", torch_version="0", date="2026-12-05",
+                           template_hash="0" if stale else codegen.entry_code_hash(key, cfg))  # fmt: skip
+
+    device = {"name": "cpu", "slug": "cpu-interpreter"}
+    store.write_entries(tmp_path / "env" / "cpu-interpreter.yaml", device,
+                        [entry(key, KernelConfig(16, 16, 4, 1), stale=True),
+                         entry(big, KernelConfig(256, 256, 8, 4))])  # fmt: skip
+    store.write_entries(tmp_path / "cache" / "fa2tune" / "configs" / "cpu-interpreter.yaml", device,
+                        [entry(key, KernelConfig(32, 32, 4, 1))])  # fmt: skip
+    monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path / "env"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert cli.main(["show", "--device", "cpu", "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out)["rows"] if "used" in r]
+    used = {(r["file"].startswith(str(tmp_path / "env")), r["causal"]): (r["used"], r.get("why_not", "")) for r in rows}
+    assert used[(True, False)] == (False, "stale: tuned against other kernel code")
+    assert used[(False, False)] == (True, "")  # the cache's entry, which calls run
+    assert not used[(True, True)][0] and used[(True, True)][1].startswith("the planner rejects it here: ")
+    (tmp_path / "env" / "cpu-interpreter.yaml").unlink()
+    (tmp_path / "env" / "cpu-interpreter.yaml").mkdir()
+    assert cli.main(["show", "--device", "cpu", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["rows"]
+    assert {"file": str(tmp_path / "env" / "cpu-interpreter.yaml"), "error": "not a readable file"} in shown

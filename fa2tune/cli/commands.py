@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from .common import device_info, note_interpreter, resolve_device, to_json
 
@@ -133,12 +134,12 @@ def show(args: argparse.Namespace) -> int:
 
     if args.gpu:
         info = device_info(args)
-        slug = info.slug
     else:
         device_name = resolve_device(args.device)
         note_interpreter(device_name)
-        slug = selection.device_info(device_name).slug
-    rows = _stored_rows(slug)
+        info = selection.device_info(device_name)
+    slug = info.slug
+    rows = _stored_rows(slug, info)
     if not args.gpu:  # what the attention_kernel resolves now, including planner defaults
         rows += _resolved_rows(sorted({r["head_dim"] for r in rows if "head_dim" in r} | {64, 128}), device_name)
     if args.json:
@@ -150,16 +151,23 @@ def show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stored_rows(slug: str) -> list[dict]:
-    """One row per entry of <slug>.yaml in each config directory, "used" False where an earlier file has its key;
-    one row per file that cannot be read, with the reason."""
-    from ..config import store
+def _stored_rows(slug: str, info=None) -> list[dict]:
+    """One row per entry of <slug>.yaml in each config directory, "used" as lookup would use it for the device
+    (info, a DeviceInfo; None: not checked against one), "why_not" where not: a key an earlier file's usable entry
+    has, an entry tuned against other kernel code (stale: lookup moves on down the path), a config the planner
+    rejects for the device. One row per file that cannot be read, with the reason."""
+    from ..config import planner, store
+    from ..config.decode_config import DECODE_KERNEL
+    from ..config.inputs import DTYPES_BY_NAME
+    from ..kernels import codegen
 
     rows = []
-    seen = set()
+    used: set = set()
     for directory in store.config_dirs():
         path = directory / f"{slug}.yaml"
         if not path.is_file():
+            if os.path.lexists(path):  # a directory, a broken link: lookup skips it with a warning
+                rows.append({"file": str(path), "error": "not a readable file"})
             continue
         try:
             _, entries = store.read_file(path)
@@ -167,15 +175,24 @@ def _stored_rows(slug: str) -> list[dict]:
             rows.append({"file": str(path), "error": str(exc)})
             continue
         for e in entries:
-            shadowed = e.key in seen
-            seen.add(e.key)
+            why = None
+            if e.key in used:
+                why = "an earlier file's entry for the key is used"
+            elif e.template_hash != codegen.entry_code_hash(e.key, e.config):
+                why = "stale: tuned against other kernel code"
+            elif info is not None and e.key.kernel != DECODE_KERNEL:
+                reason = planner.check(e.config, info, e.key.head_dim, DTYPES_BY_NAME[e.key.dtype], e.key.kernel)
+                why = f"the planner rejects it here: {reason}" if reason else None
+            if why is None:
+                used.add(e.key)
             rows.append(
                 {
                     "file": str(path),
                     **{k: v for k, v in e.key.__dict__.items()},
                     "config": e.config.to_dict(),
                     "tflops": e.tflops,
-                    "used": not shadowed,
+                    "used": why is None,
+                    **({"why_not": why} if why else {}),
                 }
             )
     return rows

@@ -73,13 +73,43 @@ def check_writable(config_dir: Path, target: Path, storage: str | None, source: 
     problem = _write_problem(written, created, store.lock_path(written))
     said = f"{source} {config_dir}: {problem}" if problem else None
     local = storage_file(storage) if storage is not None and not said else None
-    if local is not None and (problem := _write_problem(local, created)):
+    if local is not None and (problem := _write_problem(local, created) or _foreign_storage(storage, local)):
         said = f"--storage {storage}: {problem}"
     if said:
         for made in reversed(created):
             with contextlib.suppress(OSError):  # something else wrote in it meanwhile: it stays
                 made.rmdir()
         fail(said)
+
+
+def _foreign_storage(storage: str, local: Path) -> str | None:
+    """Why an existing local storage file is not one Optuna keeps trials in (a log file, a text file named .db),
+    or None: checked here, a bad one fails in one line instead of a traceback from inside Optuna, or trials
+    appended to someone's log. A journal's first line is an Optuna operation (a JSON object with an op_code); a
+    database is opened."""
+    import json
+
+    if not local.is_file() or local.stat().st_size == 0:
+        return None
+    if "://" not in storage:
+        try:
+            with open(local, encoding="utf-8") as handle:
+                first = json.loads(handle.readline())
+            if isinstance(first, dict) and "op_code" in first:
+                return None
+        except (OSError, UnicodeDecodeError, ValueError):
+            pass
+        return f"{local} exists and is not an Optuna journal (its first line is not an Optuna operation)"
+    from ..tune import study_storage
+
+    try:
+        import optuna
+
+        optuna.get_all_study_summaries(study_storage.open_storage(storage), include_best_trial=False)  # reads it
+    except Exception as exc:  # SQLAlchemy or Optuna errors, whatever the file held
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        return f"{local} exists and is not an Optuna database ({first_line})"
+    return None
 
 
 def storage_file(storage: str) -> Path | None:
