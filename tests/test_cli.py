@@ -826,7 +826,7 @@ def test_a_tune_writes_through_a_linked_config_file_and_checks_its_lock_first(tm
         ([*_CPU_TUNE, "--config-dir", ""], "--config-dir: an empty path (an unset variable?)"),
         (["codegen", "--template", "fwd_ws", "--head-dim", "0"], "argument --head-dim: must be in 1..256, got 0"),
         (["show", "--gpu", "h200", "--device", "cuda:1"], "argument --device: not allowed with argument --gpu"),
-        (["bench", "--device", "cpu", "--csv", "."], "--csv .: a directory, not a file"),
+        (["bench", "--device", "cpu", "--csv", "."], "--csv .: . is a directory, not a file"),
         (["bench", "--device", "cpu", "--merge-into", "notes.txt"], "--merge-into notes.txt: not a benchmark CSV"),
         (["bench", "--from-csv", "missing.csv"], "--from-csv missing.csv: no such file"),
         ([*_CPU_TUNE, "--trials", "1", "--config-dir", "out", "--storage", "notes.log"],
@@ -884,7 +884,7 @@ def test_show_marks_used_what_lookup_uses(tmp_path, capsys, monkeypatch):
                         [entry(key, KernelConfig(16, 16, 4, 1), stale=True),
                          entry(big, KernelConfig(256, 256, 8, 4))])  # fmt: skip
     store.write_entries(tmp_path / "cache" / "fa2tune" / "configs" / "cpu-interpreter.yaml", device,
-                        [entry(key, KernelConfig(32, 32, 4, 1))])  # fmt: skip
+                        [entry(key, KernelConfig(32, 32, 4, 1)), entry(big, KernelConfig(16, 16, 4, 1))])  # fmt: skip
     monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path / "env"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert cli.main(["show", "--device", "cpu", "--json"]) == 0
@@ -893,6 +893,8 @@ def test_show_marks_used_what_lookup_uses(tmp_path, capsys, monkeypatch):
     assert used[(True, False)] == (False, "stale: tuned against other kernel code")
     assert used[(False, False)] == (True, "")  # the cache's entry, which calls run
     assert not used[(True, True)][0] and used[(True, True)][1].startswith("the planner rejects it here: ")
+    # resolve takes the planner's default after a rejected entry, not a later file's entry for the key
+    assert used[(False, True)] == (False, "lookup stops at an earlier file's entry for the key")
     (tmp_path / "env" / "cpu-interpreter.yaml").unlink()
     (tmp_path / "env" / "cpu-interpreter.yaml").mkdir()
     assert cli.main(["show", "--device", "cpu", "--json"]) == 0

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..bench import report
 from ..bench.shapes import PRESETS, Shape, cpu_problem
 from .common import fail, log, note_interpreter, resolve_device, to_json
+from .outputs import write_problem
 
 _CAUSAL = {"no": (False,), "yes": (True,), "both": (False, True)}
 
@@ -61,11 +62,8 @@ def _check_files(args: argparse.Namespace) -> None:
     for flag, path in (("--csv", args.csv), ("--merge-into", args.merge_into)):
         if not path:
             continue
-        if os.path.isdir(path):
-            fail(f"{flag} {path}: a directory, not a file")
-        folder = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            fail(f"{flag} {path}: {folder} is not a directory this process can write in")
+        if problem := write_problem(Path(path), []):  # the tune's check: tried, not guessed
+            fail(f"{flag} {path}: {problem}")
         if flag == "--merge-into" and os.path.exists(path) and (problem := report.csv_problem(path)):
             fail(f"--merge-into {path}: {problem}; its rows would be lost")
 

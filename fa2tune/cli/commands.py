@@ -152,17 +152,18 @@ def show(args: argparse.Namespace) -> int:
 
 
 def _stored_rows(slug: str, info=None) -> list[dict]:
-    """One row per entry of <slug>.yaml in each config directory, "used" as lookup would use it for the device
-    (info, a DeviceInfo; None: not checked against one), "why_not" where not: a key an earlier file's usable entry
-    has, an entry tuned against other kernel code (stale: lookup moves on down the path), a config the planner
-    rejects for the device. One row per file that cannot be read, with the reason."""
+    """One row per entry of <slug>.yaml in each config directory, "used" as resolve would use it for the device
+    (info, a DeviceInfo; None: not checked against one), "why_not" where not: a key whose entry in an earlier file
+    lookup stops at, an entry tuned against other kernel code (stale: lookup moves on down the path), a config the
+    planner rejects for the device (resolve then takes the planner's default, not a later file's entry). One row
+    per file that cannot be read, with the reason."""
     from ..config import planner, store
     from ..config.decode_config import DECODE_KERNEL
     from ..config.inputs import DTYPES_BY_NAME
     from ..kernels import codegen
 
     rows = []
-    used: set = set()
+    claimed: set = set()  # keys whose lookup stops at an entry already listed
     for directory in store.config_dirs():
         path = directory / f"{slug}.yaml"
         if not path.is_file():
@@ -176,15 +177,15 @@ def _stored_rows(slug: str, info=None) -> list[dict]:
             continue
         for e in entries:
             why = None
-            if e.key in used:
-                why = "an earlier file's entry for the key is used"
+            if e.key in claimed:
+                why = "lookup stops at an earlier file's entry for the key"
             elif e.template_hash != codegen.entry_code_hash(e.key, e.config):
                 why = "stale: tuned against other kernel code"
-            elif info is not None and e.key.kernel != DECODE_KERNEL:
-                reason = planner.check(e.config, info, e.key.head_dim, DTYPES_BY_NAME[e.key.dtype], e.key.kernel)
-                why = f"the planner rejects it here: {reason}" if reason else None
-            if why is None:
-                used.add(e.key)
+            else:
+                claimed.add(e.key)
+                if info is not None and e.key.kernel != DECODE_KERNEL:
+                    reason = planner.check(e.config, info, e.key.head_dim, DTYPES_BY_NAME[e.key.dtype], e.key.kernel)
+                    why = f"the planner rejects it here: {reason}" if reason else None
             rows.append(
                 {
                     "file": str(path),

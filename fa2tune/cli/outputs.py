@@ -13,7 +13,7 @@ from .arguments import sqlite_path
 from .common import INTERRUPTED, end_progress_line, fail
 
 
-def _write_problem(path: Path, created: list[Path], lock: Path | None = None) -> str | None:
+def write_problem(path: Path, created: list[Path], lock: Path | None = None) -> str | None:
     """Why the file at `path` cannot be written, or None; its directory is created if missing (each directory
     made appended to `created`). Tried, not guessed: a directory under a file, a read-only or virtual file system
     (/proc) or missing permissions show only when written to. lock: the lock file the writer opens beside it."""
@@ -70,10 +70,10 @@ def check_writable(config_dir: Path, target: Path, storage: str | None, source: 
 
     created: list[Path] = []
     written = store.written_file(target)
-    problem = _write_problem(written, created, store.lock_path(written))
+    problem = write_problem(written, created, store.lock_path(written))
     said = f"{source} {config_dir}: {problem}" if problem else None
     local = storage_file(storage) if storage is not None and not said else None
-    if local is not None and (problem := _write_problem(local, created) or _foreign_storage(storage, local)):
+    if local is not None and (problem := write_problem(local, created) or _storage_problem(storage, local)):
         said = f"--storage {storage}: {problem}"
     if said:
         for made in reversed(created):
@@ -82,34 +82,10 @@ def check_writable(config_dir: Path, target: Path, storage: str | None, source: 
         fail(said)
 
 
-def _foreign_storage(storage: str, local: Path) -> str | None:
-    """Why an existing local storage file is not one Optuna keeps trials in (a log file, a text file named .db),
-    or None: checked here, a bad one fails in one line instead of a traceback from inside Optuna, or trials
-    appended to someone's log. A journal's first line is an Optuna operation (a JSON object with an op_code); a
-    database is opened."""
-    import json
-
-    if not local.is_file() or local.stat().st_size == 0:
-        return None
-    if "://" not in storage:
-        try:
-            with open(local, encoding="utf-8") as handle:
-                first = json.loads(handle.readline())
-            if isinstance(first, dict) and "op_code" in first:
-                return None
-        except (OSError, UnicodeDecodeError, ValueError):
-            pass
-        return f"{local} exists and is not an Optuna journal (its first line is not an Optuna operation)"
+def _storage_problem(storage: str, local: Path) -> str | None:
     from ..tune import study_storage
 
-    try:
-        import optuna
-
-        optuna.get_all_study_summaries(study_storage.open_storage(storage), include_best_trial=False)  # reads it
-    except Exception as exc:  # SQLAlchemy or Optuna errors, whatever the file held
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-        return f"{local} exists and is not an Optuna database ({first_line})"
-    return None
+    return study_storage.existing_file_problem(storage, local)
 
 
 def storage_file(storage: str) -> Path | None:

@@ -62,6 +62,33 @@ def open_storage(url: str | None):
     return _storages[key]
 
 
+def existing_file_problem(url: str, path: Path) -> str | None:
+    """Why the existing file `path` that the storage `url` names is not one open_storage keeps trials in (a log
+    file, a text file named .db), or None (missing or empty: it is created). Checked before a tune, so that a file
+    named by mistake fails in one line, not in a traceback from inside Optuna, nor gets trials appended to it. A
+    journal's first line is an Optuna operation (a JSON object with an op_code: Optuna's reader skips lines it
+    cannot parse); a database is opened and read."""
+    import json
+
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    if "://" not in url:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                first = json.loads(handle.readline())
+            if isinstance(first, dict) and "op_code" in first:
+                return None
+        except (OSError, UnicodeDecodeError, ValueError):
+            pass
+        return f"{path} exists and is not an Optuna journal (its first line is not an Optuna operation)"
+    try:
+        optuna.get_all_study_summaries(open_storage(url), include_best_trial=False)
+    except Exception as exc:  # SQLAlchemy or Optuna errors, whatever the file held
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        return f"{path} exists and is not an Optuna database ({first_line})"
+    return None
+
+
 def _create(url: str, stale_after: int):
     import warnings
 
