@@ -99,27 +99,38 @@ def test_backward_is_deterministic(device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("copy_lse", [False, True], ids=["lse-kept", "lse-copied"])
 @pytest.mark.parametrize("zero_dq", [False, True], ids=["delta-only", "zeroes-dq"])
-def test_the_preprocess_zeroes_exactly_the_fp32_dq_rows_when_asked(zero_dq, device):
+def test_the_preprocess_zeroes_exactly_the_fp32_dq_rows_when_asked(zero_dq, copy_lse, device):
     # With dQ fused into the dK/dV kernel the preprocess also zeroes the fp32 dQ it adds into (on the GPU only:
     # that kernel is a Gluon one). Here the preprocess alone: ragged rows (37 of blocks of 16), head_dim 48 padded
     # to 64, and the fp32 dQ a window into a NaN-poisoned buffer, whose other elements must stay as they were.
+    # δ fills its buffer's 48 rows a head (0 past row 37), and with COPY_LSE so does the logsumexp (+inf past 37),
+    # read through strides of its own.
     from fa2tune.config import planner
     from fa2tune.config.types import Mask
 
-    batch, heads, n, d, block_m = 2, 3, 37, 48, 16
+    batch, heads, n, d, block_m, rows = 2, 3, 37, 48, 16, 48
     o, do = (torch.randn(batch, heads, n, d, device=device).to(torch.bfloat16) for _ in range(2))
-    delta = torch.full((batch, heads, n), float("nan"), device=device)
+    delta = torch.full((batch, heads, rows), float("nan"), device=device)
+    lse = torch.randn(heads, batch, n, device=device).transpose(0, 1)  # batch and head strides swapped
+    lse_out = torch.full((batch, heads, rows), float("nan"), device=device)
     buffer = torch.full((batch, heads, n + 5, d + 8), float("nan"), device=device)
     dq_acc = buffer[:, :, 2 : n + 2, 4 : d + 4]
     kernel = layout.kernel("bwd", "_attn_bwd_preprocess", Mask(), n, n, KernelConfig(block_m, 16, 4, 1), False)
     strides = dq_acc.stride()[:3] if zero_dq else (0, 0, 0)
     kernel[(grid.cdiv(n, block_m) * batch * heads,)](
-        o, do, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], *strides, heads, n, HEAD_DIM=d,
-        HEAD_DIM_PAD=planner.head_dim_padded(d), BLOCK_M=block_m, ZERO_DQ=zero_dq,
+        o, do, lse, lse_out, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], *lse.stride(), *strides, heads, n,
+        rows, HEAD_DIM=d, HEAD_DIM_PAD=planner.head_dim_padded(d), BLOCK_M=block_m, ZERO_DQ=zero_dq,
+        COPY_LSE=copy_lse,
     )  # fmt: skip
     expected = (o.float() * do.float()).sum(-1)
-    assert torch.allclose(delta, expected, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(delta[..., :n], expected, rtol=1e-5, atol=1e-5)
+    assert (delta[..., n:] == 0).all()
+    if copy_lse:
+        assert torch.equal(lse_out[..., :n], lse) and (lse_out[..., n:] == float("inf")).all()
+    else:
+        assert lse_out.isnan().all(), "COPY_LSE off, yet the logsumexp was copied"
     window = torch.zeros_like(buffer, dtype=torch.bool)
     window[:, :, 2 : n + 2, 4 : d + 4] = True
     assert buffer[~window].isnan().all(), "the preprocess wrote outside the fp32 dQ"
@@ -127,6 +138,44 @@ def test_the_preprocess_zeroes_exactly_the_fp32_dq_rows_when_asked(zero_dq, devi
         assert (dq_acc == 0).all(), f"{int((dq_acc != 0).sum())} elements of the fp32 dQ not zeroed"
     else:
         assert dq_acc.isnan().all(), "ZERO_DQ off, yet the fp32 dQ was written"
+
+
+@pytest.mark.parametrize("seqlen_q", [37, 32], ids=["ragged", "aligned"])
+def test_the_kernels_read_statistics_padded_to_16_rows(seqlen_q, device, monkeypatch):
+    # The dK/dV and dQ kernels read the logsumexp and δ at one (batch, head) stride, a multiple of 16 for a dense
+    # call, with lse = +inf and δ = 0 in the rows past N_Q: the warp-specialized dK/dV kernel masks its loads of
+    # them at N_Q rounded up to 16 (bwd_ws.py.jinja's _row_stats), so a ragged length compiles an aligned one's
+    # step. An aligned call's logsumexp is read where the forward left it. δ is shifted by dlse row for row.
+    from fa2tune.launch import fastlaunch
+
+    batch, heads = 2, 3
+    q, _, _, do = _random((batch, heads, heads, seqlen_q, 45, 16), torch.float32, device, seed=13)
+    _, k, v, _ = _random((batch, heads, heads, 45, 45, 16), torch.float32, device, seed=14)
+    o, lse = ops.forward(q, k, v, causal=True, scale=0.25)
+    dlse = torch.randn_like(lse)
+    seen, real = {}, fastlaunch.launch
+
+    def recording(kernel, grid, tensors, scalars, **kwargs):
+        real(kernel, grid, tensors, scalars, **kwargs)
+        if kernel.fn.__name__ in ("_attn_bwd_dkdv", "_attn_bwd_dq"):
+            args = dict(zip(kernel.arg_names, (*tensors, *scalars), strict=False))
+            seen[kernel.fn.__name__] = {name: args[name] for name in ("stride_lb", "stride_lh")}
+            seen[kernel.fn.__name__].update(LSE=args["LSE"].clone(), DELTA=args["DELTA"].clone(),
+                                            same_lse=args["LSE"].data_ptr() == lse.data_ptr())  # fmt: skip
+
+    monkeypatch.setattr(fastlaunch, "launch", recording)
+    ops.backward(do, q, k, v, o, lse, causal=True, scale=0.25, dkdv_config=KernelConfig(16, 16),
+                 dq_config=KernelConfig(16, 16), dlse=dlse)  # fmt: skip
+    rows = -(-seqlen_q // 16) * 16
+    delta = (o.double() * do.double()).sum(-1) - dlse.double()
+    assert set(seen) == {"_attn_bwd_dkdv", "_attn_bwd_dq"}
+    for name, got in seen.items():
+        assert (got["stride_lb"], got["stride_lh"]) == (heads * rows, rows), name
+        assert got["same_lse"] == (rows == seqlen_q), name  # copied only where the layout differs
+        stats = [t.flatten()[: batch * heads * rows].view(batch, heads, rows) for t in (got["LSE"], got["DELTA"])]
+        assert torch.equal(stats[0][..., :seqlen_q], lse), name
+        assert (stats[0][..., seqlen_q:] == float("inf")).all() and (stats[1][..., seqlen_q:] == 0).all(), name
+        assert torch.allclose(stats[1][..., :seqlen_q].double().cpu(), delta.cpu(), rtol=1e-5, atol=1e-5), name
 
 
 def test_sum_backward_with_a_stride_zero_gradient(device):

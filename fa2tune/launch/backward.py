@@ -60,65 +60,106 @@ def backward(
         key = plans.plan_key("bwd", (q, k, v, o, lse, do), mask, scale, configs)
         plan = plans.lookup(key)
         if plan is not None:
-            dq, dk, dv, delta = _gradient_buffers(q, k, v, lse)
+            dq, dk, dv = _gradient_buffers(q, k, v)
             if not (plan.tma and plans.misaligned(q, k, v, do, dq, dk, dv)):
                 with on_device(q):
-                    plan.launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse)
+                    plan.launch(q, k, v, o, lse, do, dq, dk, dv, dlse)
                 return dq, dk, dv
     for kernel_name, config, explicit in (("bwd_dkdv", dkdv_config, dkdv_explicit), ("bwd_dq", dq_config, dq_explicit)):
         if explicit:
             check_combination(config, kernel_name)
     dkdv_config = deterministic(unfused_for_v(dkdv_config, dkdv_explicit, q.shape[-1], v.shape[-1]), dkdv_explicit)
-    dq, dk, dv, delta = _gradient_buffers(q, k, v, lse)
+    dq, dk, dv = _gradient_buffers(q, k, v)
     dkdv_run = runnable(dkdv_config, "bwd_dkdv", dkdv_explicit, mask, packing, q=q, k=k, v=v, grad_out=do, dk=dk,
                         dv=dv)  # fmt: skip
     dq_run = runnable(dq_config, "bwd_dq", dq_explicit, mask, packing, q=q, k=k, v=v, grad_out=do, dq=dq)
     launch = _launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_run, dq_run, packing)
     with on_device(q):
-        launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse)
+        launch(q, k, v, o, lse, do, dq, dk, dv, dlse)
     downgraded = dkdv_run != dkdv_config or dq_run != dq_config
     plans.keep(key, plans.Plan(launch, dkdv_run.warp_specialized or dq_run.warp_specialized), downgraded,
                (q, k, v, do, dq, dk, dv))  # fmt: skip
     return dq, dk, dv
 
 
-def _gradient_buffers(q, k, v, lse):
-    """dq, dk, dv (contiguous, as backward() returns them) and δ, uninitialised."""
+def _gradient_buffers(q, k, v):
+    """dq, dk, dv (contiguous, as backward() returns them), uninitialised."""
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format), torch.empty_like(lse))  # fmt: skip
+            torch.empty_like(v, memory_format=torch.contiguous_format))  # fmt: skip
+
+
+STATS_ROWS = 16  # a dense call's statistics buffers hold a multiple of this many rows a (batch, head)
+
+
+class _Stats(NamedTuple):
+    """Where the dK/dV and dQ kernels read the logsumexp and δ: one layout for both, (stride_lb, stride_lh).
+
+    Dense calls: buffers of (batch, heads_q, rows) with rows = seqlen_q rounded up to STATS_ROWS, lse = +inf and
+    δ = 0 in the rows past seqlen_q (their P and dS are 0). Triton's JIT specializes an int argument divisible by
+    16, and the warp-specialized dK/dV kernel bounds its per-step loads of both by rows (bwd_ws.py.jinja's
+    _row_stats): with the strides and that bound multiples of 16 a ragged length compiles the step an aligned one
+    does. The forward's logsumexp is read where it is when it already has that layout (seqlen_q a multiple of 16,
+    contiguous), else the preprocess copies it into a padded buffer. Packed calls: the logsumexp's own layout."""
+
+    shape: tuple[int, int, int] | None  # dense: (batch, heads_q, rows); packed: None
+    strides: tuple[int, int]  # the kernels' stride_lb, stride_lh
+    rows: int  # δ's rows a (batch, head) as the preprocess writes them (packed: every packed row, of one head)
+    copy_lse: bool  # the preprocess copies the logsumexp into a buffer of δ's layout
+
+    @classmethod
+    def of(cls, q: torch.Tensor, lse: torch.Tensor, packing: Packing | None) -> _Stats:
+        if packing is not None:
+            return cls(None, lse_strides(lse, packing), q.shape[0], False)
+        batch, heads_q, seqlen_q = q.shape[:3]
+        rows = cdiv(seqlen_q, STATS_ROWS) * STATS_ROWS
+        strides = (heads_q * rows, rows)
+        return cls((batch, heads_q, rows), strides, rows, lse.stride() != (*strides, 1) or rows != seqlen_q)
+
+    def buffers(self, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the logsumexp the kernels read, δ's buffer) of a call, uninitialised but for lse as it is."""
+        if self.shape is None:
+            return lse, torch.empty_like(lse)
+        delta = lse.new_empty(self.shape)  # fp32, as the logsumexp
+        return (lse.new_empty(self.shape) if self.copy_lse else lse), delta
 
 
 def _launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config, dq_config, packing):
-    """launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse) for calls with these tensors' shapes and strides and
-    this packing: δ's preprocess kernel, then the dK/dV and dQ kernels — or, dQ fused in (bwd_dkdv warpspec 2), the
+    """launch(q, k, v, o, lse, do, dq, dk, dv, dlse) for calls with these tensors' shapes and strides and this
+    packing: δ's preprocess kernel, then the dK/dV and dQ kernels — or, dQ fused in (bwd_dkdv warpspec 2), the
     dK/dV kernel adding into a zeroed fp32 dQ and its cast —, everything but the tensors worked out."""
     fused_dq = dkdv_config.fused_dq  # the dK/dV kernel also adds scale·dS·K into an fp32 dQ
-    pre_launch = _preprocess_launcher(q, k, o, do, mask, dq_config, fused_dq, packing)
-    shared = _Shared.of(q, k, v, lse, do, mask, scale, packing)
-    dkdv = _dkdv_launcher(q, k, v, lse, dk, dv, mask, scale, dkdv_config, shared)
-    dq_launch = None if fused_dq else _dq_launcher(q, k, v, lse, dq, mask, scale, dq_config, shared)
+    stats = _Stats.of(q, lse, packing)
+    pre_launch = _preprocess_launcher(q, k, o, do, lse, stats, mask, dq_config, fused_dq, packing)
+    shared = _Shared.of(q, k, v, stats, do, mask, scale, packing)
+    dkdv = _dkdv_launcher(q, k, v, dk, dv, mask, scale, dkdv_config, shared)
+    dq_launch = None if fused_dq else _dq_launcher(q, k, v, dq, mask, scale, dq_config, shared)
+    seqlen_q = lse.shape[-1]
 
-    def launch(q, k, v, o, lse, do, dq, dk, dv, delta, dlse):
+    def launch(q, k, v, o, lse, do, dq, dk, dv, dlse):
+        stats_lse, delta = stats.buffers(lse)
         if fused_dq:
             dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by the preprocess
-            pre_launch(o, do, delta, dq_acc)
+            pre_launch(o, do, lse, stats_lse, delta, dq_acc)
         else:
-            pre_launch(o, do, delta, delta)  # DQ_ACC unused (ZERO_DQ off): any pointer
+            pre_launch(o, do, lse, stats_lse, delta, delta)  # DQ_ACC unused (ZERO_DQ off): any pointer
         if dlse is not None:
-            delta.sub_(dlse)  # same layout as lse, hence as δ
+            delta[..., :seqlen_q].sub_(dlse)  # dlse has lse's shape: δ's rows but the padding
         if fused_dq:
-            dkdv(q, k, v, do, dk, dv, dq_acc, lse, delta)
+            dkdv(q, k, v, do, dk, dv, dq_acc, stats_lse, delta)
             dq.copy_(dq_acc)
         else:
-            dkdv(q, k, v, do, dk, dv, lse, delta)
-            dq_launch(q, k, v, do, dq, lse, delta)
+            dkdv(q, k, v, do, dk, dv, stats_lse, delta)
+            dq_launch(q, k, v, do, dq, stats_lse, delta)
 
     return launch
 
 
-def _preprocess_launcher(q, k, o, do, mask: Mask, dq_config: KernelConfig, fused_dq: bool, packing: Packing | None):
-    """launch(o, do, delta, dq_acc): δ = rowsum(dO ∘ O), and with dQ fused in, the fp32 dQ zeroed."""
+def _preprocess_launcher(q, k, o, do, lse, stats: _Stats, mask: Mask, dq_config: KernelConfig, fused_dq: bool,
+                         packing: Packing | None):  # fmt: skip
+    """launch(o, do, lse, stats_lse, delta, dq_acc): δ = rowsum(dO ∘ O) into δ's buffer (stats.rows rows a batch and
+    head); with stats.copy_lse the logsumexp copied into stats_lse, δ's layout; with dQ fused in, the fp32 dQ
+    zeroed."""
     (batch, heads_q, _, seqlen_q, seqlen_k, head_dim), strides = layout(q, k, packing)
     # δ per row needs no sequence boundaries: packed rows are preprocessed as one batch of one long sequence.
     pre_rows, pre_batch = (q.shape[0], 1) if packing is not None else (seqlen_q, batch)
@@ -128,8 +169,10 @@ def _preprocess_launcher(q, k, o, do, mask: Mask, dq_config: KernelConfig, fused
     pre_grid = (cdiv(pre_rows, dq_config.block_m) * pre_batch * heads_q,)
     # with dQ fused in, the preprocess also zeroes the fp32 dQ: q's shape, contiguous (a meta tensor's strides)
     dq_acc_strides = strides(torch.empty(q.shape, device="meta")) if fused_dq else (0, 0, 0)
-    pre_scalars = (*strides(o), *strides(do), *dq_acc_strides, heads_q, pre_rows)
-    pre_options = dict(**head_dim_options(*head_dims), BLOCK_M=dq_config.block_m, ZERO_DQ=fused_dq)
+    lse_in_strides = lse.stride() if stats.copy_lse else (0, 0, 0)  # only a copy reads the logsumexp
+    pre_scalars = (*strides(o), *strides(do), *lse_in_strides, *dq_acc_strides, heads_q, pre_rows, stats.rows)
+    pre_options = dict(**head_dim_options(*head_dims), BLOCK_M=dq_config.block_m, ZERO_DQ=fused_dq,
+                       COPY_LSE=stats.copy_lse)  # fmt: skip
     return fastlaunch.Launcher(pre, pre_grid, pre_scalars, pre_options)
 
 
@@ -140,7 +183,8 @@ class _Shared(NamedTuple):
     sizes: tuple  # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim)
     head_dims: tuple[int, int]  # (Q's and K's, V's)
     strides: Callable
-    inputs: tuple  # strides of q, k, v, dO and the logsumexp
+    inputs: tuple  # strides of q, k, v, dO and the statistics
+    stats_strides: tuple[int, int]  # the logsumexp's and δ's (batch, head) strides (_Stats)
     scalars: tuple  # heads, GQA group, lengths, scales, mask bounds, packed totals
     cu_q: torch.Tensor | None
     cu_k: torch.Tensor | None
@@ -148,15 +192,15 @@ class _Shared(NamedTuple):
     precision: str
 
     @classmethod
-    def of(cls, q, k, v, lse, do, mask: Mask, scale: float, packing: Packing | None) -> _Shared:
+    def of(cls, q, k, v, stats: _Stats, do, mask: Mask, scale: float, packing: Packing | None) -> _Shared:
         sizes, strides = layout(q, k, packing)
         _, heads_q, heads_kv, seqlen_q, seqlen_k, _ = sizes
         cu_q, cu_k, bounds = mask_args(mask, seqlen_q, seqlen_k, packing)
-        inputs = (*strides(q), *strides(k), *strides(v), *strides(do), *lse_strides(lse, packing))
+        inputs = (*strides(q), *strides(k), *strides(v), *strides(do), *stats.strides)
         scalars = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds,
                    *totals(q, k, packing))  # fmt: skip
-        return cls(sizes, (sizes[-1], v.shape[-1]), strides, inputs, scalars, cu_q, cu_k, packing is not None,
-                   input_precision(q.dtype))  # fmt: skip
+        return cls(sizes, (sizes[-1], v.shape[-1]), strides, inputs, stats.strides, scalars, cu_q, cu_k,
+                   packing is not None, input_precision(q.dtype))  # fmt: skip
 
     def options(self, config: KernelConfig) -> dict:
         return dict(**head_dim_options(*self.head_dims), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
@@ -164,12 +208,12 @@ class _Shared(NamedTuple):
                     num_stages=config.num_stages)  # fmt: skip
 
 
-def _dkdv_launcher(q, k, v, lse, dk, dv, mask: Mask, scale: float, config: KernelConfig, shared: _Shared):
+def _dkdv_launcher(q, k, v, dk, dv, mask: Mask, scale: float, config: KernelConfig, shared: _Shared):
     """launch(q, k, v, do, dk, dv, [dq_acc,] lse, delta): the dK/dV kernel, one program per K/V tile and head."""
     if config.warp_specialized:  # backward() checked that this call can take it
         # the warpspec launchers take the TMA-read tensors first: the Triton ones take the same order
-        return warpspec.backward_dkdv_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config,
-                                               head_dim_v=v.shape[-1])  # fmt: skip
+        return warpspec.backward_dkdv_launcher(q, k, shared.stats_strides, causal=mask.causal, scale=scale,
+                                               config=config, head_dim_v=v.shape[-1])  # fmt: skip
     batch, _, heads_kv, seqlen_q, seqlen_k, _ = shared.sizes
     dkdv = _layout.kernel("bwd", "_attn_bwd_dkdv", mask, seqlen_q, seqlen_k, config, shared.varlen, shared.head_dims)
     grid = (cdiv(seqlen_k, config.block_n) * batch * heads_kv,)
@@ -179,11 +223,11 @@ def _dkdv_launcher(q, k, v, lse, dk, dv, mask: Mask, scale: float, config: Kerne
     return lambda q, k, v, do, dk, dv, lse, delta: launch(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k)
 
 
-def _dq_launcher(q, k, v, lse, dq, mask: Mask, scale: float, config: KernelConfig, shared: _Shared):
+def _dq_launcher(q, k, v, dq, mask: Mask, scale: float, config: KernelConfig, shared: _Shared):
     """launch(q, k, v, do, dq, lse, delta): the dQ kernel, one program per Q tile and head."""
     if config.warp_specialized:  # backward() checked that this call can take it
-        return warpspec.backward_dq_launcher(q, k, lse, causal=mask.causal, scale=scale, config=config,
-                                             head_dim_v=v.shape[-1])  # fmt: skip
+        return warpspec.backward_dq_launcher(q, k, shared.stats_strides, causal=mask.causal, scale=scale,
+                                             config=config, head_dim_v=v.shape[-1])  # fmt: skip
     batch, heads_q, _, seqlen_q, seqlen_k, _ = shared.sizes
     dq_kernel = _layout.kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, config, shared.varlen,
                                shared.head_dims)  # fmt: skip

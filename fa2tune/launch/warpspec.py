@@ -233,11 +233,14 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
     return launch_split
 
 
-def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
-                           config: KernelConfig, head_dim_v: int | None = None):  # fmt: skip
+def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, stats_strides: tuple[int, int], *, causal: bool,
+                           scale: float, config: KernelConfig, head_dim_v: int | None = None):  # fmt: skip
     """launch(q, k, v, do, dk, dv, lse, delta): writes dK and dV (batch, heads_kv, seqlen_k, head_dim; dV V's
     head_dim_v, None: q's) — summed over each K/V head's query heads — with a warpspec bwd_dkdv config; δ (delta) as
     the Triton template's preprocess kernel leaves it (less dlse). The call must have passed `unsupported`.
+    lse and delta: the statistics buffers of fa2tune.launch.backward (_Stats), rows padded to a multiple of 16 with
+    lse = +inf past seqlen_q, as the kernel's loads assume (bwd_ws.py.jinja's _row_stats), at (batch, head) strides
+    stats_strides.
 
     With config.fused_dq (dQ fused in) it is launch(q, k, v, do, dk, dv, dq_acc, lse, delta), and also adds dQ into
     dq_acc, a zeroed fp32 tensor of q's shape."""
@@ -247,22 +250,22 @@ def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, 
     sides = ("q", "k", "v", "o", "k", "v") + (("dq_partial",) if config.fused_dq else ())
     return _launcher(
         "bwd_dkdv", config, causal, (head_dim, head_dim_v or head_dim), grid, sides,
-        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale,
+        (*stats_strides, seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale,
          tiles),
     )  # fmt: skip
 
 
-def backward_dq_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float,
-                         config: KernelConfig, head_dim_v: int | None = None):  # fmt: skip
+def backward_dq_launcher(q: torch.Tensor, k: torch.Tensor, stats_strides: tuple[int, int], *, causal: bool,
+                         scale: float, config: KernelConfig, head_dim_v: int | None = None):  # fmt: skip
     """launch(q, k, v, do, dq, lse, delta): writes dQ (batch, heads_q, seqlen_q, head_dim) with a warpspec bwd_dq
-    config, V's head dim head_dim_v (None: q's); δ as for backward_dkdv_launcher. The call must have passed
-    `unsupported`."""
+    config, V's head dim head_dim_v (None: q's); lse, δ and stats_strides as for backward_dkdv_launcher. The call
+    must have passed `unsupported`."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     row_tiles = -(-seqlen_q // config.block_m)
     grid, tiles = _grid(config, row_tiles, batch * heads_q, q.device.index)
     return _launcher(
         "bwd_dq", config, causal, (head_dim, head_dim_v or head_dim), grid, ("q", "k", "v", "o", "q"),
-        (lse.stride(0), lse.stride(1), seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, scale,
+        (*stats_strides, seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, scale * LOG2E, scale,
          tiles),
     )  # fmt: skip
 
