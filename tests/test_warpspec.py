@@ -413,7 +413,8 @@ from fa2tune.config.types import KernelConfig
 out = []
 for kernel, config, seqlen in (("bwd_dkdv", "64,128,4,3,ws,fused-dq,persistent", 8192),
                                ("bwd_dkdv", "64,128,4,3,ws,fused-dq,persistent", 3000),
-                               ("fwd", "128,128,4,2,ws,persistent", 8192)):
+                               ("fwd", "128,128,4,2,ws,persistent", 8192),
+                               ("fwd", "128,128,4,2,ws,persistent", 3000)):
     seen = []
     probe._compile = lambda source, target, options: seen.append(source)
     probe.compile_config(kernel, KernelConfig.parse(config), 64, torch.bfloat16, seqlen=seqlen)
@@ -445,13 +446,17 @@ def test_offline_compiles_specialize_arguments_as_a_launch_does():
     # dQ cast compiled without the pointers' showed scalar loads and more stack: docs/HISTORY.md, "Backward"; without
     # the lengths', the d=128 dK/dV step issued 613 instructions where a call of 8192 tokens runs 545).
     divisible = [["tt.divisibility", 16]]
-    aligned, ragged, forward = _probe(_ATTRS_PROBE, timeout=300)
+    aligned, ragged, forward, ragged_forward = _probe(_ATTRS_PROBE, timeout=300)
     pointers = [name for name, kind in aligned["kinds"].items() if kind.startswith("*")]
     assert pointers == ["LSE", "DELTA"] and all(aligned["attrs"][name] == divisible for name in pointers)
-    lengths = ("N_Q", "N_K", "stride_lh")  # the logsumexp's head stride is the query length
-    assert all(aligned["kinds"][name] == "i32" and aligned["attrs"][name] == divisible for name in lengths)
+    lengths = ("N_Q", "N_K")
+    stats = ("stride_lb", "stride_lh")
+    assert all(aligned["kinds"][name] == "i32" and aligned["attrs"][name] == divisible for name in lengths + stats)
     assert all(ragged["kinds"][name] == "i32" and ragged["attrs"][name] is None for name in lengths)
-    assert ragged["attrs"]["stride_lb"] == divisible  # 16 heads × 3000
+    # the backward's statistics buffers have rows padded to a multiple of 16 (launch.backward's _Stats): 3008 a head
+    assert all(ragged["kinds"][name] == "i32" and ragged["attrs"][name] == divisible for name in stats)
+    # the forward writes the logsumexp (batch, heads, N): its head stride is the length
+    assert ragged_forward["attrs"]["stride_lh"] is None and ragged_forward["attrs"]["stride_lb"] == divisible
     assert aligned["kinds"]["GROUP"] == "constexpr" and aligned["constants"]["GROUP"] == 1  # one query head a K/V head
     # the split tail's counts are do_not_specialize: one binary whether a launch splits its tail or not
     assert forward["kinds"]["MAIN"] == forward["kinds"]["SPLIT"] == "i32"

@@ -55,9 +55,13 @@ EXAMPLE_SEQLEN = 8192  # the example call's lengths: a multiple of 16, as every 
 _EXAMPLE_BATCH = 2
 
 
-def _example_ints(head_dim_pad: int, heads: int, group: int, seqlen: int = EXAMPLE_SEQLEN) -> dict[str, int]:
+def _example_ints(head_dim_pad: int, heads: int, group: int, seqlen: int = EXAMPLE_SEQLEN,
+                  padded_stats: bool = False) -> dict[str, int]:  # fmt: skip
     """The int arguments of an example call: a (2, heads, seqlen, d) contiguous layout, whose strides are multiples
-    of 16 as in real use, and whose lengths and logsumexp strides are multiples of 16 where seqlen is."""
+    of 16 as in real use, and whose lengths are multiples of 16 where seqlen is. The logsumexp's strides: the
+    forward's (batch, heads, seqlen) tensor; padded_stats, the backward kernels' statistics buffers, whose rows a
+    (batch, head) fa2tune.launch.backward pads to a multiple of 16 (_Stats) for a dense call."""
+    stats_rows = -(-seqlen // 16) * 16 if padded_stats else seqlen
     return {
         "stride_b": heads * seqlen * head_dim_pad,
         "stride_h": seqlen * head_dim_pad,
@@ -65,8 +69,8 @@ def _example_ints(head_dim_pad: int, heads: int, group: int, seqlen: int = EXAMP
         "H_Q": heads,
         "H_KV": heads // group,
         "GROUP": group,
-        "stride_lb": heads * seqlen,  # the fp32 logsumexp (batch, heads, seqlen)
-        "stride_lh": seqlen,
+        "stride_lb": heads * stats_rows,  # the fp32 logsumexp (batch, heads, stats_rows)
+        "stride_lh": stats_rows,
         "N_Q": seqlen,
         "N_K": seqlen,
         # a persistent launch's work units: (batch, head) pairs times tiles, so as divisible as batch·heads
@@ -102,9 +106,9 @@ def compile_config(
     banded / varlen: the window/prefix and packed-sequence variants (ragged tails, as they always are).
     head_dim_v: V's head dim (and O's, dO's, dV's), where it is not Q's and K's head_dim; None: the same.
     seqlen: the example call's query and key length. The JIT compiles a length that is not a multiple of 16 (and the
-    logsumexp's head stride, which is the length) without their divisibility, which is other code in the kernels that
-    read the logsumexp per step (the warp-specialized dK/dV kernel's step: docs/PERF.md, "Lengths that are not a
-    multiple of a tile"); the default is a multiple of 16."""
+    forward's logsumexp head stride, which is the length) without their divisibility, which is other code in the
+    kernels that bound or address loads by them (docs/PERF.md, "Lengths that are not a multiple of a tile"); the
+    backward's statistics keep theirs (_example_ints). The default is a multiple of 16."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -122,7 +126,8 @@ def compile_config(
     )  # fmt: skip
     fn = getattr(codegen.load(template, variant), name)
     head_dim_pad = planner.head_dim_padded(head_dim)
-    ints = _example_ints(head_dim_pad, heads=16, group=1, seqlen=seqlen)
+    # the backward's statistics are padded for dense calls; packed ones keep the logsumexp's layout
+    ints = _example_ints(head_dim_pad, heads=16, group=1, seqlen=seqlen, padded_stats=kernel != "fwd" and not varlen)
     signature: dict[str, str] = {}
     constexprs: dict[str, object] = {
         **head_dim_options(head_dim, head_dim_v or head_dim),
@@ -196,7 +201,8 @@ def _compile_warpspec(
     fn, blocks, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal, head_dim_v)
     x = torch.empty(_EXAMPLE_BATCH, 16, seqlen, head_dim, dtype=dtype)
     x_v = torch.empty(_EXAMPLE_BATCH, 16, seqlen, head_dim_v or head_dim, dtype=dtype)  # V, O, dO, dV
-    ints = _example_ints(planner.head_dim_padded(head_dim), heads=16, group=1, seqlen=seqlen)
+    ints = _example_ints(planner.head_dim_padded(head_dim), heads=16, group=1, seqlen=seqlen,
+                         padded_stats=kernel != "fwd")  # the backward's statistics buffers (warpspec: dense only)
     sides = {"q": "q", "o": "o", "do": "o", "dq": "q", "k": "k", "v": "v", "dk": "k", "dv": "v"}
     descriptors = {}
     for arg in fn.arg_names:  # q_desc, or q_desc0, q_desc1, … a head-dim chunk each
