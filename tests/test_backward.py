@@ -178,6 +178,32 @@ def test_the_kernels_read_statistics_padded_to_16_rows(seqlen_q, device, monkeyp
         assert torch.allclose(stats[1][..., :seqlen_q].double().cpu(), delta.cpu(), rtol=1e-5, atol=1e-5), name
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_a_logsumexp_of_another_layout_gives_the_same_gradients(packed, device):
+    # The kernels read the logsumexp and δ at one set of strides, δ as the preprocess writes it (contiguous): a
+    # logsumexp that is a slice of a wider buffer (or a dense one in another order) is copied into that layout.
+    lengths = [1, 17, 5]
+    q, k, v, do = _random((2, 4, 2, 17, 23, 16), torch.float32, device, seed=15)
+    packing = None
+    if packed:  # (total, heads, d): three sequences of one batch row's tokens
+        cu = torch.tensor([0, 1, 18, 23], dtype=torch.int32, device=device)
+        q, k, v, do = (t.transpose(1, 2).reshape(-1, *t.shape[1:2], 16)[: sum(lengths)] for t in (q, k, v, do))
+        packing = launcher.Packing(cu, cu, max(lengths), max(lengths))
+    o, lse = ops.forward(q, k, v, causal=True, scale=0.25, packing=packing)
+    dlse = torch.randn_like(lse)
+    wide = torch.full((*lse.shape[:-1], lse.shape[-1] + 7), float("nan"), device=device)
+    wide[..., 3 : 3 + lse.shape[-1]] = lse
+    configs = dict(dkdv_config=KernelConfig(16, 16), dq_config=KernelConfig(16, 16))
+    expected = ops.backward(do, q, k, v, o, lse, causal=True, scale=0.25, packing=packing, dlse=dlse, **configs)
+    others = [wide[..., 3 : 3 + lse.shape[-1]]]
+    if not packed:
+        others.append(lse.transpose(0, 1).contiguous().transpose(0, 1))  # batch and head strides swapped
+    for other in others:
+        grads = ops.backward(do, q, k, v, o, other, causal=True, scale=0.25, packing=packing, dlse=dlse, **configs)
+        for got, want in zip(grads, expected, strict=True):
+            assert torch.allclose(got, want, rtol=1e-6, atol=1e-6), (other.stride(), (got - want).abs().max())
+
+
 def test_sum_backward_with_a_stride_zero_gradient(device):
     q, k, v, _ = _random((1, 2, 2, 20, 20, 16), torch.float32, device, seed=5)
     q.requires_grad_()

@@ -14,7 +14,7 @@ from . import fastlaunch, plans, warpspec
 from . import layout as _layout
 from .fallback import check_combination, deterministic, runnable, unfused_for_v
 from .grid import LOG2E, cdiv, input_precision
-from .layout import Packing, as_mask, head_dim_options, layout, lse_strides, mask_args, on_device, totals
+from .layout import Packing, as_mask, head_dim_options, layout, mask_args, on_device, totals
 
 
 def backward(
@@ -100,17 +100,20 @@ class _Stats(NamedTuple):
     16, and the warp-specialized dK/dV kernel bounds its per-step loads of both by rows (bwd_ws.py.jinja's
     _row_stats): with the strides and that bound multiples of 16 a ragged length compiles the step an aligned one
     does. The forward's logsumexp is read where it is when it already has that layout (seqlen_q a multiple of 16,
-    contiguous), else the preprocess copies it into a padded buffer. Packed calls: the logsumexp's own layout."""
+    contiguous), else the preprocess copies it into a padded buffer. Packed calls: (heads_q, total_q), contiguous
+    (the preprocess writes δ so, and the kernels read both at one head stride); a logsumexp laid out otherwise (a
+    slice of a wider buffer) is copied likewise."""
 
-    shape: tuple[int, int, int] | None  # dense: (batch, heads_q, rows); packed: None
+    shape: tuple[int, ...]  # dense: (batch, heads_q, rows); packed: (heads_q, total_q)
     strides: tuple[int, int]  # the kernels' stride_lb, stride_lh
     rows: int  # δ's rows a (batch, head) as the preprocess writes them (packed: every packed row, of one head)
     copy_lse: bool  # the preprocess copies the logsumexp into a buffer of δ's layout
 
     @classmethod
     def of(cls, q: torch.Tensor, lse: torch.Tensor, packing: Packing | None) -> _Stats:
-        if packing is not None:
-            return cls(None, lse_strides(lse, packing), q.shape[0], False)
+        if packing is not None:  # per head only: the row offset is cu_seqlens_q
+            total_q, heads_q = q.shape[:2]
+            return cls((heads_q, total_q), (0, total_q), total_q, lse.stride() != (total_q, 1))
         batch, heads_q, seqlen_q = q.shape[:3]
         rows = cdiv(seqlen_q, STATS_ROWS) * STATS_ROWS
         strides = (heads_q * rows, rows)
@@ -118,8 +121,6 @@ class _Stats(NamedTuple):
 
     def buffers(self, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the logsumexp the kernels read, δ's buffer) of a call, uninitialised but for lse as it is."""
-        if self.shape is None:
-            return lse, torch.empty_like(lse)
         delta = lse.new_empty(self.shape)  # fp32, as the logsumexp
         return (lse.new_empty(self.shape) if self.copy_lse else lse), delta
 
@@ -169,7 +170,8 @@ def _preprocess_launcher(q, k, o, do, lse, stats: _Stats, mask: Mask, dq_config:
     pre_grid = (cdiv(pre_rows, dq_config.block_m) * pre_batch * heads_q,)
     # with dQ fused in, the preprocess also zeroes the fp32 dQ: q's shape, contiguous (a meta tensor's strides)
     dq_acc_strides = strides(torch.empty(q.shape, device="meta")) if fused_dq else (0, 0, 0)
-    lse_in_strides = lse.stride() if stats.copy_lse else (0, 0, 0)  # only a copy reads the logsumexp
+    # only a copy reads the logsumexp; a packed one (heads_q, total_q) is read as one batch
+    lse_in_strides = (*(0,) * (3 - lse.dim()), *lse.stride()) if stats.copy_lse else (0, 0, 0)
     pre_scalars = (*strides(o), *strides(do), *lse_in_strides, *dq_acc_strides, heads_q, pre_rows, stats.rows)
     pre_options = dict(**head_dim_options(*head_dims), BLOCK_M=dq_config.block_m, ZERO_DQ=fused_dq,
                        COPY_LSE=stats.copy_lse)  # fmt: skip
