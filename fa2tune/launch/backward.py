@@ -89,7 +89,14 @@ def _gradient_buffers(q, k, v):
             torch.empty_like(v, memory_format=torch.contiguous_format))  # fmt: skip
 
 
-STATS_ROWS = 16  # a dense call's statistics buffers hold a multiple of this many rows a (batch, head)
+# A dense call's statistics buffers hold a multiple of this many rows a (batch, head): the divisibility Triton's JIT
+# specializes an int on, and the bound bwd_ws.py.jinja's _row_stats rounds N_Q up to
+STATS_ROWS = 16
+
+
+def stats_rows(seqlen_q: int) -> int:
+    """The rows a (batch, head) of a dense call's statistics buffers: seqlen_q rounded up to STATS_ROWS."""
+    return cdiv(seqlen_q, STATS_ROWS) * STATS_ROWS
 
 
 class _Stats(NamedTuple):
@@ -106,18 +113,22 @@ class _Stats(NamedTuple):
 
     shape: tuple[int, ...]  # dense: (batch, heads_q, rows); packed: (heads_q, total_q)
     strides: tuple[int, int]  # the kernels' stride_lb, stride_lh
-    rows: int  # δ's rows a (batch, head) as the preprocess writes them (packed: every packed row, of one head)
     copy_lse: bool  # the preprocess copies the logsumexp into a buffer of δ's layout
+
+    @property
+    def rows(self) -> int:
+        """δ's rows a (batch, head) as the preprocess writes them (packed: every packed row, of one head)."""
+        return self.shape[-1]
 
     @classmethod
     def of(cls, q: torch.Tensor, lse: torch.Tensor, packing: Packing | None) -> _Stats:
         if packing is not None:  # per head only: the row offset is cu_seqlens_q
             total_q, heads_q = q.shape[:2]
-            return cls((heads_q, total_q), (0, total_q), total_q, lse.stride() != (total_q, 1))
+            return cls((heads_q, total_q), (0, total_q), lse.stride() != (total_q, 1))
         batch, heads_q, seqlen_q = q.shape[:3]
-        rows = cdiv(seqlen_q, STATS_ROWS) * STATS_ROWS
+        rows = stats_rows(seqlen_q)
         strides = (heads_q * rows, rows)
-        return cls((batch, heads_q, rows), strides, rows, lse.stride() != (*strides, 1) or rows != seqlen_q)
+        return cls((batch, heads_q, rows), strides, lse.stride() != (*strides, 1) or rows != seqlen_q)
 
     def buffers(self, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the logsumexp the kernels read, δ's buffer) of a call, uninitialised but for lse as it is."""
