@@ -4,6 +4,7 @@ Its results on a GPU are checked in tests/test_gpu.py."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import json
 import os
@@ -179,23 +180,25 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatc
     ]
     assert len(dkdv) == 12 and all(planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") is None for c in dkdv[:8])
     # two one-consumer dK/dV programs an SM: 232 registers less 16 hold d=64's 64·(2·64 + 3·64)/128 + 32 = 192, not
-    # d=128's 224; at d=64 with dQ fused in, 2 and 3 stages fit twice in shared memory, 4 do not
+    # d=128's 224; at d=64 with dQ fused in, 2 and 3 stages fit twice in shared memory, 4 do not (two an SM, the
+    # consumers load each step's logsumexp and δ: staged beside Q_i and dO_i, 3 stages would not fit twice)
     two = [c for c in planner.candidates("bwd_dkdv") if c.schedule == TWO_AN_SM]
     assert {(c.block_n, c.fused_dq) for c in two} == {(64, False), (64, True)} and len(two) == 6
+    assert not any(c.stages_statistics("bwd_dkdv") for c in two)
     fits = {c.label(): planner.check(c, h200, 64, torch.bfloat16, "bwd_dkdv") for c in two}
     assert [name for name, reason in fits.items() if reason] == ["64x64 w4 s4 ws fused-dq persistent x2"]
     assert all(planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") for c in two)
     # dQ fused in (fused_dq) adds dSᵀ twice (2·2·128·64 B), a consumer's fp32 staging buffer of its 64 dQ columns
     # (2·64·64·4 B at d=128, the consumers splitting the columns; all 64 columns each at d=64) and 256 B for its
-    # barriers: two stages at d=128 need 197,376 B (the sm_90 compile allocates 197,096), three 230,144, and a
-    # persistent grid (dK, dV staged apart) 262,912 > the H200's 232,448
+    # barriers, with each stage's logsumexp and δ (2·4·64 B): two stages at d=128 need 198,400 B (the sm_90 compile
+    # allocates 198,152), three 231,680, and a persistent grid (dK, dV staged apart) 263,936 > the H200's 232,448
     fused = KernelConfig(64, 128, 4, 2, warp_specialized=True, fused_dq=True)
-    assert planner.sram_bytes(fused, 128, torch.bfloat16, "bwd_dkdv") == 197376
+    assert planner.sram_bytes(fused, 128, torch.bfloat16, "bwd_dkdv") == 198400
     assert (
         planner.sram_bytes(
             KernelConfig(64, 128, 4, 3, warp_specialized=True, fused_dq=True), 128, torch.bfloat16, "bwd_dkdv"
         )
-        == 230144
+        == 231680
     )
     assert planner.check(fused, h200, 128, torch.bfloat16, "bwd_dkdv") is None
     # three stages fit at d=128 but spill (232 B of stack): ruled out, so the tuner's first fused pick is 2 stages
@@ -392,6 +395,31 @@ def test_code_hash_names_the_template_and_its_switches():
     assert "warp_specialize" in source and f"template_hash: {codegen.template_hash('fwd_ws')}" in source
 
 
+def test_the_dkdv_producer_stages_the_statistics_where_one_program_holds_the_sm():
+    # Each step's logsumexp and δ go to shared memory beside Q_i and dO_i (the producer loads them) where one dK/dV
+    # program holds an SM; two an SM have no room (d=64's three fused stages fill half of it to 256 B): there the
+    # consumers load them a step ahead. The rule is KernelConfig's: the launcher's variant, the entry's code hash
+    # and the planner's bytes all follow it.
+    one = KernelConfig(64, 64, 4, 3, warp_specialized=True, fused_dq=True, schedule=PERSISTENT)
+    two = replace(one, schedule=TWO_AN_SM)
+    assert one.stages_statistics("bwd_dkdv") and not two.stages_statistics("bwd_dkdv")
+    assert not one.stages_statistics("bwd_dq") and not KernelConfig(64, 64, 4, 3).stages_statistics("bwd_dkdv")
+    key = EntryKey(head_dim=64, dtype="bf16", causal=True, kernel="bwd_dkdv")
+    assert codegen.entry_code_hash(key, one) != codegen.entry_code_hash(key, two)
+    staged, loaded = (warpspec._module("bwd_dkdv", cfg, True, 64) for cfg in (one, two))
+    assert "lse_smem.index(stage).store(" in inspect.getsource(staged)
+    assert "lse_smem" not in inspect.getsource(loaded) and "_row_stats(LSE, DELTA" in inspect.getsource(loaded)
+    # 2 · 4 B a row of each of the 3 stages' 64 query rows
+    assert planner.sram_bytes(one, 64, torch.bfloat16, "bwd_dkdv") - planner.sram_bytes(
+        two, 64, torch.bfloat16, "bwd_dkdv"
+    ) == 2 * 4 * 3 * 64
+    assert planner.check(two, known_gpu("nvidia-h200"), 64, torch.bfloat16, "bwd_dkdv") is None
+    # split roles keep the consumers' loads (staged they read 1.8 % slower): the variant drops the switch with them
+    split = KernelConfig(64, 64, 4, 2, warp_specialized=True, split_roles=True)
+    assert not split.stages_statistics("bwd_dkdv")
+    assert not Variant.for_template("bwd_ws", causal=False, banded=False, varlen=False, even_m=False, even_n=False,
+                                    split_roles=True, stage_stats=True, head_dim=192).stage_stats  # fmt: skip
+
 _PROBE = """
 import json, sys, torch
 from fa2tune.tune import probe
@@ -568,10 +596,11 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
         assert any(operands > 0 for _, operands, _ in loops), (row, loops)  # the check has something to check
         assert all(clobbers == 0 for _, _, clobbers in loops), (row, loops)
     # K and V are register operands where planner.kv_in_registers says, d=64 without a mask: eight A fragments more
-    # a loop (K's and V's 64 × 64 rows, four k-steps of 16 each) than the same config compiled causal
+    # a loop (K's and V's 64 × 64 rows, four k-steps of 16 each) than the same config compiled causal; and with dQ
+    # fused in, dSᵀ is dK's register operand without the mask (its 64 query columns: four more)
     assert planner.kv_in_registers(64) and not planner.kv_in_registers(64, causal=True)
     causal, unmasked = ({operands for _, operands, _ in loops} for loops in found[:2])
-    assert unmasked == {n + 8 for n in causal}, (causal, unmasked)
+    assert unmasked == {n + 8 + 4 for n in causal}, (causal, unmasked)
 
 
 # each config's step loop (scripts/sass_step_mix.py): the blocks a branch skips, and where it waits for its wgmmas

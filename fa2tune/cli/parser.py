@@ -192,6 +192,9 @@ def _add_codegen(sub) -> None:
                      help="bwd_ws: two consumers share 64 K/V rows, dV side and dK side (KernelConfig.split_roles)")
     gen.add_argument("--persistent", action="store_true",
                      help="the *_ws templates: programs walk the tiles (Schedule.persistent)")  # fmt: skip
+    gen.add_argument("--two-an-sm", action="store_true",
+                     help="bwd_ws: the form two programs an SM run (Schedule.programs_per_sm = 2): the consumers load "
+                     "each step's logsumexp and δ, not staged in shared memory (KernelConfig.stages_statistics)")
     gen.add_argument("--head-dim", type=arguments.head_dim, default=128,
                      help="fwd_ws: the head dim it is written out for, a chunk at a time (default 128)")  # fmt: skip
     gen.set_defaults(func=commands.codegen)

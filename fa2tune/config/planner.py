@@ -24,6 +24,8 @@ the tiles):
                                                   dK side, double-buffered, and its two mbarrier pairs
               fused_dq: + 2·e·B_c·B_r + consumers·B_r·w·4 + 256: dSᵀ double-buffered, an fp32 dQ staging buffer
                                                   a consumer (w = the widest dQ block, ≤ 64 columns), mbarriers
+              + 2·4·S·B_r where the producer stages the statistics (KernelConfig.stages_statistics): each stage's
+                                                  logsumexp and δ, fp32
     dq_ws     e·d·(2·B_r + 2·S·B_c) + 512         Q, dO owned (B_r = 64 per consumer); K_j, V_j streamed
                                                   (+ e·d·B_r persistent: dQ staged apart from Q)
 
@@ -32,6 +34,7 @@ On the wgmma path the seed's B_r·B_c term lives in the register file, with the 
     fwd_ws    64·(d + B_c)           per consumer warpgroup (128 threads), which owns 64 rows
     dkdv_ws   64·(2·d + 3·B_r)       per consumer: dK, dV, Sᵀ, dPᵀ, and Pᵀ, dSᵀ (16-bit, half a register each);
               + 64·d at d <= 64      K and V as 16-bit operands (kv_in_registers; counted for both masks)
+              + 32·d at 64 < d <= 96 V alone (v_in_registers; counted for both masks)
               64·(d + 2.5·B_r)       split_roles, the dK side (the dV side holds less): dK, dPᵀ, the Pᵀ it reads,
                                      dSᵀ (16-bit)
     dq_ws     64·(d + 2.5·B_c)       per consumer: dQ, S (then P), dP, and the in-flight wgmma's dS_j-1 (16-bit)
@@ -174,7 +177,9 @@ def sram_bytes(
             exchange = 2 * e * n * m + cfg.consumers(kernel) * dq_staging + 256  # + 4 mbarriers
         if cfg.split_roles:  # Pᵀ, fp16, 64 × m, double-buffered, and its ready / free mbarrier pairs
             exchange = 2 * 2 * n * m + 64
-        return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + exchange + _ws_overhead(head_dim)  # S Q_i, dO_i
+        # each stage's logsumexp and δ, fp32, beside its Q_i and dO_i, where the producer stages them
+        stats = 2 * 4 * cfg.num_stages * m if cfg.stages_statistics(kernel) else 0
+        return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + stats + exchange + _ws_overhead(head_dim)
     if cfg.warp_specialized and kernel == "bwd_dq":
         staging = m if persistent else 0  # dQ staged apart from the next tile's Q; else in Q's buffer
         return e * d * (2 * m + staging + 2 * cfg.num_stages * n) + _ws_overhead(head_dim)  # S buffers of K_j, V_j
@@ -220,6 +225,12 @@ def kv_in_registers(head_dim: int, causal: bool = False) -> bool:
     return head_chunks.padded(head_dim) <= 64 and not causal
 
 
+def v_in_registers(head_dim: int, causal: bool = False) -> bool:
+    """Whether the warp-specialized dK/dV kernel holds its V rows in registers as the dPᵀ wgmma's A operand
+    (bwd_ws.py.jinja's V_IN_REGS): up to d = 96 without a causal mask, K too at d <= 64 (kv_in_registers)."""
+    return head_chunks.padded(head_dim) <= 96 and not causal
+
+
 MAX_ACCUMULATORS_PER_THREAD = 255
 
 
@@ -227,15 +238,19 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
     """fp32 accumulator values each thread holds (see the module docstring)."""
     check_kernel(kernel)
     d, m, n = computed_width(cfg, head_dim), cfg.block_m, cfg.block_n
-    # K and V as 16-bit register operands (half a register a value) of the dK/dV kernel's Sᵀ and dPᵀ at d <= 64
-    kv_operands = 64 * d / 128 if kernel == "bwd_dkdv" and kv_in_registers(d) else 0
+    # K and V as 16-bit register operands (half a register a value) of the dK/dV kernel's Sᵀ and dPᵀ at d <= 64, V
+    # alone up to d = 96; counted for both masks, as the model has none
+    kv_operands = 0.0
+    if kernel == "bwd_dkdv" and cfg.warp_specialized and v_in_registers(d):
+        kv_operands = 64 * d / 128 if kv_in_registers(d) else 64 * d / 256
     if cfg.split_roles:
         # the dK side, the fuller of the two: dK (64 × d), dPᵀ and the Pᵀ it reads (64 × B_r each), dSᵀ 16-bit
         return 64 * (d + 2.5 * m) / 128
     if cfg.fused_dq and kernel == "bwd_dkdv":
-        # dQ fused in: dSᵀ goes through shared memory (no 16-bit register copy); the dQ partial (64 × at most 64
-        # fp32) is live only once Sᵀ, dPᵀ are dead. Compiled for sm_90, d=128 keeps 40 B (causal 112 B) of stack
-        # beside it, as persistent loops do (timing decides); d=64 none
+        # dQ fused in: dSᵀ goes to shared memory for dQ and, without a mask, stays in registers (16-bit) as dK's A
+        # operand, formed as dPᵀ (fp32) dies; the dQ partial (64 × at most 64 fp32) is live beside Pᵀ's and dSᵀ's
+        # 16-bit copies once Sᵀ and dPᵀ are dead: B_r + w ≤ 2·B_r, under the step's peak of Sᵀ, dPᵀ and Pᵀ (2.5·B_r),
+        # which is what counts. Compiled for sm_90 without a mask, d=128 (64, 128) keeps 40 B of stack, d=96 32 B
         return 64 * (2 * d + max(2.5 * m, head_chunks.widest_dq_block(d))) / 128 + kv_operands
     if cfg.warp_specialized and kernel == "bwd_dkdv":
         # each consumer warpgroup: its 64 rows of dK and dV, Sᵀ and dPᵀ (64 × B_r), and Pᵀ, dSᵀ as 16-bit operands

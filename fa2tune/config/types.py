@@ -232,6 +232,16 @@ class KernelConfig:
             return not self.pingpong and self.block_m == WS_BLOCK_M[0]
         return kernel == "bwd_dkdv" and self.block_n == WS_DKDV_BLOCK_N[0] and not self.split_roles
 
+    def stages_statistics(self, kernel: str) -> bool:
+        """Whether a warpspec dK/dV program's producer stages each step's logsumexp and δ in shared memory beside
+        Q_i and dO_i (2·4·block_m bytes a stage), for the consumers to read when they need them: the two-block form,
+        one program an SM (part of the change that made the backward 1–10 % faster but d=128 causal with fused dQ
+        1.9 % slower on an H100: docs/PERF.md, "Measured and shipped"). Otherwise each consumer loads them from global
+        memory a step ahead, into registers: two programs an SM have no room for the buffers (d=64's three fused
+        stages fill half the SM to 256 B), and split roles read 1.8 % slower staged (d=192, both masks)."""
+        return (self.warp_specialized and kernel == "bwd_dkdv" and self.schedule.programs_per_sm == 1
+                and not self.split_roles)  # fmt: skip
+
     def consumers(self, kernel: str = "fwd") -> int:
         """Consumer warpgroups of a warpspec program of `kernel`, 64 rows each (of Q in the forward and bwd_dq, of
         K/V in bwd_dkdv); 0 for the Triton template."""
@@ -319,6 +329,8 @@ class Variant:
             reductions, and no dQ kernel runs (KernelConfig.fused_dq).
         split_roles: bwd_ws only: the two consumers share one 64-row K/V block, one on the dV side, one on the dK
             side (KernelConfig.split_roles).
+        stage_stats: bwd_ws only: the producer stages each step's logsumexp and δ in shared memory
+            (KernelConfig.stages_statistics).
         qk_chunks, v_chunks: the warpspec templates: the head-dim chunks of Q/K (and dQ, dK) and of V/O (and dO, dV)
             (fa2tune.config.head_chunks), whose loads, buffers, wgmmas and accumulators the template writes out one a
             chunk; () for the Triton templates.
@@ -337,6 +349,7 @@ class Variant:
     persistent: bool = False
     fused_dq: bool = False
     split_roles: bool = False
+    stage_stats: bool = False
     qk_chunks: tuple[int, ...] = ()
     v_chunks: tuple[int, ...] = ()
     distinct_v: bool = False
@@ -357,13 +370,14 @@ class Variant:
         persistent: bool = False,
         fused_dq: bool = False,
         split_roles: bool = False,
+        stage_stats: bool = False,
         head_dim: int | None = None,
         head_dim_v: int | None = None,
     ) -> Variant:
         """The variant `template` (codegen.TEMPLATES) renders for a call: the rules the launcher, codegen.code_hash
         and the probe must agree on, or a stored entry's hash would not name the code it runs. A band mask carries
         causality itself; packed sequences have no even tails; pipeline_qk exists in the forward template only.
-        The warpspec templates have causal, persistent, fwd_ws pingpong, bwd_ws fused_dq and split_roles:
+        The warpspec templates have causal, persistent, fwd_ws pingpong, bwd_ws fused_dq, split_roles and stage_stats:
         TMA bounds every tile, so tails need no code of their own, and they take neither band masks nor packed
         sequences (the launcher routes those to the Triton templates). They are written out a head-dim chunk at a
         time: they need head_dim (and head_dim_v, V's, where it differs). The Triton templates take any head dims as
@@ -378,7 +392,8 @@ class Variant:
             fused_dq = fused_dq and template == "bwd_ws"
             return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
                        persistent=persistent, fused_dq=fused_dq, split_roles=split_roles and template == "bwd_ws",
-                       qk_chunks=qk_chunks, v_chunks=v_chunks)  # fmt: skip
+                       stage_stats=stage_stats and template == "bwd_ws" and not split_roles, qk_chunks=qk_chunks,
+                       v_chunks=v_chunks)  # fmt: skip
         return cls(
             causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,
             dot_fp32=dot_fp32, banded=banded, varlen=varlen, pipeline_qk=bool(pipeline_qk) and template == "fwd",

@@ -85,6 +85,7 @@ def code_hash(
     fused_dq: bool = False,
     persistent: bool = False,
     split_roles: bool = False,
+    stage_stats: bool = False,
     head_dim: int | None = None,
 ) -> str:
     """Hash of the Triton code a tuned entry for this kernel and mask runs: the rendered modules of its variants
@@ -93,7 +94,8 @@ def code_hash(
     switch that is off for this entry, nor when a comment changes — so performance work on one variant does not void
     every shipped config.
     pipeline_qk, warp_specialized, pingpong, fused_dq, split_roles: the entry's config switches of those names
-    (KernelConfig), persistent its schedule's (Schedule), which select other code.
+    (KernelConfig), persistent its schedule's (Schedule), stage_stats KernelConfig.stages_statistics, which select
+    other code.
     """
     from ..config.types import Variant
 
@@ -105,7 +107,7 @@ def code_hash(
         variant = Variant.for_template(
             template, causal=causal, banded=window, varlen=varlen, even_m=even_m, even_n=even_n,
             pipeline_qk=pipeline_qk, pingpong=pingpong, persistent=persistent, fused_dq=fused_dq,
-            split_roles=split_roles, head_dim=head_dim,
+            split_roles=split_roles, stage_stats=stage_stats, head_dim=head_dim,
         )  # fmt: skip
         digest.update(_code_only(render(template, variant)).encode())
     return digest.hexdigest()[:16]
@@ -154,7 +156,8 @@ def entry_code_hash(key, config) -> str:
     return code_hash(key.kernel, causal=key.causal, window=key.window, varlen=key.varlen,
                      pipeline_qk=bool(config.pipeline_qk), warp_specialized=config.warp_specialized,
                      pingpong=config.pingpong, fused_dq=config.fused_dq, persistent=config.schedule.persistent,
-                     split_roles=config.split_roles, head_dim=key.head_dim)  # fmt: skip
+                     split_roles=config.split_roles, stage_stats=config.stages_statistics(key.kernel),
+                     head_dim=key.head_dim)  # fmt: skip
 
 
 def _dependencies(name: str) -> set[str]:
