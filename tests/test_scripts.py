@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 
 import pytest
@@ -262,3 +263,23 @@ def test_persistent_rounds_counts_the_last_round_s_fill():
     assert script.busy(1024, 1024, 16, 128, 127, causal=False) == pytest.approx(128 / (127 * 2))
     assert script.busy(1024, 1024, 16, 128, 64, causal=True) == 1.0  # 16 heads × 4 pairs = 64 units
     assert script.busy(1152, 1152, 1, 128, 5, causal=True) == pytest.approx(4.5 / (5 * 1.0))  # 9 tiles: 4 pairs, 1 half
+
+
+def test_backward_timer_checks_gradients_against_float64_and_parses_its_shapes(monkeypatch):
+    # scripts/time_backward.py's check, through the interpreter at a small ragged length: the kernels' gradients
+    # read within bf16's tolerance, and gradients off by 10 % of their scale do not
+    from fa2tune.api import ops
+    from fa2tune.config.types import KernelConfig
+
+    time_backward = load_script("time_backward")
+    monkeypatch.setattr(time_backward, "CHECK_LENGTH", 37)
+    config = KernelConfig.parse("32,32,4,1")
+    assert time_backward._check(ops, 32, True, config, device="cpu") < 2e-2
+    real = ops.backward
+    monkeypatch.setattr(ops, "backward", lambda *a, **kw: tuple(g + 0.1 * g.abs().max() for g in real(*a, **kw)))
+    assert time_backward._check(ops, 32, True, config, device="cpu") > 5e-2
+    assert time_backward._parse_shape("96,8192,causal,64,128,4,2,ws,fused-dq") == (
+        96, 8192, True, "64,128,4,2,ws,fused-dq"
+    )
+    with pytest.raises(argparse.ArgumentTypeError, match=r"head_dim,seqlen,plain\|causal,config.*got .96,8192,masked"):
+        time_backward._parse_shape("96,8192,masked,64,128,4,2")
