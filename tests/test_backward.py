@@ -8,7 +8,7 @@ import torch
 import fa2tune
 from fa2tune.api import attention, ops
 from fa2tune.config.types import KernelConfig
-from fa2tune.launch import grid, launcher, layout
+from fa2tune.launch import grid, launcher, layout, warpspec
 from fa2tune.tune.reference import naive_attention
 
 from .conftest import assert_close
@@ -138,6 +138,22 @@ def test_the_preprocess_zeroes_exactly_the_fp32_dq_rows_when_asked(zero_dq, copy
         assert (dq_acc == 0).all(), f"{int((dq_acc != 0).sum())} elements of the fp32 dQ not zeroed"
     else:
         assert dq_acc.isnan().all(), "ZERO_DQ off, yet the fp32 dQ was written"
+
+
+def test_the_warpspec_backward_launchers_refuse_statistics_strides_without_the_padded_rows():
+    # The Hopper dK/dV and dQ kernels read a head's logsumexp and δ unmasked up to seqlen_q rounded up to 16: a head
+    # stride of seqlen_q (the forward's own layout at a ragged length) would read the next head's rows, or past the
+    # buffer's end at the last head. Their launchers check it once, where a plan builds them.
+    q = torch.empty(2, 4, 37, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 40, 64, device="meta", dtype=torch.bfloat16)
+    config = KernelConfig(64, 128, 4, 2, warp_specialized=True)
+    dq_config = KernelConfig(128, 64, 4, 2, warp_specialized=True)
+    for launcher_of, cfg in ((warpspec.backward_dkdv_launcher, config), (warpspec.backward_dq_launcher, dq_config)):
+        for strides in ((4 * 37, 37), (48, 48)):
+            with pytest.raises(ValueError, match=r"48 rows a head \(seqlen_q=37 .*got strides"):
+                launcher_of(q, k, strides, causal=False, scale=0.125, config=cfg)
+    assert grid.stats_rows(37) == 48 and grid.stats_rows(32) == 32
+    assert warpspec._check_stats_strides((4 * 48, 48), 4, 37) is None
 
 
 @pytest.mark.parametrize("seqlen_q", [37, 32], ids=["ragged", "aligned"])

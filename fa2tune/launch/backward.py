@@ -13,7 +13,7 @@ from ..config.types import KernelConfig, Mask
 from . import fastlaunch, plans, warpspec
 from . import layout as _layout
 from .fallback import check_combination, deterministic, runnable, unfused_for_v
-from .grid import LOG2E, cdiv, input_precision
+from .grid import LOG2E, cdiv, input_precision, stats_rows
 from .layout import Packing, as_mask, head_dim_options, layout, mask_args, on_device, totals
 
 
@@ -87,16 +87,6 @@ def _gradient_buffers(q, k, v):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))  # fmt: skip
-
-
-# A dense call's statistics buffers hold a multiple of this many rows a (batch, head): the divisibility Triton's JIT
-# specializes an int on, and the bound bwd_ws.py.jinja's _row_stats rounds N_Q up to
-STATS_ROWS = 16
-
-
-def stats_rows(seqlen_q: int) -> int:
-    """The rows a (batch, head) of a dense call's statistics buffers: seqlen_q rounded up to STATS_ROWS."""
-    return cdiv(seqlen_q, STATS_ROWS) * STATS_ROWS
 
 
 class _Stats(NamedTuple):

@@ -16,6 +16,16 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# A dense call's backward statistics buffers (launch.backward's _Stats) hold a multiple of this many rows a (batch,
+# head): the divisibility Triton's JIT specializes an int on, and the bound bwd_ws.py.jinja's loads round N_Q up to
+STATS_ROWS = 16
+
+
+def stats_rows(seqlen_q: int) -> int:
+    """The rows a (batch, head) of a dense call's statistics buffers: seqlen_q rounded up to STATS_ROWS."""
+    return cdiv(seqlen_q, STATS_ROWS) * STATS_ROWS
+
+
 def fwd_grid(q_tiles: int, batch_heads: int) -> tuple[int, int, int]:
     """The forward's grid: (Q tiles, B1, B2) with B1·B2 >= batch_heads and B1, B2 <= GRID_AXIS_MAX.
 

@@ -21,7 +21,7 @@ from ..config.inputs import interpreting
 from ..config.types import KernelConfig, Mask, Variant
 from ..kernels import codegen
 from . import fastlaunch, split_tail
-from .grid import GRID_AXIS_MAX, LOG2E  # GRID_AXIS_MAX caps grid axis 1, which numbers batch·heads here
+from .grid import GRID_AXIS_MAX, LOG2E, stats_rows  # GRID_AXIS_MAX caps grid axis 1, which numbers batch·heads here
 
 ROWS_PER_CONSUMER = 64  # the template's ROWS_PER_CONSUMER: one warpgroup's wgmma rows
 TMA_ALIGN = 16  # bytes: TMA's alignment of a tensor's base address and of every stride but the last
@@ -234,6 +234,20 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
     return launch_split
 
 
+def _check_stats_strides(stats_strides: tuple[int, int], heads_q: int, seqlen_q: int) -> None:
+    """The backward kernels read a (batch, head)'s logsumexp and δ unmasked up to seqlen_q rounded up to STATS_ROWS
+    (launch.backward's padded buffers): strides that leave fewer rows a head would read the next head's, or past the
+    buffer's end. Checked once, where a launch plan builds its launcher."""
+    stride_lb, stride_lh = stats_strides
+    rows = stats_rows(seqlen_q)
+    if stride_lh < rows or stride_lb < heads_q * stride_lh:
+        raise ValueError(
+            f"the backward's statistics need {rows} rows a head (seqlen_q={seqlen_q} rounded up to a multiple of "
+            f"16) at a head stride of at least that and a batch stride of at least {heads_q} heads; got strides "
+            f"{stats_strides}"
+        )
+
+
 def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, stats_strides: tuple[int, int], *, causal: bool,
                            scale: float, config: KernelConfig, head_dim_v: int | None = None):  # fmt: skip
     """launch(q, k, v, do, dk, dv, lse, delta): writes dK and dV (batch, heads_kv, seqlen_k, head_dim; dV V's
@@ -246,6 +260,7 @@ def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, stats_strides: tupl
     With config.fused_dq (dQ fused in) it is launch(q, k, v, do, dk, dv, dq_acc, lse, delta), and also adds dQ into
     dq_acc, a zeroed fp32 tensor of q's shape."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
+    _check_stats_strides(stats_strides, heads_q, seqlen_q)
     n_kv = -(-seqlen_k // config.block_n)
     grid, tiles = _grid(config, n_kv, batch * heads_kv, q.device.index)
     sides = ("q", "k", "v", "o", "k", "v") + (("dq_partial",) if config.fused_dq else ())
@@ -262,6 +277,7 @@ def backward_dq_launcher(q: torch.Tensor, k: torch.Tensor, stats_strides: tuple[
     config, V's head dim head_dim_v (None: q's); lse, δ and stats_strides as for backward_dkdv_launcher. The call
     must have passed `unsupported`."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
+    _check_stats_strides(stats_strides, heads_q, seqlen_q)
     row_tiles = -(-seqlen_q // config.block_m)
     grid, tiles = _grid(config, row_tiles, batch * heads_q, q.device.index)
     return _launcher(

@@ -61,7 +61,7 @@ def _example_ints(head_dim_pad: int, heads: int, group: int, seqlen: int = EXAMP
     of 16 as in real use, and whose lengths are multiples of 16 where seqlen is. The logsumexp's strides: the
     forward's (batch, heads, seqlen) tensor; padded_stats, the backward kernels' statistics buffers, whose rows a
     (batch, head) fa2tune.launch.backward pads to a multiple of 16 (_Stats) for a dense call."""
-    from ..launch.backward import stats_rows as padded_rows
+    from ..launch.grid import stats_rows as padded_rows
 
     stats_rows = padded_rows(seqlen) if padded_stats else seqlen
     return {
