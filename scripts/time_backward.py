@@ -38,33 +38,35 @@ def _parse_shape(text: str) -> tuple[int, int, bool, str]:
 
 
 def _check(ops, head_dim: int, causal: bool, config, device: str = "cuda") -> float:
-    """The largest of dQ's, dK's and dV's error against float64 autograd, relative to each gradient's largest value."""
+    """The largest of dQ's, dK's and dV's error against float64 autograd through naive attention, relative to each
+    gradient's largest value."""
+    from fa2tune.tune.reference import naive_attention
+    from fa2tune.tune.workload import random_qkv
+
     torch.manual_seed(head_dim)
-    q, k, v, do = (torch.randn(2, 4, CHECK_LENGTH, head_dim, dtype=torch.bfloat16, device=device) for _ in range(4))
-    scale = head_dim**-0.5
+    q, k, v = random_qkv(2, 4, CHECK_LENGTH, head_dim, device=device)
+    do, scale = torch.randn_like(q), head_dim**-0.5
     o, lse = ops.forward(q, k, v, causal=causal, scale=scale)
     got = ops.backward(do, q, k, v, o, lse, causal=causal, scale=scale, dkdv_config=config)
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
-    scores = qd @ kd.transpose(-1, -2) * scale
-    if causal:
-        future = torch.ones(CHECK_LENGTH, CHECK_LENGTH, dtype=torch.bool, device=device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    want = torch.autograd.grad(torch.softmax(scores, -1) @ vd, (qd, kd, vd), do.double())
+    want = torch.autograd.grad(naive_attention(qd, kd, vd, causal=causal, scale=scale)[0], (qd, kd, vd), do.double())
     return max(((g.double() - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want, strict=True))
 
 
 def _time_ms(ops, head_dim: int, seqlen: int, causal: bool, config, dq_config, heads: int, rep_ms: int) -> float:
-    """do_bench's median of one backward of fresh inputs (batch · seqlen = TOKENS)."""
-    import triton
+    """The tuner's timing (time_cuda: do_bench's median, a process's first reading discarded) of one backward of
+    fresh inputs (batch · seqlen = TOKENS)."""
+    from fa2tune.tune.timing import time_cuda
+    from fa2tune.tune.workload import random_qkv
 
-    batch, scale = max(1, TOKENS // seqlen), head_dim**-0.5
-    q, k, v, do = (torch.randn(batch, heads, seqlen, head_dim, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    q, k, v = random_qkv(max(1, TOKENS // seqlen), heads, seqlen, head_dim)
+    do, scale = torch.randn_like(q), head_dim**-0.5
     o, lse = ops.forward(q, k, v, causal=causal, scale=scale)
-    return triton.testing.do_bench(
+    return time_cuda(
         lambda: ops.backward(do, q, k, v, o, lse, causal=causal, scale=scale, dkdv_config=config,
                              dq_config=dq_config),
-        warmup=100, rep=rep_ms, return_mode="median",
-    )  # fmt: skip
+        warmup_ms=100, rep_ms=rep_ms,
+    ).median_ms  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from fa2tune.api import ops
     from fa2tune.config.types import KernelConfig
+    from fa2tune.tune.timing import attention_flops
 
     print(f"{'d':>4} {'N':>6} {'mask':<6} {'dK/dV config':<40} {'ms':>8} {'TFLOP/s':>8} {'check':>9}")
     failed = False
@@ -89,9 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         failed |= error is not None and error > 2e-2
         dq_config = None if args.dq_config is None or config.fused_dq else KernelConfig.parse(args.dq_config)
         ms = _time_ms(ops, head_dim, seqlen, causal, config, dq_config, args.heads, args.rep_ms)
-        # the backward's 5 matmuls of 2·N²·d FLOPs each (2.5 × the forward's 4·N²·d), half of them under the mask
-        batch = max(1, TOKENS // seqlen)
-        flops = 2.5 * 4 * batch * args.heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+        flops = attention_flops(max(1, TOKENS // seqlen), args.heads, seqlen, seqlen, head_dim, causal=causal,
+                                mode="bwd")  # fmt: skip
         checked = "-" if error is None else f"{error:.1e}"
         print(f"{head_dim:>4} {seqlen:>6} {'causal' if causal else 'plain':<6} {config.label():<40} {ms:>8.4f} "
               f"{flops / ms / 1e9:>8.0f} {checked:>9}", flush=True)  # fmt: skip
