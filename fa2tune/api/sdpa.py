@@ -68,6 +68,9 @@ def scaled_dot_product_attention(
     return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, TORCH_SDPA)
 
 
+_AUTOCAST_DEVICE_TYPES = ("cuda", "cpu")  # device types autocast always exists for
+
+
 def autocast_inputs(query, key, value):
     """query, key and value as PyTorch's SDPA takes them under autocast: where autocast is on for query's device
     type, each floating tensor but a float64 one in autocast's dtype (SDPA is one of autocast's lower-precision
@@ -76,8 +79,11 @@ def autocast_inputs(query, key, value):
     if not isinstance(query, torch.Tensor):
         return query, key, value
     device_type = query.device.type
-    # a device type autocast does not know (meta) is an error to ask about: nothing is cast there
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
+    # a device type autocast does not know (meta) is an error to ask about: nothing is cast there. CUDA and the CPU
+    # always have it, and are not asked: torch.compile before PyTorch 2.12 cannot trace the question (a graph break
+    # in a compiled model's attention, GPU-tested under 2.11)
+    available = device_type in _AUTOCAST_DEVICE_TYPES or torch.amp.is_autocast_available(device_type)
+    if not available or not torch.is_autocast_enabled(device_type):
         return query, key, value
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(
