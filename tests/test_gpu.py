@@ -378,7 +378,8 @@ def test_warpspec_backward_at_every_head_dim_matches_reference(head_dim, dtype, 
 
 # dQ fused into the dK/dV kernel a head-dim chunk at a time (head_chunks.dq_blocks), two 64-row K/V blocks a
 # program: at d=80, 96, 112 column blocks of 64, 32 and 16 dealt to the two consumers unevenly; V's own head dim
-# (64/32, 96/128): dQ follows K's chunks, dV V's.
+# (64/32, 96/128): dQ follows K's chunks, dV V's. drain_before_dq: dK from shared memory with or without the mask,
+# the Q_i, dO_i buffer freed before dQ, one and two programs an SM.
 _FUSED_CHUNKED = [
     (80, 80, torch.float16, False, "64,128,4,2,ws,fused-dq"),
     (96, 96, torch.bfloat16, False, "64,128,4,2,ws,fused-dq,persistent"),
@@ -386,6 +387,9 @@ _FUSED_CHUNKED = [
     (112, 112, torch.bfloat16, True, "64,128,4,2,ws,fused-dq"),
     (64, 32, torch.bfloat16, True, "64,128,4,2,ws,fused-dq"),
     (96, 128, torch.float16, False, "64,128,4,2,ws,fused-dq"),
+    (128, 128, torch.bfloat16, True, "64,128,4,2,ws,fused-dq,drain-before-dq"),
+    (96, 96, torch.float16, False, "64,128,4,2,ws,fused-dq,persistent,drain-before-dq"),
+    (64, 64, torch.bfloat16, True, "64,64,4,3,ws,fused-dq,persistent,x2,drain-before-dq"),
 ]  # fmt: skip
 
 

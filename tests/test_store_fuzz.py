@@ -112,7 +112,7 @@ def _config_takes(name):
     def takes(value):
         if name == "schedule":  # a mapping of its own fields, each mutated below; {} is the default schedule
             return value == {} and type(value) is dict
-        if name in ("warp_specialized", "pingpong", "fused_dq", "split_roles"):
+        if type(getattr(KernelConfig(16, 16), name)) is bool:  # the switches
             return type(value) is bool
         try:
             return type(value) is int and replace(KernelConfig(16, 16), **{name: value}) is not None

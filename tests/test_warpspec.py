@@ -182,7 +182,7 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatc
     # two one-consumer dK/dV programs an SM: 232 registers less 16 hold d=64's 64·(2·64 + 3·64)/128 + 32 = 192, not
     # d=128's 224; at d=64 with dQ fused in, 2 and 3 stages fit twice in shared memory, 4 do not (two an SM, the
     # consumers load each step's logsumexp and δ: staged beside Q_i and dO_i, 3 stages would not fit twice)
-    two = [c for c in planner.candidates("bwd_dkdv") if c.schedule == TWO_AN_SM]
+    two = [c for c in planner.candidates("bwd_dkdv") if c.schedule == TWO_AN_SM and not c.drain_before_dq]
     assert {(c.block_n, c.fused_dq) for c in two} == {(64, False), (64, True)} and len(two) == 6
     assert not any(c.stages_statistics("bwd_dkdv") for c in two)
     fits = {c.label(): planner.check(c, h200, 64, torch.bfloat16, "bwd_dkdv") for c in two}
@@ -213,7 +213,8 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatc
     persistent_fused = KernelConfig(64, 128, 4, 2, warp_specialized=True, fused_dq=True, schedule=PERSISTENT)
     assert planner.check(persistent_fused, h200, 128, torch.bfloat16, "bwd_dkdv").startswith("shared memory")
     assert planner.check(persistent_fused, h200, 64, torch.bfloat16, "bwd_dkdv") is None
-    fused_space = [c for c in planner.candidates("bwd_dkdv") if c.fused_dq and c.schedule != TWO_AN_SM]
+    fused_space = [c for c in planner.candidates("bwd_dkdv") if c.fused_dq and c.schedule != TWO_AN_SM
+                   and not c.drain_before_dq]  # fmt: skip
     assert len(fused_space) == 12 and not any(c.split_roles for c in fused_space)
     # the fp32 dQ's TMA blocks, one a head-dim chunk: its query-side block, at most 64 columns (a 64 × 64 fp32 partial
     # is 32 registers a thread); d = 128's two 64-column blocks are one descriptor
@@ -419,6 +420,47 @@ def test_the_dkdv_producer_stages_the_statistics_where_one_program_holds_the_sm(
     assert not split.stages_statistics("bwd_dkdv")
     assert not Variant.for_template("bwd_ws", causal=False, banded=False, varlen=False, even_m=False, even_n=False,
                                     split_roles=True, stage_stats=True, head_dim=192).stage_stats  # fmt: skip
+
+def test_drain_before_dq_is_a_switch_of_fused_dq_with_code_of_its_own_under_either_mask():
+    # The step's dV and dK wgmmas retire before its dQ share (KernelConfig.drain_before_dq): which order is faster
+    # depends on the head dim and the mask, so it is a switch the tuner times, only where dQ is fused in.
+    fused = KernelConfig.parse("64,128,4,2,ws,fused-dq")
+    drained = KernelConfig.parse("64,128,4,2,ws,fused-dq,drain-before-dq")
+    assert drained == replace(fused, drain_before_dq=True) and drained.label().endswith("fused-dq drain-before-dq")
+    assert drained.combination_error("bwd_dkdv") is None
+    lone = replace(drained, fused_dq=False)
+    assert "drain_before_dq" in lone.combination_error("bwd_dkdv") and "fused_dq=False" in lone.combination_error(
+        "bwd_dkdv"
+    )
+    assert planner.check(lone, known_gpu("h200"), 128, torch.bfloat16, "bwd_dkdv").startswith("warpspec's drain")
+    with pytest.raises(ValueError, match=r"dkdv_config .*drain_before_dq"):
+        fallback.check_combination(lone, "bwd_dkdv")
+    # the twin a deterministic or V-own-head-dim backward runs leaves the switch with dQ
+    assert drained.without_fused_dq() == replace(fused, fused_dq=False)
+    assert drained.without_fused_dq().combination_error("bwd_dkdv") is None
+    assert KernelConfig.from_ints(drained.to_ints()) == drained
+    assert KernelConfig.from_dict(drained.to_dict()) == drained and "drain_before_dq" not in fused.to_dict()
+    # the planner offers every fused candidate drained and not, and nothing else drained
+    space = planner.candidates("bwd_dkdv")
+    drained_space = {replace(c, drain_before_dq=False) for c in space if c.drain_before_dq}
+    assert drained_space == {c for c in space if c.fused_dq and not c.drain_before_dq}
+    # a study times a fused default's (and incumbent's) twin with the switch flipped among its first configs
+    h200 = known_gpu("h200")
+    fits = [c for c in space if planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") is None]
+    first = tuner.first_configs(device=h200, kernel="bwd_dkdv", head_dim=128, dtype=torch.bfloat16, causal=True,
+                                trials=8, space=fits, default=fused, incumbent=drained)  # fmt: skip
+    assert first[:2] == [fused, drained] and len(first) == len(set(first))
+    for causal in (False, True):
+        key = EntryKey(head_dim=128, dtype="bf16", causal=causal, kernel="bwd_dkdv")
+        assert codegen.entry_code_hash(key, drained) != codegen.entry_code_hash(key, fused)
+        source = inspect.getsource(warpspec._module("bwd_dkdv", drained, causal, 128))
+        # dK reads dSᵀ from shared memory, and the step's wgmmas retire before the Q_i, dO_i buffer goes back
+        assert "warpgroup_mma(ds_own, q0, dk0" in source
+        wait = source.index("dv0, dk0, pt_op, q0, do0 = warpgroup_mma_wait(0, deps=(dv0, dk0, pt_op, q0, do0))")
+        assert source.index("mbarrier.arrive(qdo_empty", wait) < source.index("dq = warpgroup_mma(ds_smem", wait)
+    # without the mask and the switch, dSᵀ is dK's register operand (FlashAttention-3's order)
+    assert "warpgroup_mma(ds_own, q0, dk0" not in inspect.getsource(warpspec._module("bwd_dkdv", fused, False, 128))
+
 
 _PROBE = """
 import json, sys, torch

@@ -3,7 +3,6 @@ conventions on fa2tune's kernels, for code written against flash_attn."""
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 import warnings
 
@@ -165,4 +164,4 @@ def _deterministic_configs(q, k, v, mask: Mask, packing: Packing | None) -> tupl
     """The call's (forward, dK/dV, dQ) configs with dQ never fused into the dK/dV kernel: the fused kernel adds dQ
     by TMA reductions in arrival order, its twin with a dQ kernel in one order (launch.fallback.deterministic)."""
     fwd, dkdv, dq = selection.for_call(selection.FORWARD_BACKWARD, q, k, v, mask, packing)
-    return fwd, dataclasses.replace(dkdv, fused_dq=False) if dkdv.fused_dq else dkdv, dq
+    return fwd, dkdv.without_fused_dq() if dkdv.fused_dq else dkdv, dq

@@ -120,7 +120,8 @@ def codegen(args: argparse.Namespace) -> int:
     variant = Variant.for_template(
         args.template, causal=args.causal, banded=False, varlen=False, even_m=not args.ragged,
         even_n=not args.ragged, dot_fp32=args.interpret, pingpong=args.pingpong, persistent=args.persistent,
-        fused_dq=args.fused_dq, split_roles=args.split_roles, stage_stats=not args.two_an_sm, head_dim=args.head_dim,
+        fused_dq=args.fused_dq, split_roles=args.split_roles, stage_stats=not args.two_an_sm,
+        drain_before_dq=args.drain_before_dq, head_dim=args.head_dim,
     )  # fmt: skip
     print(codegen.render(args.template, variant), end="")
     return 0

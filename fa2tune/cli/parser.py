@@ -190,6 +190,9 @@ def _add_codegen(sub) -> None:
                      help="bwd_ws: dQ added by the dK/dV kernel (KernelConfig.fused_dq)")  # fmt: skip
     gen.add_argument("--split-roles", action="store_true",
                      help="bwd_ws: two consumers share 64 K/V rows, dV side and dK side (KernelConfig.split_roles)")
+    gen.add_argument("--drain-before-dq", action="store_true",
+                     help="bwd_ws with --fused-dq: the step's dV and dK retire before its dQ share "
+                     "(KernelConfig.drain_before_dq)")  # fmt: skip
     gen.add_argument("--persistent", action="store_true",
                      help="the *_ws templates: programs walk the tiles (Schedule.persistent)")  # fmt: skip
     gen.add_argument("--two-an-sm", action="store_true",

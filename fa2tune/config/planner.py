@@ -247,10 +247,11 @@ def accumulators_per_thread(cfg: KernelConfig, head_dim: int, kernel: str = "fwd
         # the dK side, the fuller of the two: dK (64 × d), dPᵀ and the Pᵀ it reads (64 × B_r each), dSᵀ 16-bit
         return 64 * (d + 2.5 * m) / 128
     if cfg.fused_dq and kernel == "bwd_dkdv":
-        # dQ fused in: dSᵀ goes to shared memory for dQ and, without a mask, stays in registers (16-bit) as dK's A
-        # operand, formed as dPᵀ (fp32) dies; the dQ partial (64 × at most 64 fp32) is live beside Pᵀ's and dSᵀ's
-        # 16-bit copies once Sᵀ and dPᵀ are dead: B_r + w ≤ 2·B_r, under the step's peak of Sᵀ, dPᵀ and Pᵀ (2.5·B_r),
-        # which is what counts. Compiled for sm_90 without a mask, d=128 (64, 128) keeps 40 B of stack, d=96 32 B
+        # dQ fused in: dSᵀ goes to shared memory for dQ and, without a mask nor the drain, stays in registers
+        # (16-bit) as dK's A operand, formed as dPᵀ (fp32) dies (counted for both, as the model has no mask); the dQ
+        # partial (64 × at most 64 fp32) is live beside Pᵀ's and dSᵀ's 16-bit copies once Sᵀ and dPᵀ are dead:
+        # B_r + w ≤ 2·B_r, under the step's peak of Sᵀ, dPᵀ and Pᵀ (2.5·B_r), which is what counts. Compiled for
+        # sm_90 without a mask, d=128 (64, 128) keeps 40 B of stack, d=96 32 B
         return 64 * (2 * d + max(2.5 * m, head_chunks.widest_dq_block(d))) / 128 + kv_operands
     if cfg.warp_specialized and kernel == "bwd_dkdv":
         # each consumer warpgroup: its 64 rows of dK and dV, Sᵀ and dPᵀ (64 × B_r), and Pᵀ, dSᵀ as 16-bit operands
@@ -357,8 +358,9 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
     the forward also pipeline_qk in {0, 1}, and the warp-specialized template: block_m in {64, 128, 192}, block_n
     in {64, 128}, num_stages in {2, 3, 4}, each of WS_SCHEDULES, with ping-pong too at block_m = 128; bwd_dkdv and
     bwd_dq their warp-specialized templates, each of WS_SCHEDULES: bwd_dkdv at block_m 64, block_n in {64, 128},
-    with dQ fused in or not, and at block_n 64 with split_roles (not two an SM, no fused dQ), bwd_dq at
-    block_m and block_n in {64, 128}, num_stages in {2, 3, 4} (check() drops them off Hopper)."""
+    with dQ fused in (drained before it or not: drain_before_dq) or not, and at block_n 64 with split_roles (not
+    two an SM, no fused dQ), bwd_dq at block_m and block_n in {64, 128}, num_stages in {2, 3, 4} (check() drops
+    them off Hopper)."""
     check_kernel(kernel)
     switches = (0, 1) if kernel == "fwd" else (0,)
     grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES, switches)
@@ -372,8 +374,10 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
         owned, owned_sizes, _, _, streamed_sizes = WS_BACKWARD_TILES[kernel]
         for a, b, s, schedule in itertools.product(owned_sizes, streamed_sizes, WS_STAGES, WS_SCHEDULES):
             m, n = (b, a) if owned == "block_n" else (a, b)
-            fused = (False, True) if kernel == "bwd_dkdv" else (False,)  # bwd_dkdv: dQ fused in or not
-            shapes = [KernelConfig(m, n, 4, s, warp_specialized=True, fused_dq=f, schedule=schedule) for f in fused]
+            # bwd_dkdv: dQ fused in or not, and fused with the step drained before its dQ share or not
+            fused = ((False, False), (True, False), (True, True)) if kernel == "bwd_dkdv" else ((False, False),)
+            shapes = [KernelConfig(m, n, 4, s, warp_specialized=True, fused_dq=f, drain_before_dq=drain,
+                                   schedule=schedule) for f, drain in fused]  # fmt: skip
             if kernel == "bwd_dkdv":
                 shapes.append(KernelConfig(m, n, 4, s, warp_specialized=True, split_roles=True, schedule=schedule))
             configs += [c for c in shapes if c.combination_error(kernel) is None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 
 from . import head_chunks
 from .schedule import PER_TILE, RETIRED_FIELDS, SCHEDULE_WORDS, Schedule
@@ -38,10 +38,10 @@ def integer(value: object) -> int | None:
 
 
 _NUMBERS = ("block_m", "block_n", "num_warps", "num_stages", "pipeline_qk")  # KernelConfig's int fields
-_FLAGS = ("warp_specialized", "pingpong", "fused_dq", "split_roles")  # its bool fields
+_FLAGS = ("warp_specialized", "pingpong", "fused_dq", "split_roles", "drain_before_dq")  # its bool fields
 _SCHEDULE_FIELDS = tuple(f.name for f in fields(Schedule))
 _SWITCH_WORDS = {"qk": "pipeline_qk", "ws": "warp_specialized", "pingpong": "pingpong", "fused-dq": "fused_dq",
-                 "split-roles": "split_roles"}
+                 "split-roles": "split_roles", "drain-before-dq": "drain_before_dq"}
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,12 @@ class KernelConfig:
             handed over in shared memory) and dK — so each holds one 64 × d accumulator instead of two: the dK/dV
             kernel for head dims whose dK and dV do not fit one warpgroup's registers together (d > 128). Not with
             fused_dq (_switch_error says why).
+        drain_before_dq: bwd_dkdv only, with fused_dq: each step's dV and dK wgmmas retire, and its Q_i, dO_i buffer
+            goes back to the producer, before the step's first dQ wgmma is issued (dK then reads dSᵀ from shared
+            memory with or without the causal mask). Off, that wgmma queues behind them and, without the mask, runs
+            between dV and dK (FlashAttention-3's order). Which is faster depends on the head dim and the mask
+            (measured on an H100: the drain 1.2 % faster at d=128 causal, 3.7 % slower at d=96 causal), so the
+            tuner times both.
         schedule: how the warp-specialized kernel's programs walk the tiles (Schedule: persistent or one program a
             tile, programs an SM, the split tail); one program a tile for the Triton templates.
     """
@@ -83,6 +89,7 @@ class KernelConfig:
     pingpong: bool = False
     fused_dq: bool = False
     split_roles: bool = False
+    drain_before_dq: bool = False
     schedule: Schedule = PER_TILE
 
     def label(self) -> str:
@@ -209,6 +216,11 @@ class KernelConfig:
                 "warpspec's split_roles does not take fused_dq: its 64 K/V rows a program would reduce each dQ tile "
                 "twice as often as two 64-row blocks do (slower than its dQ kernel); drop one of the two"
             )
+        if self.drain_before_dq and not self.fused_dq:
+            return (
+                "warpspec's drain_before_dq (the step's dV and dK retired before its dQ share) is a switch of "
+                f"configs with fused_dq, got fused_dq=False for {kernel}"
+            )
         if self.fused_dq and (kernel != "bwd_dkdv" or not self.warp_specialized):
             return (
                 f"warpspec's fused_dq (dQ added by the dK/dV kernel) is a switch of warp-specialized bwd_dkdv "
@@ -220,6 +232,12 @@ class KernelConfig:
                 f"takes {_BLOCK_SIZES}"
             )
         return None
+
+    def without_fused_dq(self) -> KernelConfig:
+        """This dK/dV config's twin that leaves dQ to the dQ kernel (same tiles, less shared memory): fused_dq off,
+        and the switches that exist only with it (drain_before_dq). Where a backward must not fuse dQ in
+        (deterministic mode, V's own head dim) and where a dQ study times beside the unfused form."""
+        return replace(self, fused_dq=False, drain_before_dq=False)
 
     def two_an_sm_shape(self, kernel: str = "fwd") -> bool:
         """Whether two programs an SM (Schedule.programs_per_sm = 2) may run this config of `kernel`: a one-consumer
@@ -295,8 +313,8 @@ class KernelConfig:
     def from_ints(cls, ints: list[int]) -> KernelConfig:
         """The config of to_ints' list. Positional, and the schedule looked up (_schedule_of_ints): the custom op's
         path builds a config every call."""
-        m, n, warps, stages, qk, ws, pingpong, fused_dq, split_roles, *schedule = ints
-        return cls(m, n, warps, stages, qk, bool(ws), bool(pingpong), bool(fused_dq), bool(split_roles),
+        m, n, warps, stages, qk, ws, pingpong, fused_dq, split_roles, drain, *schedule = ints
+        return cls(m, n, warps, stages, qk, bool(ws), bool(pingpong), bool(fused_dq), bool(split_roles), bool(drain),
                    _schedule_of_ints(*schedule))
 
 
@@ -331,6 +349,8 @@ class Variant:
             side (KernelConfig.split_roles).
         stage_stats: bwd_ws only: the producer stages each step's logsumexp and δ in shared memory
             (KernelConfig.stages_statistics).
+        drain_before_dq: bwd_ws with fused_dq only: the step's dV and dK wgmmas retire before its first dQ wgmma
+            (KernelConfig.drain_before_dq).
         qk_chunks, v_chunks: the warpspec templates: the head-dim chunks of Q/K (and dQ, dK) and of V/O (and dO, dV)
             (fa2tune.config.head_chunks), whose loads, buffers, wgmmas and accumulators the template writes out one a
             chunk; () for the Triton templates.
@@ -350,6 +370,7 @@ class Variant:
     fused_dq: bool = False
     split_roles: bool = False
     stage_stats: bool = False
+    drain_before_dq: bool = False
     qk_chunks: tuple[int, ...] = ()
     v_chunks: tuple[int, ...] = ()
     distinct_v: bool = False
@@ -371,13 +392,15 @@ class Variant:
         fused_dq: bool = False,
         split_roles: bool = False,
         stage_stats: bool = False,
+        drain_before_dq: bool = False,
         head_dim: int | None = None,
         head_dim_v: int | None = None,
     ) -> Variant:
         """The variant `template` (codegen.TEMPLATES) renders for a call: the rules the launcher, codegen.code_hash
         and the probe must agree on, or a stored entry's hash would not name the code it runs. A band mask carries
         causality itself; packed sequences have no even tails; pipeline_qk exists in the forward template only.
-        The warpspec templates have causal, persistent, fwd_ws pingpong, bwd_ws fused_dq, split_roles and stage_stats:
+        The warpspec templates have causal, persistent, fwd_ws pingpong, bwd_ws fused_dq, split_roles, stage_stats and
+        (with fused_dq) drain_before_dq:
         TMA bounds every tile, so tails need no code of their own, and they take neither band masks nor packed
         sequences (the launcher routes those to the Triton templates). They are written out a head-dim chunk at a
         time: they need head_dim (and head_dim_v, V's, where it differs). The Triton templates take any head dims as
@@ -392,7 +415,8 @@ class Variant:
             fused_dq = fused_dq and template == "bwd_ws"
             return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
                        persistent=persistent, fused_dq=fused_dq, split_roles=split_roles and template == "bwd_ws",
-                       stage_stats=stage_stats and template == "bwd_ws" and not split_roles, qk_chunks=qk_chunks,
+                       stage_stats=stage_stats and template == "bwd_ws" and not split_roles,
+                       drain_before_dq=drain_before_dq and fused_dq, qk_chunks=qk_chunks,
                        v_chunks=v_chunks)  # fmt: skip
         return cls(
             causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,

@@ -8,7 +8,6 @@ can and the others run as they would have before tuning.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 import torch
 
@@ -55,7 +54,7 @@ def deterministic(config: KernelConfig, explicit: bool) -> KernelConfig:
             f"dkdv_config {config} fuses dQ in (fused_dq=True), which adds dQ in a run-to-run order, and "
             "torch.use_deterministic_algorithms(True) is set: pass fused_dq=False for a deterministic backward"
         )
-    return replace(config, fused_dq=False)
+    return config.without_fused_dq()
 
 
 def unfused_for_v(config: KernelConfig, explicit: bool, head_dim: int, head_dim_v: int) -> KernelConfig:
@@ -65,7 +64,7 @@ def unfused_for_v(config: KernelConfig, explicit: bool, head_dim: int, head_dim_
     own is checked only where a caller asks for it (an explicit config runs as given)."""
     if explicit or not config.fused_dq or head_dim_v == head_dim:
         return config
-    return replace(config, fused_dq=False)
+    return config.without_fused_dq()
 
 
 def check_combination(config: KernelConfig, kernel: str) -> None:

@@ -111,7 +111,8 @@ def _module(kernel: str, config: KernelConfig, causal: bool, head_dim: int, head
     variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
                                    pingpong=config.pingpong, persistent=config.schedule.persistent,
                                    fused_dq=config.fused_dq, split_roles=config.split_roles,
-                                   stage_stats=config.stages_statistics(kernel), head_dim=head_dim,
+                                   stage_stats=config.stages_statistics(kernel),
+                                   drain_before_dq=config.drain_before_dq, head_dim=head_dim,
                                    head_dim_v=head_dim_v)  # fmt: skip
     return codegen.load(template, variant)
 

@@ -117,15 +117,17 @@ def first_configs(
 ) -> list[KernelConfig]:  # fmt: skip
     """The configs tune() with these arguments times first, known before any trial: the default, the incumbent
     (the config the written file holds for this key, if it fits), the default's twin with the other program
-    schedule (a warpspec kernel's `persistent` flipped, when that fits), then one `promising` config per block
-    shape. tune() enqueues them; a tune of several studies compiles the next study's while this one is timed, so
-    the next starts timing at once.
+    schedule (a warpspec kernel's `persistent` flipped, when that fits), the twins of those with dQ fused in with
+    drain_before_dq flipped, then one `promising` config per block shape. tune() enqueues them; a tune of several
+    studies compiles the next study's while this one is timed, so the next starts timing at once.
 
     The incumbent: a re-tune after a template change samples a space of ~50-100 configs with 10-16 trials, and can
     replace a shipped config by one it never timed beside it; timed, it stays unless beaten. The twin: which
     schedule wins depends on the length and the mask (persistent is 10-25 % faster at N <= 2k and slower on long
     causal calls), and a 10-16 trial study sampling the switch on its own can miss the better one for a
-    short-length entry."""
+    short-length entry. The drain: which order of a fused step is faster depends on the head dim and the mask
+    (KernelConfig.drain_before_dq), by a few per cent, where TPE's early samples would rarely pair it with the
+    right shape."""
     if trials <= 0:
         return []
     if default is None:
@@ -139,5 +141,9 @@ def first_configs(
     for cfg in (incumbent, twin if twin in feasible else None):
         if cfg is not None and cfg not in first and fits(cfg):
             first.append(cfg)
+    for cfg in list(first):  # a fused dK/dV config's twin with the step drained or not before its dQ share
+        drained = replace(cfg, drain_before_dq=not cfg.drain_before_dq) if cfg.fused_dq else None
+        if drained in feasible and drained not in first:
+            first.append(drained)
     picks = [c for c in promising(feasible, head_dim, kernel, k=max(3, trials // 2)) if c not in first]
     return [*first, *picks]

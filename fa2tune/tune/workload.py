@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -129,7 +129,7 @@ def dq_partner(x: KernelInputs, causal: bool | Mask):
     from ..launch.layout import as_mask
 
     resolved = selection.config_for(None, "bwd_dkdv", x.q, x.k, x.v, as_mask(causal), x.packing)
-    return replace(resolved, fused_dq=False) if resolved.fused_dq else None
+    return resolved.without_fused_dq() if resolved.fused_dq else None
 
 
 def make_measure(
