@@ -119,6 +119,13 @@ def test_codegen_prints_a_variant(capsys):
     assert cli.main(["codegen", "--template", "fwd_ws", "--persistent"]) == 0
     out = capsys.readouterr().out
     assert "PERSISTENT = gl.constexpr(True)" in out and "persistent=True" in out and "pingpong=False" in out
+    assert cli.main(["codegen", "--template", "bwd_ws", "--fused-dq", "--drain-before-dq"]) == 0
+    assert "drain_before_dq=True" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:  # the switch exists only with dQ fused in: said, not ignored
+        cli.main(["codegen", "--template", "bwd_ws", "--drain-before-dq"])
+    assert exited.value.code == 2 and "--drain-before-dq is a switch of --template bwd_ws with --fused-dq" in (
+        capsys.readouterr().err
+    )
 
 
 def test_tune_on_cpu_writes_yaml_that_the_runtime_then_uses(tmp_path, capsys, monkeypatch):

@@ -390,6 +390,8 @@ _FUSED_CHUNKED = [
     (128, 128, torch.bfloat16, True, "64,128,4,2,ws,fused-dq,drain-before-dq"),
     (96, 96, torch.float16, False, "64,128,4,2,ws,fused-dq,persistent,drain-before-dq"),
     (64, 64, torch.bfloat16, True, "64,64,4,3,ws,fused-dq,persistent,x2,drain-before-dq"),
+    (64, 64, torch.bfloat16, False, "64,128,4,3,ws,fused-dq,persistent,drain-before-dq"),
+    (128, 128, torch.float16, False, "64,128,4,2,ws,fused-dq,drain-before-dq"),
 ]  # fmt: skip
 
 

@@ -149,6 +149,8 @@ def test_fused_dq_renders_dq_in_k_s_chunks_and_dv_in_v_s():
     # explicit one runs as given.
     fused = KernelConfig(64, 128, 4, 2, warp_specialized=True, fused_dq=True)
     assert fallback.unfused_for_v(fused, False, 64, 32) == replace(fused, fused_dq=False)
+    drained = replace(fused, drain_before_dq=True)
+    assert fallback.unfused_for_v(drained, False, 64, 32) == replace(fused, fused_dq=False)
     assert fallback.unfused_for_v(fused, True, 64, 32) is fused
     assert fallback.unfused_for_v(fused, False, 64, 64) is fused
     for head_dim, head_dim_v in ((64, 32), (112, 80), (96, 128)):

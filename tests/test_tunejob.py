@@ -315,7 +315,9 @@ def test_a_dq_study_times_its_configs_beside_the_resolved_dkdv_config_without_fu
     fused = KernelConfig(64, 128, 4, 2, warp_specialized=True, fused_dq=True)
     seen = []
     monkeypatch.setattr(ops, "backward", lambda *a, **kw: seen.append(kw))
-    for resolved, partner in ((fused, replace(fused, fused_dq=False)), (plain, None)):
+    drained = replace(fused, drain_before_dq=True)
+    for resolved, partner in ((fused, replace(fused, fused_dq=False)), (drained, replace(fused, fused_dq=False)),
+                              (plain, None)):  # fmt: skip
         monkeypatch.setattr(selection, "config_for", lambda config, kernel, *a, resolved=resolved: config or resolved)
         seen.clear()
         workload.run_kernel("bwd_dq", plain, x, Mask(causal=True))

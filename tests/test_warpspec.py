@@ -447,9 +447,17 @@ def test_drain_before_dq_is_a_switch_of_fused_dq_with_code_of_its_own_under_eith
     # a study times a fused default's (and incumbent's) twin with the switch flipped among its first configs
     h200 = known_gpu("h200")
     fits = [c for c in space if planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") is None]
-    first = tuner.first_configs(device=h200, kernel="bwd_dkdv", head_dim=128, dtype=torch.bfloat16, causal=True,
-                                trials=8, space=fits, default=fused, incumbent=drained)  # fmt: skip
-    assert first[:2] == [fused, drained] and len(first) == len(set(first))
+    for default in (fused, drained):  # no incumbent: the default's twin right after it
+        first = tuner.first_configs(device=h200, kernel="bwd_dkdv", head_dim=128, dtype=torch.bfloat16, causal=True,
+                                    trials=8, space=fits, default=default)  # fmt: skip
+        assert first[:2] == [default, replace(default, drain_before_dq=not default.drain_before_dq)]
+        assert len(first) == len(set(first))
+    # and a promising fused pick's, where the default does not fuse dQ (the planner's defaults, e.g. on an H100)
+    first = tuner.first_configs(device=known_gpu("h100-sxm"), kernel="bwd_dkdv", head_dim=128, dtype=torch.bfloat16,
+                                causal=True, trials=40, space=space)  # fmt: skip
+    assert not first[0].fused_dq
+    picked = [c for c in first if c.fused_dq and not c.drain_before_dq]
+    assert picked and all(first[first.index(c) + 1] == replace(c, drain_before_dq=True) for c in picked)
     for causal in (False, True):
         key = EntryKey(head_dim=128, dtype="bf16", causal=causal, kernel="bwd_dkdv")
         assert codegen.entry_code_hash(key, drained) != codegen.entry_code_hash(key, fused)
@@ -458,6 +466,15 @@ def test_drain_before_dq_is_a_switch_of_fused_dq_with_code_of_its_own_under_eith
         assert "warpgroup_mma(ds_own, q0, dk0" in source
         wait = source.index("dv0, dk0, pt_op, q0, do0 = warpgroup_mma_wait(0, deps=(dv0, dk0, pt_op, q0, do0))")
         assert source.index("mbarrier.arrive(qdo_empty", wait) < source.index("dq = warpgroup_mma(ds_smem", wait)
+        # one release of the Q_i, dO_i buffer a step: the drain's, none in the dQ share after it (another would free a
+        # stage the producer may refill while a consumer still reads it)
+        for head_dim in (64, 96, 128):
+            source = inspect.getsource(warpspec._module("bwd_dkdv", drained, causal, head_dim))
+            drains = [at for at in range(len(source)) if source.startswith("# dV's and dK's wgmmas retired", at)]
+            assert drains, (head_dim, causal)
+            for at in drains:
+                step_end = source.index("i = i_next", at)
+                assert source.count("mbarrier.arrive(qdo_empty", at, step_end) == 1, (head_dim, causal)
     # without the mask and the switch, dSᵀ is dK's register operand (FlashAttention-3's order)
     assert "warpgroup_mma(ds_own, q0, dk0" not in inspect.getsource(warpspec._module("bwd_dkdv", fused, False, 128))
 
@@ -632,7 +649,8 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
             ("bwd_dkdv", 64, False, "64,128,4,3,ws,fused-dq,persistent"),
             ("bwd_dkdv", 128, True, "64,128,4,2,ws,persistent"), ("bwd_dkdv", 128, False, "64,128,4,2,ws,fused-dq"),
             ("fwd", 128, True, "128,128,4,2,ws,pingpong,persistent"),
-            ("bwd_dq", 128, True, "128,64,4,3,ws,persistent")]  # fmt: skip
+            ("bwd_dq", 128, True, "128,64,4,3,ws,persistent"),
+            ("bwd_dkdv", 64, False, "64,128,4,3,ws,fused-dq,persistent,drain-before-dq")]  # fmt: skip
     found = _probe(_SASS_PROBE, json.dumps(rows))
     for row, loops in zip(rows, found, strict=True):
         assert any(operands > 0 for _, operands, _ in loops), (row, loops)  # the check has something to check
@@ -643,6 +661,8 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
     assert planner.kv_in_registers(64) and not planner.kv_in_registers(64, causal=True)
     causal, unmasked = ({operands for _, operands, _ in loops} for loops in found[:2])
     assert unmasked == {n + 8 + 4 for n in causal}, (causal, unmasked)
+    # drained before its dQ share (drain_before_dq), dK reads dSᵀ from shared memory: K and V only
+    assert {operands for _, operands, _ in found[-1]} == {n + 8 for n in causal}, found[-1]
 
 
 # each config's step loop (scripts/sass_step_mix.py): the blocks a branch skips, and where it waits for its wgmmas
@@ -702,6 +722,7 @@ def test_a_fused_dq_config_gives_way_to_its_twin_under_deterministic_algorithms(
     assert fallback.deterministic(fused, explicit=True) is fused
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert fallback.deterministic(fused, explicit=False) == ws1
+    assert fallback.deterministic(replace(fused, drain_before_dq=True), explicit=False) == ws1
     assert fallback.deterministic(ws1, explicit=True) is ws1
     q, k, v, do = (torch.randn(1, 2, 40, 64, device=device) for _ in range(4))
     o, lse = ops.forward(q, k, v, causal=False, scale=0.125)

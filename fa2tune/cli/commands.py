@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 
-from .common import device_info, note_interpreter, resolve_device, to_json
+from .common import device_info, fail, note_interpreter, resolve_device, to_json
 
 
 def check(args: argparse.Namespace) -> int:
@@ -106,7 +106,8 @@ def _switches(cfg) -> str:
     """The config's template switches and schedule in words ("" for the plain Triton template)."""
     schedule = cfg.schedule
     words = [("pipeline_qk", cfg.pipeline_qk), ("warpspec", cfg.warp_specialized), ("ping-pong", cfg.pingpong),
-             ("fused dQ", cfg.fused_dq), ("persistent", schedule.persistent),
+             ("fused dQ", cfg.fused_dq), ("drained before dQ", cfg.drain_before_dq),
+             ("split roles", cfg.split_roles), ("persistent", schedule.persistent),
              (", two programs an SM", schedule.programs_an_sm == 2),
              (", no split tail", not schedule.split_tail)]  # fmt: skip
     return " ".join(word for word, on in words if on).replace(" ,", ",")
@@ -117,6 +118,8 @@ def codegen(args: argparse.Namespace) -> int:
     from ..config.types import Variant
     from ..kernels import codegen
 
+    if args.drain_before_dq and not (args.fused_dq and args.template == "bwd_ws"):
+        fail("--drain-before-dq is a switch of --template bwd_ws with --fused-dq (KernelConfig.drain_before_dq)")
     variant = Variant.for_template(
         args.template, causal=args.causal, banded=False, varlen=False, even_m=not args.ragged,
         even_n=not args.ragged, dot_fp32=args.interpret, pingpong=args.pingpong, persistent=args.persistent,

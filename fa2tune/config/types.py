@@ -74,8 +74,8 @@ class KernelConfig:
             goes back to the producer, before the step's first dQ wgmma is issued (dK then reads dSᵀ from shared
             memory with or without the causal mask). Off, that wgmma queues behind them and, without the mask, runs
             between dV and dK (FlashAttention-3's order). Which is faster depends on the head dim and the mask
-            (measured on an H100: the drain 1.2 % faster at d=128 causal, 3.7 % slower at d=96 causal), so the
-            tuner times both.
+            (the whole backward on an H100: drained 3.2 % faster at d=128 causal, 4.4 % slower at d=96 causal;
+            docs/PERF.md), so the tuner times both.
         schedule: how the warp-specialized kernel's programs walk the tiles (Schedule: persistent or one program a
             tile, programs an SM, the split tail); one program a tile for the Triton templates.
     """
@@ -313,6 +313,8 @@ class KernelConfig:
     def from_ints(cls, ints: list[int]) -> KernelConfig:
         """The config of to_ints' list. Positional, and the schedule looked up (_schedule_of_ints): the custom op's
         path builds a config every call."""
+        if len(ints) != len(PARAM_NAMES):
+            raise ValueError(f"a config as ints has {len(PARAM_NAMES)} ({', '.join(PARAM_NAMES)}), got {len(ints)}")
         m, n, warps, stages, qk, ws, pingpong, fused_dq, split_roles, drain, *schedule = ints
         return cls(m, n, warps, stages, qk, bool(ws), bool(pingpong), bool(fused_dq), bool(split_roles), bool(drain),
                    _schedule_of_ints(*schedule))

@@ -52,7 +52,8 @@ def deterministic(config: KernelConfig, explicit: bool) -> KernelConfig:
     if explicit:
         raise RuntimeError(
             f"dkdv_config {config} fuses dQ in (fused_dq=True), which adds dQ in a run-to-run order, and "
-            "torch.use_deterministic_algorithms(True) is set: pass fused_dq=False for a deterministic backward"
+            "torch.use_deterministic_algorithms(True) is set: pass its twin with a dQ kernel for a deterministic "
+            "backward (config.without_fused_dq(): fused_dq and drain_before_dq off)"
         )
     return config.without_fused_dq()
 

@@ -3,7 +3,8 @@
 `build` turns a Target into the Space the strategy samples: the candidates (with the default and the incumbent
 always among them, so a tuned config is never slower than either as measured), each dimension's values, and the
 candidates the planner accepts for the key. `first_configs` are the configs a study enqueues before TPE proposes
-any: the default, the incumbent, the default's other schedule, then one `promising` config per block shape.
+any: the default, the incumbent, the default's other schedule, then one `promising` config per block shape, each
+config with dQ fused in followed by its twin with the step drained before its dQ share (or not).
 """
 
 from __future__ import annotations
@@ -117,9 +118,10 @@ def first_configs(
 ) -> list[KernelConfig]:  # fmt: skip
     """The configs tune() with these arguments times first, known before any trial: the default, the incumbent
     (the config the written file holds for this key, if it fits), the default's twin with the other program
-    schedule (a warpspec kernel's `persistent` flipped, when that fits), the twins of those with dQ fused in with
-    drain_before_dq flipped, then one `promising` config per block shape. tune() enqueues them; a tune of several
-    studies compiles the next study's while this one is timed, so the next starts timing at once.
+    schedule (a warpspec kernel's `persistent` flipped, when that fits), then one `promising` config per block
+    shape; each of them with dQ fused in is followed by its twin with drain_before_dq flipped. tune() enqueues
+    them; a tune of several studies compiles the next study's while this one is timed, so the next starts timing at
+    once.
 
     The incumbent: a re-tune after a template change samples a space of ~50-100 configs with 10-16 trials, and can
     replace a shipped config by one it never timed beside it; timed, it stays unless beaten. The twin: which
@@ -141,9 +143,9 @@ def first_configs(
     for cfg in (incumbent, twin if twin in feasible else None):
         if cfg is not None and cfg not in first and fits(cfg):
             first.append(cfg)
-    for cfg in list(first):  # a fused dK/dV config's twin with the step drained or not before its dQ share
-        drained = replace(cfg, drain_before_dq=not cfg.drain_before_dq) if cfg.fused_dq else None
-        if drained in feasible and drained not in first:
-            first.append(drained)
     picks = [c for c in promising(feasible, head_dim, kernel, k=max(3, trials // 2)) if c not in first]
-    return [*first, *picks]
+    ordered = []
+    for cfg in (*first, *picks):  # each fused dK/dV config then its twin drained (or not) before its dQ share
+        drained = replace(cfg, drain_before_dq=not cfg.drain_before_dq) if cfg.fused_dq else None
+        ordered += [c for c in (cfg, drained) if c is not None and c not in ordered and (c is cfg or c in feasible)]
+    return ordered
