@@ -260,6 +260,14 @@ class KernelConfig:
         return (self.warp_specialized and kernel == "bwd_dkdv" and self.schedule.programs_per_sm == 1
                 and not self.split_roles)  # fmt: skip
 
+    def template_switches(self, kernel: str) -> dict[str, bool]:
+        """The switches of this config of `kernel` that select other template code, as Variant.for_template and
+        codegen.code_hash take them: the one mapping the launcher's module and a stored entry's code hash share, so
+        the hash names the code that runs."""
+        return {"pipeline_qk": bool(self.pipeline_qk), "pingpong": self.pingpong,
+                "persistent": self.schedule.persistent, "fused_dq": self.fused_dq, "split_roles": self.split_roles,
+                "stage_stats": self.stages_statistics(kernel), "drain_before_dq": self.drain_before_dq}  # fmt: skip
+
     def consumers(self, kernel: str = "fwd") -> int:
         """Consumer warpgroups of a warpspec program of `kernel`, 64 rows each (of Q in the forward and bwd_dq, of
         K/V in bwd_dkdv); 0 for the Triton template."""

@@ -155,10 +155,8 @@ def entry_code_hash(key, config) -> str:
     if key.kernel == DECODE_KERNEL:
         return decode_code_hash()
     return code_hash(key.kernel, causal=key.causal, window=key.window, varlen=key.varlen,
-                     pipeline_qk=bool(config.pipeline_qk), warp_specialized=config.warp_specialized,
-                     pingpong=config.pingpong, fused_dq=config.fused_dq, persistent=config.schedule.persistent,
-                     split_roles=config.split_roles, stage_stats=config.stages_statistics(key.kernel),
-                     drain_before_dq=config.drain_before_dq, head_dim=key.head_dim)  # fmt: skip
+                     warp_specialized=config.warp_specialized, head_dim=key.head_dim,
+                     **config.template_switches(key.kernel))  # fmt: skip
 
 
 def _dependencies(name: str) -> set[str]:

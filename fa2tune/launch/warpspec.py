@@ -21,7 +21,9 @@ from ..config.inputs import interpreting
 from ..config.types import KernelConfig, Mask, Variant
 from ..kernels import codegen
 from . import fastlaunch, split_tail
-from .grid import GRID_AXIS_MAX, LOG2E, stats_rows  # GRID_AXIS_MAX caps grid axis 1, which numbers batch·heads here
+
+# GRID_AXIS_MAX caps grid axis 1, which numbers batch·heads here
+from .grid import GRID_AXIS_MAX, LOG2E, STATS_ROWS, stats_rows
 
 ROWS_PER_CONSUMER = 64  # the template's ROWS_PER_CONSUMER: one warpgroup's wgmma rows
 TMA_ALIGN = 16  # bytes: TMA's alignment of a tensor's base address and of every stride but the last
@@ -109,11 +111,8 @@ def _module(kernel: str, config: KernelConfig, causal: bool, head_dim: int, head
     (codegen keeps it per process)."""
     template = codegen.template_for(kernel, config.warp_specialized)
     variant = Variant.for_template(template, causal=causal, banded=False, varlen=False, even_m=False, even_n=False,
-                                   pingpong=config.pingpong, persistent=config.schedule.persistent,
-                                   fused_dq=config.fused_dq, split_roles=config.split_roles,
-                                   stage_stats=config.stages_statistics(kernel),
-                                   drain_before_dq=config.drain_before_dq, head_dim=head_dim,
-                                   head_dim_v=head_dim_v)  # fmt: skip
+                                   head_dim=head_dim, head_dim_v=head_dim_v,
+                                   **config.template_switches(kernel))  # fmt: skip
     return codegen.load(template, variant)
 
 
@@ -244,8 +243,8 @@ def _check_stats_strides(stats_strides: tuple[int, int], heads_q: int, seqlen_q:
     if stride_lh < rows or stride_lb < heads_q * stride_lh:
         raise ValueError(
             f"the backward's statistics need {rows} rows a head (seqlen_q={seqlen_q} rounded up to a multiple of "
-            f"16) at a head stride of at least that and a batch stride of at least {heads_q} heads; got strides "
-            f"{stats_strides}"
+            f"{STATS_ROWS}) at a head stride of at least that and a batch stride of at least {heads_q} heads; got "
+            f"strides {stats_strides}"
         )
 
 
