@@ -201,7 +201,8 @@ def test_a_file_is_parsed_once_per_content(config_dir, monkeypatch):
     store.write_entries(path, DEVICE, [_entry(64), _entry(64, kernel="bwd_dq")])
     parses = []
     real_load = yaml.load
-    monkeypatch.setattr(yaml, "load", lambda *a, **k: parses.append(a) or real_load(*a, **k))
+    mine = lambda text: "slug: cpu-interpreter" in text  # not the shipped files, which lookups of misses also read
+    monkeypatch.setattr(yaml, "load", lambda *a, **k: (mine(a[0]) and parses.append(a)) or real_load(*a, **k))
 
     def resolve_many():  # shapes a model could call with, each a new lookup
         attention_kernel.clear_cache()
@@ -359,6 +360,76 @@ def test_an_entry_that_does_not_fit_the_device_is_ignored(config_dir, monkeypatc
     with pytest.warns(RuntimeWarning, match=r"does not fit NVIDIA L4: shared memory: needs 196,608 B"):
         cfg, source = selection.resolve("fwd", 128, torch.bfloat16, False, "cuda:0")
     assert source == "planner-default" and cfg != too_big
+
+
+def _bf16(entry):
+    return store.Entry(**{**entry.__dict__, "key": store.EntryKey(**{**entry.key.__dict__, "dtype": "bf16"})})
+
+
+def test_a_gpu_without_an_entry_of_its_own_reads_the_entry_of_a_gpu_of_the_same_chip(config_dir, monkeypatch):
+    # An H100 SXM and an H200 record the same capability, SM count and shared memory a program: the H100 reads the
+    # H200's entry for a key it has none for, its own where it has one; an H100 PCIe (114 SMs) reads neither.
+    from fa2tune.config.device import known_gpu
+    from fa2tune.tune.job import device_summary
+
+    h100, h200, pcie = known_gpu("h100-sxm"), known_gpu("h200"), known_gpu("h100-pcie")
+    tuned, own = KernelConfig(128, 64, 4, 2), KernelConfig(64, 64, 4, 3)
+    h200_file = config_dir / "env" / "nvidia-h200.yaml"
+    store.write_entries(h200_file, device_summary(h200), [_bf16(_entry(112, cfg=tuned)),
+                                                           _bf16(_entry(112, causal=True, cfg=tuned))])  # fmt: skip
+    (config_dir / "env" / "broken.yaml").write_text("device: [unclosed")  # passed over, not fatal
+    store.write_entries(config_dir / "env" / "nameless.yaml", {"sm_count": 132}, [])  # no chip fields: not a match
+    device = h100
+    monkeypatch.setattr(selection, "device_info", lambda _: device)
+    resolve = lambda causal: selection.resolve("fwd", 112, torch.bfloat16, causal, "cuda:0")  # d=112: none shipped
+    assert resolve(False) == (tuned, f"{h200_file} (tuned on NVIDIA H200, the same chip)")
+    fp16 = selection.resolve("fwd", 112, torch.float16, False, "cuda:0")  # the other dtype's entry, then the chip
+    assert fp16 == (tuned, f"{h200_file} (bf16 entry) (tuned on NVIDIA H200, the same chip)")
+    h100_file = config_dir / "env" / "nvidia-h100-80gb-hbm3.yaml"
+    store.write_entries(h100_file, device_summary(h100), [_bf16(_entry(112, causal=True, cfg=own))])
+    selection.clear_cache()
+    assert resolve(True) == (own, str(h100_file)) and resolve(False)[0] == tuned
+    shipped = store.shipped_config_dir() / "nvidia-h200.yaml"
+    assert [(f.path, f.gpu) for f in store.same_chip_files(h100)] == [(h200_file, h200.name), (shipped, h200.name)]
+    assert [f.path for f in store.same_chip_files(h200)] == [h100_file]
+    device = pcie
+    selection.clear_cache()
+    assert store.same_chip_files(pcie) == [] and resolve(False)[1] == "planner-default"
+
+
+def test_a_same_chip_gpus_decode_entry_is_read_and_its_file_listed_by_show(config_dir, monkeypatch):
+    from fa2tune.cli import commands
+    from fa2tune.config.device import known_gpu
+    from fa2tune.tune.job import device_summary
+
+    h100 = known_gpu("h100-sxm")
+    monkeypatch.setattr(selection, "device_info", lambda _: h100)
+    path = config_dir / "env" / "nvidia-h200.yaml"
+    store.write_entries(path, device_summary(known_gpu("h200")), [_decode_entry(128)])
+    assert selection.resolve_decode("cuda:0", 128, torch.bfloat16) == (
+        _DECODE, f"{path} (tuned on NVIDIA H200, the same chip)")  # fmt: skip
+    rows = [r for r in commands._stored_rows(h100.slug, h100) if r["file"].startswith(str(config_dir))]
+    assert [(r["file"], r["tuned_on"], r["kernel"], r["used"]) for r in rows] == [
+        (str(path), "NVIDIA H200", "decode", True)]  # fmt: skip
+    assert commands._stored_rows(h100.slug) == []  # without the device, only its own files
+
+
+def test_a_tune_on_a_gpu_without_an_entry_starts_from_the_same_chip_gpus_entry(config_dir):
+    # What calls read until the tune writes its own entry is its incumbent, so a tune keeps it unless it finds better.
+    from fa2tune.config.device import known_gpu
+    from fa2tune.tune import job
+
+    h100, h200 = known_gpu("h100-sxm"), known_gpu("h200")
+    spec = job.StudySpec(kernel="fwd", head_dim=112, dtype="fp16", causal=False)
+    tuned, own = KernelConfig(128, 64, 4, 2), KernelConfig(64, 64, 4, 3)
+    h200_file = config_dir / "env" / "nvidia-h200.yaml"
+    store.write_entries(h200_file, job.device_summary(h200), [_bf16(_entry(112, cfg=tuned))])
+    target = config_dir / "xdg" / "nvidia-h100-80gb-hbm3.yaml"
+    assert job.incumbent(spec, target) is None  # without the device: the target file alone
+    assert job.incumbent(spec, target, h100) == tuned
+    assert job.incumbent(spec, target, known_gpu("h100-pcie")) is None
+    store.write_entries(target, job.device_summary(h100), [_bf16(_entry(112, cfg=own))])
+    assert job.incumbent(spec, target, h100) == own
 
 
 def test_get_kernel_argument_errors():

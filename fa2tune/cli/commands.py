@@ -156,7 +156,8 @@ def show(args: argparse.Namespace) -> int:
 
 
 def _stored_rows(slug: str, info=None) -> list[dict]:
-    """One row per entry of <slug>.yaml in each config directory, "used" as resolve would use it for the device
+    """One row per entry of <slug>.yaml in each config directory, then (given info) of each file of a GPU of the
+    same chip (store.same_chip_files; "tuned_on" names that GPU), "used" as resolve would use it for the device
     (info, a DeviceInfo; None: not checked against one), "why_not" where not: a key whose entry in an earlier file
     lookup stops at, an entry tuned against other kernel code (stale: lookup moves on down the path), a config the
     planner rejects for the device (resolve then takes the planner's default, not a later file's entry). One row
@@ -168,8 +169,10 @@ def _stored_rows(slug: str, info=None) -> list[dict]:
 
     rows = []
     claimed: set = set()  # keys whose lookup stops at an entry already listed
-    for directory in store.config_dirs():
-        path = directory / f"{slug}.yaml"
+    files = [(directory / f"{slug}.yaml", None) for directory in store.config_dirs()]
+    if info is not None:  # then the files of GPUs of the same chip, read for the keys this GPU has no entry for
+        files += [(other.path, other.gpu) for other in store.same_chip_files(info)]
+    for path, tuned_on in files:
         if not path.is_file():
             if os.path.lexists(path):  # a directory, a broken link: lookup skips it with a warning
                 rows.append({"file": str(path), "error": "not a readable file"})
@@ -193,6 +196,7 @@ def _stored_rows(slug: str, info=None) -> list[dict]:
             rows.append(
                 {
                     "file": str(path),
+                    **({"tuned_on": tuned_on} if tuned_on else {}),
                     **{k: v for k, v in e.key.__dict__.items()},
                     "config": e.config.to_dict(),
                     "tflops": e.tflops,

@@ -32,6 +32,7 @@ def check_heads(args: argparse.Namespace) -> None:
 def tune_decode(args: argparse.Namespace, devices: list[str]) -> int:
     """`fa2tune tune --kernel decode`: one study on one device, its winner merged into <config dir>/<gpu>.yaml."""
     heads, kv_heads = _check(args, devices)
+    from ..api import selection
     from ..launch import plans
     from ..tune import compile_pool, decode_tuner, job
 
@@ -43,7 +44,7 @@ def tune_decode(args: argparse.Namespace, devices: list[str]) -> int:
                                    trials=args.trials,
                                    timeout_s=arguments.study_timeout(args.timeout, 1),
                                    timeout_counts_builds=args.timeout is None)  # fmt: skip
-    spec = replace(spec, incumbent=job.incumbent(spec, target))  # what the file holds is timed beside the rest
+    spec = replace(spec, incumbent=job.incumbent(spec, target, selection.device_info(device)))  # timed beside the rest
     note_interpreter(device)
     if device == "cpu":
         log.info("note: CPU timings (Triton's interpreter) say nothing about GPU speed; this run only exercises the "

@@ -48,7 +48,7 @@ def tune(args: argparse.Namespace) -> int:
     jobs = args.jobs or os.cpu_count() or 1
     pool = compile_pool.CompilePool(jobs) if devices[0] != "cpu" and len(devices) == 1 else None
     try:
-        specs = _specs(args, seqlens, storage, target)
+        specs = _specs(args, seqlens, storage, target, devices[0])
         names = _study_names(specs, devices[0])
         if len(devices) > 1:
             _tune_on_several(specs, devices, config_dir, storage, written)
@@ -97,8 +97,9 @@ def _destination(args: argparse.Namespace, devices: list[str]) -> tuple[Path, st
     return config_dir, storage, target
 
 
-def _specs(args: argparse.Namespace, seqlens: tuple[int, ...], storage: str | None, target: Path) -> list:
-    """One StudySpec per kernel and mask asked, each with the incumbent the file holds for its key."""
+def _specs(args: argparse.Namespace, seqlens: tuple[int, ...], storage: str | None, target: Path, device: str) -> list:
+    """One StudySpec per kernel and mask asked, each with the incumbent the file holds for its key (job.incumbent)."""
+    from ..api import selection
     from ..config import planner
     from ..tune import job
 
@@ -115,7 +116,8 @@ def _specs(args: argparse.Namespace, seqlens: tuple[int, ...], storage: str | No
                           varlen=args.varlen, seqlen_bucket=args.seqlen_bucket)
         for kernel in kernels for causal in causals
     ]  # fmt: skip
-    specs = [replace(spec, incumbent=job.incumbent(spec, target)) for spec in specs]
+    info = selection.device_info(device)  # a same-chip GPU's entry, which calls read until the tune, is an incumbent
+    specs = [replace(spec, incumbent=job.incumbent(spec, target, info)) for spec in specs]
     if args.seqlens is None:  # an "all" entry beside bucket entries is tuned at the lengths it serves
         specs = [_at_served_lengths(spec, target) for spec in specs]
     return specs

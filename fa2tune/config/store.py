@@ -54,7 +54,7 @@ import yaml
 
 from . import paths
 from .entries import SCHEMA_VERSION, Entry, EntryKey, is_int, shown
-from .types import KernelConfig
+from .types import DeviceInfo, KernelConfig
 
 READABLE_VERSIONS = (1, SCHEMA_VERSION)  # what reads read: schema 1's configs through config.schema_v1
 
@@ -314,6 +314,76 @@ def lookup_for_dtype(
         if found is not None:
             entry, path = found
             yield entry, str(path) if key.dtype == own else f"{path} ({key.dtype} entry)"
+
+
+# The device fields that decide which configs fit and how they run. A tuned file whose `device` records the same
+# values as the GPU a call runs on was tuned on the same chip as far as the kernels can tell: an H100 SXM and an
+# H200 are one die (132 SMs, 227 KiB a program) with different memory, and on an H100 the H200's entries ran
+# forward + backward 1-24 % faster than the planner's defaults (docs/PERF.md, "On an H100"). A GPU reads such a
+# file's entry for a key it has no entry of its own for (lookup_for_device).
+CHIP_FIELDS = ("capability", "sm_count", "smem_per_block")
+
+
+@dataclass(frozen=True)
+class SameChipFile:
+    """A tuned-config file of another GPU with the same chip fields: where it is, and the GPU its `device` names."""
+
+    path: Path
+    gpu: str
+
+
+def _chip(device: object) -> tuple | None:
+    """A file's `device` mapping's CHIP_FIELDS as comparable values, or None where one is missing or malformed."""
+    if not isinstance(device, dict):
+        return None
+    values = tuple(device.get(field) for field in CHIP_FIELDS)
+    capability, rest = values[0], values[1:]
+    if not (isinstance(capability, (list, tuple)) and len(capability) == 2 and all(map(is_int, capability))):
+        return None
+    if not all(map(is_int, rest)):
+        return None
+    return (tuple(capability), *rest)
+
+
+def same_chip_files(info: DeviceInfo) -> list[SameChipFile]:
+    """The tuned-config files along config_dirs(), in search-path order and by name within a directory, of GPUs
+    other than `info`'s whose `device` records info's CHIP_FIELDS. A file that cannot be read is passed over
+    silently here: lookup warns about the files it reads."""
+    own = (tuple(info.capability), info.sm_count, info.smem_per_block)
+    found = []
+    for directory in config_dirs():
+        try:
+            paths = sorted(directory.glob("*.yaml"))
+        except OSError:
+            continue
+        for path in paths:
+            if path.stem == info.slug:
+                continue
+            try:
+                device = _load(path).data.get("device")
+            except (OSError, ValueError):
+                continue
+            if _chip(device) == own:
+                name = device.get("name")
+                found.append(SameChipFile(path, name if isinstance(name, str) and name else path.stem))
+    return found
+
+
+def lookup_for_device(
+    info: DeviceInfo, keys: list[EntryKey], *, template_hash: str | Callable[[KernelConfig], str]
+) -> Iterator[tuple[Entry, str]]:
+    """lookup_for_dtype's (entry, source) pairs for the GPU `info`, then for each other GPU of the same chip
+    (same_chip_files), whose sources end "(tuned on <GPU>, the same chip)". The caller takes the first that fits its
+    device; the same-chip files are looked for only when it asks past the GPU's own entries."""
+    yield from lookup_for_dtype(info.slug, keys, template_hash=template_hash)
+    seen = {info.slug}
+    for other in same_chip_files(info):
+        slug = other.path.stem
+        if slug in seen:  # lookup_for_dtype walks every directory for a slug
+            continue
+        seen.add(slug)
+        for entry, source in lookup_for_dtype(slug, keys, template_hash=template_hash):
+            yield entry, f"{source} (tuned on {other.gpu}, the same chip)"
 
 
 @contextlib.contextmanager

@@ -250,13 +250,22 @@ def baseline(spec: StudySpec, device_name: str, info: DeviceInfo | None = None) 
     return default, "planner-default"
 
 
-def incumbent(spec: StudySpec, path: Path) -> planner.KernelConfig | None:
+def incumbent(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> planner.KernelConfig | None:
     """The config the tuned-config file at `path` holds for spec's key; where it holds none, its config for the same
     key in the dtype of the same cost (store.SAME_COST_DTYPES: the entry calls of spec's dtype read from this file
-    until the tune writes their own, so the tune keeps it unless it finds better); None where neither is there or
-    the file is unreadable. The first entry for a key counts, as at run time (store.lookup).
+    until the tune writes their own, so the tune keeps it unless it finds better); where neither is there and `info`
+    is given, the same from the files of GPUs of info's chip (store.same_chip_files), which calls read until then
+    too; None where none holds one. The first entry for a key counts, as at run time (store.lookup).
 
     Stale entries count: their config won under the templates of their day, a strong first guess under today's."""
+    found = _held(spec, path)
+    if found is None and info is not None:
+        found = next(filter(None, (_held(spec, other.path) for other in store.same_chip_files(info))), None)
+    return found
+
+
+def _held(spec: StudySpec, path: Path) -> planner.KernelConfig | None:
+    """incumbent's reading of one file: spec's key, else the same-cost dtype's; None if neither or unreadable."""
     try:
         _, entries = store.read_file(path)
     except (OSError, ValueError, yaml.YAMLError):
@@ -323,8 +332,10 @@ def _check_plausible(result: tuner.TuneResult, tflops: Callable, info: DeviceInf
 
 
 def device_summary(info: DeviceInfo) -> dict:
-    return {"name": info.name, "slug": info.slug, "capability": list(info.capability), "sm_count": info.sm_count,
-            "smem_per_block": info.smem_per_block}  # fmt: skip
+    """The `device` a tuned file records: the GPU's name and slug, and the fields that tell its chip
+    (store.CHIP_FIELDS), by which a GPU of the same chip with no file of its own reads this one."""
+    chip = {field: getattr(info, field) for field in store.CHIP_FIELDS}
+    return {"name": info.name, "slug": info.slug, **chip, "capability": list(info.capability)}
 
 
 def config_path(device_name: str, config_dir: Path) -> Path:
