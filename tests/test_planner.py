@@ -105,20 +105,35 @@ def test_default_config_fits_every_known_gpu(gpu, kernel):
 
 def test_default_config_prefers_the_h200_measurements():
     h200 = replace(known_gpu("h200"), triton_version="3.6.0")  # the Triton the measurements were made under
-    # The warp-specialized forward first (docs/PERF.md, "The warp-specialized forward"), persistent without a mask
-    # ("Persistent kernels and paired causal tiles"), ping-pong for causal; at d=64 causal the Triton template's (the
-    # config tuning picks there)
+    # The warp-specialized forward first (docs/PERF.md, "The warp-specialized forward"), persistent ("Persistent
+    # kernels and paired causal tiles"), ping-pong for causal past d=64, where three consumers fit
     persistent = KernelConfig(128, 128, 4, 2, warp_specialized=True, schedule=PERSISTENT)
     assert defaults.default_config(128, torch.bfloat16, device=h200) == persistent
-    pingpong = KernelConfig(128, 128, 4, 2, warp_specialized=True, pingpong=True)
+    assert defaults.default_config(96, torch.bfloat16, device=h200) == persistent
+    pingpong = replace(persistent, pingpong=True)
     assert defaults.default_config(128, torch.bfloat16, causal=True, device=h200) == pingpong
+    assert defaults.default_config(112, torch.bfloat16, causal=True, device=h200) == pingpong
     d64 = KernelConfig(192, 128, 4, 2, warp_specialized=True, schedule=PERSISTENT)
     assert defaults.default_config(64, torch.bfloat16, device=h200) == d64
+    assert defaults.default_config(48, torch.bfloat16, causal=True, device=h200) == replace(d64, num_stages=3)
     # where the measured config does not fit — Triton 3.9's three consumers spill at d=64 — the model's shapes follow
     # it, before the Triton template's
     under_39 = replace(h200, triton_version="3.9.0")
     assert defaults.default_config(64, torch.bfloat16, device=under_39) == replace(d64, block_m=128)
-    assert defaults.default_config(64, torch.bfloat16, causal=True, device=h200) == KernelConfig(128, 64, 8, 3)
+    assert defaults.default_config(64, torch.bfloat16, causal=True, device=under_39) == pingpong
+    # dK/dV with dQ fused in up to d=128: persistent and three stages where they fit, split roles past it
+    fused = KernelConfig(64, 128, 4, 2, warp_specialized=True, fused_dq=True)
+    dkdv = lambda head_dim: defaults.default_config(head_dim, torch.bfloat16, kernel="bwd_dkdv", device=h200)
+    assert dkdv(64) == replace(fused, num_stages=3, schedule=PERSISTENT)
+    assert dkdv(96) == replace(fused, schedule=PERSISTENT)
+    assert dkdv(128) == fused and dkdv(112) == fused
+    assert dkdv(136).split_roles and dkdv(144).split_roles
+    # below FUSED_DQ_DEFAULT_MIN_HEAD_DIM (d=48 measured 13 % slower fused) the dQ kernel's form, one program a tile
+    assert dkdv(48) == replace(fused, fused_dq=False) and dkdv(defaults.FUSED_DQ_DEFAULT_MIN_HEAD_DIM).fused_dq
+    # dQ: three stages, persistent
+    dq = lambda head_dim: defaults.default_config(head_dim, torch.bfloat16, kernel="bwd_dq", device=h200)
+    assert dq(128) == KernelConfig(128, 64, 4, 3, warp_specialized=True, schedule=PERSISTENT)
+    assert dq(192) == KernelConfig(64, 64, 4, 3, warp_specialized=True, schedule=PERSISTENT)
     # then the Triton template's measured best: asked for, for fp32, off Hopper
     triton = dict(device=h200, warp_specialized=False)
     assert defaults.default_config(128, torch.bfloat16, **triton) == KernelConfig(256, 64, 8, 4)

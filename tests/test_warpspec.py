@@ -452,9 +452,9 @@ def test_drain_before_dq_is_a_switch_of_fused_dq_with_code_of_its_own_under_eith
                                     trials=8, space=fits, default=default)  # fmt: skip
         assert first[:2] == [default, replace(default, drain_before_dq=not default.drain_before_dq)]
         assert len(first) == len(set(first))
-    # and a promising fused pick's, where the default does not fuse dQ (the planner's defaults, e.g. on an H100)
+    # and a promising fused pick's, where the default does not fuse dQ
     first = tuner.first_configs(device=known_gpu("h100-sxm"), kernel="bwd_dkdv", head_dim=128, dtype=torch.bfloat16,
-                                causal=True, trials=40, space=space)  # fmt: skip
+                                causal=True, trials=40, space=space, default=fused.without_fused_dq())  # fmt: skip
     assert not first[0].fused_dq
     picked = [c for c in first if c.fused_dq and not c.drain_before_dq]
     assert picked and all(first[first.index(c) + 1] == replace(c, drain_before_dq=True) for c in picked)

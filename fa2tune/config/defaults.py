@@ -12,24 +12,41 @@ from .device import INTERPRETER, inspect_cached, known_gpu
 from .schedule import PERSISTENT
 from .types import DeviceInfo, KernelConfig
 
-# Fastest configs measured on the H200 (bf16, N=8k; docs/PERF.md, docs/bench/nvidia-h200-sweep-*.csv), tried
-# first on any GPU; a GPU with less shared memory falls through to the largest tile that fits.
-# Warp-specialized forwards first: on GPUs without wgmma check() rejects them and the Triton ones follow.
+# Fastest configs measured on the H200 (bf16; docs/PERF.md, docs/bench/nvidia-h200-sweep-*.csv, and the shipped
+# file's tuned entries for all lengths), tried first on any GPU; a GPU with less shared memory falls through to the
+# largest tile that fits. Warp-specialized configs first: on GPUs without wgmma check() rejects them and the Triton
+# ones follow.
 _WS = dict(warp_specialized=True)
 _PREFERRED: dict[tuple[str, int, bool], list[KernelConfig]] = {
     ("fwd", 64, False): [KernelConfig(192, 128, 4, 2, **_WS, schedule=PERSISTENT), KernelConfig(128, 64, 8, 3)],
-    ("fwd", 64, True): [KernelConfig(128, 64, 8, 3)],
+    ("fwd", 64, True): [KernelConfig(192, 128, 4, 3, **_WS, schedule=PERSISTENT), KernelConfig(128, 64, 8, 3)],
     ("fwd", 128, False): [KernelConfig(128, 128, 4, 2, **_WS, schedule=PERSISTENT), KernelConfig(256, 64, 8, 4)],
-    ("fwd", 128, True): [KernelConfig(128, 128, 4, 2, **_WS, pingpong=True), KernelConfig(128, 128, 8, 3)],
-    ("bwd_dkdv", 64, False): [KernelConfig(64, 128, 4, 2, **_WS), KernelConfig(32, 128, 4, 3)],
-    ("bwd_dkdv", 128, False): [KernelConfig(64, 128, 4, 2, **_WS), KernelConfig(32, 64, 4, 3)],
+    ("fwd", 128, True): [KernelConfig(128, 128, 4, 2, **_WS, pingpong=True, schedule=PERSISTENT),
+                         KernelConfig(128, 128, 8, 3)],
+    ("bwd_dkdv", 64, False): [KernelConfig(64, 128, 4, 3, **_WS, fused_dq=True, schedule=PERSISTENT),
+                              KernelConfig(32, 128, 4, 3)],
+    ("bwd_dkdv", 128, False): [KernelConfig(64, 128, 4, 2, **_WS, fused_dq=True), KernelConfig(32, 64, 4, 3)],
     ("bwd_dq", 64, False): [KernelConfig(128, 64, 4, 3)],
-    ("bwd_dq", 128, False): [KernelConfig(128, 64, 4, 3, **_WS), KernelConfig(128, 64, 8, 3)],
-}
-# At a head dim without a measurement, the warp-specialized shapes tried first, most work a program first: the first
-# that check() lets fit (shared memory, registers) is the default, so a head dim's default follows from the model and
-# not from a table of head dims — d=96 takes (128, 128) persistent, d=192 (128, 64) persistent, d=256 (128, 64).
-# Causal: ping-pong first (the two consumers' softmaxes under each other's wgmmas), as measured at d=128.
+    ("bwd_dq", 128, False): [KernelConfig(128, 64, 4, 3, **_WS, schedule=PERSISTENT), KernelConfig(128, 64, 8, 3)],
+}  # fmt: skip
+# The narrowest head dim whose untuned dK/dV default takes dQ fused in: at d=48 (chunks of 32 and 16 columns) without a
+# mask the fused default ran forward + backward 13 % slower than the unfused one beside the dQ kernel (H200, N=8k;
+# causal +1.5 %), where from d=64 up it ran 3-12 % faster (docs/PERF.md, "The untuned defaults"). The tuner still
+# searches fused dQ there.
+FUSED_DQ_DEFAULT_MIN_HEAD_DIM = 56
+# At a head dim without a measurement, the warp-specialized shapes tried first: the first that check() lets fit
+# (shared memory, registers) is the default, so a head dim's default follows from the model and not from a table of
+# head dims. Each list leads with the forms the tunes at d = 64-256 picked wherever the model admits them (the
+# shipped file's entries had beaten the earlier defaults by 1-18 % a kernel where they differed; with these, the
+# untuned forward + backward at d = 64, 96, 128, 192 runs within 1 % of the tuned entries: docs/PERF.md, "The
+# untuned defaults"):
+# - the forward: most rows a program first, persistent; causal: ping-pong persistent (the two consumers' softmaxes
+#   under each other's wgmmas), after the three-consumer tile that fits at d <= 64 only;
+# - dK/dV: dQ fused in (five matmuls a step instead of the dQ kernel's extra two) from FUSED_DQ_DEFAULT_MIN_HEAD_DIM,
+#   persistent where the staging fits, three stages where the model allows them (d <= 64); past the head dims where
+#   one warpgroup holds both dK and dV (d <= 128), the two consumers split the roles;
+# - dQ: three stages, persistent. At d >= 224 it fits one consumer only: per tile it spills 56-144 B (sm_90),
+#   persistent 0-56 (causal).
 _WS_ORDER: dict[tuple[str, bool], list[KernelConfig]] = {
     ("fwd", False): [
         KernelConfig(192, 128, 4, 2, **_WS, schedule=PERSISTENT),
@@ -41,17 +58,29 @@ _WS_ORDER: dict[tuple[str, bool], list[KernelConfig]] = {
         KernelConfig(64, 64, 4, 2, **_WS),
     ],
     ("fwd", True): [
+        KernelConfig(192, 128, 4, 3, **_WS, schedule=PERSISTENT),
+        KernelConfig(128, 128, 4, 2, **_WS, pingpong=True, schedule=PERSISTENT),
         KernelConfig(128, 128, 4, 2, **_WS, pingpong=True),
+        KernelConfig(128, 64, 4, 2, **_WS, pingpong=True, schedule=PERSISTENT),
         KernelConfig(128, 64, 4, 2, **_WS, pingpong=True),
         KernelConfig(64, 128, 4, 2, **_WS),
         KernelConfig(64, 64, 4, 2, **_WS),
     ],
-    # past the head dims where one warpgroup holds both dK and dV (d <= 128), the two consumers split the roles
-    ("bwd_dkdv", False): [KernelConfig(64, 128, 4, 2, **_WS), KernelConfig(64, 64, 4, 2, **_WS),
-                          KernelConfig(64, 64, 4, 2, **_WS, split_roles=True)],
-    # dQ at d >= 224 fits one consumer only: per tile it spills 56-144 B (sm_90), persistent 0-56 (causal)
-    ("bwd_dq", False): [KernelConfig(128, 64, 4, 3, **_WS), KernelConfig(64, 64, 4, 2, **_WS, schedule=PERSISTENT),
-                        KernelConfig(64, 64, 4, 2, **_WS)],
+    ("bwd_dkdv", False): [
+        KernelConfig(64, 128, 4, 3, **_WS, fused_dq=True, schedule=PERSISTENT),
+        KernelConfig(64, 128, 4, 2, **_WS, fused_dq=True, schedule=PERSISTENT),
+        KernelConfig(64, 128, 4, 2, **_WS, fused_dq=True),
+        KernelConfig(64, 128, 4, 2, **_WS),  # without dQ: the form measured below FUSED_DQ_DEFAULT_MIN_HEAD_DIM
+        KernelConfig(64, 64, 4, 2, **_WS),
+        KernelConfig(64, 64, 4, 2, **_WS, split_roles=True),
+    ],
+    ("bwd_dq", False): [
+        KernelConfig(128, 64, 4, 3, **_WS, schedule=PERSISTENT),
+        KernelConfig(128, 64, 4, 3, **_WS),
+        KernelConfig(64, 64, 4, 3, **_WS, schedule=PERSISTENT),
+        KernelConfig(64, 64, 4, 2, **_WS, schedule=PERSISTENT),
+        KernelConfig(64, 64, 4, 2, **_WS),
+    ],
 }
 # Without a measurement: moderate tiles first (they ran within 10 % of the best in every H200 sweep), then smaller.
 _FALLBACK = {
@@ -119,6 +148,8 @@ def default_config(
         ws = [cfg for cfg in measured if cfg.warp_specialized]
         measured = ws + _WS_ORDER[kernel, masked] + [cfg for cfg in measured if not cfg.warp_specialized]
     preferred = measured if dtype != torch.float32 else []
+    if head_dim < FUSED_DQ_DEFAULT_MIN_HEAD_DIM:
+        preferred = [cfg for cfg in preferred if not cfg.fused_dq]
     for cfg in preferred + _FALLBACK[kernel]:
         if cfg.warp_specialized and not warp_specialized:
             continue
