@@ -154,7 +154,9 @@ def get_kernel(
     sequences (as fa2tune.attention_varlen). Each is a template variant with its own tuned entries.
 
     Lookup order for each config: $FA2TUNE_CONFIG_DIR, the user cache dir (~/.cache/fa2tune/configs), the shipped
-    tuned_configs/, then the planner's default. A missing, corrupt or stale file warns once and falls back.
+    tuned_configs/ (the GPU's own file in each; then the other 16-bit dtype's entry; then the files of GPUs of the
+    same chip: store.lookup_for_device), then the planner's default. A missing, corrupt or stale file warns once
+    and falls back.
     Resolved kernels are cached per process.
     """
     import os

@@ -38,7 +38,7 @@ FUSED_DQ_DEFAULT_MIN_HEAD_DIM = 56
 # (shared memory, registers) is the default, so a head dim's default follows from the model and not from a table of
 # head dims. Each list leads with the forms the tunes at d = 64-256 picked wherever the model admits them (the
 # shipped file's entries had beaten the earlier defaults by 1-18 % a kernel where they differed; with these, the
-# untuned forward + backward at d = 64, 96, 128, 192 runs within 1 % of the tuned entries: docs/PERF.md, "The
+# untuned forward + backward at d = 64, 96, 128, 192 runs within 1.2 % of the tuned entries: docs/PERF.md, "The
 # untuned defaults"):
 # - the forward: most rows a program first, persistent; causal: ping-pong persistent (the two consumers' softmaxes
 #   under each other's wgmmas), after the three-consumer tile that fits at d <= 64 only;
