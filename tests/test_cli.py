@@ -902,7 +902,8 @@ def test_show_marks_used_what_lookup_uses(tmp_path, capsys, monkeypatch):
     assert used[(False, False)] == (True, "")  # the cache's entry, which calls run
     assert not used[(True, True)][0] and used[(True, True)][1].startswith("the planner rejects it here: ")
     # resolve takes the planner's default after a rejected entry, not a later file's entry for the key
-    assert used[(False, True)] == (False, "lookup stops at an earlier file's entry for the key")
+    assert used[(False, True)] == (False, "lookup stops at an earlier file's entry for the key "
+                                          f"({tmp_path / 'env' / 'cpu-interpreter.yaml'})")  # fmt: skip
     (tmp_path / "env" / "cpu-interpreter.yaml").unlink()
     (tmp_path / "env" / "cpu-interpreter.yaml").mkdir()
     assert cli.main(["show", "--device", "cpu", "--json"]) == 0

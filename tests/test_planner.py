@@ -128,6 +128,9 @@ def test_default_config_prefers_the_h200_measurements():
     assert dkdv(96) == replace(fused, schedule=PERSISTENT)
     assert dkdv(128) == fused and dkdv(112) == fused
     assert dkdv(136).split_roles and dkdv(144).split_roles
+    # the planner refuses fused dQ past d=128, where it compiles with 216-352 B of stack (a measured rule)
+    assert planner.check(fused, h200, 128, torch.bfloat16, "bwd_dkdv") is None
+    assert "fused in spills past head_dim 128" in planner.check(fused, h200, 136, torch.bfloat16, "bwd_dkdv")
     # below FUSED_DQ_DEFAULT_MIN_HEAD_DIM (d=48 measured 13 % slower fused) the dQ kernel's form, one program a tile
     assert dkdv(48) == replace(fused, fused_dq=False) and dkdv(defaults.FUSED_DQ_DEFAULT_MIN_HEAD_DIM).fused_dq
     # dQ: three stages, persistent

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -366,70 +367,117 @@ def _bf16(entry):
     return store.Entry(**{**entry.__dict__, "key": store.EntryKey(**{**entry.key.__dict__, "dtype": "bf16"})})
 
 
-def test_a_gpu_without_an_entry_of_its_own_reads_the_entry_of_a_gpu_of_the_same_chip(config_dir, monkeypatch):
-    # An H100 SXM and an H200 record the same capability, SM count and shared memory a program: the H100 reads the
-    # H200's entry for a key it has none for, its own where it has one; an H100 PCIe (114 SMs) reads neither.
-    from fa2tune.config.device import known_gpu
+def _fp16(entry):
+    return replace(entry, key=replace(entry.key, dtype="fp16"))
+
+
+def _write_for(path, gpu, entries):
     from fa2tune.tune.job import device_summary
 
-    h100, h200, pcie = known_gpu("h100-sxm"), known_gpu("h200"), known_gpu("h100-pcie")
+    store.write_entries(path, device_summary(gpu), entries)
+    return path
+
+
+@pytest.fixture
+def gpus():
+    from fa2tune.config.device import known_gpu
+
+    return known_gpu("h100-sxm"), known_gpu("h200"), known_gpu("h100-pcie"), known_gpu("a100-80gb")
+
+
+def test_a_gpu_without_an_entry_of_its_own_reads_the_entry_of_a_gpu_of_the_same_chip(config_dir, monkeypatch, gpus):
+    # An H100 SXM and an H200 record the same capability, SM count and shared memory a program: the H100 reads the
+    # H200's entry for a key it has none for, in either dtype; an H100 PCIe (114 SMs) does not.
+    h100, h200, pcie, _ = gpus
     tuned, own = KernelConfig(128, 64, 4, 2), KernelConfig(64, 64, 4, 3)
-    h200_file = config_dir / "env" / "nvidia-h200.yaml"
-    store.write_entries(h200_file, device_summary(h200), [_bf16(_entry(112, cfg=tuned)),
-                                                           _bf16(_entry(112, causal=True, cfg=tuned))])  # fmt: skip
+    h200_file = _write_for(config_dir / "env" / "nvidia-h200.yaml", h200,
+                           [_bf16(_entry(112, cfg=tuned)), _bf16(_entry(112, causal=True, cfg=tuned))])  # fmt: skip
     (config_dir / "env" / "broken.yaml").write_text("device: [unclosed")  # passed over, not fatal
     store.write_entries(config_dir / "env" / "nameless.yaml", {"sm_count": 132}, [])  # no chip fields: not a match
     device = h100
     monkeypatch.setattr(selection, "device_info", lambda _: device)
-    resolve = lambda causal: selection.resolve("fwd", 112, torch.bfloat16, causal, "cuda:0")  # d=112: none shipped
+    resolve = lambda causal, dtype=torch.bfloat16: selection.resolve("fwd", 112, dtype, causal, "cuda:0")  # none ships
     assert resolve(False) == (tuned, f"{h200_file} (tuned on NVIDIA H200, the same chip)")
-    fp16 = selection.resolve("fwd", 112, torch.float16, False, "cuda:0")  # the other dtype's entry, then the chip
-    assert fp16 == (tuned, f"{h200_file} (bf16 entry) (tuned on NVIDIA H200, the same chip)")
-    h100_file = config_dir / "env" / "nvidia-h100-80gb-hbm3.yaml"
-    store.write_entries(h100_file, device_summary(h100), [_bf16(_entry(112, causal=True, cfg=own))])
+    assert resolve(False, torch.float16) == (tuned, f"{h200_file} (bf16 entry) (tuned on NVIDIA H200, the same chip)")
+    # the GPU's own entries win wherever they are along the path (here the user cache dir, after $FA2TUNE_CONFIG_DIR)
+    # and in the other dtype: a bf16 entry of its own serves an fp16 call before the H200's fp16 entry
+    h100_file = _write_for(config_dir / "xdg" / "fa2tune" / "configs" / "nvidia-h100-80gb-hbm3.yaml", h100,
+                           [_bf16(_entry(112, causal=True, cfg=own))])  # fmt: skip
+    assert h100_file in store.own_files(h100.slug)
+    _write_for(h200_file, h200, [_fp16(_bf16(_entry(112, causal=True)))])
     selection.clear_cache()
     assert resolve(True) == (own, str(h100_file)) and resolve(False)[0] == tuned
+    assert resolve(True, torch.float16) == (own, f"{h100_file} (bf16 entry)")
     shipped = store.shipped_config_dir() / "nvidia-h200.yaml"
-    assert [(f.path, f.gpu) for f in store.same_chip_files(h100)] == [(h200_file, h200.name), (shipped, h200.name)]
-    assert [f.path for f in store.same_chip_files(h200)] == [h100_file]
+    assert store.same_chip_gpus(h100) == [store.SameChipGPU("NVIDIA H200", (h200_file, shipped))]
+    assert store.same_chip_gpus(h200) == [store.SameChipGPU("NVIDIA H100 80GB HBM3", (h100_file,))]
     device = pcie
     selection.clear_cache()
-    assert store.same_chip_files(pcie) == [] and resolve(False)[1] == "planner-default"
+    assert store.same_chip_gpus(pcie) == [] and resolve(False)[1] == "planner-default"
 
 
-def test_a_same_chip_gpus_decode_entry_is_read_and_its_file_listed_by_show(config_dir, monkeypatch):
-    from fa2tune.cli import commands
-    from fa2tune.config.device import known_gpu
+def test_only_the_files_that_record_the_chip_are_read_and_the_gpus_own_copies_are_not(config_dir, monkeypatch, gpus):
     from fa2tune.tune.job import device_summary
 
-    h100 = known_gpu("h100-sxm")
+    h100, h200, _, a100 = gpus
     monkeypatch.setattr(selection, "device_info", lambda _: h100)
-    path = config_dir / "env" / "nvidia-h200.yaml"
-    store.write_entries(path, device_summary(known_gpu("h200")), [_decode_entry(128)])
-    assert selection.resolve_decode("cuda:0", 128, torch.bfloat16) == (
-        _DECODE, f"{path} (tuned on NVIDIA H200, the same chip)")  # fmt: skip
-    rows = [r for r in commands._stored_rows(h100.slug, h100) if r["file"].startswith(str(config_dir))]
-    assert [(r["file"], r["tuned_on"], r["kernel"], r["used"]) for r in rows] == [
-        (str(path), "NVIDIA H200", "decode", True)]  # fmt: skip
-    assert commands._stored_rows(h100.slug) == []  # without the device, only its own files
+    env, xdg = config_dir / "env", config_dir / "xdg" / "fa2tune" / "configs"
+    # another GPU's file under the H200's name (an A100's) is not read, though the real H200 file matches
+    _write_for(env / "nvidia-h200.yaml", a100, [_bf16(_entry(112, cfg=KernelConfig(32, 32, 4, 2)))])
+    real = _write_for(xdg / "nvidia-h200.yaml", h200, [_bf16(_entry(112, cfg=KernelConfig(128, 64, 4, 2)))])
+    # a copy of the H100's own file under another name is not "another GPU"; an odd device name shows the file's stem
+    _write_for(env / "nvidia-h100-80gb-hbm3.bak.yaml", h100, [_bf16(_entry(112))])
+    store.write_entries(env / "odd.yaml", {**device_summary(h100), "name": "x\n" * 50, "slug": "odd"}, [])
+    shipped = store.shipped_config_dir() / "nvidia-h200.yaml"
+    assert store.same_chip_gpus(h100) == [store.SameChipGPU("odd", (env / "odd.yaml",)),
+                                          store.SameChipGPU("NVIDIA H200", (real, shipped))]  # fmt: skip
+    assert selection.resolve("fwd", 112, torch.bfloat16, False, "cuda:0") == (
+        KernelConfig(128, 64, 4, 2), f"{real} (tuned on NVIDIA H200, the same chip)")  # fmt: skip
+    # a file that appears later is seen: the scan's answer is kept only while the directories' listing holds
+    late = env / "nvidia-gh200.yaml"
+    store.write_entries(late, {**device_summary(h200), "name": "NVIDIA GH200", "slug": "nvidia-gh200"}, [])
+    assert store.same_chip_gpus(h100)[0] == store.SameChipGPU("NVIDIA GH200", (late,))
 
 
-def test_a_tune_on_a_gpu_without_an_entry_starts_from_the_same_chip_gpus_entry(config_dir):
+def test_decode_entries_stay_the_gpus_own_and_show_says_which_entry_calls_read(config_dir, monkeypatch, gpus):
+    # The decode kernel is bound by memory bandwidth, where an H100 and an H200 differ: the H200's decode entry is
+    # not read on an H100. show marks each row as calls would read it, the other dtype and the same chip included.
+    from fa2tune.cli import commands
+
+    h100, h200, _, _ = gpus
+    monkeypatch.setattr(selection, "device_info", lambda _: h100)
+    h200_file = _write_for(config_dir / "env" / "nvidia-h200.yaml", h200, [_decode_entry(128), _bf16(_entry(112))])
+    assert selection.resolve_decode("cuda:0", 128, torch.bfloat16)[1] == "planner-default"
+    h100_file = _write_for(config_dir / "env" / "nvidia-h100-80gb-hbm3.yaml", h100, [])
+    _write_for(h200_file, h200, [_fp16(_bf16(_entry(112, causal=True)))])
+    _write_for(h100_file, h100, [_bf16(_entry(112, causal=True, cfg=KernelConfig(64, 64, 4, 3)))])
+    rows = {(r["file"], r["kernel"], r["dtype"], r["causal"]): r
+            for r in commands._stored_rows(h100.slug, h100) if r["file"].startswith(str(config_dir))}  # fmt: skip
+    assert [r.get("tuned_on") for r in rows.values()] == [None, "NVIDIA H200", "NVIDIA H200", "NVIDIA H200"]
+    assert rows[str(h100_file), "fwd", "bf16", True]["used"]
+    assert rows[str(h200_file), "fwd", "bf16", False]["used"]  # the H100 has no entry for it in either dtype
+    assert rows[str(h200_file), "fwd", "fp16", True]["why_not"] == f"calls of this key read {h100_file} (bf16 entry)"
+    decode = rows[str(h200_file), "decode", "bf16", False]
+    assert decode["why_not"] == "calls of this key on this GPU do not read this file"
+
+
+def test_a_tune_starts_from_what_calls_read_its_own_entries_first_then_a_same_chip_gpus(config_dir, gpus):
     # What calls read until the tune writes its own entry is its incumbent, so a tune keeps it unless it finds better.
-    from fa2tune.config.device import known_gpu
     from fa2tune.tune import job
 
-    h100, h200 = known_gpu("h100-sxm"), known_gpu("h200")
+    h100, h200, pcie, _ = gpus
     spec = job.StudySpec(kernel="fwd", head_dim=112, dtype="fp16", causal=False)
-    tuned, own = KernelConfig(128, 64, 4, 2), KernelConfig(64, 64, 4, 3)
-    h200_file = config_dir / "env" / "nvidia-h200.yaml"
-    store.write_entries(h200_file, job.device_summary(h200), [_bf16(_entry(112, cfg=tuned))])
-    target = config_dir / "xdg" / "nvidia-h100-80gb-hbm3.yaml"
+    tuned, own, held = KernelConfig(128, 64, 4, 2), KernelConfig(64, 64, 4, 3), KernelConfig(32, 64, 4, 2)
+    _write_for(config_dir / "env" / "nvidia-h200.yaml", h200, [_bf16(_entry(112, cfg=tuned))])
+    target = config_dir / "elsewhere" / "nvidia-h100-80gb-hbm3.yaml"  # a --config-dir off the search path
     assert job.incumbent(spec, target) is None  # without the device: the target file alone
     assert job.incumbent(spec, target, h100) == tuned
-    assert job.incumbent(spec, target, known_gpu("h100-pcie")) is None
-    store.write_entries(target, job.device_summary(h100), [_bf16(_entry(112, cfg=own))])
-    assert job.incumbent(spec, target, h100) == own
+    assert job.incumbent(spec, target, pcie) is None
+    _write_for(config_dir / "xdg" / "fa2tune" / "configs" / "nvidia-h100-80gb-hbm3.yaml", h100,
+               [_bf16(_entry(112, cfg=own, template_hash="stale"))])  # fmt: skip
+    assert job.incumbent(spec, target, h100) == own  # the GPU's own entry along the path, stale or not
+    _write_for(target, h100, [_bf16(_entry(112, cfg=held))])
+    assert job.incumbent(spec, target, h100) == held  # the file the tune writes first
 
 
 def test_get_kernel_argument_errors():

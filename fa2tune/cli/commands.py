@@ -155,23 +155,17 @@ def show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stored_rows(slug: str, info=None) -> list[dict]:
-    """One row per entry of <slug>.yaml in each config directory, then (given info) of each file of a GPU of the
-    same chip (store.same_chip_files; "tuned_on" names that GPU), "used" as resolve would use it for the device
-    (info, a DeviceInfo; None: not checked against one), "why_not" where not: a key whose entry in an earlier file
-    lookup stops at, an entry tuned against other kernel code (stale: lookup moves on down the path), a config the
-    planner rejects for the device (resolve then takes the planner's default, not a later file's entry). One row
-    per file that cannot be read, with the reason."""
-    from ..config import planner, store
-    from ..config.decode_config import DECODE_KERNEL
-    from ..config.inputs import DTYPES_BY_NAME
-    from ..kernels import codegen
+def _stored_rows(slug: str, info) -> list[dict]:
+    """One row per entry of <slug>.yaml in each config directory, then of each file of another GPU of the same chip
+    (store.same_chip_gpus; "tuned_on" names that GPU), in the order lookups read them. "used": whether a call of the
+    entry's key on the device (info, a DeviceInfo) runs it — stale entries are skipped, configs the device cannot
+    run are passed over, and the first other entry a call reads (store.find_for_device) wins; "why_not" says which
+    of these it is. One row per file that cannot be read, with the reason."""
+    from ..config import store
 
     rows = []
-    claimed: set = set()  # keys whose lookup stops at an entry already listed
-    files = [(directory / f"{slug}.yaml", None) for directory in store.config_dirs()]
-    if info is not None:  # then the files of GPUs of the same chip, read for the keys this GPU has no entry for
-        files += [(other.path, other.gpu) for other in store.same_chip_files(info)]
+    files = [(path, None) for path in store.own_files(slug)]
+    files += [(path, gpu.name) for gpu in store.same_chip_gpus(info) for path in gpu.paths]
     for path, tuned_on in files:
         if not path.is_file():
             if os.path.lexists(path):  # a directory, a broken link: lookup skips it with a warning
@@ -183,16 +177,7 @@ def _stored_rows(slug: str, info=None) -> list[dict]:
             rows.append({"file": str(path), "error": str(exc)})
             continue
         for e in entries:
-            why = None
-            if e.key in claimed:
-                why = "lookup stops at an earlier file's entry for the key"
-            elif e.template_hash != codegen.entry_code_hash(e.key, e.config):
-                why = "stale: tuned against other kernel code"
-            else:
-                claimed.add(e.key)
-                if info is not None and e.key.kernel != DECODE_KERNEL:
-                    reason = planner.check(e.config, info, e.key.head_dim, DTYPES_BY_NAME[e.key.dtype], e.key.kernel)
-                    why = f"the planner rejects it here: {reason}" if reason else None
+            why = _why_not_used(e, path, info)
             rows.append(
                 {
                     "file": str(path),
@@ -205,6 +190,44 @@ def _stored_rows(slug: str, info=None) -> list[dict]:
                 }
             )
     return rows
+
+
+def _why_not_used(entry, path, info) -> str | None:
+    """Why a call of `entry`'s key on the device `info` does not run the stored `entry` (from the file `path`), or
+    None where it does: what selection.resolve / resolve_decode take for that key — the key's own length bucket,
+    then "all" (lengths.buckets_for) — compared with it."""
+    from dataclasses import replace
+
+    from ..config import store
+    from ..kernels import codegen
+
+    if entry.template_hash != codegen.entry_code_hash(entry.key, entry.config):
+        return "stale: tuned against other kernel code"
+    reason = _unfit(entry, info)
+    if reason is not None:
+        return f"the planner rejects it here: {reason}"
+    keys = [entry.key] + ([replace(entry.key, seqlen_bucket="all")] if entry.key.seqlen_bucket != "all" else [])
+    code_hash = lambda config: codegen.entry_code_hash(keys[0], config)  # the code has no bucket, no dtype
+    found = list(store.find_for_device(info, keys, template_hash=code_hash))
+    first = next((f for f in found if f.entry.key == entry.key), None)  # lookup reads one entry a key and GPU
+    if first is None:
+        return "calls of this key on this GPU do not read this file"
+    if first.path != path:
+        return f"lookup stops at an earlier file's entry for the key ({first.path})"
+    pick = next(f for f in found if _unfit(f.entry, info) is None)  # resolve's: the first the device can run
+    return None if pick is first else f"calls of this key read {pick.source}"
+
+
+def _unfit(entry, info) -> str | None:
+    """Why the device `info` cannot run the stored entry's config (the planner's or the decode plan's check)."""
+    from ..config import decode_plan, planner
+    from ..config.decode_config import DECODE_KERNEL
+    from ..config.inputs import DTYPES_BY_NAME
+
+    key = entry.key
+    if key.kernel == DECODE_KERNEL:
+        return decode_plan.check(entry.config, info, key.head_dim, DTYPES_BY_NAME[key.dtype])
+    return planner.check(entry.config, info, key.head_dim, DTYPES_BY_NAME[key.dtype], key.kernel)
 
 
 def _resolved_rows(head_dims: list[int], device_name: str) -> list[dict]:

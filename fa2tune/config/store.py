@@ -273,8 +273,20 @@ def lookup(
     An entry tuned against other kernel templates (a different template_hash) is stale: skipped with a warning.
     template_hash may be a function of the entry's config, for configs whose switches select other code.
     """
-    for directory in config_dirs():
-        path = directory / f"{slug}.yaml"
+    return _lookup_in(own_files(slug), key, template_hash)
+
+
+def own_files(slug: str) -> list[Path]:
+    """The files a GPU's lookups read first: `<dir>/<slug>.yaml` in each of config_dirs()."""
+    return [directory / f"{slug}.yaml" for directory in config_dirs()]
+
+
+def _lookup_in(
+    paths: list[Path], key: EntryKey, template_hash: str | Callable[[KernelConfig], str] | None
+) -> tuple[Entry, Path] | None:
+    """The first usable entry for `key` in the files `paths`, in order (lookup's rules), or None. template_hash None:
+    stale entries count too (a tune's incumbent)."""
+    for path in paths:
         try:
             _, entries = read_file(path)
         except FileNotFoundError:
@@ -290,7 +302,7 @@ def lookup(
             if entry.key != key:
                 continue
             expected = template_hash(entry.config) if callable(template_hash) else template_hash
-            if entry.template_hash != expected:
+            if expected is not None and entry.template_hash != expected:
                 _warn_once(
                     f"fa2tune: the tuned config for {key} in {path} was tuned for kernel templates "
                     f"{entry.template_hash}, these are {expected} (stale); re-run `fa2tune tune`. "
@@ -301,35 +313,65 @@ def lookup(
     return None
 
 
+def dtype_twins(keys: list[EntryKey]) -> list[EntryKey]:
+    """`keys` (all of one dtype), then the same keys in the dtype of the same cost (SAME_COST_DTYPES), if any."""
+    own = keys[0].dtype if keys else None
+    return keys + ([replace(key, dtype=SAME_COST_DTYPES[own]) for key in keys] if own in SAME_COST_DTYPES else [])
+
+
 def lookup_for_dtype(
     slug: str, keys: list[EntryKey], *, template_hash: str | Callable[[KernelConfig], str]
 ) -> Iterator[tuple[Entry, str]]:
     """(entry, source) of each usable entry for `keys` (tried in order, all of one dtype), then for the same keys in
     the dtype of the same cost (SAME_COST_DTYPES); source is the file's path, with "(<dtype> entry)" after it for an
     entry of the other dtype. The caller takes the first that fits its device."""
-    own = keys[0].dtype if keys else None
-    other = [replace(key, dtype=SAME_COST_DTYPES[own]) for key in keys] if own in SAME_COST_DTYPES else []
-    for key in keys + other:
-        found = lookup(slug, key, template_hash=template_hash)
-        if found is not None:
-            entry, path = found
-            yield entry, str(path) if key.dtype == own else f"{path} ({key.dtype} entry)"
+    for found in _found_in(own_files(slug), keys, template_hash, None):
+        yield found.entry, found.source
 
 
 # The device fields that decide which configs fit and how they run. A tuned file whose `device` records the same
 # values as the GPU a call runs on was tuned on the same chip as far as the kernels can tell: an H100 SXM and an
 # H200 are one die (132 SMs, 227 KiB a program) with different memory, and on an H100 the H200's entries ran
-# forward + backward 1-24 % faster than the planner's defaults (docs/PERF.md, "On an H100"). A GPU reads such a
-# file's entry for a key it has no entry of its own for (lookup_for_device).
+# forward + backward up to 24 % faster than the planner's defaults of the time (−3 to +24 % a shape: docs/PERF.md,
+# "On an H100"). lookup_for_device reads such files after all of the GPU's own entries.
 CHIP_FIELDS = ("capability", "sm_count", "smem_per_block")
+# Decode entries stay the card's own: the decode kernel is bound by memory bandwidth, which is where GPUs of one chip
+# differ (an H100's 3.35 TB/s, an H200's 4.8), and no decode config was measured across them.
+_CHIP_BLIND_KERNELS = ("decode",)
+_MAX_GPU_NAME = 80  # a file's device name shown in sources and messages; longer or odd names show the file's stem
 
 
 @dataclass(frozen=True)
-class SameChipFile:
-    """A tuned-config file of another GPU with the same chip fields: where it is, and the GPU its `device` names."""
+class SameChipGPU:
+    """Another GPU whose tuned files record the chip fields of the GPU a call runs on: its name, and its files in
+    search-path order."""
 
+    name: str
+    paths: tuple[Path, ...]
+
+
+@dataclass(frozen=True)
+class Found:
+    """An entry lookup_for_device found: the file it is in, whether it is of the other 16-bit dtype, and the GPU it
+    was tuned on where that is not the caller's."""
+
+    entry: Entry
     path: Path
-    gpu: str
+    other_dtype: bool
+    tuned_on: str | None
+
+    @property
+    def source(self) -> str:
+        text = str(self.path) + (f" ({self.entry.key.dtype} entry)" if self.other_dtype else "")
+        return text + (f" (tuned on {self.tuned_on}, the same chip)" if self.tuned_on else "")
+
+
+def _found_in(paths: list[Path], keys: list[EntryKey], template_hash, tuned_on: str | None) -> Iterator[Found]:
+    own = keys[0].dtype if keys else None
+    for key in dtype_twins(keys):
+        found = _lookup_in(paths, key, template_hash)
+        if found is not None:
+            yield Found(found[0], found[1], key.dtype != own, tuned_on)
 
 
 def _chip(device: object) -> tuple | None:
@@ -345,45 +387,87 @@ def _chip(device: object) -> tuple | None:
     return (tuple(capability), *rest)
 
 
-def same_chip_files(info: DeviceInfo) -> list[SameChipFile]:
-    """The tuned-config files along config_dirs(), in search-path order and by name within a directory, of GPUs
-    other than `info`'s whose `device` records info's CHIP_FIELDS. A file that cannot be read is passed over
-    silently here: lookup warns about the files it reads."""
-    own = (tuple(info.capability), info.sm_count, info.smem_per_block)
-    found = []
+def _gpu_name(device: dict, path: Path) -> str:
+    name = device.get("name")
+    if isinstance(name, str) and 0 < len(name) <= _MAX_GPU_NAME and name.isprintable():
+        return name
+    return path.stem
+
+
+# same_chip_gpus' last answer per GPU slug: (the config directories' *.yaml listing with sizes and times, answer),
+# so a lookup that misses reads no file whose listing is unchanged.
+_same_chip: dict[str, tuple[tuple, list[SameChipGPU]]] = {}
+
+
+def _listing() -> tuple[list[Path], tuple]:
+    paths, stamps = [], []
     for directory in config_dirs():
         try:
-            paths = sorted(directory.glob("*.yaml"))
+            found = sorted(directory.glob("*.yaml"))
         except OSError:
             continue
-        for path in paths:
-            if path.stem == info.slug:
-                continue
+        for path in found:
             try:
-                device = _load(path).data.get("device")
-            except (OSError, ValueError):
+                st = path.stat()
+            except OSError:
                 continue
-            if _chip(device) == own:
-                name = device.get("name")
-                found.append(SameChipFile(path, name if isinstance(name, str) and name else path.stem))
-    return found
+            paths.append(path)
+            stamps.append((str(path), st.st_size, st.st_mtime_ns, st.st_ino))
+    return paths, tuple(stamps)
+
+
+def same_chip_gpus(info: DeviceInfo) -> list[SameChipGPU]:
+    """The other GPUs whose tuned files along config_dirs() record info's CHIP_FIELDS, in the order their first file
+    comes along the search path (by name within a directory), each with its matching files in that order. A file
+    is another GPU's by its `device` slug (else its file name); info's own files — its slug's name, or a copy whose
+    `device` names info's slug — are not. Files that cannot be read, or whose `device` does not match, are passed
+    over silently (no call reads them)."""
+    paths, stamps = _listing()
+    cached = _same_chip.get(info.slug)
+    if cached is not None and cached[0] == stamps:
+        return cached[1]
+    own_chip = (tuple(info.capability), info.sm_count, info.smem_per_block)
+    groups: dict[str, tuple[str, list[Path]]] = {}
+    for path in paths:
+        if path.stem == info.slug:
+            continue
+        try:
+            device = _load(path).data.get("device")
+        except (OSError, ValueError):
+            continue
+        if _chip(device) != own_chip:
+            continue
+        slug = device.get("slug") if isinstance(device.get("slug"), str) else path.stem
+        if slug == info.slug:
+            continue
+        groups.setdefault(slug, (_gpu_name(device, path), []))[1].append(path)
+    answer = [SameChipGPU(name, tuple(files)) for name, files in groups.values()]
+    _same_chip[info.slug] = (stamps, answer)
+    return answer
+
+
+def find_for_device(
+    info: DeviceInfo, keys: list[EntryKey], *, template_hash: str | Callable[[KernelConfig], str] | None
+) -> Iterator[Found]:
+    """Each usable entry for `keys` (tried in order, all of one dtype and kernel) a call on the GPU `info` may read,
+    in the order it reads them: the GPU's own files along config_dirs() (its dtype's keys, then the same-cost
+    dtype's: lookup_for_dtype), then each other GPU of the same chip's files the same way (same_chip_gpus; not for
+    decode entries). The caller takes the first that fits its device; the same-chip files are looked for only when
+    it asks past the GPU's own entries. template_hash None: stale entries count too."""
+    yield from _found_in(own_files(info.slug), keys, template_hash, None)
+    if not keys or keys[0].kernel in _CHIP_BLIND_KERNELS:
+        return
+    for gpu in same_chip_gpus(info):
+        yield from _found_in(list(gpu.paths), keys, template_hash, gpu.name)
 
 
 def lookup_for_device(
     info: DeviceInfo, keys: list[EntryKey], *, template_hash: str | Callable[[KernelConfig], str]
 ) -> Iterator[tuple[Entry, str]]:
-    """lookup_for_dtype's (entry, source) pairs for the GPU `info`, then for each other GPU of the same chip
-    (same_chip_files), whose sources end "(tuned on <GPU>, the same chip)". The caller takes the first that fits its
-    device; the same-chip files are looked for only when it asks past the GPU's own entries."""
-    yield from lookup_for_dtype(info.slug, keys, template_hash=template_hash)
-    seen = {info.slug}
-    for other in same_chip_files(info):
-        slug = other.path.stem
-        if slug in seen:  # lookup_for_dtype walks every directory for a slug
-            continue
-        seen.add(slug)
-        for entry, source in lookup_for_dtype(slug, keys, template_hash=template_hash):
-            yield entry, f"{source} (tuned on {other.gpu}, the same chip)"
+    """find_for_device's entries as (entry, source): the file's path, then "(<dtype> entry)" for the other dtype's
+    and "(tuned on <GPU>, the same chip)" for another GPU's."""
+    for found in find_for_device(info, keys, template_hash=template_hash):
+        yield found.entry, found.source
 
 
 @contextlib.contextmanager

@@ -254,13 +254,14 @@ def incumbent(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> pl
     """The config the tuned-config file at `path` holds for spec's key; where it holds none, its config for the same
     key in the dtype of the same cost (store.SAME_COST_DTYPES: the entry calls of spec's dtype read from this file
     until the tune writes their own, so the tune keeps it unless it finds better); where neither is there and `info`
-    is given, the same from the files of GPUs of info's chip (store.same_chip_files), which calls read until then
-    too; None where none holds one. The first entry for a key counts, as at run time (store.lookup).
+    is given, the entry calls on that GPU read for the key (store.find_for_device: its own files along the search
+    path, then a GPU's of the same chip); None where there is none. The first entry for a key counts, as at run
+    time (store.lookup).
 
     Stale entries count: their config won under the templates of their day, a strong first guess under today's."""
     found = _held(spec, path)
     if found is None and info is not None:
-        found = next(filter(None, (_held(spec, other.path) for other in store.same_chip_files(info))), None)
+        found = next((f.entry.config for f in store.find_for_device(info, [spec.key], template_hash=None)), None)
     return found
 
 
