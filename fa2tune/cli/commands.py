@@ -211,6 +211,8 @@ def _why_not_used(entry, path, info) -> str | None:
     found = list(store.find_for_device(info, keys, template_hash=code_hash))
     first = next((f for f in found if f.entry.key == entry.key), None)  # lookup reads one entry a key and GPU
     if first is None:
+        if entry.key.kernel in store.CHIP_BLIND_KERNELS:
+            return f"{entry.key.kernel} entries are read from the GPU's own files only (store.CHIP_BLIND_KERNELS)"
         return "calls of this key on this GPU do not read this file"
     if first.path != path:
         return f"lookup stops at an earlier file's entry for the key ({first.path})"

@@ -337,7 +337,7 @@ def lookup_for_dtype(
 CHIP_FIELDS = ("capability", "sm_count", "smem_per_block")
 # Decode entries stay the card's own: the decode kernel is bound by memory bandwidth, which is where GPUs of one chip
 # differ (an H100's 3.35 TB/s, an H200's 4.8), and no decode config was measured across them.
-_CHIP_BLIND_KERNELS = ("decode",)
+CHIP_BLIND_KERNELS = ("decode",)
 _MAX_GPU_NAME = 80  # a file's device name shown in sources and messages; longer or odd names show the file's stem
 
 
@@ -455,7 +455,7 @@ def find_for_device(
     decode entries). The caller takes the first that fits its device; the same-chip files are looked for only when
     it asks past the GPU's own entries. template_hash None: stale entries count too."""
     yield from _found_in(own_files(info.slug), keys, template_hash, None)
-    if not keys or keys[0].kernel in _CHIP_BLIND_KERNELS:
+    if not keys or keys[0].kernel in CHIP_BLIND_KERNELS:
         return
     for gpu in same_chip_gpus(info):
         yield from _found_in(list(gpu.paths), keys, template_hash, gpu.name)
