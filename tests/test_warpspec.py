@@ -611,12 +611,16 @@ def test_a_v_head_dim_of_its_own_compiles_within_the_larger_head_dims_resources(
     # A call whose V has a head dim of its own runs the configs of the larger head dim (planner.config_head_dim):
     # compiled for sm_90, each warpspec kernel at (d, dv) holds no more shared memory and no more stack (spills) than
     # the same config at (max, max), which the planner's model and the tuner judge. The configs: each kernel's default
-    # at the larger head dim, a one-consumer dK/dV one where that default is the Triton template's (d=192).
+    # at the larger head dim as such a call runs it (a dK/dV default with dQ fused in gives way to its unfused twin:
+    # fallback.unfused_for_v), a one-consumer dK/dV one where that default is the Triton template's.
+    from fa2tune.launch import fallback
+
     h200 = known_gpu("h200")
     rows = []
     for (d, dv), kernel in itertools.product(((192, 128), (128, 64), (96, 128)), ("fwd", "bwd_dkdv", "bwd_dq")):
         config = defaults.default_config(max(d, dv), torch.bfloat16, kernel=kernel, device=h200)
         config = config if config.warp_specialized else KernelConfig(64, 64, 4, 2, warp_specialized=True)
+        config = fallback.unfused_for_v(config, False, d, dv)
         causal = kernel != "fwd"  # the backward's kernels causal: their masks are where the branches are
         rows += [(kernel, d, dv, config.to_dict(), causal), (kernel, max(d, dv), None, config.to_dict(), causal)]
     reports = _probe(_HEAD_DIM_V_PROBE, json.dumps(rows))
