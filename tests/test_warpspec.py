@@ -630,6 +630,17 @@ def test_a_v_head_dim_of_its_own_compiles_within_the_larger_head_dims_resources(
         assert shared <= shared_max and stack <= stack_max, (row, shared, shared_max, stack, stack_max)
 
 
+@ON_WS_TRITON
+def test_fused_dq_compiles_at_a_head_dim_of_two_dq_widths():
+    # d=96's dQ blocks are 64 and 32 columns wide, the 32 one a view of the 64 one's shared memory
+    # (shared_memory_descriptor._reinterpret, which Triton 3.9 renamed: fa2tune.kernels.gluon_ext aliases it); with V's
+    # own head dim too. CI compiles it under both Tritons.
+    fused = KernelConfig.parse("64,128,4,2,ws,fused-dq,persistent").to_dict()
+    rows = [("bwd_dkdv", 96, None, fused, False), ("bwd_dkdv", 96, 128, fused, True)]
+    for shared, error, _ in _probe(_HEAD_DIM_V_PROBE, json.dumps(rows)):
+        assert error is None and shared > 0
+
+
 _SASS_PROBE = """
 import json, sys
 sys.path.insert(0, "scripts")

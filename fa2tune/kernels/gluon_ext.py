@@ -9,6 +9,11 @@ under both.
 `thread_barrier`: a barrier of the calling warps (inside a warp-specialized partition, of that partition's warps);
 Triton 3.6 calls it `gl.thread_barrier`, 3.9 `gl.barrier`.
 
+`shared_memory_descriptor._reinterpret` (a view of a shared-memory buffer's bytes as another dtype, shape and layout:
+the fused-dQ backward's narrower dQ blocks in its widest block's buffer) is Triton 3.6's name; 3.9 renamed it
+`reinterpret`. Importing this module gives 3.9's descriptors the 3.6 name too, so the rendered code (and the code
+hash a stored entry records) is one for both.
+
 `tma_reduce_add`: a TMA bulk reduction (`cp.reduce.async.bulk.tensor ... .add`), shared memory added into global memory
 by the tensor memory accelerator. Triton 3.6's Gluon IR builder has the op (`create_async_tma_reduce`, the one
 `tensor_descriptor.atomic_add` lowers to) but its Hopper `tma` module offers only copies; the fused-dQ backward
@@ -37,6 +42,9 @@ def _tma_reduce_add_36(tensor_desc, coord, src, _semantic=None):
 
 
 thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+if not hasattr(gl.shared_memory_descriptor, "_reinterpret"):  # Triton 3.9 on
+    gl.shared_memory_descriptor._reinterpret = gl.shared_memory_descriptor.reinterpret
 
 if _RENAMED:
     tma_load, tma_store, tma_reduce_add = tma.async_load, tma.async_store, tma.async_atomic_add
