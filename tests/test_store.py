@@ -457,6 +457,14 @@ def test_decode_entries_stay_the_gpus_own_and_show_says_which_entry_calls_read(c
     assert rows[str(h100_file), "fwd", "bf16", True]["used"]
     assert rows[str(h200_file), "fwd", "bf16", False]["used"]  # the H100 has no entry for it in either dtype
     assert rows[str(h200_file), "fwd", "fp16", True]["why_not"] == f"calls of this key read {h100_file} (bf16 entry)"
+    # the H100's own entry for a key that it cannot run is passed over: calls read the H200's, and show says so
+    _write_for(h100_file, h100, [_bf16(_entry(112, causal=True, cfg=KernelConfig(64, 64, 4, 3))),
+                                 _bf16(_entry(112, cfg=KernelConfig(256, 256, 8, 4)))])  # fmt: skip
+    rows2 = {(r["file"], r["kernel"], r["dtype"], r["causal"]): r
+             for r in commands._stored_rows(h100.slug, h100) if r["file"].startswith(str(config_dir))}  # fmt: skip
+    assert rows2[str(h100_file), "fwd", "bf16", False]["why_not"].startswith("the planner rejects it here")
+    assert rows2[str(h200_file), "fwd", "bf16", False]["used"]
+    assert selection.resolve("fwd", 112, torch.bfloat16, False, "cuda:0")[1].startswith(f"{h200_file} (tuned on")
     decode = rows[str(h200_file), "decode", "bf16", False]
     assert decode["why_not"].startswith("decode entries are read from the GPU's own files only")
 
@@ -477,7 +485,13 @@ def test_a_tune_starts_from_what_calls_read_its_own_entries_first_then_a_same_ch
                [_bf16(_entry(112, cfg=own, template_hash="stale"))])  # fmt: skip
     assert job.incumbent(spec, target, h100) == own  # the GPU's own entry along the path, stale or not
     _write_for(target, h100, [_bf16(_entry(112, cfg=held))])
-    assert job.incumbent(spec, target, h100) == held  # the file the tune writes first
+    assert job.incumbent(spec, target, h100) == own  # calls read the GPU's own files before any other dtype's entry
+    _write_for(target, h100, [_fp16(_bf16(_entry(112, cfg=held)))])
+    assert job.incumbent(spec, target, h100) == held  # the file the tune writes, for the key itself, first
+    # an entry of the GPU's own that it cannot run is passed over, as calls pass it over
+    _write_for(config_dir / "xdg" / "fa2tune" / "configs" / "nvidia-h100-80gb-hbm3.yaml", h100,
+               [_bf16(_entry(112, cfg=KernelConfig(256, 256, 8, 4)))])  # fmt: skip
+    assert job.incumbent(spec, config_dir / "elsewhere" / "none.yaml", h100) == tuned  # the H200's, which calls run
 
 
 def test_get_kernel_argument_errors():

@@ -18,12 +18,12 @@ import torch
 from ..config import decode_plan, defaults, lengths, planner, store
 from ..config.decode_config import DECODE_KERNEL, DecodeConfig
 from ..config.device import device_info
-from ..config.inputs import DTYPE_NAMES, interpreting
+from ..config.inputs import DTYPE_NAMES, DTYPES_BY_NAME, interpreting
 from ..config.types import KernelConfig, Mask
 from ..kernels import codegen
 
 __all__ = ["BACKWARD", "FORWARD", "FORWARD_BACKWARD", "clear_cache", "config_for", "decode_config", "device_info",
-           "for_call", "resolve", "resolve_decode"]  # fmt: skip
+           "for_call", "resolve", "resolve_decode", "unfit"]  # fmt: skip
 
 _cache: dict[tuple, tuple[KernelConfig, str]] = {}
 
@@ -77,7 +77,7 @@ def resolve(
         return codegen.entry_code_hash(keys[0], config)
 
     for entry, source in store.lookup_for_device(info, keys, template_hash=code_hash):
-        reason = planner.check(entry.config, info, head_dim, dtype, kernel)
+        reason = unfit(entry, info)
         if reason is None:
             result = (entry.config, source)
             break
@@ -87,6 +87,15 @@ def resolve(
         result = (config, "planner-default")
     _cache[cache_key] = result
     return result
+
+
+def unfit(entry: store.Entry, info) -> str | None:
+    """Why the device `info` (a DeviceInfo) cannot run a stored entry's config — the planner's check, or the decode
+    plan's for a decode entry — or None: what resolve and resolve_decode pass over an entry for."""
+    key = entry.key
+    if key.kernel == DECODE_KERNEL:
+        return decode_plan.check(entry.config, info, key.head_dim, DTYPES_BY_NAME[key.dtype])
+    return planner.check(entry.config, info, key.head_dim, DTYPES_BY_NAME[key.dtype], key.kernel)
 
 
 def for_call(kernels: tuple[str, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
@@ -140,7 +149,7 @@ def resolve_decode(device: torch.device | str, head_dim: int, dtype: torch.dtype
     info = device_info(device)
     key = store.EntryKey(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=False, kernel=DECODE_KERNEL)
     for entry, source in store.lookup_for_device(info, [key], template_hash=codegen.decode_code_hash()):
-        reason = decode_plan.check(entry.config, info, head_dim, dtype)
+        reason = unfit(entry, info)
         if reason is None:
             return entry.config, source
         store._warn_once(f"fa2tune: tuned decode config {entry.config.label()} in {source} does not fit "

@@ -198,38 +198,29 @@ def _why_not_used(entry, path, info) -> str | None:
     then "all" (lengths.buckets_for) — compared with it."""
     from dataclasses import replace
 
+    from ..api import selection
     from ..config import store
     from ..kernels import codegen
 
     if entry.template_hash != codegen.entry_code_hash(entry.key, entry.config):
         return "stale: tuned against other kernel code"
-    reason = _unfit(entry, info)
+    reason = selection.unfit(entry, info)
     if reason is not None:
         return f"the planner rejects it here: {reason}"
     keys = [entry.key] + ([replace(entry.key, seqlen_bucket="all")] if entry.key.seqlen_bucket != "all" else [])
     code_hash = lambda config: codegen.entry_code_hash(keys[0], config)  # the code has no bucket, no dtype
     found = list(store.find_for_device(info, keys, template_hash=code_hash))
-    first = next((f for f in found if f.entry.key == entry.key), None)  # lookup reads one entry a key and GPU
+    # lookup reads one entry a key in each GPU's files: the first along them
+    group = next((gpu.paths for gpu in store.same_chip_gpus(info) if path in gpu.paths), store.own_files(info.slug))
+    first = next((f for f in found if f.entry.key == entry.key and f.path in group), None)
     if first is None:
         if entry.key.kernel in store.CHIP_BLIND_KERNELS:
             return f"{entry.key.kernel} entries are read from the GPU's own files only (store.CHIP_BLIND_KERNELS)"
         return "calls of this key on this GPU do not read this file"
     if first.path != path:
         return f"lookup stops at an earlier file's entry for the key ({first.path})"
-    pick = next(f for f in found if _unfit(f.entry, info) is None)  # resolve's: the first the device can run
+    pick = next(f for f in found if selection.unfit(f.entry, info) is None)  # resolve's: the first the device runs
     return None if pick is first else f"calls of this key read {pick.source}"
-
-
-def _unfit(entry, info) -> str | None:
-    """Why the device `info` cannot run the stored entry's config (the planner's or the decode plan's check)."""
-    from ..config import decode_plan, planner
-    from ..config.decode_config import DECODE_KERNEL
-    from ..config.inputs import DTYPES_BY_NAME
-
-    key = entry.key
-    if key.kernel == DECODE_KERNEL:
-        return decode_plan.check(entry.config, info, key.head_dim, DTYPES_BY_NAME[key.dtype])
-    return planner.check(entry.config, info, key.head_dim, DTYPES_BY_NAME[key.dtype], key.kernel)
 
 
 def _resolved_rows(head_dims: list[int], device_name: str) -> list[dict]:

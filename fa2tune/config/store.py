@@ -394,9 +394,9 @@ def _gpu_name(device: dict, path: Path) -> str:
     return path.stem
 
 
-# same_chip_gpus' last answer per GPU slug: (the config directories' *.yaml listing with sizes and times, answer),
-# so a lookup that misses reads no file whose listing is unchanged.
-_same_chip: dict[str, tuple[tuple, list[SameChipGPU]]] = {}
+# same_chip_gpus' last answer per GPU (slug and chip fields): (the config directories' *.yaml listing with sizes,
+# times and inodes, answer), so a lookup that misses reads no file while the listing is unchanged.
+_same_chip: dict[tuple, tuple[tuple, tuple[SameChipGPU, ...]]] = {}
 
 
 def _listing() -> tuple[list[Path], tuple]:
@@ -412,7 +412,7 @@ def _listing() -> tuple[list[Path], tuple]:
             except OSError:
                 continue
             paths.append(path)
-            stamps.append((str(path), st.st_size, st.st_mtime_ns, st.st_ino))
+            stamps.append((str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))  # ctime: no utime sets it
     return paths, tuple(stamps)
 
 
@@ -420,13 +420,13 @@ def same_chip_gpus(info: DeviceInfo) -> list[SameChipGPU]:
     """The other GPUs whose tuned files along config_dirs() record info's CHIP_FIELDS, in the order their first file
     comes along the search path (by name within a directory), each with its matching files in that order. A file
     is another GPU's by its `device` slug (else its file name); info's own files — its slug's name, or a copy whose
-    `device` names info's slug — are not. Files that cannot be read, or whose `device` does not match, are passed
-    over silently (no call reads them)."""
+    `device` records info's slug or name — are not. Files that cannot be read, or whose `device` does not match, are
+    passed over silently (no call reads them)."""
     paths, stamps = _listing()
-    cached = _same_chip.get(info.slug)
-    if cached is not None and cached[0] == stamps:
-        return cached[1]
     own_chip = (tuple(info.capability), info.sm_count, info.smem_per_block)
+    cached = _same_chip.get((info.slug, own_chip))
+    if cached is not None and cached[0] == stamps:
+        return list(cached[1])
     groups: dict[str, tuple[str, list[Path]]] = {}
     for path in paths:
         if path.stem == info.slug:
@@ -438,12 +438,12 @@ def same_chip_gpus(info: DeviceInfo) -> list[SameChipGPU]:
         if _chip(device) != own_chip:
             continue
         slug = device.get("slug") if isinstance(device.get("slug"), str) else path.stem
-        if slug == info.slug:
+        if slug == info.slug or device.get("name") == info.name:  # a copy of the GPU's own file
             continue
         groups.setdefault(slug, (_gpu_name(device, path), []))[1].append(path)
-    answer = [SameChipGPU(name, tuple(files)) for name, files in groups.values()]
-    _same_chip[info.slug] = (stamps, answer)
-    return answer
+    answer = tuple(SameChipGPU(name, tuple(files)) for name, files in groups.values())
+    _same_chip[(info.slug, own_chip)] = (stamps, answer)
+    return list(answer)
 
 
 def find_for_device(

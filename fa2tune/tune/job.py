@@ -251,22 +251,26 @@ def baseline(spec: StudySpec, device_name: str, info: DeviceInfo | None = None) 
 
 
 def incumbent(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> planner.KernelConfig | None:
-    """The config the tuned-config file at `path` holds for spec's key; where it holds none, its config for the same
-    key in the dtype of the same cost (store.SAME_COST_DTYPES: the entry calls of spec's dtype read from this file
-    until the tune writes their own, so the tune keeps it unless it finds better); where neither is there and `info`
-    is given, the entry calls on that GPU read for the key (store.find_for_device: its own files along the search
-    path, then a GPU's of the same chip); None where there is none. The first entry for a key counts, as at run
-    time (store.lookup).
+    """The config a study times beside its candidates and keeps unless one is measured faster (tuner.first_configs):
+    the one the tuned-config file at `path`, which the tune writes, holds for spec's key; where it holds none and
+    `info` is given, the first entry for the key that calls on that GPU read and the GPU can run
+    (store.find_for_device: its own files along the search path, its dtype's key before the same-cost dtype's, then
+    a GPU's of the same chip); then the file's entry for the key in the same-cost dtype (store.SAME_COST_DTYPES);
+    None where there is none. The first entry for a key in a file counts, as at run time (store.lookup).
 
     Stale entries count: their config won under the templates of their day, a strong first guess under today's."""
-    found = _held(spec, path)
+    found = _held(spec, path, [spec.key])
     if found is None and info is not None:
-        found = next((f.entry.config for f in store.find_for_device(info, [spec.key], template_hash=None)), None)
+        runnable = (f.entry.config for f in store.find_for_device(info, [spec.key], template_hash=None)
+                    if selection.unfit(f.entry, info) is None)  # fmt: skip
+        found = next(runnable, None)
+    if found is None:
+        found = _held(spec, path, store.dtype_twins([spec.key])[1:])
     return found
 
 
-def _held(spec: StudySpec, path: Path) -> planner.KernelConfig | None:
-    """incumbent's reading of one file: spec's key, else the same-cost dtype's; None if neither or unreadable."""
+def _held(spec: StudySpec, path: Path, keys: list[store.EntryKey]) -> planner.KernelConfig | None:
+    """incumbent's reading of one file: its config for the first of `keys` it holds; None if none or unreadable."""
     try:
         _, entries = store.read_file(path)
     except (OSError, ValueError, yaml.YAMLError):
@@ -274,9 +278,6 @@ def _held(spec: StudySpec, path: Path) -> planner.KernelConfig | None:
     stored: dict = {}
     for e in entries:
         stored.setdefault(e.key, e.config)
-    keys = [spec.key]
-    if spec.key.dtype in store.SAME_COST_DTYPES:
-        keys.append(replace(spec.key, dtype=store.SAME_COST_DTYPES[spec.key.dtype]))
     return next((stored[key] for key in keys if key in stored), None)
 
 
