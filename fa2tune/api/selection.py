@@ -54,8 +54,8 @@ def resolve(
     seqlen: int | None = None,
 ) -> tuple[KernelConfig, str]:
     """(config, source) for one kernel launch; source is "<file>" for a tuned entry ("<file> (bf16 entry)" for an
-    fp16 call that reads a bf16 entry, and the reverse: store.lookup_for_dtype; "<file> (tuned on <GPU>, the same
-    chip)" for another GPU's entry where this one has none: store.lookup_for_device), else "planner-default".
+    fp16 call that reads a bf16 entry, and the reverse; "<file> (tuned on <GPU>, the same chip)" for another GPU's
+    entry where this one has none: store.lookup_for_device), else "planner-default".
 
     window: a band mask (sliding window or prefix-LM); varlen: packed sequences — each its own template variant,
     tuned and stored under its own key. seqlen: the call's max(seqlen_q, seqlen_k), which picks the length bucket
@@ -141,8 +141,8 @@ def config_for(config: KernelConfig | None, kernel: str, q: torch.Tensor, k: tor
 def resolve_decode(device: torch.device | str, head_dim: int, dtype: torch.dtype) -> tuple[DecodeConfig, str]:
     """(config, source) a decode call on `device` runs when it passes none: the store's decode entry for the device,
     head dim and dtype (`fa2tune tune --kernel decode` writes it; store.lookup: the first file along the search path
-    that has one; else the other 16-bit dtype's, store.lookup_for_dtype — never another GPU's of the same chip, whose
-    memory bandwidth may differ: store.lookup_for_device), source its file's path; else
+    that has one; else the other 16-bit dtype's — never another GPU's of the same chip, whose memory bandwidth may
+    differ: store.lookup_for_device), source its file's path; else
     decode_plan.default_config, source "planner-default". An entry the store cannot use — malformed (unknown fields,
     bad values), tuned on other kernel code (stale) or too large for this device — falls back with one warning. Not
     cached here: the launcher asks once per call signature."""

@@ -60,7 +60,7 @@ READABLE_VERSIONS = (1, SCHEMA_VERSION)  # what reads read: schema 1's configs t
 
 # bf16 and fp16 move the same bytes through the same tensor-core rate, so their tuned configs agree: tuned apart on
 # an H200, 20 of 29 keys picked the same config in both and the other 9 a neighbour (a pipeline stage or the
-# persistent schedule apart). A key with no entry of its own dtype reads the other's (lookup_for_dtype).
+# persistent schedule apart). A key with no entry of its own dtype reads the other's (find_for_device).
 SAME_COST_DTYPES = {"bf16": "fp16", "fp16": "bf16"}
 
 # Bounds on what a file may hold before it is parsed or walked, so that no file (hand-edited, truncated, hostile)
@@ -319,16 +319,6 @@ def dtype_twins(keys: list[EntryKey]) -> list[EntryKey]:
     return keys + ([replace(key, dtype=SAME_COST_DTYPES[own]) for key in keys] if own in SAME_COST_DTYPES else [])
 
 
-def lookup_for_dtype(
-    slug: str, keys: list[EntryKey], *, template_hash: str | Callable[[KernelConfig], str]
-) -> Iterator[tuple[Entry, str]]:
-    """(entry, source) of each usable entry for `keys` (tried in order, all of one dtype), then for the same keys in
-    the dtype of the same cost (SAME_COST_DTYPES); source is the file's path, with "(<dtype> entry)" after it for an
-    entry of the other dtype. The caller takes the first that fits its device."""
-    for found in _found_in(own_files(slug), keys, template_hash, None):
-        yield found.entry, found.source
-
-
 # The device fields that decide which configs fit and how they run. A tuned file whose `device` records the same
 # values as the GPU a call runs on was tuned on the same chip as far as the kernels can tell: an H100 SXM and an
 # H200 are one die (132 SMs, 227 KiB a program) with different memory, and on an H100 the H200's entries ran
@@ -423,7 +413,7 @@ def same_chip_gpus(info: DeviceInfo) -> list[SameChipGPU]:
     `device` records info's slug or name — are not. Files that cannot be read, or whose `device` does not match, are
     passed over silently (no call reads them)."""
     paths, stamps = _listing()
-    own_chip = (tuple(info.capability), info.sm_count, info.smem_per_block)
+    own_chip = _chip({field: getattr(info, field) for field in CHIP_FIELDS})
     cached = _same_chip.get((info.slug, own_chip))
     if cached is not None and cached[0] == stamps:
         return list(cached[1])
@@ -451,7 +441,7 @@ def find_for_device(
 ) -> Iterator[Found]:
     """Each usable entry for `keys` (tried in order, all of one dtype and kernel) a call on the GPU `info` may read,
     in the order it reads them: the GPU's own files along config_dirs() (its dtype's keys, then the same-cost
-    dtype's: lookup_for_dtype), then each other GPU of the same chip's files the same way (same_chip_gpus; not for
+    dtype's: dtype_twins), then each other GPU of the same chip's files the same way (same_chip_gpus; not for
     decode entries). The caller takes the first that fits its device; the same-chip files are looked for only when
     it asks past the GPU's own entries. template_hash None: stale entries count too."""
     yield from _found_in(own_files(info.slug), keys, template_hash, None)

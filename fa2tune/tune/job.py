@@ -259,17 +259,17 @@ def incumbent(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> pl
     None where there is none. The first entry for a key in a file counts, as at run time (store.lookup).
 
     Stale entries count: their config won under the templates of their day, a strong first guess under today's."""
-    found = _held(spec, path, [spec.key])
+    found = _held(path, [spec.key])
     if found is None and info is not None:
         runnable = (f.entry.config for f in store.find_for_device(info, [spec.key], template_hash=None)
                     if selection.unfit(f.entry, info) is None)  # fmt: skip
         found = next(runnable, None)
     if found is None:
-        found = _held(spec, path, store.dtype_twins([spec.key])[1:])
+        found = _held(path, store.dtype_twins([spec.key])[1:])
     return found
 
 
-def _held(spec: StudySpec, path: Path, keys: list[store.EntryKey]) -> planner.KernelConfig | None:
+def _held(path: Path, keys: list[store.EntryKey]) -> planner.KernelConfig | None:
     """incumbent's reading of one file: its config for the first of `keys` it holds; None if none or unreadable."""
     try:
         _, entries = store.read_file(path)
