@@ -229,10 +229,10 @@ def test_a_re_tune_times_the_config_the_file_holds_for_its_key(tmp_path, capsys,
     assert job.incumbent(seen[0], tmp_path / "missing.yaml") is None
     # A key with no entry of its own starts from the same-cost dtype's entry (what its calls run until it has one),
     # and the file's own entry wins over it.
-    assert job.incumbent(replace(seen[0], dtype="fp16"), path) == winner
+    assert job.incumbent(replace(seen[0], dtype="fp16"), path) == (winner, "the stored bf16 config", None)
     fp16_held = KernelConfig(32, 32, 4, 1)
     store.write_entries(path, {"name": "cpu"}, [replace(entry, key=replace(entry.key, dtype="fp16"), config=fp16_held)])
-    assert job.incumbent(replace(seen[0], dtype="fp16"), path) == fp16_held
+    assert job.incumbent(replace(seen[0], dtype="fp16"), path) == (fp16_held, "the stored config", None)
     assert job.incumbent(replace(seen[0], dtype="fp32"), path) is None  # fp32 has no same-cost dtype
     (tmp_path / "bad.yaml").write_text("entries: [")
     assert job.incumbent(seen[0], tmp_path / "bad.yaml") is None

@@ -160,7 +160,7 @@ def test_the_file_s_config_stays_unless_beaten_by_more_than_the_margin(faster_by
     ms_of = lambda config: 1.0 - faster_by if config == rival else 1.0 if config == incumbent else 2.0
     result = _tune(space, _Recorded(ms_of), trials=1000)
     assert result.best == (incumbent if kept else rival)
-    assert result.incumbent_note.startswith("kept the file's config" if kept else "replaced the file's config")
+    assert result.incumbent_note.startswith("kept the stored config" if kept else "replaced the stored config")
 
 
 def test_the_builds_run_in_the_compile_pool_and_a_failed_build_is_the_config_s_failure():

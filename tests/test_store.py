@@ -479,19 +479,23 @@ def test_a_tune_starts_from_what_calls_read_its_own_entries_first_then_a_same_ch
     _write_for(config_dir / "env" / "nvidia-h200.yaml", h200, [_bf16(_entry(112, cfg=tuned))])
     target = config_dir / "elsewhere" / "nvidia-h100-80gb-hbm3.yaml"  # a --config-dir off the search path
     assert job.incumbent(spec, target) is None  # without the device: the target file alone
-    assert job.incumbent(spec, target, h100) == tuned
+    found = job.incumbent(spec, target, h100)
+    assert found.config == tuned and found.origin == "the config calls read now"
+    assert found.source.endswith("nvidia-h200.yaml (bf16 entry) (tuned on NVIDIA H200, the same chip)")
+    # the tune's note says where the incumbent came from, not "the stored config" of a file that holds none
+    assert job.with_incumbent(spec, target, h100).incumbent_origin == f"the config calls read now (from {found.source})"
     assert job.incumbent(spec, target, pcie) is None
     _write_for(config_dir / "xdg" / "fa2tune" / "configs" / "nvidia-h100-80gb-hbm3.yaml", h100,
                [_bf16(_entry(112, cfg=own, template_hash="stale"))])  # fmt: skip
-    assert job.incumbent(spec, target, h100) == own  # the GPU's own entry along the path, stale or not
+    assert job.incumbent(spec, target, h100).config == own  # the GPU's own entry along the path, stale or not
     _write_for(target, h100, [_bf16(_entry(112, cfg=held))])
-    assert job.incumbent(spec, target, h100) == own  # calls read the GPU's own files before any other dtype's entry
+    assert job.incumbent(spec, target, h100).config == own  # calls read the GPU's own files before another dtype's
     _write_for(target, h100, [_fp16(_bf16(_entry(112, cfg=held)))])
-    assert job.incumbent(spec, target, h100) == held  # the file the tune writes, for the key itself, first
+    assert job.incumbent(spec, target, h100) == (held, "the stored config", None)  # the target file's key first
     # an entry of the GPU's own that it cannot run is passed over, as calls pass it over
     _write_for(config_dir / "xdg" / "fa2tune" / "configs" / "nvidia-h100-80gb-hbm3.yaml", h100,
                [_bf16(_entry(112, cfg=KernelConfig(256, 256, 8, 4)))])  # fmt: skip
-    assert job.incumbent(spec, config_dir / "elsewhere" / "none.yaml", h100) == tuned  # the H200's, which calls run
+    assert job.incumbent(spec, config_dir / "elsewhere" / "none.yaml", h100).config == tuned  # the H200's: calls run it
 
 
 def test_get_kernel_argument_errors():

@@ -599,7 +599,7 @@ def test_the_incumbent_is_timed_whatever_the_budget_and_the_note_says_what_becam
     feasible = sorted((c for c in table if planner.check(c, h200, 128, torch.bfloat16, "fwd") is None), key=table.get)
     default, stored = feasible[len(feasible) // 2], feasible[-1]
 
-    def study(table, incumbent=stored, verify=None):
+    def study(table, incumbent=stored, verify=None, **origin):
         measure, calls = _replay(table)
         result = tuner.tune(
             tuner.Target(
@@ -611,6 +611,7 @@ def test_the_incumbent_is_timed_whatever_the_budget_and_the_note_says_what_becam
                 space=space,
                 default=default,
                 incumbent=incumbent,
+                **origin,
             ),
             measure,
             tuner.Options(trials=1, seed=0, verify=verify),
@@ -636,6 +637,10 @@ def test_the_incumbent_is_timed_whatever_the_budget_and_the_note_says_what_becam
     assert rejected not in calls and result.best == default
     assert f"replaced the stored config {rejected.label()}, which is no longer a candidate (" in result.incumbent_note
     assert study(table, incumbent=None)[0].incumbent_note is None  # nothing stored: nothing to say
+    # An incumbent the target file does not hold (what calls read from another file, or another GPU's) is named so.
+    origin = "the config calls read now (from /x/nvidia-h200.yaml (tuned on NVIDIA H200, the same chip))"
+    result, _ = study({**table, stored: table[default] * 2}, incumbent_origin=origin)
+    assert result.incumbent_note.startswith(f"replaced {origin} {stored.label()} (")
 
 
 def test_a_timeout_shorter_than_the_first_timing_still_times_one_config():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import replace
 from pathlib import Path
 
 from . import arguments
@@ -44,7 +43,7 @@ def tune_decode(args: argparse.Namespace, devices: list[str]) -> int:
                                    trials=args.trials,
                                    timeout_s=arguments.study_timeout(args.timeout, 1),
                                    timeout_counts_builds=args.timeout is None)  # fmt: skip
-    spec = replace(spec, incumbent=job.incumbent(spec, target, selection.device_info(device)))  # timed beside the rest
+    spec = job.with_incumbent(spec, target, selection.device_info(device))  # timed beside the rest
     note_interpreter(device)
     if device == "cpu":
         log.info("note: CPU timings (Triton's interpreter) say nothing about GPU speed; this run only exercises the "

@@ -117,7 +117,7 @@ def _specs(args: argparse.Namespace, seqlens: tuple[int, ...], storage: str | No
         for kernel in kernels for causal in causals
     ]  # fmt: skip
     info = selection.device_info(device)  # a same-chip GPU's entry, which calls read until the tune, is an incumbent
-    specs = [replace(spec, incumbent=job.incumbent(spec, target, info)) for spec in specs]
+    specs = [job.with_incumbent(spec, target, info) for spec in specs]
     if args.seqlens is None:  # an "all" entry beside bucket entries is tuned at the lengths it serves
         specs = [_at_served_lengths(spec, target) for spec in specs]
     return specs

@@ -32,7 +32,7 @@ from ..config.inputs import DTYPES_BY_NAME
 from ..kernels import codegen
 from . import decode_space, decode_workload, verification
 from .finish import INCUMBENT_MARGIN
-from .records import OnTrial, Options, TimingClock, TrialRecord, failure_reason
+from .records import STORED_ORIGIN, OnTrial, Options, TimingClock, TrialRecord, failure_reason
 from .strategy import REPEATS_BEFORE_EXPLORING
 from .timing import Timing
 
@@ -54,6 +54,7 @@ class DecodeSpec:
     timeout_counts_builds: bool = False  # timeout_s is a share of the run's wall time (records.Options)
     seed: int = 0
     incumbent: DecodeConfig | None = None  # the config the file the tune writes holds for the key
+    incumbent_origin: str = STORED_ORIGIN  # where it comes from, in words, for the tune's note (job.Incumbent)
 
     @property
     def key(self) -> store.EntryKey:
@@ -136,7 +137,7 @@ def tune(spec: DecodeSpec, space: decode_space.DecodeSpace, bench: Bench, *, nam
     search.run()
     if on_timed is not None:
         on_timed()
-    best, second, note = _finish(search, space, bench, verify, tolerance, name)
+    best, second, note = _finish(search, space, bench, verify, tolerance, name, spec.incumbent_origin)
     ms = lambda config: _geomean([t.median_ms for t in second[config]])
     gbps = lambda config: _geomean(bench.gigabytes) / (ms(config) * 1e-3) if bench.on_gpu else None
     return DecodeResult(
@@ -259,11 +260,13 @@ class _Search:
 
 
 def _finish(search: _Search, space: decode_space.DecodeSpace, bench: Bench,
-            verify: Callable[[DecodeConfig], float], tolerance: float, name: str):  # fmt: skip
+            verify: Callable[[DecodeConfig], float], tolerance: float, name: str,
+            origin: str = STORED_ORIGIN):  # fmt: skip
     """(winner, second readings of each config timed again, what became of the incumbent): the fastest
     REMEASURE_TOP classes, the default and the incumbent timed again and ranked by that reading; the first whose
     relative error against the reference is within `tolerance` wins, the incumbent kept unless beaten by more than
-    INCUMBENT_MARGIN. Raises RuntimeError when nothing was measured or nothing verifies."""
+    INCUMBENT_MARGIN; origin: where the incumbent comes from, for the note. Raises RuntimeError when nothing was
+    measured or nothing verifies."""
     if not search.measured:
         raise RuntimeError(f"{name}: no config could be measured; reasons: {list(search.failures.values())[:5]}")
     again = sorted(search.measured, key=search.measured.get)[:REMEASURE_TOP]
@@ -287,16 +290,16 @@ def _finish(search: _Search, space: decode_space.DecodeSpace, bench: Bench,
         raise RuntimeError(f"{name}: no measured config passed verification, or the default could not run: {problems}")
     kept = space.incumbent
     if kept is not None and kept == best:
-        note = "kept the file's config: the fastest measured"
+        note = f"kept {origin}: the fastest measured"
     elif kept is not None and kept in second and kept not in problems:
         if score(best) > score(kept) * (1 - INCUMBENT_MARGIN) and verify(kept) <= tolerance:
-            best, note = kept, f"kept the file's config: nothing measured more than {INCUMBENT_MARGIN:.0%} faster"
+            best, note = kept, f"kept {origin}: nothing measured more than {INCUMBENT_MARGIN:.0%} faster"
         else:
-            note = f"replaced the file's config {kept.label()} ({score(kept):.4f} ms)"
+            note = f"replaced {origin} {kept.label()} ({score(kept):.4f} ms)"
     elif kept is not None:
-        note = f"replaced the file's config {kept.label()}: {problems[kept]}"
+        note = f"replaced {origin} {kept.label()}: {problems[kept]}"
     elif space.incumbent_unfit is not None:
-        note = f"replaced the file's config: it {space.incumbent_unfit}"
+        note = f"replaced {origin}: it {space.incumbent_unfit}"
     return best, second, note
 
 

@@ -96,19 +96,20 @@ def _first_verified(
 
 
 def _incumbent_note(
-    stored: KernelConfig | None, problem: str | None, best: KernelConfig, ms: dict[KernelConfig, float]
+    stored: KernelConfig | None, origin: str, problem: str | None, best: KernelConfig, ms: dict[KernelConfig, float]
 ) -> str | None:
-    """What became of the config the file held for the key, in words; ms: each config's deciding reading."""
+    """What became of the incumbent, in words, naming where it came from (origin: Target.incumbent_origin); ms:
+    each config's deciding reading."""
     if stored is None:
         return None
     if problem is not None:
-        return f"replaced the stored config {stored.label()}, which {problem}, by {best.label()} ({ms[best]:.3f} ms)"
+        return f"replaced {origin} {stored.label()}, which {problem}, by {best.label()} ({ms[best]:.3f} ms)"
     if best == stored:
         others = [cfg for cfg in ms if cfg != stored]
         rival = min(others, key=ms.get) if others else None
         beside = f"; the fastest other, {rival.label()}, {ms[rival]:.3f} ms" if rival is not None else ""
-        return f"kept the stored config {stored.label()} ({ms[stored]:.3f} ms{beside})"
-    return f"replaced the stored config {stored.label()} ({ms[stored]:.3f} ms) by {best.label()} ({ms[best]:.3f} ms)"
+        return f"kept {origin} {stored.label()} ({ms[stored]:.3f} ms{beside})"
+    return f"replaced {origin} {stored.label()} ({ms[stored]:.3f} ms) by {best.label()} ({ms[best]:.3f} ms)"
 
 
 def _within_2pct_at(study: optuna.Study, history: list[TrialRecord]) -> int | None:
@@ -132,7 +133,8 @@ def _result(study, target: Target, space: Space, cost: Cost, second: dict[Kernel
         default_ms=second.get(default, measured.get(default)),
         incumbent=incumbent,
         incumbent_ms=second.get(incumbent, measured.get(incumbent)) if incumbent is not None else None,
-        incumbent_note=_incumbent_note(target.incumbent, problem, best, {**measured, **second}),
+        incumbent_note=_incumbent_note(target.incumbent, target.incumbent_origin, problem, best,
+                                       {**measured, **second}),
         median_ms=statistics.median(measured.values()),
         measured=len(measured),
         pruned=sum(1 for t in study.trials if t.state == optuna.trial.TrialState.PRUNED),

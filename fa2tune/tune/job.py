@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import optuna
 import torch
@@ -25,6 +26,7 @@ from ..config.types import DeviceInfo, Mask
 from ..kernels import codegen
 from . import timing, tuner, verification, workload
 from .compile_pool import CompilePool
+from .records import STORED_ORIGIN
 from .study_storage import open_storage
 
 BATCH = 16  # configs compiled together, then timed: one per process of a 16-core machine's compile pool
@@ -52,6 +54,7 @@ class StudySpec:
     # The config the file this tune writes holds for the key now (stale or not): timed beside the new candidates,
     # kept unless one is measured faster (tuner.first_configs says why). See incumbent().
     incumbent: planner.KernelConfig | None = None
+    incumbent_origin: str = STORED_ORIGIN  # where it comes from, in words, for the tune's note (Incumbent.origin)
 
     @property
     def in_training_call(self) -> bool:
@@ -134,7 +137,8 @@ def run_study(
 
     try:
         target = tuner.Target(device=info, kernel=spec.kernel, head_dim=spec.head_dim, dtype=dtype, causal=spec.causal,
-                              variant=spec.variant, space=space, default=default, incumbent=spec.incumbent)  # fmt: skip
+                              variant=spec.variant, space=space, default=default, incumbent=spec.incumbent,
+                              incumbent_origin=spec.incumbent_origin)  # fmt: skip
         options = tuner.Options(
             trials=spec.trials, timeout_s=spec.timeout_s, timeout_counts_builds=spec.timeout_counts_builds,
             storage=open_storage(spec.storage),
@@ -250,7 +254,18 @@ def baseline(spec: StudySpec, device_name: str, info: DeviceInfo | None = None) 
     return default, "planner-default"
 
 
-def incumbent(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> planner.KernelConfig | None:
+class Incumbent(NamedTuple):
+    """A tune's incumbent config and where it comes from, in words for the tune's note: "the stored config" (the
+    target file's entry for the key), "the config calls read now" (an entry found along the search path, of the
+    GPU or of one of the same chip: `source` says which), or "the stored <dtype> config" (the target file's entry of
+    the same-cost dtype)."""
+
+    config: planner.KernelConfig
+    origin: str
+    source: str | None = None  # the file (and GPU) of an entry calls read, as store.Found.source words it
+
+
+def incumbent(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> Incumbent | None:
     """The config a study times beside its candidates and keeps unless one is measured faster (tuner.first_configs):
     the one the tuned-config file at `path`, which the tune writes, holds for spec's key; where it holds none and
     `info` is given, the first entry for the key that calls on that GPU read and the GPU can run
@@ -259,14 +274,25 @@ def incumbent(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> pl
     None where there is none. The first entry for a key in a file counts, as at run time (store.lookup).
 
     Stale entries count: their config won under the templates of their day, a strong first guess under today's."""
-    found = _held(path, [spec.key])
-    if found is None and info is not None:
-        runnable = (f.entry.config for f in store.find_for_device(info, [spec.key], template_hash=None)
-                    if selection.unfit(f.entry, info) is None)  # fmt: skip
-        found = next(runnable, None)
+    held = _held(path, [spec.key])
+    if held is not None:
+        return Incumbent(held, STORED_ORIGIN)
+    if info is not None:
+        for found in store.find_for_device(info, [spec.key], template_hash=None):
+            if selection.unfit(found.entry, info) is None:
+                return Incumbent(found.entry.config, "the config calls read now", found.source)
+    twin = store.dtype_twins([spec.key])[1:]
+    held = _held(path, twin)
+    return Incumbent(held, f"the stored {twin[0].dtype} config") if held is not None else None
+
+
+def with_incumbent(spec, path: Path, info: DeviceInfo | None):
+    """`spec` (a StudySpec or decode_tuner.DecodeSpec) with its incumbent (incumbent()) and where that comes from."""
+    found = incumbent(spec, path, info)
     if found is None:
-        found = _held(path, store.dtype_twins([spec.key])[1:])
-    return found
+        return replace(spec, incumbent=None)
+    origin = found.origin + (f" (from {found.source})" if found.source else "")
+    return replace(spec, incumbent=found.config, incumbent_origin=origin)
 
 
 def _held(path: Path, keys: list[store.EntryKey]) -> planner.KernelConfig | None:

@@ -21,6 +21,8 @@ Wait = Callable[[KernelConfig], str | None]
 Prepare = Callable[[list[KernelConfig]], Wait]
 # Progress: (configs timed so far, trials, best ms so far, elapsed s).
 OnTrial = Callable[[int, int, float | None, float], None]
+# Where an incumbent comes from, in a tune's note (job.incumbent): the file the tune writes holds it for the key.
+STORED_ORIGIN = "the stored config"
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Target:
     space: Sequence[KernelConfig] | None = None
     default: KernelConfig | None = None
     incumbent: KernelConfig | None = None
+    incumbent_origin: str = STORED_ORIGIN  # where the incumbent comes from, in words (job.Incumbent.origin)
 
     @property
     def name(self) -> str:
