@@ -326,7 +326,8 @@ def dtype_twins(keys: list[EntryKey]) -> list[EntryKey]:
 # "On an H100"). lookup_for_device reads such files after all of the GPU's own entries.
 CHIP_FIELDS = ("capability", "sm_count", "smem_per_block")
 # Decode entries stay the card's own: the decode kernel is bound by memory bandwidth, which is where GPUs of one chip
-# differ (an H100's 3.35 TB/s, an H200's 4.8), and no decode config was measured across them.
+# differ (an H100's 3.35 TB/s, an H200's 4.8), and no decode config was measured across them. (Sharing the H200's
+# would change one config, d=64 bf16's, measured 0.8 % faster than the default there: docs/PERF.md, "On an H100".)
 CHIP_BLIND_KERNELS = ("decode",)
 _MAX_GPU_NAME = 80  # a file's device name shown in sources and messages; longer or odd names show the file's stem
 
