@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             (kernel, head_dim, args.dtype, cfg, info.capability, causal, args.seqlen)
             for kernel in args.kernels.split(",")
             for head_dim in map(int, args.head_dims.split(","))
-            for cfg in planner.candidates(kernel)
+            for cfg in planner.candidates(kernel, head_dim)
             if cfg.warp_specialized and planner.check(cfg, info, head_dim, dtype, kernel) is None
             for causal in (False, True)
         ]

@@ -71,8 +71,8 @@ def test_every_rejection_has_a_reason_and_plan_partitions_candidates():
         # (24, each persistent or not, and the 6 one-consumer ones two programs an SM; 51 for dK/dV — 24 persistent
         # or not, half with dQ fused in, the 6 one-consumer ones two an SM, and 6 with split roles, persistent or
         # not, then the 15 fused ones again drained before their dQ share — and 30 for dQ, 24 persistent or not and
-        # the 6 one-consumer ones two an SM)
-        expected = 250 * (kernel == "fwd") + 250 + {"fwd": 54, "bwd_dkdv": 51, "bwd_dq": 30}[kernel]
+        # the 6 one-consumer ones two an SM); each warpspec one twice, with its head dim padded to fewer chunks or not
+        expected = 250 * (kernel == "fwd") + 250 + 2 * {"fwd": 54, "bwd_dkdv": 51, "bwd_dq": 30}[kernel]
         assert len(plan.accepted) + len(plan.rejected) == len(planner.candidates(kernel)) == expected
         assert plan.accepted and plan.rejected
         for cfg, need, reason in plan.rejected:

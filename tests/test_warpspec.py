@@ -175,14 +175,15 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatc
     # dQ at d=128 with 128-row K/V tiles and two consumers: 64·(128 + 2.5·128)/128 = 224 > 240 − 24
     assert planner.check(WS, h200, 128, torch.bfloat16, "bwd_dq").startswith("registers: 224 fp32 accumulator")
     dkdv = [
-        c for c in planner.candidates("bwd_dkdv")
+        c for c in planner.candidates("bwd_dkdv", 128)
         if c.warp_specialized and not c.fused_dq and not c.split_roles and c.schedule != TWO_AN_SM
     ]
     assert len(dkdv) == 12 and all(planner.check(c, h200, 128, torch.bfloat16, "bwd_dkdv") is None for c in dkdv[:8])
     # two one-consumer dK/dV programs an SM: 232 registers less 16 hold d=64's 64·(2·64 + 3·64)/128 + 32 = 192, not
     # d=128's 224; at d=64 with dQ fused in, 2 and 3 stages fit twice in shared memory, 4 do not (two an SM, the
     # consumers load each step's logsumexp and δ: staged beside Q_i and dO_i, 3 stages would not fit twice)
-    two = [c for c in planner.candidates("bwd_dkdv") if c.schedule == TWO_AN_SM and not c.drain_before_dq]
+    two = [c for c in planner.candidates("bwd_dkdv")
+           if c.schedule == TWO_AN_SM and not c.drain_before_dq and not c.pad_head_dim]  # fmt: skip
     assert {(c.block_n, c.fused_dq) for c in two} == {(64, False), (64, True)} and len(two) == 6
     assert not any(c.stages_statistics("bwd_dkdv") for c in two)
     fits = {c.label(): planner.check(c, h200, 64, torch.bfloat16, "bwd_dkdv") for c in two}
@@ -214,7 +215,7 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatc
     assert planner.check(persistent_fused, h200, 128, torch.bfloat16, "bwd_dkdv").startswith("shared memory")
     assert planner.check(persistent_fused, h200, 64, torch.bfloat16, "bwd_dkdv") is None
     fused_space = [c for c in planner.candidates("bwd_dkdv") if c.fused_dq and c.schedule != TWO_AN_SM
-                   and not c.drain_before_dq]  # fmt: skip
+                   and not c.drain_before_dq and not c.pad_head_dim]  # fmt: skip
     assert len(fused_space) == 12 and not any(c.split_roles for c in fused_space)
     # the fp32 dQ's TMA blocks, one a head-dim chunk: its query-side block, at most 64 columns (a 64 × 64 fp32 partial
     # is 32 registers a thread); d = 128's two 64-column blocks are one descriptor
@@ -239,7 +240,7 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatc
         "shared"
     )
     assert planner.check(KernelConfig(128, 128, 4, 3, warp_specialized=True), h200, 128, torch.bfloat16) is None
-    ws = [c for c in planner.candidates("fwd") if c.warp_specialized]
+    ws = [c for c in planner.candidates("fwd") if c.warp_specialized and not c.pad_head_dim]
     assert len(ws) == 54 and all(c.combination_error() is None for c in ws)
     assert [sum(c.schedule == p for c in ws) for p in (PERSISTENT, TWO_AN_SM)] == [24, 6]  # two an SM: block_m = 64
     # two programs an SM: each in half the SM's shared memory less its 1 KiB reserve, and compiled at maxnreg 128
@@ -265,7 +266,7 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatc
     assert planner.check(KernelConfig(192, 128, 4, 2, warp_specialized=True), h200, 128, torch.bfloat16).startswith(
         "registers"
     )
-    dq = [c for c in planner.candidates("bwd_dq") if c.warp_specialized]
+    dq = [c for c in planner.candidates("bwd_dq") if c.warp_specialized and not c.pad_head_dim]
     assert len(dq) == 30 and all(c.combination_error("bwd_dq") is None for c in dq)
     assert (
         planner.check(KernelConfig(128, 64, 4, 3, warp_specialized=True), h200, 128, torch.bfloat16, "bwd_dq") is None
@@ -326,6 +327,56 @@ def test_head_chunks_cover_every_head_dim_in_powers_of_two():
     assert "[b, hk, row, 192]" in source and "acc2 = gl.zeros([M, 32]" in source and "acc3" not in source
     with pytest.raises(ValueError, match="fwd_ws is rendered for a head dim"):
         Variant.for_template("fwd_ws", causal=False, banded=False, varlen=False, even_m=False, even_n=False)
+
+
+def test_a_head_dim_pads_to_fewer_chunks_where_a_quarter_more_columns_allow():
+    # pad_head_dim computes a head dim on the narrowest width of fewer chunks at most MAX_PAD wider (TMA zero-fills
+    # the columns past the tensor's end and writes none of them); elsewhere it would be the same kernel
+    for d in range(16, 257, 8):
+        exact, wide = head_chunks.padded(d), head_chunks.fewer_chunks(d)
+        assert wide == head_chunks.padded(d, pad=True) == sum(head_chunks.chunks(d, pad=True)) >= exact
+        assert head_chunks.pads(d) == (wide != exact)
+        if head_chunks.pads(d):
+            assert wide <= exact * (1 + head_chunks.MAX_PAD) and wide % 16 == 0
+            assert len(head_chunks.chunks(d, pad=True)) < len(head_chunks.chunks(d))
+        # none narrower has fewer chunks
+        assert all(len(head_chunks.chunks(w)) >= len(head_chunks.chunks(d)) for w in range(exact, wide, 16))
+    assert [d for d in range(16, 257, 8) if head_chunks.pads(d)] == [104, 112, 168, 176, 200, 208, 216, 224, 232, 240]
+    assert head_chunks.chunks(112, pad=True) == (128,) and head_chunks.chunks(176, pad=True) == (128, 64)
+    assert head_chunks.chunks(80, pad=True) == (64, 16)  # 128 would be 60 % more columns
+    # the switch: a warpspec config's, stored and parsed by name, carried through the custom op's ints
+    padded = KernelConfig.parse("64,128,4,2,ws,fused-dq,pad-head-dim")
+    assert padded.pad_head_dim and padded.label() == "64x128 w4 s2 ws fused-dq pad-head-dim"
+    assert KernelConfig.from_dict(padded.to_dict()) == padded and padded.to_dict()["pad_head_dim"] is True
+    assert "pad_head_dim" not in replace(padded, pad_head_dim=False).to_dict()  # entries before it read the same
+    assert KernelConfig.from_ints(padded.to_ints()) == padded
+    assert KernelConfig(64, 64, 4, 2, pad_head_dim=True).combination_error().startswith("pad_head_dim (the head dim")
+    # the planner: the twin where it changes the chunks, modelled as the wider head dim's config
+    h200, bf = known_gpu("h200"), torch.bfloat16
+    for kernel, cfg in (("fwd", WS), ("bwd_dkdv", padded), ("bwd_dq", KernelConfig(128, 64, 4, 3, warp_specialized=True))):
+        cfg = replace(cfg, pad_head_dim=True)
+        unpadded = replace(cfg, pad_head_dim=False)
+        assert planner.check(cfg, h200, 112, bf, kernel) is None
+        assert planner.sram_bytes(cfg, 112, bf, kernel) == planner.sram_bytes(unpadded, 128, bf, kernel)
+        assert planner.accumulators_per_thread(cfg, 112, kernel) == planner.accumulators_per_thread(unpadded, 128,
+                                                                                                   kernel)
+        assert planner.check(cfg, h200, 128, bf, kernel).startswith("pad_head_dim changes no chunk at head_dim 128")
+        assert cfg in planner.candidates(kernel, 112) and cfg not in planner.candidates(kernel, 128)
+    # the code: d=112 padded renders d=128's one chunk, the launch describes 128-column blocks, the hash is its own
+    fwd = dict(causal=False, banded=False, varlen=False, even_m=False, even_n=False, head_dim=112)
+    assert Variant.for_template("fwd_ws", pad_head_dim=True, **fwd).qk_chunks == (128,)
+    assert Variant.for_template("fwd_ws", **fwd).qk_chunks == (64, 32, 16)
+    blocks = warpspec.compiled_form("fwd", replace(WS, pad_head_dim=True), 112, False)[1]
+    assert blocks["q"] == ((1, 1, 64, 128),) and blocks["v"] == ((1, 1, 128, 128),)
+    hashes = {codegen.code_hash("fwd", causal=False, warp_specialized=True, head_dim=112, pad_head_dim=pad)
+              for pad in (False, True)}  # fmt: skip
+    assert len(hashes) == 2
+    # the tuner times the default's padded twin among its first configs, where there is one
+    first = lambda d: tuner.first_configs(device=h200, kernel="fwd", head_dim=d, dtype=bf, causal=False, trials=8,
+                                          space=planner.candidates("fwd", d))  # fmt: skip
+    default = defaults.default_config(112, bf, kernel="fwd", device=h200)
+    assert replace(default, pad_head_dim=not default.pad_head_dim) in first(112)[:4]
+    assert not any(c.pad_head_dim for c in first(128))
 
 
 def test_fused_dq_blocks_cover_k_s_chunks_and_are_dealt_evenly():
@@ -639,6 +690,24 @@ def test_fused_dq_compiles_at_a_head_dim_of_two_dq_widths():
     rows = [("bwd_dkdv", 96, None, fused, False), ("bwd_dkdv", 96, 128, fused, True)]
     for shared, error, _ in _probe(_HEAD_DIM_V_PROBE, json.dumps(rows)):
         assert error is None and shared > 0
+
+
+@ON_WS_TRITON
+def test_a_padded_head_dim_compiles_as_the_wider_head_dims_kernel():
+    # pad_head_dim at d=112 (one chunk of 128) and d=240 (one of 256) compiles for sm_90 to the shared memory and stack
+    # of the same config at the wider head dim, which the planner models it as; each kernel's form the defaults take
+    configs = [("fwd", "128,128,4,2,ws,persistent", False), ("bwd_dkdv", "64,128,4,2,ws,fused-dq", True),
+               ("bwd_dq", "128,64,4,3,ws,persistent", False)]  # fmt: skip
+    rows = []
+    for (kernel, fields, causal), (d, wide) in itertools.product(configs, ((112, 128), (240, 256))):
+        cfg = KernelConfig.parse(fields)
+        if kernel == "bwd_dkdv" and d == 240:
+            cfg = KernelConfig.parse("64,64,4,2,ws,split-roles")  # past fused dQ's head dims
+        rows += [(kernel, d, None, replace(cfg, pad_head_dim=True).to_dict(), causal),
+                 (kernel, wide, None, cfg.to_dict(), causal)]  # fmt: skip
+    reports = _probe(_HEAD_DIM_V_PROBE, json.dumps(rows))
+    for row, padded, wide in zip(rows[::2], reports[::2], reports[1::2], strict=True):
+        assert padded[1] is None and padded[0] == wide[0] > 0 and padded[2] == wide[2], (row, padded, wide)
 
 
 _SASS_PROBE = """

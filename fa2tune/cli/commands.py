@@ -107,7 +107,8 @@ def _switches(cfg) -> str:
     schedule = cfg.schedule
     words = [("pipeline_qk", cfg.pipeline_qk), ("warpspec", cfg.warp_specialized), ("ping-pong", cfg.pingpong),
              ("fused dQ", cfg.fused_dq), ("drained before dQ", cfg.drain_before_dq),
-             ("split roles", cfg.split_roles), ("persistent", schedule.persistent),
+             ("split roles", cfg.split_roles), ("head dim padded", cfg.pad_head_dim),
+             ("persistent", schedule.persistent),
              (", two programs an SM", schedule.programs_an_sm == 2),
              (", no split tail", not schedule.split_tail)]  # fmt: skip
     return " ".join(word for word, on in words if on).replace(" ,", ",")
@@ -124,7 +125,7 @@ def codegen(args: argparse.Namespace) -> int:
         args.template, causal=args.causal, banded=False, varlen=False, even_m=not args.ragged,
         even_n=not args.ragged, dot_fp32=args.interpret, pingpong=args.pingpong, persistent=args.persistent,
         fused_dq=args.fused_dq, split_roles=args.split_roles, stage_stats=not args.two_an_sm,
-        drain_before_dq=args.drain_before_dq, head_dim=args.head_dim,
+        drain_before_dq=args.drain_before_dq, pad_head_dim=args.pad_head_dim, head_dim=args.head_dim,
     )  # fmt: skip
     print(codegen.render(args.template, variant), end="")
     return 0

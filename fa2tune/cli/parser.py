@@ -195,6 +195,9 @@ def _add_codegen(sub) -> None:
                      "(KernelConfig.drain_before_dq)")  # fmt: skip
     gen.add_argument("--persistent", action="store_true",
                      help="the *_ws templates: programs walk the tiles (Schedule.persistent)")  # fmt: skip
+    gen.add_argument("--pad-head-dim", action="store_true",
+                     help="the *_ws templates: the head dim computed in fewer, wider chunks where that costs at most "
+                     "a quarter more columns (KernelConfig.pad_head_dim; d=112: one chunk of 128)")  # fmt: skip
     gen.add_argument("--two-an-sm", action="store_true",
                      help="bwd_ws: the form two programs an SM run (Schedule.programs_per_sm = 2): the consumers load "
                      "each step's logsumexp and δ, not staged in shared memory (KernelConfig.stages_statistics)")

@@ -25,18 +25,50 @@ def supported(head_dim: int) -> bool:
     return head_dim % ALIGN == 0 and CHUNK_MIN <= head_dim <= CHUNK_MAX
 
 
-@functools.cache
-def chunks(head_dim: int) -> tuple[int, ...]:
-    """The chunk widths of `head_dim`, largest first: the binary digits of head_dim rounded up to CHUNK_MIN."""
-    if not 1 <= head_dim <= CHUNK_MAX:
-        raise ValueError(f"head_dim must be in 1..{CHUNK_MAX}, got {head_dim}")
-    width = -(-head_dim // CHUNK_MIN) * CHUNK_MIN
+# The most a padded form (KernelConfig.pad_head_dim) computes beyond the exact chunks, as a fraction of their width.
+# Each chunk costs its own TMA load, buffer, wgmmas and (in the backward) dQ reduction; a head dim of three chunks ran
+# slower than the next power of two would in fewer (on the H200, untuned, forward + backward at N=8k: d=112 = 64 + 32 +
+# 16 at 459 TFLOP/s against d=128's 562, so 112 columns took 7 % longer than 128; d=224 = 128 + 64 + 32 against
+# d=256 likewise), while padding that keeps the count only adds work (d=80 = 64 + 16 ran faster than d=96 = 64 + 32
+# would padded). A quarter bounds what a pad may add: it admits 112 → 128, 176 → 192, 208 → 256, 224 → 256,
+# 240 → 256 and rules out 48 → 64, 80 → 128, 144 → 256.
+MAX_PAD = 0.25
+
+
+def _digits(width: int) -> tuple[int, ...]:
+    """The power-of-two chunks of a multiple of CHUNK_MIN, largest first."""
     return tuple(bit for bit in (256, 128, 64, 32, 16) if width & bit)
 
 
-def padded(head_dim: int) -> int:
-    """The columns the kernels compute on: head_dim rounded up to CHUNK_MIN."""
-    return sum(chunks(head_dim))
+@functools.cache
+def chunks(head_dim: int, pad: bool = False) -> tuple[int, ...]:
+    """The chunk widths of `head_dim`, largest first: the binary digits of head_dim rounded up to CHUNK_MIN; pad:
+    those of fewer_chunks(head_dim) (KernelConfig.pad_head_dim)."""
+    if not 1 <= head_dim <= CHUNK_MAX:
+        raise ValueError(f"head_dim must be in 1..{CHUNK_MAX}, got {head_dim}")
+    width = -(-head_dim // CHUNK_MIN) * CHUNK_MIN
+    if pad:
+        bound = min(CHUNK_MAX, int(width * (1 + MAX_PAD)))
+        count = len(_digits(width))
+        width = next((w for w in range(width, bound + 1, CHUNK_MIN) if len(_digits(w)) < count), width)
+    return _digits(width)
+
+
+def padded(head_dim: int, pad: bool = False) -> int:
+    """The columns the kernels compute on: head_dim rounded up to CHUNK_MIN; pad: to fewer_chunks(head_dim)."""
+    return sum(chunks(head_dim, pad))
+
+
+def fewer_chunks(head_dim: int) -> int:
+    """The columns a padded form computes on: the narrowest multiple of CHUNK_MIN, at most MAX_PAD wider than
+    padded(head_dim), that takes fewer chunks than it (d=112: 128, one chunk instead of 64 + 32 + 16); padded(head_dim)
+    itself where none does."""
+    return padded(head_dim, pad=True)
+
+
+def pads(head_dim: int) -> bool:
+    """Whether a padded form of head_dim computes on other chunks than the exact one (fewer_chunks differs)."""
+    return fewer_chunks(head_dim) != padded(head_dim)
 
 
 DQ_BLOCK_MAX = 64  # columns of one fused-dQ partial: 64 × 64 fp32 is 32 registers a thread of a warpgroup

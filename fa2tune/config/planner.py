@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -144,9 +144,9 @@ def config_head_dim(head_dim: int, head_dim_v: int) -> int:
 
 
 def computed_width(cfg: KernelConfig, head_dim: int) -> int:
-    """The head-dim columns `cfg`'s kernel computes on: the warp-specialized kernels' chunks (head_chunks.padded),
-    the Triton templates' power of two (head_dim_padded)."""
-    return head_chunks.padded(head_dim) if cfg.warp_specialized else head_dim_padded(head_dim)
+    """The head-dim columns `cfg`'s kernel computes on: the warp-specialized kernels' chunks (head_chunks.padded, to
+    fewer chunks with KernelConfig.pad_head_dim), the Triton templates' power of two (head_dim_padded)."""
+    return head_chunks.padded(head_dim, cfg.pad_head_dim) if cfg.warp_specialized else head_dim_padded(head_dim)
 
 
 def check_kernel(kernel: str) -> None:
@@ -182,13 +182,13 @@ def sram_bytes(
             exchange = 2 * 2 * n * m + 64
         # each stage's logsumexp and δ, fp32, beside its Q_i and dO_i, where the producer stages them
         stats = 2 * 4 * cfg.num_stages * m if cfg.stages_statistics(kernel) else 0
-        return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + stats + exchange + _ws_overhead(head_dim)
+        return e * d * (2 * n + staging + 2 * cfg.num_stages * m) + stats + exchange + _ws_overhead(d)
     if cfg.warp_specialized and kernel == "bwd_dq":
         staging = m if persistent else 0  # dQ staged apart from the next tile's Q; else in Q's buffer
-        return e * d * (2 * m + staging + 2 * cfg.num_stages * n) + _ws_overhead(head_dim)  # S buffers of K_j, V_j
+        return e * d * (2 * m + staging + 2 * cfg.num_stages * n) + _ws_overhead(d)  # S buffers of K_j, V_j
     if cfg.warp_specialized:
         o_staging = m if persistent else 0  # else O is staged in Q's buffer
-        return e * d * (m + o_staging + 2 * cfg.num_stages * n) + _ws_overhead(head_dim)
+        return e * d * (m + o_staging + 2 * cfg.num_stages * n) + _ws_overhead(d)
     wgmma = _uses_wgmma(n if kernel == "bwd_dkdv" else m, capability)
     # wgmma pipelines keep num_stages buffers of each streamed tile in flight, mma.sync pipelines one fewer.
     s = max(1, cfg.num_stages if wgmma else cfg.num_stages - 1)
@@ -213,9 +213,10 @@ def _registers_beside(kernel: str, consumers: int, triton: str) -> int:
     return _WS_REGISTERS_BESIDE_ACCUMULATORS[kernel] + extra.get((kernel, consumers), 0)
 
 
-def _ws_overhead(head_dim: int) -> int:
-    """Shared memory a warp-specialized program holds beyond its tiles: mbarriers, and alignment a chunk."""
-    return _WS_SMEM_OVERHEAD + _WS_CHUNK_OVERHEAD * (len(head_chunks.chunks(head_dim)) - 1)
+def _ws_overhead(width: int) -> int:
+    """Shared memory a warp-specialized program holds beyond its tiles: mbarriers, and alignment a chunk of the
+    `width` columns it computes on (computed_width)."""
+    return _WS_SMEM_OVERHEAD + _WS_CHUNK_OVERHEAD * (len(head_chunks.chunks(width)) - 1)
 
 
 def kv_in_registers(head_dim: int, causal: bool = False) -> bool:
@@ -296,6 +297,12 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
         reason = warpspec_unsupported(narrower, dtype, device.capability, device.triton_version, head_dim)
         if reason is not None:
             return reason
+        if cfg.pad_head_dim and not any(head_chunks.pads(dim) for dim in (narrower, head_dim)):
+            return (
+                f"pad_head_dim changes no chunk at head_dim {head_dim} ({head_chunks.chunks(head_dim)}): the same "
+                f"kernel as without it; it pads only where fewer chunks cost at most {head_chunks.MAX_PAD:.0%} more "
+                "columns (head_chunks.fewer_chunks)"
+            )
         consumer_registers = ws_registers(cfg, kernel)[1]
         budget = consumer_registers - _registers_beside(kernel, cfg.consumers(kernel), device.triton_version)
         regs = accumulators_per_thread(cfg, head_dim, kernel)
@@ -304,7 +311,7 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
                 f"registers: {regs:.0f} fp32 accumulator values per consumer thread, more than the {budget} its "
                 f"{consumer_registers} registers leave beside them: would spill"
             )
-        if kernel == "bwd_dkdv" and cfg.fused_dq and head_dim > FUSED_DQ_MAX_HEAD_DIM:
+        if kernel == "bwd_dkdv" and cfg.fused_dq and computed_width(cfg, head_dim) > FUSED_DQ_MAX_HEAD_DIM:
             # measured, not modelled: compiled for sm_90, (64, 128) at d=144 spills 216 B (causal 352), where d=128
             # keeps 40 B (causal 128); the model's count for it, 224, is within the budget
             return (
@@ -363,15 +370,17 @@ def _model_terms(cfg: KernelConfig, kernel: str) -> str:
 WS_SCHEDULES = (PER_TILE, PERSISTENT, TWO_AN_SM)
 
 
-def candidates(kernel: str = "fwd") -> list[KernelConfig]:
+def candidates(kernel: str = "fwd", head_dim: int | None = None) -> list[KernelConfig]:
     """The search space of `kernel`: block_m, block_n in {16..256}, num_warps in {4, 8}, num_stages in {1..5};
     the forward also pipeline_qk in {0, 1}, and the warp-specialized template: block_m in {64, 128, 192}, block_n
     in {64, 128}, num_stages in {2, 3, 4}, each of WS_SCHEDULES, with ping-pong too at block_m = 128; bwd_dkdv and
     bwd_dq their warp-specialized templates, each of WS_SCHEDULES: bwd_dkdv at block_m 64, block_n in {64, 128},
     with dQ fused in (drained before it or not: drain_before_dq) or not, and at block_n 64 with split_roles (not
     two an SM, no fused dQ), bwd_dq at block_m and block_n in {64, 128}, num_stages in {2, 3, 4} (check() drops
-    them off Hopper)."""
+    them off Hopper); each warp-specialized config also with its head dim padded to fewer chunks (pad_head_dim),
+    except at a head_dim given that no pad changes (head_chunks.pads), where the twin would be the same kernel."""
     check_kernel(kernel)
+    pad_twins = head_dim is None or head_chunks.pads(head_dim)
     switches = (0, 1) if kernel == "fwd" else (0,)
     grid = itertools.product(BLOCK_SIZES, BLOCK_SIZES, NUM_WARPS, NUM_STAGES, switches)
     configs = [KernelConfig(m, n, w, s, p) for m, n, w, s, p in grid]
@@ -379,7 +388,8 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
         for m, n, s, schedule in itertools.product(WS_BLOCK_M, WS_BLOCK_N, WS_STAGES, WS_SCHEDULES):
             shapes = [KernelConfig(m, n, 4, s, warp_specialized=True, pingpong=pingpong, schedule=schedule)
                       for pingpong in ((False, True) if m == 128 else (False,))]  # fmt: skip
-            configs += [c for c in shapes if c.combination_error(kernel) is None]  # two an SM: one consumer only
+            # two an SM: one consumer only (combination_error)
+            configs += _with_pad_twins((c for c in shapes if c.combination_error(kernel) is None), pad_twins)
     if kernel in WS_BACKWARD_TILES:
         owned, owned_sizes, _, _, streamed_sizes = WS_BACKWARD_TILES[kernel]
         for a, b, s, schedule in itertools.product(owned_sizes, streamed_sizes, WS_STAGES, WS_SCHEDULES):
@@ -390,8 +400,14 @@ def candidates(kernel: str = "fwd") -> list[KernelConfig]:
                                    schedule=schedule) for f, drain in fused]  # fmt: skip
             if kernel == "bwd_dkdv":
                 shapes.append(KernelConfig(m, n, 4, s, warp_specialized=True, split_roles=True, schedule=schedule))
-            configs += [c for c in shapes if c.combination_error(kernel) is None]
+            configs += _with_pad_twins((c for c in shapes if c.combination_error(kernel) is None), pad_twins)
     return configs
+
+
+def _with_pad_twins(configs, twins: bool) -> list[KernelConfig]:
+    """Each warp-specialized config, then (twins) its twin on the head dim padded to fewer chunks (pad_head_dim),
+    which check() passes only at head dims it changes (head_chunks.pads)."""
+    return [twin for cfg in configs for twin in (cfg, replace(cfg, pad_head_dim=True))[: 1 + twins]]
 
 
 @dataclass(frozen=True)
@@ -409,7 +425,7 @@ class Plan:
 def plan(device: DeviceInfo, head_dim: int, dtype: torch.dtype, kernel: str = "fwd") -> Plan:
     """Splits candidates() into accepted and rejected (with reasons) for one kernel on one device."""
     accepted, rejected = [], []
-    for cfg in candidates(kernel):
+    for cfg in candidates(kernel, head_dim):
         reason = check(cfg, device, head_dim, dtype, kernel)
         need = sram_bytes(cfg, head_dim, dtype, kernel, device.capability)
         if reason is None:

@@ -38,10 +38,10 @@ def integer(value: object) -> int | None:
 
 
 _NUMBERS = ("block_m", "block_n", "num_warps", "num_stages", "pipeline_qk")  # KernelConfig's int fields
-_FLAGS = ("warp_specialized", "pingpong", "fused_dq", "split_roles", "drain_before_dq")  # its bool fields
+_FLAGS = ("warp_specialized", "pingpong", "fused_dq", "split_roles", "drain_before_dq", "pad_head_dim")  # bool fields
 _SCHEDULE_FIELDS = tuple(f.name for f in fields(Schedule))
 _SWITCH_WORDS = {"qk": "pipeline_qk", "ws": "warp_specialized", "pingpong": "pingpong", "fused-dq": "fused_dq",
-                 "split-roles": "split_roles", "drain-before-dq": "drain_before_dq"}
+                 "split-roles": "split_roles", "drain-before-dq": "drain_before_dq", "pad-head-dim": "pad_head_dim"}
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,10 @@ class KernelConfig:
             between dV and dK (FlashAttention-3's order). Which is faster depends on the head dim and the mask
             (the whole backward on an H100: drained 3.2 % faster at d=128 causal, 4.4 % slower at d=96 causal;
             docs/PERF.md), so the tuner times both.
+        pad_head_dim: warp-specialized only: compute on the head dim padded to fewer chunks (head_chunks.fewer_chunks:
+            d=112 as one chunk of 128 instead of 64 + 32 + 16; TMA reads the columns past the tensor's end as zeros
+            and writes none of them). A config of a head dim that no pad changes (head_chunks.pads) is the same
+            kernel either way; the planner offers the switch only where it changes the chunks.
         schedule: how the warp-specialized kernel's programs walk the tiles (Schedule: persistent or one program a
             tile, programs an SM, the split tail); one program a tile for the Triton templates.
     """
@@ -90,6 +94,7 @@ class KernelConfig:
     fused_dq: bool = False
     split_roles: bool = False
     drain_before_dq: bool = False
+    pad_head_dim: bool = False
     schedule: Schedule = PER_TILE
 
     def label(self) -> str:
@@ -221,6 +226,11 @@ class KernelConfig:
                 "warpspec's drain_before_dq (the step's dV and dK retired before its dQ share) is a switch of "
                 f"configs with fused_dq, got fused_dq=False for {kernel}"
             )
+        if self.pad_head_dim and not self.warp_specialized:
+            return (
+                "pad_head_dim (the head dim computed in fewer, wider chunks) is a switch of the warpspec kernels, "
+                f"got warp_specialized=False for {kernel}"
+            )
         if self.fused_dq and (kernel != "bwd_dkdv" or not self.warp_specialized):
             return (
                 f"warpspec's fused_dq (dQ added by the dK/dV kernel) is a switch of warp-specialized bwd_dkdv "
@@ -266,7 +276,8 @@ class KernelConfig:
         the hash names the code that runs."""
         return {"pipeline_qk": bool(self.pipeline_qk), "pingpong": self.pingpong,
                 "persistent": self.schedule.persistent, "fused_dq": self.fused_dq, "split_roles": self.split_roles,
-                "stage_stats": self.stages_statistics(kernel), "drain_before_dq": self.drain_before_dq}  # fmt: skip
+                "stage_stats": self.stages_statistics(kernel), "drain_before_dq": self.drain_before_dq,
+                "pad_head_dim": self.pad_head_dim}  # fmt: skip
 
     def consumers(self, kernel: str = "fwd") -> int:
         """Consumer warpgroups of a warpspec program of `kernel`, 64 rows each (of Q in the forward and bwd_dq, of
@@ -323,9 +334,9 @@ class KernelConfig:
         path builds a config every call."""
         if len(ints) != len(PARAM_NAMES):
             raise ValueError(f"a config as ints has {len(PARAM_NAMES)} ({', '.join(PARAM_NAMES)}), got {len(ints)}")
-        m, n, warps, stages, qk, ws, pingpong, fused_dq, split_roles, drain, *schedule = ints
+        m, n, warps, stages, qk, ws, pingpong, fused_dq, split_roles, drain, pad, *schedule = ints
         return cls(m, n, warps, stages, qk, bool(ws), bool(pingpong), bool(fused_dq), bool(split_roles), bool(drain),
-                   _schedule_of_ints(*schedule))
+                   bool(pad), _schedule_of_ints(*schedule))
 
 
 @functools.lru_cache(maxsize=64)
@@ -403,6 +414,7 @@ class Variant:
         split_roles: bool = False,
         stage_stats: bool = False,
         drain_before_dq: bool = False,
+        pad_head_dim: bool = False,
         head_dim: int | None = None,
         head_dim_v: int | None = None,
     ) -> Variant:
@@ -410,7 +422,7 @@ class Variant:
         and the probe must agree on, or a stored entry's hash would not name the code it runs. A band mask carries
         causality itself; packed sequences have no even tails; pipeline_qk exists in the forward template only.
         The warpspec templates have causal, persistent, fwd_ws pingpong, bwd_ws fused_dq, split_roles, stage_stats and
-        (with fused_dq) drain_before_dq:
+        (with fused_dq) drain_before_dq, and pad_head_dim, which picks their chunks:
         TMA bounds every tile, so tails need no code of their own, and they take neither band masks nor packed
         sequences (the launcher routes those to the Triton templates). They are written out a head-dim chunk at a
         time: they need head_dim (and head_dim_v, V's, where it differs). The Triton templates take any head dims as
@@ -420,8 +432,8 @@ class Variant:
             persistent = bool(persistent) and template in PERSISTENT_TEMPLATES
             if head_dim is None:
                 raise ValueError(f"{template} is rendered for a head dim: pass head_dim")
-            qk_chunks = head_chunks.chunks(head_dim)
-            v_chunks = head_chunks.chunks(head_dim if head_dim_v is None else head_dim_v)
+            qk_chunks = head_chunks.chunks(head_dim, pad_head_dim)
+            v_chunks = head_chunks.chunks(head_dim if head_dim_v is None else head_dim_v, pad_head_dim)
             fused_dq = fused_dq and template == "bwd_ws"
             return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
                        persistent=persistent, fused_dq=fused_dq, split_roles=split_roles and template == "bwd_ws",

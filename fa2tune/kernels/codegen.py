@@ -87,6 +87,7 @@ def code_hash(
     split_roles: bool = False,
     stage_stats: bool = False,
     drain_before_dq: bool = False,
+    pad_head_dim: bool = False,
     head_dim: int | None = None,
 ) -> str:
     """Hash of the Triton code a tuned entry for this kernel and mask runs: the rendered modules of its variants
@@ -94,9 +95,9 @@ def code_hash(
     stale exactly when that code changes — not when another kernel's template does, nor when a template gains a
     switch that is off for this entry, nor when a comment changes — so performance work on one variant does not void
     every shipped config.
-    pipeline_qk, warp_specialized, pingpong, fused_dq, split_roles, drain_before_dq: the entry's config switches of
-    those names (KernelConfig), persistent its schedule's (Schedule), stage_stats KernelConfig.stages_statistics,
-    which select other code.
+    pipeline_qk, warp_specialized, pingpong, fused_dq, split_roles, drain_before_dq, pad_head_dim: the entry's config
+    switches of those names (KernelConfig), persistent its schedule's (Schedule), stage_stats
+    KernelConfig.stages_statistics, which select other code (pad_head_dim: other chunks, only where it changes them).
     """
     from ..config.types import Variant
 
@@ -108,7 +109,8 @@ def code_hash(
         variant = Variant.for_template(
             template, causal=causal, banded=window, varlen=varlen, even_m=even_m, even_n=even_n,
             pipeline_qk=pipeline_qk, pingpong=pingpong, persistent=persistent, fused_dq=fused_dq,
-            split_roles=split_roles, stage_stats=stage_stats, drain_before_dq=drain_before_dq, head_dim=head_dim,
+            split_roles=split_roles, stage_stats=stage_stats, drain_before_dq=drain_before_dq,
+            pad_head_dim=pad_head_dim, head_dim=head_dim,
         )  # fmt: skip
         digest.update(_code_only(render(template, variant)).encode())
     return digest.hexdigest()[:16]

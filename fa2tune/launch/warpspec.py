@@ -137,7 +137,8 @@ def compiled_form(kernel: str, config: KernelConfig, head_dim: int, causal: bool
                   CONSUMER_REGS=consumer_regs, num_warps=4)  # fmt: skip
     if maxnreg is not None:
         kwargs["maxnreg"] = maxnreg
-    widths, v_widths = head_chunks.chunks(head_dim), head_chunks.chunks(head_dim_v or head_dim)
+    pad = config.pad_head_dim
+    widths, v_widths = head_chunks.chunks(head_dim, pad), head_chunks.chunks(head_dim_v or head_dim, pad)
     blocks = {side: tuple((1, 1, rows, w) for w in chunks)
               for side, rows, chunks in (("q", q_rows, widths), ("o", q_rows, v_widths), ("k", kv_rows, widths),
                                          ("v", kv_rows, v_widths))}  # fmt: skip
@@ -222,11 +223,10 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
         return lambda q, k, v, o, lse: launch(q, k, v, o, lse, lse, lse)  # no pieces: lse stands in for PART_O/LSE
 
     merge_pieces = _module("fwd", config, causal, head_dim, head_dim_v)._merge_pieces
+    o_width = head_chunks.padded(head_dims[1], config.pad_head_dim)  # O's columns computed: V's head-dim chunks
 
     def launch_split(q, k, v, o, lse):
-        # the pieces' partial O: O's columns, V's head-dim chunks
-        part_o, part_lse = split_tail.workspace(tiles, main, split, config.block_m, head_chunks.padded(head_dims[1]),
-                                                q.device)  # fmt: skip
+        part_o, part_lse = split_tail.workspace(tiles, main, split, config.block_m, o_width, q.device)  # pieces' O
         launch(q, k, v, o, lse, part_o, part_lse)
         split_tail.merge(merge_pieces, part_o, part_lse, o, lse, tiles=tiles, main=main, split=split, n_m=row_tiles,
                          heads_q=heads_q, seqlen_q=seqlen_q)  # fmt: skip

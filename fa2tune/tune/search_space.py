@@ -3,8 +3,8 @@
 `build` turns a Target into the Space the strategy samples: the candidates (with the default and the incumbent
 always among them, so a tuned config is never slower than either as measured), each dimension's values, and the
 candidates the planner accepts for the key. `first_configs` are the configs a study enqueues before TPE proposes
-any: the default, the incumbent, the default's other schedule, then one `promising` config per block shape, each
-config with dQ fused in followed by its twin with the step drained before its dQ share (or not).
+any: the default, the incumbent, the default's other schedule and padding, then one `promising` config per block
+shape, each config with dQ fused in followed by its twin with the step drained before its dQ share (or not).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Space:
 def build(target: Target) -> Space:
     """The Space of target: its candidates, with the default and the (still fitting) incumbent added."""
     t = target
-    candidates = list(t.space) if t.space is not None else planner.candidates(t.kernel)
+    candidates = list(t.space) if t.space is not None else planner.candidates(t.kernel, t.head_dim)
     allowed = set(candidates)
     choices = {dim: sorted({p[dim] for p in map(params, candidates)}) for dim in DIMS}
     default = t.default
@@ -118,7 +118,8 @@ def first_configs(
 ) -> list[KernelConfig]:  # fmt: skip
     """The configs tune() with these arguments times first, known before any trial: the default, the incumbent
     (the config the written file holds for this key, if it fits), the default's twin with the other program
-    schedule (a warpspec kernel's `persistent` flipped, when that fits), then one `promising` config per block
+    schedule (a warpspec kernel's `persistent` flipped, when that fits), its twin with the head dim padded to fewer
+    chunks or not (pad_head_dim flipped, where a pad changes the chunks), then one `promising` config per block
     shape; each of them with dQ fused in is followed by its twin with drain_before_dq flipped. tune() enqueues
     them; a tune of several studies compiles the next study's while this one is timed, so the next starts timing at
     once.
@@ -139,8 +140,9 @@ def first_configs(
     feasible = [c for c in candidates if fits(c)]
     # feasible holds a twin only where the switch exists (KernelConfig.combination_error) and the config fits
     twin = replace(default, schedule=PER_TILE if default.schedule.persistent else PERSISTENT)
+    padded = replace(default, pad_head_dim=not default.pad_head_dim)  # in feasible where a pad changes the chunks
     first = [default]
-    for cfg in (incumbent, twin if twin in feasible else None):
+    for cfg in (incumbent, twin if twin in feasible else None, padded if padded in feasible else None):
         if cfg is not None and cfg not in first and fits(cfg):
             first.append(cfg)
     picks = [c for c in promising(feasible, head_dim, kernel, k=max(3, trials // 2)) if c not in first]
