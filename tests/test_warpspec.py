@@ -353,7 +353,8 @@ def test_a_head_dim_pads_to_fewer_chunks_where_a_quarter_more_columns_allow():
     assert KernelConfig(64, 64, 4, 2, pad_head_dim=True).combination_error().startswith("pad_head_dim (the head dim")
     # the planner: the twin where it changes the chunks, modelled as the wider head dim's config
     h200, bf = known_gpu("h200"), torch.bfloat16
-    for kernel, cfg in (("fwd", WS), ("bwd_dkdv", padded), ("bwd_dq", KernelConfig(128, 64, 4, 3, warp_specialized=True))):
+    dq = KernelConfig(128, 64, 4, 3, warp_specialized=True)
+    for kernel, cfg in (("fwd", WS), ("bwd_dkdv", padded), ("bwd_dq", dq)):
         cfg = replace(cfg, pad_head_dim=True)
         unpadded = replace(cfg, pad_head_dim=False)
         assert planner.check(cfg, h200, 112, bf, kernel) is None
