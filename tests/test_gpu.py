@@ -376,6 +376,34 @@ def test_warpspec_backward_at_every_head_dim_matches_reference(head_dim, dtype, 
         _assert_gradients_match_reference(grads, q, k, v, do, causal=causal)
 
 
+# Head dims padded to fewer chunks (KernelConfig.pad_head_dim, head_chunks.fewer_chunks): 104 and 112 as one chunk of
+# 128, 176 as 128 + 64, 208 and 240 as 256; TMA zero-fills Q's, K's and V's columns past the head dim and writes none
+# of O's, dQ's, dK's or dV's there. Each kernel's default with the pad preferred (defaults.default_config(pad=True)).
+_PADDED_DIMS = [(104, torch.float16, False), (112, torch.bfloat16, True), (176, torch.bfloat16, False),
+                (208, torch.float16, True), (240, torch.bfloat16, False)]  # fmt: skip
+
+
+@_HOPPER
+@pytest.mark.parametrize("head_dim, dtype, causal", _PADDED_DIMS, ids=lambda x: str(x).replace("torch.", ""))
+def test_a_head_dim_padded_to_fewer_chunks_matches_reference(head_dim, dtype, causal, monkeypatch):
+    device = device_info(0)
+    fwd, dkdv, dq = (defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device, pad=True)
+                     for kernel in ("fwd", "bwd_dkdv", "bwd_dq"))  # fmt: skip
+    assert dkdv.pad_head_dim and dq.pad_head_dim, (dkdv, dq)
+    if any(c.schedule.persistent for c in (fwd, dkdv, dq)):
+        monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
+    torch.manual_seed(head_dim + 5)
+    for q, k, v in (*_ws_inputs(head_dim, dtype), *_ws_inputs(head_dim, dtype, kv_heads=4)):
+        out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+        o, lse = ops.forward(q, k, v, causal=causal, scale=head_dim**-0.5, config=fwd, out=out)
+        ref_o, _ = naive_attention(q.double(), k.double(), v.double(), causal=causal)
+        assert_close(o, ref_o.nan_to_num(0.0), dtype)
+        do = torch.randn_like(q)
+        grads = ops.backward(do, q, k, v, o, lse, causal=causal, scale=head_dim**-0.5, dkdv_config=dkdv,
+                             dq_config=dq)  # fmt: skip
+        _assert_gradients_match_reference(grads, q, k, v, do, causal=causal)
+
+
 # dQ fused into the dK/dV kernel a head-dim chunk at a time (head_chunks.dq_blocks), two 64-row K/V blocks a
 # program: at d=80, 96, 112 column blocks of 64, 32 and 16 dealt to the two consumers unevenly; V's own head dim
 # (64/32, 96/128): dQ follows K's chunks, dV V's. drain_before_dq: dK from shared memory with or without the mask,

@@ -5,9 +5,11 @@ planner.check's to say; this module only orders the candidates.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from . import planner
+from . import head_chunks, planner
 from .device import INTERPRETER, inspect_cached, known_gpu
 from .schedule import PERSISTENT
 from .types import DeviceInfo, KernelConfig
@@ -34,6 +36,10 @@ _PREFERRED: dict[tuple[str, int, bool], list[KernelConfig]] = {
 # causal +1.5 %), where from d=64 up it ran 3-12 % faster (docs/PERF.md, "The untuned defaults"). The tuner still
 # searches fused dQ there.
 FUSED_DQ_DEFAULT_MIN_HEAD_DIM = 56
+# Whether a kernel's untuned default computes a head dim padded to fewer chunks where a pad changes them
+# (KernelConfig.pad_head_dim; head_chunks.fewer_chunks: d=112 as one chunk of 128). Not measured yet: the tuner
+# searches the switch, and the defaults keep the exact chunks.
+PAD_BY_DEFAULT = {"fwd": False, "bwd_dkdv": False, "bwd_dq": False}
 # At a head dim without a measurement, the warp-specialized shapes tried first: the first that check() lets fit
 # (shared memory, registers) is the default, so a head dim's default follows from the model and not from a table of
 # head dims. Each list leads with the forms the tunes at d = 64-256 picked wherever the model admits them (the
@@ -118,6 +124,7 @@ def default_config(
     kernel: str = "fwd",
     device: DeviceInfo | None = None,
     warp_specialized: bool = True,
+    pad: bool | None = None,
 ) -> KernelConfig:
     """The config used before any tuning: the H200's measured best where it fits the device, else the largest
     moderate tile that does.
@@ -133,6 +140,9 @@ def default_config(
             boundaries at small sequence lengths.
         warp_specialized: False: a Triton-template config only (for inputs the warp-specialized kernels do not
             take).
+        pad: at a head dim a pad changes (head_chunks.pads), try each warp-specialized shape with its head dim padded
+            to fewer chunks (KernelConfig.pad_head_dim) before the same shape without; None: PAD_BY_DEFAULT's choice
+            for the kernel.
     """
     planner.check_kernel(kernel)
     if device is INTERPRETER:
@@ -150,6 +160,9 @@ def default_config(
     preferred = measured if dtype != torch.float32 else []
     if head_dim < FUSED_DQ_DEFAULT_MIN_HEAD_DIM:
         preferred = [cfg for cfg in preferred if not cfg.fused_dq]
+    if (PAD_BY_DEFAULT[kernel] if pad is None else pad) and head_chunks.pads(head_dim):
+        twins = lambda cfg: (replace(cfg, pad_head_dim=True), cfg) if cfg.warp_specialized else (cfg,)
+        preferred = [each for cfg in preferred for each in twins(cfg)]
     for cfg in preferred + _FALLBACK[kernel]:
         if cfg.warp_specialized and not warp_specialized:
             continue

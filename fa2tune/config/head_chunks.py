@@ -26,12 +26,11 @@ def supported(head_dim: int) -> bool:
 
 
 # The most a padded form (KernelConfig.pad_head_dim) computes beyond the exact chunks, as a fraction of their width.
-# Each chunk costs its own TMA load, buffer, wgmmas and (in the backward) dQ reduction; a head dim of three chunks ran
-# slower than the next power of two would in fewer (on the H200, untuned, forward + backward at N=8k: d=112 = 64 + 32 +
-# 16 at 459 TFLOP/s against d=128's 562, so 112 columns took 7 % longer than 128; d=224 = 128 + 64 + 32 against
-# d=256 likewise), while padding that keeps the count only adds work (d=80 = 64 + 16 ran faster than d=96 = 64 + 32
-# would padded). A quarter bounds what a pad may add: it admits 112 → 128, 176 → 192, 208 → 256, 224 → 256,
-# 240 → 256 and rules out 48 → 64, 80 → 128, 144 → 256.
+# Each chunk costs its own TMA load, buffer, wgmmas and (in the backward) dQ reductions: in one run of the untuned
+# defaults on the H200 (forward + backward, N=8k; docs/PERF.md, "The untuned defaults"), d=112 = 64 + 32 + 16 ran at
+# 459 TFLOP/s and d=128 at 562, so 112 columns took 7 % longer than 128 would; where the count stays, the pad is
+# only extra work (d=160 = 128 + 32 at 490 against d=192 = 128 + 64 at 472). A quarter admits 112 → 128,
+# 176 → 192, 208 → 256, 224 → 256, 240 → 256 and rules out 48 → 64, 80 → 128, 144 → 256.
 MAX_PAD = 0.25
 
 
