@@ -71,9 +71,12 @@ def test_every_rejection_has_a_reason_and_plan_partitions_candidates():
         # (24, each persistent or not, and the 6 one-consumer ones two programs an SM; 51 for dK/dV — 24 persistent
         # or not, half with dQ fused in, the 6 one-consumer ones two an SM, and 6 with split roles, persistent or
         # not, then the 15 fused ones again drained before their dQ share — and 30 for dQ, 24 persistent or not and
-        # the 6 one-consumer ones two an SM); each warpspec one twice, with its head dim padded to fewer chunks or not
-        expected = 250 * (kernel == "fwd") + 250 + 2 * {"fwd": 54, "bwd_dkdv": 51, "bwd_dq": 30}[kernel]
-        assert len(plan.accepted) + len(plan.rejected) == len(planner.candidates(kernel)) == expected
+        # the 6 one-consumer ones two an SM); at a head dim padded to fewer chunks (d=112, not 96) each warpspec one
+        # twice, with the pad and without
+        ws = {"fwd": 54, "bwd_dkdv": 51, "bwd_dq": 30}[kernel]
+        expected = 250 * (kernel == "fwd") + 250 + ws
+        assert len(plan.accepted) + len(plan.rejected) == len(planner.candidates(kernel, 96)) == expected
+        assert len(planner.candidates(kernel, 112)) == len(planner.candidates(kernel)) == expected + ws
         assert plan.accepted and plan.rejected
         for cfg, need, reason in plan.rejected:
             if cfg.warp_specialized:  # an L4 (sm_89) has no wgmma: every warpspec config is out, for that reason
