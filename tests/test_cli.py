@@ -60,8 +60,8 @@ def test_plan_json_for_a_known_gpu(capsys):
     # one-consumer ones two programs an SM)
     assert len(out["accepted"]) + len(out["rejected"]) == 554
     fields = {"block_m", "block_n", "num_warps", "num_stages", "pipeline_qk", "warp_specialized", "pingpong",
-              "fused_dq", "split_roles", "drain_before_dq", "persistent", "programs_per_sm", "split_tail",
-              "sram_bytes"}  # fmt: skip
+              "fused_dq", "split_roles", "drain_before_dq", "pad_head_dim", "persistent", "programs_per_sm",
+              "split_tail", "sram_bytes"}  # fmt: skip
     assert set(out["accepted"][0]) == fields
     # 5 need more shared memory than the H200 has at d=128 (three or four stages of 128-row K and V tiles), and
     # one more register than its consumers have (192 rows, 128-row K/V tiles); persistent, another 3 more shared
