@@ -389,7 +389,7 @@ def test_a_head_dim_padded_to_fewer_chunks_matches_reference(head_dim, dtype, ca
     device = device_info(0)
     fwd, dkdv, dq = (defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=device, pad=True)
                      for kernel in ("fwd", "bwd_dkdv", "bwd_dq"))  # fmt: skip
-    assert dkdv.pad_head_dim and dq.pad_head_dim, (dkdv, dq)
+    assert fwd.pad_head_dim and dkdv.pad_head_dim and dq.pad_head_dim, (fwd, dkdv, dq)
     if any(c.schedule.persistent for c in (fwd, dkdv, dq)):
         monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
     torch.manual_seed(head_dim + 5)

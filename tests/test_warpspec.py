@@ -695,8 +695,9 @@ def test_fused_dq_compiles_at_a_head_dim_of_two_dq_widths():
 
 @ON_WS_TRITON
 def test_a_padded_head_dim_compiles_as_the_wider_head_dims_kernel():
-    # pad_head_dim at d=112 (one chunk of 128) and d=240 (one of 256) compiles for sm_90 to the shared memory and stack
-    # of the same config at the wider head dim, which the planner models it as; each kernel's form the defaults take
+    # pad_head_dim at d=112 (one chunk of 128) and d=240 (one of 256) compiles for sm_90, each kernel's form the
+    # defaults take: the kernel is the wider head dim's (the same rendered module, TMA blocks and example ints), so its
+    # shared memory and stack are what the planner models for the padded config
     configs = [("fwd", "128,128,4,2,ws,persistent", False), ("bwd_dkdv", "64,128,4,2,ws,fused-dq", True),
                ("bwd_dq", "128,64,4,3,ws,persistent", False)]  # fmt: skip
     rows = []

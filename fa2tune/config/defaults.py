@@ -140,9 +140,9 @@ def default_config(
             boundaries at small sequence lengths.
         warp_specialized: False: a Triton-template config only (for inputs the warp-specialized kernels do not
             take).
-        pad: at a head dim a pad changes (head_chunks.pads), try each warp-specialized shape with its head dim padded
-            to fewer chunks (KernelConfig.pad_head_dim) before the same shape without; None: PAD_BY_DEFAULT's choice
-            for the kernel.
+        pad: at a head dim a pad changes (head_chunks.pads), try the warp-specialized shapes with the head dim padded
+            to fewer chunks (KernelConfig.pad_head_dim) before any without; None: PAD_BY_DEFAULT's choice for the
+            kernel.
     """
     planner.check_kernel(kernel)
     if device is INTERPRETER:
@@ -161,8 +161,7 @@ def default_config(
     if head_dim < FUSED_DQ_DEFAULT_MIN_HEAD_DIM:
         preferred = [cfg for cfg in preferred if not cfg.fused_dq]
     if (PAD_BY_DEFAULT[kernel] if pad is None else pad) and head_chunks.pads(head_dim):
-        twins = lambda cfg: (replace(cfg, pad_head_dim=True), cfg) if cfg.warp_specialized else (cfg,)
-        preferred = [each for cfg in preferred for each in twins(cfg)]
+        preferred = [replace(cfg, pad_head_dim=True) for cfg in preferred if cfg.warp_specialized] + preferred
     for cfg in preferred + _FALLBACK[kernel]:
         if cfg.warp_specialized and not warp_specialized:
             continue

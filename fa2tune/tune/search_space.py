@@ -119,10 +119,10 @@ def first_configs(
     """The configs tune() with these arguments times first, known before any trial: the default, the incumbent
     (the config the written file holds for this key, if it fits), the default's twin with the other program
     schedule (a warpspec kernel's `persistent` flipped, when that fits), its twin with the head dim padded to fewer
-    chunks or not (pad_head_dim flipped, where a pad changes the chunks), then one `promising` config per block
-    shape; each of them with dQ fused in is followed by its twin with drain_before_dq flipped. tune() enqueues
-    them; a tune of several studies compiles the next study's while this one is timed, so the next starts timing at
-    once.
+    chunks or not (pad_head_dim flipped, where a pad changes the chunks; where that twin does not fit, the most
+    promising config of the other padding that does), then one `promising` config per block shape; each of them
+    with dQ fused in is followed by its twin with drain_before_dq flipped. tune() enqueues them; a tune of several
+    studies compiles the next study's while this one is timed, so the next starts timing at once.
 
     The incumbent: a re-tune after a template change samples a space of ~50-100 configs with 10-16 trials, and can
     replace a shipped config by one it never timed beside it; timed, it stays unless beaten. The twin: which
@@ -140,9 +140,13 @@ def first_configs(
     feasible = [c for c in candidates if fits(c)]
     # feasible holds a twin only where the switch exists (KernelConfig.combination_error) and the config fits
     twin = replace(default, schedule=PER_TILE if default.schedule.persistent else PERSISTENT)
-    padded = replace(default, pad_head_dim=not default.pad_head_dim)  # in feasible where a pad changes the chunks
+    # the default's shape padded to fewer chunks (or not, if it is), else the most promising such config that fits
+    padded = replace(default, pad_head_dim=not default.pad_head_dim)
+    if padded not in feasible:
+        others = [c for c in feasible if c.warp_specialized and c.pad_head_dim != default.pad_head_dim]
+        padded = next(iter(promising(others, head_dim, kernel, k=1)), None)
     first = [default]
-    for cfg in (incumbent, twin if twin in feasible else None, padded if padded in feasible else None):
+    for cfg in (incumbent, twin if twin in feasible else None, padded):
         if cfg is not None and cfg not in first and fits(cfg):
             first.append(cfg)
     picks = [c for c in promising(feasible, head_dim, kernel, k=max(3, trials // 2)) if c not in first]
