@@ -78,14 +78,19 @@ def _timing(url: str, pid: int) -> list[int]:
 
 
 def _kill_the_first_timing(url: str, workers: dict[str, subprocess.Popen]) -> tuple[str, int]:
-    """SIGKILLs the first of the workers seen timing a config; returns its name and that trial's number."""
+    """SIGKILLs the first of the workers seen timing a config; returns its name and that trial's number. The worker
+    is stopped first and its trial read again: one seen timing may have told its trial (pruned, complete) before the
+    kill lands, and a trial that ended so is not the one this test kills (seen once in three CI runs)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and any(worker.poll() is None for worker in workers.values()):
         for name, worker in workers.items():
             if timing := _timing(url, worker.pid):
-                worker.send_signal(signal.SIGKILL)
-                worker.wait(timeout=60)
-                return name, timing[0]
+                worker.send_signal(signal.SIGSTOP)  # frozen: its trial's state cannot change under the check
+                if timing[0] in _timing(url, worker.pid):
+                    worker.send_signal(signal.SIGKILL)
+                    worker.wait(timeout=60)
+                    return name, timing[0]
+                worker.send_signal(signal.SIGCONT)
         time.sleep(0.02)
     raise AssertionError("the workers ended, or never timed a config, before one could be killed")
 
