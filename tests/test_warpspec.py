@@ -21,7 +21,7 @@ from fa2tune.config import defaults, head_chunks, planner, schema_v1
 from fa2tune.config.device import known_gpu
 from fa2tune.config.schedule import PER_TILE, PERSISTENT, TWO_AN_SM
 from fa2tune.config.store import EntryKey
-from fa2tune.config.types import KernelConfig, Variant
+from fa2tune.config.types import PARAM_NAMES, KernelConfig, Variant
 from fa2tune.kernels import codegen
 from fa2tune.launch import fallback, warpspec
 from fa2tune.tune import tuner
@@ -350,6 +350,9 @@ def test_a_head_dim_pads_to_fewer_chunks_where_a_quarter_more_columns_allow():
     assert KernelConfig.from_dict(padded.to_dict()) == padded and padded.to_dict()["pad_head_dim"] is True
     assert "pad_head_dim" not in replace(padded, pad_head_dim=False).to_dict()  # entries before it read the same
     assert KernelConfig.from_ints(padded.to_ints()) == padded
+    # an int list of the layout before the switch (a cached or exported graph's) reads with it off
+    before = [v for name, v in zip(PARAM_NAMES, padded.to_ints(), strict=True) if name != "pad_head_dim"]
+    assert KernelConfig.from_ints(before) == replace(padded, pad_head_dim=False)
     assert KernelConfig(64, 64, 4, 2, pad_head_dim=True).combination_error().startswith("pad_head_dim (the head dim")
     # the planner: the twin where it changes the chunks, modelled as the wider head dim's config
     h200, bf = known_gpu("h200"), torch.bfloat16

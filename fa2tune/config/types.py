@@ -331,7 +331,11 @@ class KernelConfig:
     @classmethod
     def from_ints(cls, ints: list[int]) -> KernelConfig:
         """The config of to_ints' list. Positional, and the schedule looked up (_schedule_of_ints): the custom op's
-        path builds a config every call."""
+        path builds a config every call. A list one shorter is the layout before pad_head_dim (a graph that
+        torch.compile cached or torch.export saved then still runs): the switch off."""
+        if len(ints) == len(PARAM_NAMES) - 1:
+            at = PARAM_NAMES.index("pad_head_dim")
+            ints = [*ints[:at], 0, *ints[at:]]
         if len(ints) != len(PARAM_NAMES):
             raise ValueError(f"a config as ints has {len(PARAM_NAMES)} ({', '.join(PARAM_NAMES)}), got {len(ints)}")
         m, n, warps, stages, qk, ws, pingpong, fused_dq, split_roles, drain, pad, *schedule = ints
