@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="the switch sets to sweep, comma-separated, each KernelConfig.label's words joined by + (qk, ws, "
         "pingpong, fused-dq, drain-before-dq, split-roles, pad-head-dim, persistent, x2, no-split-tail; empty: the "
-        "Triton "
-        "template without), e.g. "
+        "Triton template without), e.g. "
         ",qk or ws,ws+pingpong,ws+persistent; grid points that break the kernel's rules (num_warps 4, block sizes "
         "of 64 rows per consumer) are left out",
     )

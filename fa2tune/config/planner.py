@@ -407,7 +407,10 @@ def candidates(kernel: str = "fwd", head_dim: int | None = None) -> list[KernelC
 def _with_pad_twins(configs, twins: bool) -> list[KernelConfig]:
     """Each warp-specialized config, then (twins) its twin on the head dim padded to fewer chunks (pad_head_dim),
     which check() passes only at head dims it changes (head_chunks.pads)."""
-    return [twin for cfg in configs for twin in (cfg, replace(cfg, pad_head_dim=True))[: 1 + twins]]
+    out = []
+    for cfg in configs:
+        out += [cfg, replace(cfg, pad_head_dim=True)] if twins else [cfg]
+    return out
 
 
 @dataclass(frozen=True)

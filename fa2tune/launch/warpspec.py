@@ -223,7 +223,7 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
         return lambda q, k, v, o, lse: launch(q, k, v, o, lse, lse, lse)  # no pieces: lse stands in for PART_O/LSE
 
     merge_pieces = _module("fwd", config, causal, head_dim, head_dim_v)._merge_pieces
-    o_width = head_chunks.padded(head_dims[1], config.pad_head_dim)  # O's columns computed: V's head-dim chunks
+    o_width = planner.computed_width(config, head_dims[1])  # O's columns computed: V's head-dim chunks
 
     def launch_split(q, k, v, o, lse):
         part_o, part_lse = split_tail.workspace(tiles, main, split, config.block_m, o_width, q.device)  # pieces' O
