@@ -400,6 +400,31 @@ def test_expanded_inputs_with_stride_0_give_the_right_output_and_gradients(devic
         assert_close(got, want, F32)
 
 
+def test_rows_more_than_2_31_elements_apart_are_addressed_in_64_bits(device):
+    # A row stride under 2^31 reaches Triton as an int32; row 2 of these tensors lies past 2^31 elements, where an
+    # offset of row·stride (or a tile's step, BLOCK·stride) computed in 32 bits wraps negative and reads before the
+    # tensor. Q, K and V are views into one 4 GiB fp16 storage (only their rows are touched), so the forward reads
+    # K and V that far and the backward Q and K.
+    stride, rows, head_dim = 2**30 + 8, 3, 8
+    try:
+        storage = torch.empty(stride * (rows - 1) + 3 * head_dim, dtype=torch.float16, device=device)
+    except (RuntimeError, MemoryError):
+        pytest.skip("no 4 GiB of address space for the storage")
+    gen = torch.Generator().manual_seed(9)
+    views = []
+    for which in range(3):  # q, k, v: each row's head_dim values at row·stride + which·head_dim
+        view = storage.as_strided((1, 1, rows, head_dim), (0, 0, stride, 1), which * head_dim)
+        view.copy_(torch.randn(view.shape, generator=gen).to(device, torch.float16))
+        views.append(view.detach().requires_grad_())
+    out = fa2tune.attention(*views, causal=True)
+    do = torch.randn(out.shape, generator=gen).to(device, torch.float16)
+    grads = torch.autograd.grad(out, views, do)
+    leaves = [t.detach().double().requires_grad_() for t in views]
+    ref = naive_attention(*leaves, causal=True)[0]
+    for got, want in zip((out, *grads), (ref, *torch.autograd.grad(ref, leaves, do.double())), strict=True):
+        assert_close(got, want, torch.float16)
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 def test_a_config_resolved_for_the_caller_falls_back_where_a_chosen_one_is_refused(grad, device):
     # A get_kernel() kernel's configs are resolved for it (attention.checked_apply's chosen=False): a call a
