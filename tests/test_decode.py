@@ -325,6 +325,74 @@ def test_bad_arguments_are_named(change, error, words, device):
         fa2tune.flash_attn_with_kvcache(**args)
 
 
+def _append_args(device, batch=2, kv_heads=2):
+    gen = torch.Generator().manual_seed(3)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device)
+    return dict(q=rand(batch, 1, 4, 16), k=rand(batch, 1, kv_heads, 16), v=rand(batch, 1, kv_heads, 16),
+                cache_seqlens=torch.tensor([3, 5][:batch], dtype=torch.int32, device=device)), rand  # fmt: skip
+
+
+@pytest.mark.parametrize("alias", ["batch expanded", "heads expanded", "k_cache is v_cache", "overlapping slices"])
+def test_an_append_into_caches_that_share_memory_is_refused(alias, device):
+    # entries or heads of an expanded cache would overwrite each other's new keys; one tensor as both caches would
+    # get the new values over the new keys
+    args, rand = _append_args(device)
+    one = rand(1, 12, 2, 16)
+    caches = {
+        "batch expanded": lambda: (one.expand(2, 12, 2, 16), rand(2, 12, 2, 16)),
+        "heads expanded": lambda: (rand(2, 12, 1, 16).expand(2, 12, 2, 16), rand(2, 12, 2, 16)),
+        "k_cache is v_cache": lambda: (one.expand(2, 12, 2, 16).contiguous(),) * 2,
+        "overlapping slices": lambda: (lambda buf: (buf[:2], buf[1:]))(rand(3, 12, 2, 16)),
+    }[alias]()
+    before = [c.clone() for c in caches]
+    words = "share memory" if "expanded" not in alias else "elements share memory .stride 0 in dim"
+    with pytest.raises(ValueError, match=words):
+        fa2tune.flash_attn_with_kvcache(k_cache=caches[0], v_cache=caches[1], **args)
+    assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))  # refused before any write
+
+
+def test_k_and_v_interleaved_in_one_buffer_share_no_element_and_append(device):
+    # one (batch, capacity, 2, kv_heads, head_dim) buffer, K and V its two halves of dim 2: strided views of one
+    # storage whose elements are distinct, as PyTorch's overlap rule sees them
+    args, rand = _append_args(device)
+    buffer = rand(2, 12, 2, 2, 16)
+    want = fa2tune.flash_attn_with_kvcache(k_cache=buffer[:, :, 0].clone(), v_cache=buffer[:, :, 1].clone(), **args)
+    got = fa2tune.flash_attn_with_kvcache(k_cache=buffer[:, :, 0], v_cache=buffer[:, :, 1], **args)
+    assert torch.equal(got, want)
+    assert torch.equal(buffer[0, 3, 0], args["k"][0, 0]) and torch.equal(buffer[1, 5, 1], args["v"][1, 0])
+
+
+def test_an_append_bumps_the_caches_versions_so_a_backward_that_saved_them_fails(device):
+    # the append writes in place: a backward that saved the cache's old values must not give a gradient of the new
+    args, rand = _append_args(device)
+    x = rand(2, 12, 2, 16).requires_grad_()
+    k_cache = x * 2
+    loss = (k_cache**2).sum()  # saves k_cache
+    v_cache = rand(2, 12, 2, 16)
+    versions = (k_cache._version, v_cache._version)
+    fa2tune.flash_attn_with_kvcache(k_cache=k_cache, v_cache=v_cache, **args)
+    assert k_cache._version > versions[0] and v_cache._version > versions[1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_an_append_is_refused_where_pytorch_refuses_an_in_place_write(device):
+    args, rand = _append_args(device)
+    leaf, v_cache = rand(2, 12, 2, 16).requires_grad_(), rand(2, 12, 2, 16)
+    with pytest.raises(RuntimeError, match="k_cache is a leaf tensor that requires grad"):
+        fa2tune.flash_attn_with_kvcache(k_cache=leaf, v_cache=v_cache, **args)
+    with torch.no_grad():  # as an optimizer's update is allowed
+        fa2tune.flash_attn_with_kvcache(k_cache=leaf, v_cache=v_cache, **args)
+    assert torch.equal(leaf[0, 3].detach(), args["k"][0, 0])
+    with torch.inference_mode():
+        k_inf, v_inf = rand(2, 12, 2, 16), rand(2, 12, 2, 16)
+        fa2tune.flash_attn_with_kvcache(k_cache=k_inf, v_cache=v_inf, **args)  # inside inference mode: allowed
+    with pytest.raises(RuntimeError, match="v_cache is an inference tensor"):
+        fa2tune.flash_attn_with_kvcache(k_cache=rand(2, 12, 2, 16), v_cache=v_inf, **args)
+    # without new keys nothing is written, and nothing is refused
+    fa2tune.flash_attn_with_kvcache(args["q"], leaf, v_inf, cache_seqlens=args["cache_seqlens"])
+
+
 def _bad_values_case(device):
     """A paged cache whose table points past its pages (−1, pages + 5) and whose lengths pass its capacity (−3,
     capacity + 10), inside a larger NaN buffer: a read outside the cache shows up as NaN."""

@@ -13,7 +13,14 @@ import numbers
 import torch
 
 from ..config.inputs import check_flag, check_scale, check_window, unit_last_stride
-from ..config.kvcache_inputs import KVCache, check_call, check_splits, check_values, values_checked_per_call
+from ..config.kvcache_inputs import (
+    KVCache,
+    check_call,
+    check_splits,
+    check_values,
+    check_writable,
+    values_checked_per_call,
+)
 from ..config.types import Mask
 from ..launch import launcher
 from .selection import decode_config
@@ -86,7 +93,11 @@ def flash_attn_with_kvcache(
     if values_checked_per_call():
         check_values(cache)
     if launcher.is_eager(q, k_cache, v_cache):
+        if cache.k_new is not None:
+            check_writable(k_cache, v_cache)
         out, lse = launcher.decode(q, cache, scale=scale, window=(left, right), splits=splits, resolve=decode_config)
+        if cache.k_new is not None:
+            _written_in_place(k_cache, v_cache)
     else:
         out, lse = torch.ops.fa2tune.kvcache(q, cache.k_cache, cache.v_cache, cache.k_new, cache.v_new,
                                              cache.cache_seqlens, cache.block_table, cache.seqlen, scale,
@@ -109,7 +120,19 @@ def check_kvcache(
     uses (the first ⌈(length + seqlen_new) / page_size⌉ of its block_table row) is a page of the cache. Call it
     where a sync costs nothing (tests, a serving loop's admission of a request); flash_attn_with_kvcache does not
     read the values (FA2TUNE_CHECK_KVCACHE=1 makes every call outside a CUDA graph capture check them)."""
-    check_values(check_call(unit_last_stride(q), k_cache, v_cache, k, v, cache_seqlens, block_table))
+    cache = check_call(unit_last_stride(q), k_cache, v_cache, k, v, cache_seqlens, block_table)
+    if cache.k_new is not None:
+        check_writable(k_cache, v_cache)
+    check_values(cache)
+
+
+def _written_in_place(*caches: torch.Tensor) -> None:
+    """Bumps the caches' version counters after an eager append, as an in-place op of PyTorch's does (the custom op
+    declares its writes instead): a tensor an earlier op saved for its backward then fails that backward with
+    PyTorch's error rather than giving a gradient of values it no longer holds. Inference tensors keep no counter."""
+    for cache in caches:
+        if not cache.is_inference():
+            torch.autograd.graph.increment_version(cache)
 
 
 def _refuse_unsupported(**arguments: object) -> None:

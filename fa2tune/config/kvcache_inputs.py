@@ -96,6 +96,44 @@ def check_call(q: object, k_cache: object, v_cache: object, k: object = None, v:
     return KVCache(k_cache, v_cache, table, seqlens, seqlen, k_new, v_new)
 
 
+def check_writable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """What PyTorch checks before an in-place write, for the caches an eager append writes into (a traced call goes
+    through the custom op, whose declared writes PyTorch checks): no element shares memory with another (a stride-0
+    dimension, as expand() makes: entries or heads would overwrite each other's new keys), k_cache and v_cache are
+    not the same memory, and the write is one autograd and inference mode allow (not a leaf that requires grad under
+    grad mode, nor an inference tensor outside inference mode)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        shared = [dim for dim in range(t.dim()) if t.stride(dim) == 0 and t.shape[dim] > 1]
+        if shared:
+            raise ValueError(f"{name} is written in place by the append, but its elements share memory (stride 0 in "
+                             f"dim {shared[0]}, as expand() makes; strides {tuple(t.stride())}): pass a cache with "
+                             f"memory of its own (.contiguous())")  # fmt: skip
+        if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
+            raise RuntimeError(f"{name} is a leaf tensor that requires grad, and the append writes into it in place "
+                               f"(no gradient flows through it): pass {name}.detach(), or call under torch.no_grad()")
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"{name} is an inference tensor (made under torch.inference_mode), and the append "
+                               f"writes into it in place, which PyTorch allows only inside inference mode: call "
+                               f"under torch.inference_mode(), or pass {name}.clone()")  # fmt: skip
+    if _overlap(k_cache, v_cache):
+        raise ValueError("k_cache and v_cache share memory, and the append writes new keys into one and new values "
+                         "into the other: pass two caches")  # fmt: skip
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors certainly share an element (PyTorch's in-place overlap rule): the same first element,
+    or the byte ranges of two dense tensors of one storage intersecting. Strided views that interleave (k and v of
+    one (…, 2, heads, head_dim) buffer) share none."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    if a.data_ptr() == b.data_ptr():
+        return True
+    if not (a.is_contiguous() and b.is_contiguous()):
+        return False
+    size = a.element_size()
+    return a.data_ptr() < b.data_ptr() + b.numel() * size and b.data_ptr() < a.data_ptr() + a.numel() * size
+
+
 def _check_tensor(name: str, t: object, q: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
