@@ -308,6 +308,37 @@ def test_patch_sdpa_hands_calls_it_cannot_serve_to_pytorch_and_says_so_once(name
     assert len(caplog.records) == 1 and "run on the SDPA it replaced" in caplog.records[0].getMessage()
 
 
+@pytest.mark.parametrize("mask", ["bfloat16 mask", "float64 mask", "0-dim bool", "0-dim float"])
+def test_patch_sdpa_leaves_masks_pytorch_refuses_to_pytorch(mask, packed_calls, device):
+    # PyTorch's SDPA takes a bool mask or one in query's dtype, of at least one dimension: the patched function
+    # must raise what it raises, not give a result code run without the patch would not get
+    q, k, v = _tensors((2, 2, 2, 5, 7, 16), torch.float32, device, seed=6)
+    hidden = torch.where(_key_padding(2, 7, device, seed=6), 0.0, float("-inf"))[:, None, None, :]
+    mask = {"bfloat16 mask": hidden.bfloat16(), "float64 mask": hidden.double(),
+            "0-dim bool": torch.tensor(True, device=device), "0-dim float": torch.tensor(0.0, device=device)}[mask]
+    try:
+        sdpa.TORCH_SDPA(q, k, v, attn_mask=mask)
+    except (RuntimeError, IndexError) as error:
+        refused = type(error)
+    else:
+        pytest.skip("this PyTorch takes the mask")
+    with fa2tune.patch_sdpa(), pytest.raises(refused):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert not packed_calls
+
+
+def test_patch_sdpa_runs_a_float32_mask_under_autocast_as_pytorchs_would_see_it(packed_calls, device):
+    # under autocast a float32 mask reaches PyTorch's SDPA in autocast's dtype, as query does: fa2tune runs it
+    q, k, v = _tensors((2, 2, 2, 5, 7, 16), torch.float32, device, seed=6)
+    visible = _key_padding(2, 7, device, seed=6)
+    mask = torch.where(visible, 0.0, float("-inf"))[:, None, None, :]
+    with torch.autocast(device_type=q.device.type, dtype=torch.bfloat16), fa2tune.patch_sdpa():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert len(packed_calls) == 1 and out.dtype == torch.bfloat16
+    want = sdpa.TORCH_SDPA(*(t.bfloat16().double() for t in (q, k, v)), attn_mask=visible[:, None, None, :])
+    assert_close(out, want, torch.bfloat16)
+
+
 def test_patch_sdpa_runs_multihead_attention_with_a_key_padding_mask(packed_calls, device):
     torch.manual_seed(9)
     mha = torch.nn.MultiheadAttention(32, 4, batch_first=True, device=device).train()  # train: no fused fast path

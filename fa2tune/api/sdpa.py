@@ -76,20 +76,37 @@ def autocast_inputs(query, key, value):
     type, each floating tensor but a float64 one in autocast's dtype (SDPA is one of autocast's lower-precision
     ops), else as they came. An attn_mask is left alone: fa2tune reads only which keys it hides, and a mask it
     leaves to PyTorch's SDPA is cast there."""
-    if not isinstance(query, torch.Tensor):
+    dtype = _autocast_dtype(query)
+    if dtype is None:
         return query, key, value
+    return tuple(_autocast(t, dtype) for t in (query, key, value))
+
+
+def _autocast_dtype(query) -> torch.dtype | None:
+    """The dtype autocast gives SDPA's floating inputs on query's device type, or None where it is off."""
+    if not isinstance(query, torch.Tensor):
+        return None
     device_type = query.device.type
     # a device type autocast does not know (meta) is an error to ask about: nothing is cast there. CUDA and the CPU
     # always have it, and are not asked: torch.compile before PyTorch 2.12 cannot trace the question (a graph break
     # in a compiled model's attention, GPU-tested under 2.11)
     available = device_type in _AUTOCAST_DEVICE_TYPES or torch.amp.is_autocast_available(device_type)
     if not available or not torch.is_autocast_enabled(device_type):
-        return query, key, value
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(
-        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 else t
-        for t in (query, key, value)
-    )
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+def _autocast(t, dtype):
+    """t as autocast hands it to SDPA: floating tensors but float64 ones in `dtype`."""
+    return t.to(dtype) if _autocast_dtype_of(t, dtype) != getattr(t, "dtype", None) else t
+
+
+def _autocast_dtype_of(t, dtype: torch.dtype | None):
+    """The dtype t reaches SDPA in where autocast gives `dtype` (None: autocast off): floating tensors but float64
+    ones in `dtype`; None for what is not a tensor."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    return dtype if dtype is not None and t.is_floating_point() and t.dtype != torch.float64 else t.dtype
 
 
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, slow):
@@ -280,8 +297,10 @@ def patch_sdpa() -> SdpaPatch:
 def _patched(replaced):
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                      enable_gqa=False):  # fmt: skip
-        query, key, value = autocast_inputs(query, key, value)  # what the replaced SDPA would run on
-        reason = _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        # what the replaced SDPA would run on, and the dtype it would see the mask in
+        mask_dtype = _autocast_dtype_of(attn_mask, _autocast_dtype(query))
+        query, key, value = autocast_inputs(query, key, value)
+        reason = _unsupported(query, key, value, attn_mask, mask_dtype, dropout_p, is_causal, scale, enable_gqa)
         if reason is not None:
             note_once(f"fa2tune.patch_sdpa: calls with {reason} run on the SDPA it replaced")
             return replaced(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
@@ -293,8 +312,10 @@ def _patched(replaced):
     return scaled_dot_product_attention
 
 
-def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> str | None:
-    """Why fa2tune's scaled_dot_product_attention would refuse this call, as a short reason, or None."""
+def _unsupported(query, key, value, attn_mask, mask_dtype, dropout_p, is_causal, scale, enable_gqa) -> str | None:
+    """Why the patched SDPA leaves this call to the SDPA it replaced, as a short reason, or None: fa2tune's
+    scaled_dot_product_attention would refuse it, or PyTorch's would (a mask that is neither bool nor in query's
+    dtype as autocast hands them over — mask_dtype —, or a 0-dim one), whose error it then raises."""
     tensors = (query, key, value)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
         return "dropout_p > 0"
@@ -322,7 +343,8 @@ def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, scale, enab
         return "a scale that is not a positive finite float"
     if attn_mask is not None and not (
         type(attn_mask) is torch.Tensor
-        and (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
+        and mask_dtype in (torch.bool, query.dtype)
+        and attn_mask.dim() > 0
         and attn_mask.device == query.device
         and mask_fits(attn_mask, (batch, heads_q, query.shape[2], seqlen_k))
     ):
