@@ -180,5 +180,6 @@ def test_the_triton_templates_render_v_head_dim_only_where_it_differs():
 
 def test_sdpa_patch_still_hands_pytorch_what_it_cannot_take():
     q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 4)
-    assert sdpa._unsupported(q, k, k, None, None, 0.0, False, None, False).startswith("query and key head dims that differ")
+    reason = sdpa._unsupported(q, k, k, None, None, 0.0, False, None, False)
+    assert reason.startswith("query and key head dims that differ")
     assert sdpa._unsupported(q, q, torch.randn(1, 2, 5, 4), None, None, 0.0, False, None, False) is None
