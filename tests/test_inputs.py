@@ -67,6 +67,12 @@ def test_gqa_heads_must_divide(device):
         fa2tune.attention(q, k, v)
 
 
+def test_kv_without_heads_is_named(device):
+    q, k, v = _qkv(device, hq=0, hkv=0)
+    with pytest.raises(ValueError, match=r"k and v must have at least one head, got none \(q heads=0\)"):
+        fa2tune.attention(q, k, v)
+
+
 def test_kv_length_mismatch(device):
     q, k, _ = _qkv(device, nk=8)
     _, _, v = _qkv(device, nk=9)

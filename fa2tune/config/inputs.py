@@ -144,7 +144,9 @@ def check_no_function_transform(*tensors: torch.Tensor, names: tuple[str, ...] =
 def _check_heads(heads_q: int, heads_k: int, heads_v: int) -> None:
     if heads_k != heads_v:
         raise ValueError(f"k and v must have the same number of heads, got k={heads_k}, v={heads_v}")
-    if heads_k == 0 or heads_q % heads_k != 0:
+    if heads_k == 0:
+        raise ValueError(f"k and v must have at least one head, got none (q heads={heads_q})")
+    if heads_q % heads_k != 0:
         raise ValueError(
             f"q's heads must be a multiple of k/v's heads (GQA/MQA), got q heads={heads_q}, k/v heads={heads_k}"
         )
