@@ -108,6 +108,20 @@ def test_a_malformed_decode_entry_is_skipped_with_a_warning_naming_it(config_dir
     assert [e.key.kernel for e in entries] == ["fwd"]  # the file's other entries are used
 
 
+@pytest.mark.parametrize("field, value", [("ms", ".nan"), ("ms", "-0.5"), ("trials", "-1"), ("spread", ".inf")])
+def test_an_entry_with_a_measure_no_tune_gives_is_skipped_with_a_warning(config_dir, field, value):
+    # a tune compares its candidates with the stored entry's time: a NaN or negative one would decide wrongly
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    store.write_entries(path, DEVICE, [_entry(64), _entry(128)])
+    text = path.read_text()
+    start = text.index(f"{field}:", text.index("head_dim: 128"))  # the second entry's field
+    end = text.index("\n", start)
+    path.write_text(text[:start] + f"{field}: {value}" + text[end:])
+    with pytest.warns(RuntimeWarning, match=rf"{field} must be a finite number >= 0"):
+        _, entries = store.read_file(path)
+    assert [e.key.head_dim for e in entries] == [64]
+
+
 def test_a_schema_1_file_has_no_decode_entries(config_dir):
     path = config_dir / "env" / "cpu-interpreter.yaml"
     entry = _decode_entry().to_dict()
