@@ -327,6 +327,18 @@ def test_patch_sdpa_leaves_masks_pytorch_refuses_to_pytorch(mask, packed_calls, 
     assert not packed_calls
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_patch_sdpa_runs_a_float32_mask_beside_a_16_bit_query(dtype, packed_calls, device):
+    # PyTorch takes a bool mask, a float32 one, or one in query's dtype
+    q, k, v = _tensors((2, 2, 2, 5, 7, 16), dtype, device, seed=6)
+    visible = _key_padding(2, 7, device, seed=6)
+    mask = torch.where(visible, 0.0, float("-inf"))[:, None, None, :]
+    with fa2tune.patch_sdpa():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert len(packed_calls) == 1
+    assert_close(out, sdpa.TORCH_SDPA(*(t.double() for t in (q, k, v)), attn_mask=visible[:, None, None, :]), dtype)
+
+
 def test_patch_sdpa_runs_a_float32_mask_under_autocast_as_pytorchs_would_see_it(packed_calls, device):
     # under autocast a float32 mask reaches PyTorch's SDPA in autocast's dtype, as query does: fa2tune runs it
     q, k, v = _tensors((2, 2, 2, 5, 7, 16), torch.float32, device, seed=6)

@@ -332,7 +332,8 @@ def _append_args(device, batch=2, kv_heads=2):
                 cache_seqlens=torch.tensor([3, 5][:batch], dtype=torch.int32, device=device)), rand  # fmt: skip
 
 
-@pytest.mark.parametrize("alias", ["batch expanded", "heads expanded", "k_cache is v_cache", "overlapping slices"])
+@pytest.mark.parametrize("alias", ["batch expanded", "heads expanded", "k_cache is v_cache", "overlapping slices",
+                                   "overlapping permuted"])
 def test_an_append_into_caches_that_share_memory_is_refused(alias, device):
     # entries or heads of an expanded cache would overwrite each other's new keys; one tensor as both caches would
     # get the new values over the new keys
@@ -343,12 +344,23 @@ def test_an_append_into_caches_that_share_memory_is_refused(alias, device):
         "heads expanded": lambda: (rand(2, 12, 1, 16).expand(2, 12, 2, 16), rand(2, 12, 2, 16)),
         "k_cache is v_cache": lambda: (one.expand(2, 12, 2, 16).contiguous(),) * 2,
         "overlapping slices": lambda: (lambda buf: (buf[:2], buf[1:]))(rand(3, 12, 2, 16)),
+        "overlapping permuted": lambda: (lambda buf: (buf[:2], buf[1:]))(rand(3, 2, 12, 16).transpose(1, 2)),
     }[alias]()
     before = [c.clone() for c in caches]
     words = "share memory" if "expanded" not in alias else "elements share memory .stride 0 in dim"
     with pytest.raises(ValueError, match=words):
         fa2tune.flash_attn_with_kvcache(k_cache=caches[0], v_cache=caches[1], **args)
     assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))  # refused before any write
+
+
+def test_an_append_under_a_dispatch_mode_checks_the_caches_memory_too(device):
+    # outside plain eager calls the append runs through the custom op, which checks the caches' memory itself
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args, rand = _append_args(device)
+    shared = rand(1, 12, 2, 16).expand(2, 12, 2, 16)
+    with FlopCounterMode(display=False), pytest.raises(ValueError, match="k_cache is written in place"):
+        fa2tune.flash_attn_with_kvcache(k_cache=shared, v_cache=rand(2, 12, 2, 16), **args)
 
 
 def test_k_and_v_interleaved_in_one_buffer_share_no_element_and_append(device):
@@ -381,6 +393,8 @@ def test_an_append_is_refused_where_pytorch_refuses_an_in_place_write(device):
     leaf, v_cache = rand(2, 12, 2, 16).requires_grad_(), rand(2, 12, 2, 16)
     with pytest.raises(RuntimeError, match="k_cache is a leaf tensor that requires grad"):
         fa2tune.flash_attn_with_kvcache(k_cache=leaf, v_cache=v_cache, **args)
+    with pytest.raises(RuntimeError, match=r"k_cache is a leaf tensor that requires grad \(or a view of one\)"):
+        fa2tune.flash_attn_with_kvcache(k_cache=leaf[:, :11], v_cache=v_cache[:, :11], **args)
     with torch.no_grad():  # as an optimizer's update is allowed
         fa2tune.flash_attn_with_kvcache(k_cache=leaf, v_cache=v_cache, **args)
     assert torch.equal(leaf[0, 3].detach(), args["k"][0, 0])

@@ -108,7 +108,7 @@ def test_a_malformed_decode_entry_is_skipped_with_a_warning_naming_it(config_dir
     assert [e.key.kernel for e in entries] == ["fwd"]  # the file's other entries are used
 
 
-@pytest.mark.parametrize("field, value", [("ms", ".nan"), ("ms", "-0.5"), ("trials", "-1"), ("spread", ".inf")])
+@pytest.mark.parametrize("field, value", [("ms", ".nan"), ("ms", "0"), ("trials", "-1"), ("spread", ".inf")])
 def test_an_entry_with_a_measure_no_tune_gives_is_skipped_with_a_warning(config_dir, field, value):
     # a tune compares its candidates with the stored entry's time: a NaN or negative one would decide wrongly
     path = config_dir / "env" / "cpu-interpreter.yaml"
@@ -117,7 +117,7 @@ def test_an_entry_with_a_measure_no_tune_gives_is_skipped_with_a_warning(config_
     start = text.index(f"{field}:", text.index("head_dim: 128"))  # the second entry's field
     end = text.index("\n", start)
     path.write_text(text[:start] + f"{field}: {value}" + text[end:])
-    with pytest.warns(RuntimeWarning, match=rf"{field} must be a finite number >= 0"):
+    with pytest.warns(RuntimeWarning, match=rf"{field} must be a finite number [>]"):
         _, entries = store.read_file(path)
     assert [e.key.head_dim for e in entries] == [64]
 

@@ -17,6 +17,7 @@ from ..config.kvcache_inputs import (
     KVCache,
     check_call,
     check_splits,
+    check_unshared,
     check_values,
     check_writable,
     values_checked_per_call,
@@ -165,6 +166,8 @@ def _kvcache_op(
     window: list[int],
     num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if k is not None:  # the eager path checked this and more (check_writable); a dispatch mode's call has not
+        check_unshared(k_cache, v_cache)
     cache = KVCache(k_cache, v_cache, block_table, cache_seqlens, seqlen, k, v)
     return launcher.decode(q, cache, scale=scale, window=(window[0], window[1]), splits=num_splits,
                            resolve=decode_config)

@@ -105,8 +105,11 @@ class Entry:
             if not isinstance(value, allowed) or isinstance(value, bool):  # no field takes a bool
                 names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
                 raise ValueError(f"{name} must be {names}, got {shown(value)}")
-            if name in _MEASURES and value is not None and not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {shown(value)}")
+            if name in _MEASURES and value is not None and not (
+                math.isfinite(value) and (value > 0 if name == "ms" else value >= 0)
+            ):
+                least = "> 0" if name == "ms" else ">= 0"
+                raise ValueError(f"{name} must be a finite number {least}, got {shown(value)}")
             record[name] = value
         key_fields = _fields_of(data["key"], EntryKey, "key")
         try:
@@ -123,7 +126,8 @@ _NUMBER = (int, float)
 _RECORD_TYPES = {"ms": _NUMBER, "tflops": (*_NUMBER, type(None)), "baseline": (dict, type(None)), "trials": (int,),
                  "spread": (*_NUMBER, type(None)), "triton_version": (str,), "torch_version": (str,),
                  "template_hash": (str,), "date": (str,), "gbps": (*_NUMBER, type(None))}  # fmt: skip
-# The fields a tune measured or counted: never negative, never NaN or infinite (a tune compares against them).
+# The fields a tune measured or counted: never negative, never NaN or infinite, a time never 0 (a tune compares its
+# candidates against them).
 _MEASURES = ("ms", "tflops", "trials", "spread", "gbps")
 assert set(_RECORD_TYPES) == {f.name for f in fields(Entry)} - {"key", "config"}, "an Entry field without a YAML type"
 

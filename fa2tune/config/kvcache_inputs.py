@@ -97,24 +97,33 @@ def check_call(q: object, k_cache: object, v_cache: object, k: object = None, v:
 
 
 def check_writable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """What PyTorch checks before an in-place write, for the caches an eager append writes into (a traced call goes
-    through the custom op, whose declared writes PyTorch checks): no element shares memory with another (a stride-0
-    dimension, as expand() makes: entries or heads would overwrite each other's new keys), k_cache and v_cache are
-    not the same memory, and the write is one autograd and inference mode allow (not a leaf that requires grad under
-    grad mode, nor an inference tensor outside inference mode)."""
+    """What PyTorch checks before an in-place write, for the caches an eager append writes into: their memory
+    (check_unshared), and that autograd and inference mode allow the write — not a leaf that requires grad, nor a
+    view of one, under grad mode; not an inference tensor outside inference mode. A traced call goes through the
+    custom op, whose declared writes PyTorch's autograd and functionalization see, and which checks the memory."""
+    check_unshared(k_cache, v_cache)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        leaf = t.is_leaf or (t._is_view() and t._base.is_leaf)
+        if t.requires_grad and leaf and torch.is_grad_enabled():
+            raise RuntimeError(f"{name} is a leaf tensor that requires grad (or a view of one), and the append writes "
+                               f"into it in place (no gradient flows through it): pass {name}.detach(), or call "
+                               f"under torch.no_grad()")  # fmt: skip
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"{name} is an inference tensor (made under torch.inference_mode), and the append "
+                               f"writes into it in place, which PyTorch allows only inside inference mode: call "
+                               f"under torch.inference_mode(), or pass {name}.clone()")  # fmt: skip
+
+
+def check_unshared(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The caches an append writes into, as PyTorch's in-place overlap rule sees them: no element shares memory
+    with another (a stride-0 dimension, as expand() makes: entries or heads would overwrite each other's new keys),
+    and k_cache and v_cache share none (one tensor as both would get the new values over the new keys)."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         shared = [dim for dim in range(t.dim()) if t.stride(dim) == 0 and t.shape[dim] > 1]
         if shared:
             raise ValueError(f"{name} is written in place by the append, but its elements share memory (stride 0 in "
                              f"dim {shared[0]}, as expand() makes; strides {tuple(t.stride())}): pass a cache with "
                              f"memory of its own (.contiguous())")  # fmt: skip
-        if t.requires_grad and t.is_leaf and torch.is_grad_enabled():
-            raise RuntimeError(f"{name} is a leaf tensor that requires grad, and the append writes into it in place "
-                               f"(no gradient flows through it): pass {name}.detach(), or call under torch.no_grad()")
-        if t.is_inference() and not torch.is_inference_mode_enabled():
-            raise RuntimeError(f"{name} is an inference tensor (made under torch.inference_mode), and the append "
-                               f"writes into it in place, which PyTorch allows only inside inference mode: call "
-                               f"under torch.inference_mode(), or pass {name}.clone()")  # fmt: skip
     if _overlap(k_cache, v_cache):
         raise ValueError("k_cache and v_cache share memory, and the append writes new keys into one and new values "
                          "into the other: pass two caches")  # fmt: skip
@@ -122,16 +131,26 @@ def check_writable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors certainly share an element (PyTorch's in-place overlap rule): the same first element,
-    or the byte ranges of two dense tensors of one storage intersecting. Strided views that interleave (k and v of
-    one (…, 2, heads, head_dim) buffer) share none."""
+    or the byte ranges of two dense tensors (in any order of their dimensions) of one storage intersecting.
+    Strided views that interleave (k and v of one (…, 2, heads, head_dim) buffer) share none."""
     if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     if a.data_ptr() == b.data_ptr():
         return True
-    if not (a.is_contiguous() and b.is_contiguous()):
+    if not (_dense(a) and _dense(b)):
         return False
     size = a.element_size()
     return a.data_ptr() < b.data_ptr() + b.numel() * size and b.data_ptr() < a.data_ptr() + a.numel() * size
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill a block of memory without gaps or repeats, its dimensions in some order."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride(), strict=True) if size > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _check_tensor(name: str, t: object, q: torch.Tensor) -> None:
