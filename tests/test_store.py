@@ -122,6 +122,28 @@ def test_an_entry_with_a_measure_no_tune_gives_is_skipped_with_a_warning(config_
     assert [e.key.head_dim for e in entries] == [64]
 
 
+@pytest.mark.parametrize("date", ["2026-13-45", "'2026-02-30'", "yesterday"])
+def test_an_entry_with_a_bad_date_is_skipped_alone(config_dir, date):
+    # unquoted, 2026-13-45 is a YAML timestamp PyYAML cannot build: read as text, it fails its own entry, not the file
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    store.write_entries(path, DEVICE, [_entry(64), _entry(128)])
+    text = path.read_text()
+    start = text.index("date:", text.index("head_dim: 128"))
+    path.write_text(text[:start] + f"date: {date}" + text[text.index("\n", start):])
+    with pytest.warns(RuntimeWarning, match="date must be a date as YYYY-MM-DD"):
+        _, entries = store.read_file(path)
+    assert [e.key.head_dim for e in entries] == [64]
+
+
+def test_an_unquoted_date_reads_as_its_text(config_dir):
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    store.write_entries(path, DEVICE, [_entry(64)])
+    path.write_text(path.read_text().replace("date: '2026-11-29'", "date: 2026-11-29"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [e.date for e in store.read_file(path)[1]] == ["2026-11-29"]
+
+
 def test_a_schema_1_file_has_no_decode_entries(config_dir):
     path = config_dir / "env" / "cpu-interpreter.yaml"
     entry = _decode_entry().to_dict()

@@ -118,9 +118,18 @@ class _UniqueKeys:
         return super().construct_mapping(node, deep)
 
 
+def loader_on(base: type) -> type:
+    """The store's loader on PyYAML's safe loader `base`: keys unique (_UniqueKeys), and an unquoted date kept as its
+    text, for Entry.from_dict to check in its entry — a date PyYAML cannot build (month 13) would otherwise fail the
+    whole file's parse, every entry with it."""
+    loader = type("_Loader", (_UniqueKeys, base), {})
+    loader.add_constructor("tag:yaml.org,2002:timestamp", lambda self, node: self.construct_scalar(node))
+    return loader
+
+
 # Safe loading only (YAML tags never build Python objects), by libyaml's parser where PyYAML was built with it: ~6x
 # the pure-Python one's speed (0.015 s against 0.09 s for the shipped file).
-_Loader = type("_Loader", (_UniqueKeys, getattr(yaml, "CSafeLoader", yaml.SafeLoader)), {})
+_Loader = loader_on(getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 @dataclass(frozen=True)
@@ -189,7 +198,7 @@ def _parse(raw: bytes) -> _Parsed:
         raise ValueError(f"not UTF-8 text: {exc}") from None
     except RecursionError:  # the pure-Python parser on deep nesting (libyaml stops at 1000 levels itself)
         raise ValueError("nested too deep to parse") from None
-    except (yaml.YAMLError, ValueError, TypeError, OverflowError) as exc:  # a constructor's: a date of month 13
+    except (yaml.YAMLError, ValueError, TypeError, OverflowError) as exc:  # a constructor's: an int past the limit
         message = " ".join(str(exc).split()).replace('in "<unicode string>", ', "at ")  # YAML errors span lines
         raise ValueError(message) from None
     if not isinstance(data, dict):
