@@ -5,7 +5,6 @@ value, every container replaced, truncation at every few bytes) and from seeded 
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import random
@@ -21,6 +20,7 @@ import yaml
 import fa2tune
 from fa2tune.api import attention_kernel, selection
 from fa2tune.config import defaults, lengths, planner, schema_v1, store
+from fa2tune.config.entries import is_iso_date
 from fa2tune.config.schedule import Schedule
 from fa2tune.config.types import DTYPE_CHOICES, KERNELS, KernelConfig
 from fa2tune.kernels import codegen
@@ -129,14 +129,6 @@ def _schedule_takes(name):
     return lambda v: type(v) is bool
 
 
-def _iso_date(text: str) -> bool:
-    try:
-        datetime.date.fromisoformat(text)
-    except ValueError:
-        return False
-    return True
-
-
 _NUMBER = lambda v: type(v) in (int, float)
 _SCHEMA = {
     ("key", "head_dim"): lambda v: type(v) is int and 1 <= v <= 256,
@@ -152,7 +144,7 @@ _SCHEMA = {
     ("trials",): lambda v: type(v) is int,
     ("baseline",): lambda v: v is None or type(v) is dict,
     **{(name,): lambda v: type(v) is str for name in ("triton_version", "torch_version", "template_hash")},
-    ("date",): lambda v: type(v) is str and _iso_date(v),
+    ("date",): lambda v: type(v) is str and is_iso_date(v),
 }
 _REQUIRED = {("key", f.name) for f in fields(store.EntryKey) if f.default is MISSING}
 _REQUIRED |= {("config", f.name) for f in fields(KernelConfig) if f.default is MISSING}

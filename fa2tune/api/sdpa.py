@@ -79,7 +79,7 @@ def autocast_inputs(query, key, value):
     dtype = _autocast_dtype(query)
     if dtype is None:
         return query, key, value
-    return tuple(_autocast(t, dtype) for t in (query, key, value))
+    return tuple(t.to(_autocast_dtype_of(t, dtype)) if isinstance(t, torch.Tensor) else t for t in (query, key, value))
 
 
 def _autocast_dtype(query) -> torch.dtype | None:
@@ -94,11 +94,6 @@ def _autocast_dtype(query) -> torch.dtype | None:
     if not available or not torch.is_autocast_enabled(device_type):
         return None
     return torch.get_autocast_dtype(device_type)
-
-
-def _autocast(t, dtype):
-    """t as autocast hands it to SDPA: floating tensors but float64 ones in `dtype`."""
-    return t.to(dtype) if _autocast_dtype_of(t, dtype) != getattr(t, "dtype", None) else t
 
 
 def _autocast_dtype_of(t, dtype: torch.dtype | None):

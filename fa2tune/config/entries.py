@@ -105,7 +105,7 @@ class Entry:
             if not isinstance(value, allowed) or isinstance(value, bool):  # no field takes a bool
                 names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
                 raise ValueError(f"{name} must be {names}, got {shown(value)}")
-            if name == "date" and not _iso_date(value):
+            if name == "date" and not is_iso_date(value):
                 raise ValueError(f"date must be a date as YYYY-MM-DD, got {shown(value)}")
             if name in _MEASURES and value is not None and not (
                 math.isfinite(value) and (value > 0 if name == "ms" else value >= 0)
@@ -134,7 +134,8 @@ _MEASURES = ("ms", "tflops", "trials", "spread", "gbps")
 assert set(_RECORD_TYPES) == {f.name for f in fields(Entry)} - {"key", "config"}, "an Entry field without a YAML type"
 
 
-def _iso_date(text: str) -> bool:
+def is_iso_date(text: str) -> bool:
+    """A date written YYYY-MM-DD that exists."""
     try:
         datetime.date.fromisoformat(text)
     except ValueError:
