@@ -475,6 +475,31 @@ def test_only_the_files_that_record_the_chip_are_read_and_the_gpus_own_copies_ar
     assert store.same_chip_gpus(h100)[0] == store.SameChipGPU("NVIDIA GH200", (late,))
 
 
+def test_a_gpus_own_file_that_records_another_gpu_is_used_with_one_warning(config_dir, monkeypatch, gpus):
+    # An A100's file copied under the H200's name: the H200 reads it as its own (whoever put it there may mean it),
+    # and says once which GPU the file records; a file that records the H200 itself, or no device, says nothing.
+    _, h200, _, a100 = gpus
+    monkeypatch.setattr(selection, "device_info", lambda _: h200)
+    copied = _write_for(config_dir / "env" / "nvidia-h200.yaml", a100,
+                        [_bf16(_entry(112, cfg=KernelConfig(64, 64, 4, 2)))])  # fmt: skip
+    with pytest.warns(RuntimeWarning, match=r"nvidia-h200.yaml is read as NVIDIA H200's .* records another GPU, "
+                      r"'NVIDIA A100-SXM4-80GB'") as caught:  # fmt: skip
+        cfg, source = selection.resolve("fwd", 112, torch.bfloat16, False, "cuda:0")
+        assert (cfg, source) == (KernelConfig(64, 64, 4, 2), str(copied))
+        selection.clear_cache()
+        selection.resolve("fwd", 112, torch.bfloat16, False, "cuda:0")
+    assert sum("records another GPU" in str(w.message) for w in caught) == 1
+    from fa2tune.tune.job import device_summary
+
+    for recorded in (device_summary(h200), {}):
+        store.write_entries(copied, recorded, [_bf16(_entry(112, cfg=KernelConfig(64, 64, 4, 2)))])
+        store._warned.clear()
+        selection.clear_cache()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert selection.resolve("fwd", 112, torch.bfloat16, False, "cuda:0")[1] == str(copied)
+
+
 def test_decode_entries_stay_the_gpus_own_and_show_says_which_entry_calls_read(config_dir, monkeypatch, gpus):
     # The decode kernel is bound by memory bandwidth, where an H100 and an H200 differ: the H200's decode entry is
     # not read on an H100. show marks each row as calls would read it, the other dtype and the same chip included.

@@ -446,6 +446,25 @@ def same_chip_gpus(info: DeviceInfo) -> list[SameChipGPU]:
     return list(answer)
 
 
+def _warn_if_another_gpus(path: Path, info: DeviceInfo) -> None:
+    """Says once that a GPU's own file (by its name) records another GPU in its `device` (neither info's slug nor its
+    name): a file copied or renamed from another GPU's carries that GPU's timings. Its entries are still read as the
+    name says, since whoever put it there may mean it; each must fit this GPU as any entry must."""
+    try:
+        device = _load(path).data.get("device")
+    except (OSError, ValueError):
+        return
+    if not isinstance(device, dict):
+        return
+    slug, name = device.get("slug"), device.get("name")
+    if (slug is None and name is None) or slug == info.slug or name == info.name:
+        return
+    recorded = _gpu_name(device, path) if isinstance(name, str) else str(slug)[:_MAX_GPU_NAME]
+    _warn_once(f"fa2tune: {path} is read as {info.name}'s tuned configs (its file name) but records another GPU, "
+               f"{recorded!r}, in its `device`: entries tuned there are used here; run `fa2tune tune` on this GPU "
+               "or rename the file to that GPU's slug")  # fmt: skip
+
+
 def find_for_device(
     info: DeviceInfo, keys: list[EntryKey], *, template_hash: str | Callable[[KernelConfig], str] | None
 ) -> Iterator[Found]:
@@ -454,7 +473,9 @@ def find_for_device(
     dtype's: dtype_twins), then each other GPU of the same chip's files the same way (same_chip_gpus; not for
     decode entries). The caller takes the first that fits its device; the same-chip files are looked for only when
     it asks past the GPU's own entries. template_hash None: stale entries count too."""
-    yield from _found_in(own_files(info.slug), keys, template_hash, None)
+    for found in _found_in(own_files(info.slug), keys, template_hash, None):
+        _warn_if_another_gpus(found.path, info)
+        yield found
     if not keys or keys[0].kernel in CHIP_BLIND_KERNELS:
         return
     for gpu in same_chip_gpus(info):
