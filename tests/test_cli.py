@@ -126,6 +126,15 @@ def test_codegen_prints_a_variant(capsys):
     assert exited.value.code == 2 and "--drain-before-dq is a switch of --template bwd_ws with --fused-dq" in (
         capsys.readouterr().err
     )
+    # a switch of other templates would render the same code as without it: said, not ignored
+    for argv, said in ((["--template", "fwd", "--pad-head-dim"], "--pad-head-dim is a switch of --template fwd_ws or "
+                        "bwd_ws or bwd_dq_ws, got --template fwd"),
+                       (["--template", "bwd_dq_ws", "--pingpong"], "--pingpong is a switch of --template fwd_ws"),
+                       (["--template", "fwd_ws", "--ragged"], "--ragged is a switch of --template fwd or bwd"),
+                       (["--template", "fwd_ws", "--fused-dq"], "--fused-dq is a switch of --template bwd_ws")):
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["codegen", *argv])
+        assert exited.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_tune_on_cpu_writes_yaml_that_the_runtime_then_uses(tmp_path, capsys, monkeypatch):

@@ -114,11 +114,24 @@ def _switches(cfg) -> str:
     return " ".join(word for word, on in words if on).replace(" ,", ",")
 
 
+_WARPSPEC = ("fwd_ws", "bwd_ws", "bwd_dq_ws")
+# The templates whose code each of codegen's switches changes (Variant.for_template's rules): given for another, it
+# would be dropped without a word and the source printed would not be the one asked for.
+_CODEGEN_SWITCH_TEMPLATES = {
+    "ragged": ("fwd", "bwd"), "interpret": ("fwd", "bwd"), "pingpong": ("fwd_ws",), "fused_dq": ("bwd_ws",),
+    "split_roles": ("bwd_ws",), "two_an_sm": ("bwd_ws",), "persistent": _WARPSPEC, "pad_head_dim": _WARPSPEC,
+}  # fmt: skip
+
+
 def codegen(args: argparse.Namespace) -> int:
     """`fa2tune codegen`: one template variant's generated source."""
     from ..config.types import Variant
     from ..kernels import codegen
 
+    for switch, templates in _CODEGEN_SWITCH_TEMPLATES.items():
+        if getattr(args, switch) and args.template not in templates:
+            fail(f"--{switch.replace('_', '-')} is a switch of --template {' or '.join(templates)}, "
+                 f"got --template {args.template}")  # fmt: skip
     if args.drain_before_dq and not (args.fused_dq and args.template == "bwd_ws"):
         fail("--drain-before-dq is a switch of --template bwd_ws with --fused-dq (KernelConfig.drain_before_dq)")
     variant = Variant.for_template(
