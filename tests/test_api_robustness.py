@@ -122,6 +122,8 @@ def test_get_kernel_takes_numpy_and_0_dim_tensor_integers_as_python_ints(device)
     assert (kernel.head_dim, kernel.window, kernel.prefix_len) == (16, (4, -1), 3)
     assert all(type(x) is int for x in (kernel.head_dim, *kernel.window, kernel.prefix_len))
     assert kernel is fa2tune.get_kernel(16, device=device, dtype=F32, window=(4, -1), prefix_len=3)  # one cache entry
+    # a CUDA index, as the string names it: the same kernel (and no accelerator asked for where there is none)
+    assert fa2tune.get_kernel(16, device=np.int64(0), dtype=F32) is fa2tune.get_kernel(16, device="cuda:0", dtype=F32)
     q, k, v = _qkv(device)
     assert_close(kernel(q, k, v), _reference(q, k, v, window=(4, -1), prefix_len=3), F32)
 
@@ -134,6 +136,7 @@ def test_get_kernel_takes_numpy_and_0_dim_tensor_integers_as_python_ints(device)
         (dict(device=None), TypeError, r"device must be a str, a torch.device or an int, got NoneType"),
         (dict(device=True), TypeError, r"device must be a str, a torch.device or an int, got bool"),
         (dict(device="foo"), ValueError, r"device 'foo' is not a device"),
+        (dict(device=-1), ValueError, r"device -1 is not a device: .*negative"),
         (dict(causal=1), TypeError, r"causal must be True or False, got 1"),
         (dict(varlen=np.True_), TypeError, r"varlen must be True or False"),
         (dict(window=(True, 0)), TypeError, r"window must be None or a \(left, right\) pair of ints"),

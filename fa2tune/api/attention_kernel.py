@@ -155,7 +155,7 @@ def get_kernel(
 
     Lookup order for each config: $FA2TUNE_CONFIG_DIR, the user cache dir (~/.cache/fa2tune/configs), the shipped
     tuned_configs/ (the GPU's own file in each; then the other 16-bit dtype's entry; then the files of GPUs of the
-    same chip: store.lookup_for_device), then the planner's default. A missing, corrupt or stale file warns once
+    same chip: store.find_for_device), then the planner's default. A missing, corrupt or stale file warns once
     and falls back.
     Resolved kernels are cached per process.
     """
@@ -176,7 +176,8 @@ def _device_name(device: object) -> str:
     if index is None and not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a str, a torch.device or an int, got {type(device).__name__} {device!r}")
     try:
-        return str(torch.device(device if index is None else index))
+        # an int is a CUDA index (torch.device(0) would ask for the current accelerator, absent on a CPU machine)
+        return str(torch.device(device) if index is None else torch.device("cuda", index))
     except RuntimeError as exc:  # torch's own words say what a device string looks like
         raise ValueError(f"device {device!r} is not a device: {exc}") from None
 

@@ -55,7 +55,7 @@ def resolve(
 ) -> tuple[KernelConfig, str]:
     """(config, source) for one kernel launch; source is "<file>" for a tuned entry ("<file> (bf16 entry)" for an
     fp16 call that reads a bf16 entry, and the reverse; "<file> (tuned on <GPU>, the same chip)" for another GPU's
-    entry where this one has none: store.lookup_for_device), else "planner-default".
+    entry where this one has none: store.find_for_device), else "planner-default".
 
     window: a band mask (sliding window or prefix-LM); varlen: packed sequences — each its own template variant,
     tuned and stored under its own key. seqlen: the call's max(seqlen_q, seqlen_k), which picks the length bucket
@@ -76,17 +76,24 @@ def resolve(
     def code_hash(config: KernelConfig) -> str:  # the keys differ in bucket and dtype, which the code does not
         return codegen.entry_code_hash(keys[0], config)
 
-    for entry, source in store.lookup_for_device(info, keys, template_hash=code_hash):
-        reason = unfit(entry, info)
+    for found in store.find_for_device(info, keys, template_hash=code_hash):
+        reason = unfit(found.entry, info)
         if reason is None:
-            result = (entry.config, source)
+            result = (found.entry.config, found.source)
             break
-        store._warn_once(f"fa2tune: tuned config {entry.config} in {source} does not fit {info.name}: {reason}")
+        store._warn_once(f"fa2tune: tuned config {found.entry.config} {_named(found)} does not fit {info.name}: "
+                         f"{reason}")  # fmt: skip
     if result is None:
         config = defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info)
         result = (config, "planner-default")
     _cache[cache_key] = result
     return result
+
+
+def _named(found: store.Found) -> str:
+    """An entry as a warning about it names it: its own dtype and file, the same words whichever call's lookup
+    reached it (an fp16 call reads a bf16 entry too), so that one entry gives one warning."""
+    return f"in {found.path} (a {found.entry.key.dtype} entry)"
 
 
 def unfit(entry: store.Entry, info) -> str | None:
@@ -142,17 +149,17 @@ def resolve_decode(device: torch.device | str, head_dim: int, dtype: torch.dtype
     """(config, source) a decode call on `device` runs when it passes none: the store's decode entry for the device,
     head dim and dtype (`fa2tune tune --kernel decode` writes it; store.lookup: the first file along the search path
     that has one; else the other 16-bit dtype's — never another GPU's of the same chip, whose memory bandwidth may
-    differ: store.lookup_for_device), source its file's path; else
+    differ: store.find_for_device), source its file's path; else
     decode_plan.default_config, source "planner-default". An entry the store cannot use — malformed (unknown fields,
     bad values), tuned on other kernel code (stale) or too large for this device — falls back with one warning. Not
     cached here: the launcher asks once per call signature."""
     info = device_info(device)
     key = store.EntryKey(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=False, kernel=DECODE_KERNEL)
-    for entry, source in store.lookup_for_device(info, [key], template_hash=codegen.decode_code_hash()):
-        reason = unfit(entry, info)
+    for found in store.find_for_device(info, [key], template_hash=codegen.decode_code_hash()):
+        reason = unfit(found.entry, info)
         if reason is None:
-            return entry.config, source
-        store._warn_once(f"fa2tune: tuned decode config {entry.config.label()} in {source} does not fit "
+            return found.entry.config, found.source
+        store._warn_once(f"fa2tune: tuned decode config {found.entry.config.label()} {_named(found)} does not fit "
                          f"{info.name}: {reason}; using the default")  # fmt: skip
     return decode_plan.default_config(info, head_dim, dtype), "planner-default"
 

@@ -332,7 +332,7 @@ def dtype_twins(keys: list[EntryKey]) -> list[EntryKey]:
 # values as the GPU a call runs on was tuned on the same chip as far as the kernels can tell: an H100 SXM and an
 # H200 are one die (132 SMs, 227 KiB a program) with different memory, and on an H100 the H200's entries ran
 # forward + backward up to 24 % faster than the planner's defaults of the time (−3 to +24 % a shape: docs/PERF.md,
-# "On an H100"). lookup_for_device reads such files after all of the GPU's own entries.
+# "On an H100"). find_for_device reads such files after all of the GPU's own entries.
 CHIP_FIELDS = ("capability", "sm_count", "smem_per_block")
 # Decode entries stay the card's own: the decode kernel is bound by memory bandwidth, which is where GPUs of one chip
 # differ (an H100's 3.35 TB/s, an H200's 4.8), and no decode config was measured across them. (Sharing the H200's
@@ -352,7 +352,7 @@ class SameChipGPU:
 
 @dataclass(frozen=True)
 class Found:
-    """An entry lookup_for_device found: the file it is in, whether it is of the other 16-bit dtype, and the GPU it
+    """An entry find_for_device found: the file it is in, whether it is of the other 16-bit dtype, and the GPU it
     was tuned on where that is not the caller's."""
 
     entry: Entry
@@ -480,15 +480,6 @@ def find_for_device(
         return
     for gpu in same_chip_gpus(info):
         yield from _found_in(list(gpu.paths), keys, template_hash, gpu.name)
-
-
-def lookup_for_device(
-    info: DeviceInfo, keys: list[EntryKey], *, template_hash: str | Callable[[KernelConfig], str]
-) -> Iterator[tuple[Entry, str]]:
-    """find_for_device's entries as (entry, source): the file's path, then "(<dtype> entry)" for the other dtype's
-    and "(tuned on <GPU>, the same chip)" for another GPU's."""
-    for found in find_for_device(info, keys, template_hash=template_hash):
-        yield found.entry, found.source
 
 
 @contextlib.contextmanager
