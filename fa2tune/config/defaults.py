@@ -31,15 +31,12 @@ _PREFERRED: dict[tuple[str, int, bool], list[KernelConfig]] = {
     ("bwd_dq", 64, False): [KernelConfig(128, 64, 4, 3)],
     ("bwd_dq", 128, False): [KernelConfig(128, 64, 4, 3, **_WS, schedule=PERSISTENT), KernelConfig(128, 64, 8, 3)],
 }  # fmt: skip
-# The narrowest head dim whose untuned dK/dV default takes dQ fused in: at d=48 (chunks of 32 and 16 columns) without a
-# mask the fused default ran forward + backward 13 % slower than the unfused one beside the dQ kernel (H200, N=8k;
-# causal +1.5 %), where from d=64 up it ran 3-12 % faster (docs/PERF.md, "The untuned defaults"). The tuner still
-# searches fused dQ there.
-FUSED_DQ_DEFAULT_MIN_HEAD_DIM = 56
 # Whether a kernel's untuned default computes a head dim padded to fewer chunks where a pad changes them
-# (KernelConfig.pad_head_dim; head_chunks.fewer_chunks: d=112 as one chunk of 128). Not measured yet: the tuner
-# searches the switch, and the defaults keep the exact chunks.
-PAD_BY_DEFAULT = {"fwd": False, "bwd_dkdv": False, "bwd_dq": False}
+# (KernelConfig.pad_head_dim; head_chunks.fewer_chunks: d=112 as one chunk of 128). Measured at d=112 (H200, N=8k,
+# the whole backward or the forward): dK/dV +3.3 % without a mask and +12 % causal; the forward +1.7 % and -1.9 %
+# causal, the dQ kernel -2.6 % and +0.2 % causal, within what their place in a sweep moves them — so only the
+# dK/dV kernel pads by default (docs/PERF.md, "The untuned defaults"). The tuner searches the switch for each.
+PAD_BY_DEFAULT = {"fwd": False, "bwd_dkdv": True, "bwd_dq": False}
 # At a head dim without a measurement, the warp-specialized shapes tried first: the first that check() lets fit
 # (shared memory, registers) is the default, so a head dim's default follows from the model and not from a table of
 # head dims. Each list leads with the forms the tunes at d = 64-256 picked wherever the model admits them (the
@@ -48,7 +45,7 @@ PAD_BY_DEFAULT = {"fwd": False, "bwd_dkdv": False, "bwd_dq": False}
 # untuned defaults"):
 # - the forward: most rows a program first, persistent; causal: ping-pong persistent (the two consumers' softmaxes
 #   under each other's wgmmas), after the three-consumer tile that fits at d <= 64 only;
-# - dK/dV: dQ fused in (five matmuls a step instead of the dQ kernel's extra two) from FUSED_DQ_DEFAULT_MIN_HEAD_DIM,
+# - dK/dV: dQ fused in (five matmuls a step instead of the dQ kernel's extra two) where fused_dq_by_default says,
 #   persistent where the staging fits, three stages where the model allows them (d <= 64); past the head dims where
 #   one warpgroup holds both dK and dV (d <= 128), the two consumers split the roles;
 # - dQ: three stages, persistent. At d >= 224 it fits one consumer only: per tile it spills 56-144 B (sm_90),
@@ -76,7 +73,7 @@ _WS_ORDER: dict[tuple[str, bool], list[KernelConfig]] = {
         KernelConfig(64, 128, 4, 3, **_WS, fused_dq=True, schedule=PERSISTENT),
         KernelConfig(64, 128, 4, 2, **_WS, fused_dq=True, schedule=PERSISTENT),
         KernelConfig(64, 128, 4, 2, **_WS, fused_dq=True),
-        KernelConfig(64, 128, 4, 2, **_WS),  # without dQ: the form measured below FUSED_DQ_DEFAULT_MIN_HEAD_DIM
+        KernelConfig(64, 128, 4, 2, **_WS),  # without dQ: the form fused_dq_by_default leaves unfused
         KernelConfig(64, 64, 4, 2, **_WS),
         KernelConfig(64, 64, 4, 2, **_WS, split_roles=True),
     ],
@@ -114,6 +111,16 @@ _FALLBACK = {
     ],
 }
 INTERPRETER_CONFIG = KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+
+
+def fused_dq_by_default(head_dim: int) -> bool:
+    """Whether the untuned dK/dV default at head_dim takes dQ fused in (where the model lets it fit). Up to d = 64 dQ
+    is one block a step, and what fusing it costs grows with the head dim's chunks (a wgmma and a staging each): at
+    d=48 (32 + 16 columns) the fused default ran forward + backward 13 % slower than the unfused one beside the dQ
+    kernel without a mask (H200, N=8k; causal +1.5 %), at d=32 (one chunk) 11 % faster, and from d=64 up 3-12 %
+    faster (docs/PERF.md, "The untuned defaults"). So: fused at a head dim of one chunk (d <= 32, 49-64) and past 64;
+    the tuner searches both forms everywhere."""
+    return head_dim > 64 or len(head_chunks.chunks(head_dim)) == 1
 
 
 def default_config(
@@ -158,7 +165,7 @@ def default_config(
         ws = [cfg for cfg in measured if cfg.warp_specialized]
         measured = ws + _WS_ORDER[kernel, masked] + [cfg for cfg in measured if not cfg.warp_specialized]
     preferred = measured if dtype != torch.float32 else []
-    if head_dim < FUSED_DQ_DEFAULT_MIN_HEAD_DIM:
+    if not fused_dq_by_default(head_dim):
         preferred = [cfg for cfg in preferred if not cfg.fused_dq]
     if (PAD_BY_DEFAULT[kernel] if pad is None else pad) and head_chunks.pads(head_dim):
         preferred = [replace(cfg, pad_head_dim=True) for cfg in preferred if cfg.warp_specialized] + preferred
