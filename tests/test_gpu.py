@@ -420,6 +420,12 @@ _FUSED_CHUNKED = [
     (64, 64, torch.bfloat16, True, "64,64,4,3,ws,fused-dq,persistent,x2,drain-before-dq"),
     (64, 64, torch.bfloat16, False, "64,128,4,3,ws,fused-dq,persistent,drain-before-dq"),
     (128, 128, torch.float16, False, "64,128,4,2,ws,fused-dq,drain-before-dq"),
+    # d <= 64 without the mask: the two consumers take turns forming dQ_i (bwd_ws.py.jinja's ALTERNATE),
+    # persistent or not; one consumer (64 rows) renders the same code with the turns off
+    (64, 64, torch.bfloat16, False, "64,128,4,3,ws,fused-dq,persistent"),
+    (32, 32, torch.float16, False, "64,128,4,2,ws,fused-dq"),
+    (48, 64, torch.bfloat16, False, "64,128,4,2,ws,fused-dq,persistent"),
+    (64, 64, torch.float16, False, "64,64,4,3,ws,fused-dq"),
 ]  # fmt: skip
 
 
