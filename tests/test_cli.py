@@ -126,12 +126,20 @@ def test_codegen_prints_a_variant(capsys):
     assert exited.value.code == 2 and "--drain-before-dq is a switch of --template bwd_ws with --fused-dq" in (
         capsys.readouterr().err
     )
-    # a switch of other templates would render the same code as without it: said, not ignored
-    for argv, said in ((["--template", "fwd", "--pad-head-dim"], "--pad-head-dim is a switch of --template fwd_ws or "
-                        "bwd_ws or bwd_dq_ws, got --template fwd"),
-                       (["--template", "bwd_dq_ws", "--pingpong"], "--pingpong is a switch of --template fwd_ws"),
-                       (["--template", "fwd_ws", "--ragged"], "--ragged is a switch of --template fwd or bwd"),
-                       (["--template", "fwd_ws", "--fused-dq"], "--fused-dq is a switch of --template bwd_ws")):
+    # a switch of other templates (or at a head dim it does not change, or beside one it excludes) would render the
+    # same code as without it: said, not ignored
+    assert cli.main(["codegen", "--template", "bwd_ws", "--pad-head-dim", "--head-dim", "112"]) == 0
+    assert "qk_chunks=(128,)" in capsys.readouterr().out
+    refused = [
+        (["--template", "fwd", "--pad-head-dim"], "--pad-head-dim is a switch of --template fwd_ws or bwd_ws or "
+         "bwd_dq_ws, got --template fwd"),
+        (["--template", "bwd_dq_ws", "--pingpong"], "--pingpong is a switch of --template fwd_ws"),
+        (["--template", "fwd_ws", "--ragged"], "--ragged is a switch of --template fwd or bwd"),
+        (["--template", "fwd_ws", "--fused-dq"], "--fused-dq is a switch of --template bwd_ws"),
+        (["--template", "fwd_ws", "--pad-head-dim"], "--pad-head-dim changes no chunk at --head-dim 128"),
+        (["--template", "bwd_ws", "--split-roles", "--fused-dq"], "--split-roles takes neither"),
+    ]  # fmt: skip
+    for argv, said in refused:
         with pytest.raises(SystemExit) as exited:
             cli.main(["codegen", *argv])
         assert exited.value.code == 2 and said in capsys.readouterr().err

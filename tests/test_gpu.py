@@ -180,9 +180,10 @@ def test_warpspec_forward_matches_reference(config, causal, head_dim, dtype, mon
 # (fa2tune.config.head_chunks: 96 = 64 + 32, 240 = 128 + 64 + 32 + 16; 40 is read as 32 + 16 with the last 8 columns
 # zero-filled by TMA and never written): each head dim's default config (the planner's), persistent or ping-pong,
 # causal and not, GQA, ragged lengths, both 16-bit types.
-_CHUNKED_DIMS = [(16, torch.bfloat16), (40, torch.bfloat16), (80, torch.float16), (96, torch.bfloat16),
-                 (112, torch.bfloat16), (136, torch.float16), (160, torch.bfloat16), (192, torch.bfloat16),
-                 (200, torch.float16), (224, torch.bfloat16), (240, torch.bfloat16), (256, torch.bfloat16)]  # fmt: skip
+_CHUNKED_DIMS = [(16, torch.bfloat16), (24, torch.bfloat16), (40, torch.bfloat16), (80, torch.float16),
+                 (96, torch.bfloat16), (112, torch.bfloat16), (136, torch.float16), (160, torch.bfloat16),
+                 (192, torch.bfloat16), (200, torch.float16), (224, torch.bfloat16), (240, torch.bfloat16),
+                 (256, torch.bfloat16)]  # fmt: skip
 
 
 @_HOPPER
@@ -648,7 +649,7 @@ def test_a_split_tail_is_capturable_in_a_cuda_graph(monkeypatch):
 # larger head dim (planner.config_head_dim): warp-specialized where they take both head dims, the shipped d=64 dK/dV
 # entry (dQ fused in) giving way to its twin with a dQ kernel at (64, 32).
 _V_HEAD_DIMS = [(192, 128, torch.bfloat16), (128, 64, torch.bfloat16), (96, 160, torch.float16),
-                (64, 32, torch.bfloat16)]  # fmt: skip
+                (64, 32, torch.bfloat16), (112, 80, torch.bfloat16)]  # fmt: skip (112: the dK/dV default padded)
 _v_dims_id = lambda x: str(x).replace("torch.", "")
 
 

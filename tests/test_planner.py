@@ -129,7 +129,7 @@ def test_default_config_prefers_the_h200_measurements():
     dkdv = lambda head_dim: defaults.default_config(head_dim, torch.bfloat16, kernel="bwd_dkdv", device=h200)
     assert dkdv(64) == replace(fused, num_stages=3, schedule=PERSISTENT)
     assert dkdv(96) == replace(fused, schedule=PERSISTENT)
-    assert dkdv(128) == fused and dkdv(112) == replace(fused, pad_head_dim=True)  # PAD_BY_DEFAULT
+    assert dkdv(128) == fused and dkdv(112) == replace(fused, pad_head_dim=True)  # pads_by_default
     assert dkdv(136).split_roles and dkdv(144).split_roles
     # the planner refuses fused dQ past d=128, where it compiles with 216-352 B of stack (a measured rule)
     assert planner.check(fused, h200, 128, torch.bfloat16, "bwd_dkdv") is None

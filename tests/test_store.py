@@ -399,7 +399,7 @@ def test_an_entry_that_does_not_fit_the_device_is_ignored(config_dir, monkeypatc
         # an fp16 call reaches the same bf16 entry (store.dtype_twins): the same entry, the same one warning
         assert selection.resolve("fwd", 128, torch.float16, False, "cuda:0")[1] == "planner-default"
     assert source == "planner-default" and cfg != too_big
-    assert [str(w.message).count("(a bf16 entry) does not fit") for w in caught] == [1]
+    assert [str(w.message).count("(bf16 entry) does not fit") for w in caught] == [1]
 
 
 def _bf16(entry):

@@ -170,11 +170,16 @@ def get_kernel(
                      prefix_len, varlen, None if head_dim_v == head_dim else head_dim_v)  # fmt: skip
 
 
+_MAX_DEVICE_INDEX = 127  # torch.DeviceIndex is an int8
+
+
 def _device_name(device: object) -> str:
     """get_kernel's device as torch.device names it: a str, a torch.device or a CUDA index, as torch.device takes."""
     index = integer(device)
     if index is None and not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a str, a torch.device or an int, got {type(device).__name__} {device!r}")
+    if index is not None and not 0 <= index <= _MAX_DEVICE_INDEX:  # torch keeps an index in 8 bits: 256 reads as 0
+        raise ValueError(f"device {device!r} is not a device: a CUDA index is 0..{_MAX_DEVICE_INDEX}")
     try:
         # an int is a CUDA index (torch.device(0) would ask for the current accelerator, absent on a CPU machine)
         return str(torch.device(device) if index is None else torch.device("cuda", index))

@@ -93,7 +93,7 @@ def resolve(
 def _named(found: store.Found) -> str:
     """An entry as a warning about it names it: its own dtype and file, the same words whichever call's lookup
     reached it (an fp16 call reads a bf16 entry too), so that one entry gives one warning."""
-    return f"in {found.path} (a {found.entry.key.dtype} entry)"
+    return f"in {found.path} ({found.entry.key.dtype} entry)"
 
 
 def unfit(entry: store.Entry, info) -> str | None:

@@ -125,6 +125,7 @@ _CODEGEN_SWITCH_TEMPLATES = {
 
 def codegen(args: argparse.Namespace) -> int:
     """`fa2tune codegen`: one template variant's generated source."""
+    from ..config import head_chunks
     from ..config.types import Variant
     from ..kernels import codegen
 
@@ -134,6 +135,12 @@ def codegen(args: argparse.Namespace) -> int:
                  f"got --template {args.template}")  # fmt: skip
     if args.drain_before_dq and not (args.fused_dq and args.template == "bwd_ws"):
         fail("--drain-before-dq is a switch of --template bwd_ws with --fused-dq (KernelConfig.drain_before_dq)")
+    if args.split_roles and (args.fused_dq or args.two_an_sm):
+        fail("--split-roles takes neither --fused-dq nor --two-an-sm (KernelConfig.combination_error: split roles "
+             "never fuse dQ and never stage the statistics)")  # fmt: skip
+    if args.pad_head_dim and not head_chunks.pads(args.head_dim):
+        fail(f"--pad-head-dim changes no chunk at --head-dim {args.head_dim} (head_chunks.pads: d = 97-112, "
+             "161-176, 193-240)")  # fmt: skip
     variant = Variant.for_template(
         args.template, causal=args.causal, banded=False, varlen=False, even_m=not args.ragged,
         even_n=not args.ragged, dot_fp32=args.interpret, pingpong=args.pingpong, persistent=args.persistent,

@@ -31,12 +31,6 @@ _PREFERRED: dict[tuple[str, int, bool], list[KernelConfig]] = {
     ("bwd_dq", 64, False): [KernelConfig(128, 64, 4, 3)],
     ("bwd_dq", 128, False): [KernelConfig(128, 64, 4, 3, **_WS, schedule=PERSISTENT), KernelConfig(128, 64, 8, 3)],
 }  # fmt: skip
-# Whether a kernel's untuned default computes a head dim padded to fewer chunks where a pad changes them
-# (KernelConfig.pad_head_dim; head_chunks.fewer_chunks: d=112 as one chunk of 128). Measured at d=112 (H200, N=8k,
-# the whole backward or the forward): dK/dV +3.3 % without a mask and +12 % causal; the forward +1.7 % and -1.9 %
-# causal, the dQ kernel -2.6 % and +0.2 % causal, within what their place in a sweep moves them — so only the
-# dK/dV kernel pads by default (docs/PERF.md, "The untuned defaults"). The tuner searches the switch for each.
-PAD_BY_DEFAULT = {"fwd": False, "bwd_dkdv": True, "bwd_dq": False}
 # At a head dim without a measurement, the warp-specialized shapes tried first: the first that check() lets fit
 # (shared memory, registers) is the default, so a head dim's default follows from the model and not from a table of
 # head dims. Each list leads with the forms the tunes at d = 64-256 picked wherever the model admits them (the
@@ -113,6 +107,17 @@ _FALLBACK = {
 INTERPRETER_CONFIG = KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
 
 
+def pads_by_default(kernel: str, config: KernelConfig) -> bool:
+    """Whether an untuned default of `kernel` in `config`'s form computes a head dim padded to fewer chunks where a
+    pad changes them (KernelConfig.pad_head_dim; head_chunks.fewer_chunks: d=112 as one chunk of 128). Measured at
+    d=112 on the H200 (N=8k, the whole backward or the forward): the dK/dV kernel with dQ fused in +3.3 % without a
+    mask and +12 % causal, where its dQ reductions and staging come a chunk at a time; the forward +1.7 % and -1.9 %
+    causal, the dQ kernel -2.6 % and +0.2 %, within what a config's place in a sweep moves it (docs/PERF.md, "Every
+    head dim"). So only that form pads; the split-roles dK/dV form past d = 128 (no dQ in it) is not measured and
+    keeps the exact chunks. The tuner searches the switch for every kernel."""
+    return kernel == "bwd_dkdv" and config.fused_dq
+
+
 def fused_dq_by_default(head_dim: int) -> bool:
     """Whether the untuned dK/dV default at head_dim takes dQ fused in (where the model lets it fit). Up to d = 64 dQ
     is one block a step, and what fusing it costs grows with the head dim's chunks (a wgmma and a staging each): at
@@ -148,8 +153,8 @@ def default_config(
         warp_specialized: False: a Triton-template config only (for inputs the warp-specialized kernels do not
             take).
         pad: at a head dim a pad changes (head_chunks.pads), try the warp-specialized shapes with the head dim padded
-            to fewer chunks (KernelConfig.pad_head_dim) before any without; None: PAD_BY_DEFAULT's choice for the
-            kernel.
+            to fewer chunks (KernelConfig.pad_head_dim) before any without; None: for the shapes pads_by_default
+            says.
     """
     planner.check_kernel(kernel)
     if device is INTERPRETER:
@@ -167,8 +172,10 @@ def default_config(
     preferred = measured if dtype != torch.float32 else []
     if not fused_dq_by_default(head_dim):
         preferred = [cfg for cfg in preferred if not cfg.fused_dq]
-    if (PAD_BY_DEFAULT[kernel] if pad is None else pad) and head_chunks.pads(head_dim):
-        preferred = [replace(cfg, pad_head_dim=True) for cfg in preferred if cfg.warp_specialized] + preferred
+    if head_chunks.pads(head_dim):
+        padded = [cfg for cfg in preferred if cfg.warp_specialized and (pads_by_default(kernel, cfg) if pad is None
+                                                                          else pad)]  # fmt: skip
+        preferred = [replace(cfg, pad_head_dim=True) for cfg in padded] + preferred
     for cfg in preferred + _FALLBACK[kernel]:
         if cfg.warp_specialized and not warp_specialized:
             continue

@@ -461,8 +461,8 @@ def _warn_if_another_gpus(path: Path, info: DeviceInfo) -> None:
         return
     recorded = _gpu_name(device, path) if isinstance(name, str) else str(slug)[:_MAX_GPU_NAME]
     _warn_once(f"fa2tune: {path} is read as {info.name}'s tuned configs (its file name) but records another GPU, "
-               f"{recorded!r}, in its `device`: entries tuned there are used here; run `fa2tune tune` on this GPU "
-               "or rename the file to that GPU's slug")  # fmt: skip
+               f"{recorded!r}, in its `device`: entries tuned there are used here. Rename the file to that GPU's slug "
+               "or move it aside (a tune here would merge into it and keep them)")  # fmt: skip
 
 
 def find_for_device(
