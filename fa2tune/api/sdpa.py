@@ -71,12 +71,16 @@ def scaled_dot_product_attention(
 _AUTOCAST_DEVICE_TYPES = ("cuda", "cpu")  # device types autocast always exists for
 
 
-def autocast_inputs(query, key, value):
+_ASK = object()  # autocast_inputs' dtype when the caller has not read autocast's state already
+
+
+def autocast_inputs(query, key, value, dtype=_ASK):
     """query, key and value as PyTorch's SDPA takes them under autocast: where autocast is on for query's device
     type, each floating tensor but a float64 one in autocast's dtype (SDPA is one of autocast's lower-precision
     ops), else as they came. An attn_mask is left alone: fa2tune reads only which keys it hides, and a mask it
-    leaves to PyTorch's SDPA is cast there."""
-    dtype = _autocast_dtype(query)
+    leaves to PyTorch's SDPA is cast there. dtype: _autocast_dtype(query), where the caller has it."""
+    if dtype is _ASK:
+        dtype = _autocast_dtype(query)
     if dtype is None:
         return query, key, value
     return tuple(t.to(_autocast_dtype_of(t, dtype)) if isinstance(t, torch.Tensor) else t for t in (query, key, value))
@@ -293,8 +297,9 @@ def _patched(replaced):
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                      enable_gqa=False):  # fmt: skip
         # what the replaced SDPA would run on, and the dtype it would see the mask in
-        mask_dtype = _autocast_dtype_of(attn_mask, _autocast_dtype(query))
-        query, key, value = autocast_inputs(query, key, value)
+        autocast_dtype = _autocast_dtype(query)
+        mask_dtype = _autocast_dtype_of(attn_mask, autocast_dtype)
+        query, key, value = autocast_inputs(query, key, value, autocast_dtype)
         reason = _unsupported(query, key, value, attn_mask, mask_dtype, dropout_p, is_causal, scale, enable_gqa)
         if reason is not None:
             note_once(f"fa2tune.patch_sdpa: calls with {reason} run on the SDPA it replaced")

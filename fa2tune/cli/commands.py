@@ -114,13 +114,16 @@ def _switches(cfg) -> str:
     return " ".join(word for word, on in words if on).replace(" ,", ",")
 
 
-_WARPSPEC = ("fwd_ws", "bwd_ws", "bwd_dq_ws")
-# The templates whose code each of codegen's switches changes (Variant.for_template's rules): given for another, it
-# would be dropped without a word and the source printed would not be the one asked for.
-_CODEGEN_SWITCH_TEMPLATES = {
-    "ragged": ("fwd", "bwd"), "interpret": ("fwd", "bwd"), "pingpong": ("fwd_ws",), "fused_dq": ("bwd_ws",),
-    "split_roles": ("bwd_ws",), "two_an_sm": ("bwd_ws",), "persistent": _WARPSPEC, "pad_head_dim": _WARPSPEC,
-}  # fmt: skip
+def _codegen_switch_templates() -> dict[str, tuple[str, ...]]:
+    """The templates whose code each of codegen's switches changes (Variant.for_template's rules): given for another,
+    it would be dropped without a word and the source printed would not be the one asked for."""
+    from ..config.types import PERSISTENT_TEMPLATES
+    from ..kernels.codegen import WARPSPEC_TEMPLATE_OF
+
+    triton, warpspec = ("fwd", "bwd"), tuple(WARPSPEC_TEMPLATE_OF.values())
+    return {"ragged": triton, "interpret": triton, "pingpong": ("fwd_ws",), "fused_dq": ("bwd_ws",),
+            "split_roles": ("bwd_ws",), "two_an_sm": ("bwd_ws",), "persistent": PERSISTENT_TEMPLATES,
+            "pad_head_dim": warpspec}  # fmt: skip
 
 
 def codegen(args: argparse.Namespace) -> int:
@@ -129,7 +132,7 @@ def codegen(args: argparse.Namespace) -> int:
     from ..config.types import Variant
     from ..kernels import codegen
 
-    for switch, templates in _CODEGEN_SWITCH_TEMPLATES.items():
+    for switch, templates in _codegen_switch_templates().items():
         if getattr(args, switch) and args.template not in templates:
             fail(f"--{switch.replace('_', '-')} is a switch of --template {' or '.join(templates)}, "
                  f"got --template {args.template}")  # fmt: skip
