@@ -421,6 +421,12 @@ _FUSED_CHUNKED = [
     (64, 64, torch.bfloat16, True, "64,64,4,3,ws,fused-dq,persistent,x2,drain-before-dq"),
     (64, 64, torch.bfloat16, False, "64,128,4,3,ws,fused-dq,persistent,drain-before-dq"),
     (128, 128, torch.float16, False, "64,128,4,2,ws,fused-dq,drain-before-dq"),
+    # d <= 64 without the mask: the two consumers take turns forming dQ_i (bwd_ws.py.jinja's ALTERNATE),
+    # persistent or not; one consumer (64 rows) runs the same module with the turns off (a constexpr)
+    (64, 64, torch.bfloat16, False, "64,128,4,3,ws,fused-dq,persistent"),
+    (32, 32, torch.float16, False, "64,128,4,2,ws,fused-dq"),
+    (48, 64, torch.bfloat16, False, "64,128,4,2,ws,fused-dq,persistent"),
+    (64, 64, torch.float16, False, "64,64,4,3,ws,fused-dq"),
 ]  # fmt: skip
 
 
@@ -435,7 +441,8 @@ def test_fused_dq_at_every_head_dim_matches_reference(head_dim, head_dim_v, dtyp
     if config.schedule.persistent:
         monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
     torch.manual_seed(head_dim + head_dim_v)
-    for q, k, v in _v_inputs(head_dim, head_dim_v, dtype):
+    # and without GQA (one query head a K/V head), where a tile's step count is odd at an odd number of Q tiles
+    for q, k, v in (*_v_inputs(head_dim, head_dim_v, dtype), *_v_inputs(head_dim, head_dim_v, dtype, kv_heads=4)):
         o, lse = ops.forward(q, k, v, causal=causal, scale=head_dim**-0.5)
         do = torch.randn_like(o)
         grads = ops.backward(do, q, k, v, o, lse, causal=causal, scale=head_dim**-0.5, dkdv_config=config)
