@@ -422,11 +422,17 @@ _FUSED_CHUNKED = [
     (64, 64, torch.bfloat16, False, "64,128,4,3,ws,fused-dq,persistent,drain-before-dq"),
     (128, 128, torch.float16, False, "64,128,4,2,ws,fused-dq,drain-before-dq"),
     # d <= 64 without the mask: the two consumers take turns forming dQ_i (bwd_ws.py.jinja's ALTERNATE),
-    # persistent or not; one consumer (64 rows) runs the same module with the turns off (a constexpr)
+    # persistent or not, of one chunk (32, 56 read as 64, 64) or two (40 and 48: 32 + 16, where the turns under a
+    # runtime branch gave wrong dK and dV one program a tile); one consumer (64 rows) runs the same module with the
+    # turns off (a constexpr)
     (64, 64, torch.bfloat16, False, "64,128,4,3,ws,fused-dq,persistent"),
     (32, 32, torch.float16, False, "64,128,4,2,ws,fused-dq"),
     (48, 64, torch.bfloat16, False, "64,128,4,2,ws,fused-dq,persistent"),
     (64, 64, torch.float16, False, "64,64,4,3,ws,fused-dq"),
+    (48, 48, torch.bfloat16, False, "64,128,4,2,ws,fused-dq"),
+    (40, 40, torch.float16, False, "64,128,4,3,ws,fused-dq"),
+    (48, 48, torch.float16, False, "64,128,4,3,ws,fused-dq,persistent"),
+    (56, 56, torch.bfloat16, False, "64,128,4,2,ws,fused-dq"),
 ]  # fmt: skip
 
 

@@ -134,10 +134,11 @@ def test_default_config_prefers_the_h200_measurements():
     # the planner refuses fused dQ past d=128, where it compiles with 216-352 B of stack (a measured rule)
     assert planner.check(fused, h200, 128, torch.bfloat16, "bwd_dkdv") is None
     assert "fused in spills past head_dim 128" in planner.check(fused, h200, 136, torch.bfloat16, "bwd_dkdv")
-    # below d=64, two chunks (d = 33-48; d=48 measured 13 % slower fused) take the dQ kernel's form, one program a
-    # tile; one chunk (d=32 measured 11 % faster fused, d=56) stays fused
-    assert dkdv(48) == replace(fused, fused_dq=False) and not dkdv(40).fused_dq
-    assert dkdv(56).fused_dq and dkdv(32).fused_dq and dkdv(16).fused_dq and dkdv(80).fused_dq
+    # below d=64 too, of one chunk or two (d = 33-48: 32 + 16), persistent with three stages, causal or not
+    for head_dim in (16, 32, 40, 48, 56):
+        assert dkdv(head_dim) == replace(fused, num_stages=3, schedule=PERSISTENT), head_dim
+        causal = defaults.default_config(head_dim, torch.bfloat16, causal=True, kernel="bwd_dkdv", device=h200)
+        assert causal == replace(fused, num_stages=3, schedule=PERSISTENT), head_dim
     # dQ: three stages, persistent
     dq = lambda head_dim: defaults.default_config(head_dim, torch.bfloat16, kernel="bwd_dq", device=h200)
     assert dq(128) == KernelConfig(128, 64, 4, 3, warp_specialized=True, schedule=PERSISTENT)

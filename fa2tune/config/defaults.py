@@ -39,8 +39,9 @@ _PREFERRED: dict[tuple[str, int, bool], list[KernelConfig]] = {
 # untuned defaults"):
 # - the forward: most rows a program first, persistent; causal: ping-pong persistent (the two consumers' softmaxes
 #   under each other's wgmmas), after the three-consumer tile that fits at d <= 64 only;
-# - dK/dV: dQ fused in (five matmuls a step instead of the dQ kernel's extra two) where fused_dq_by_default says,
-#   persistent where the staging fits, three stages where the model allows them (d <= 64); past the head dims where
+# - dK/dV: dQ fused in (five matmuls a step instead of the dQ kernel's extra two; at every head dim up to 128, since
+#   d <= 64's consumers take turns forming dQ_i: docs/PERF.md, "The untuned defaults"), persistent where the staging
+#   fits, three stages where the model allows them (d <= 64); past the head dims where
 #   one warpgroup holds both dK and dV (d <= 128), the two consumers split the roles;
 # - dQ: three stages, persistent. At d >= 224 it fits one consumer only: per tile it spills 56-144 B (sm_90),
 #   persistent 0-56 (causal).
@@ -67,7 +68,7 @@ _WS_ORDER: dict[tuple[str, bool], list[KernelConfig]] = {
         KernelConfig(64, 128, 4, 3, **_WS, fused_dq=True, schedule=PERSISTENT),
         KernelConfig(64, 128, 4, 2, **_WS, fused_dq=True, schedule=PERSISTENT),
         KernelConfig(64, 128, 4, 2, **_WS, fused_dq=True),
-        KernelConfig(64, 128, 4, 2, **_WS),  # without dQ: the form fused_dq_by_default leaves unfused
+        KernelConfig(64, 128, 4, 2, **_WS),  # without dQ: where no fused form fits
         KernelConfig(64, 64, 4, 2, **_WS),
         KernelConfig(64, 64, 4, 2, **_WS, split_roles=True),
     ],
@@ -118,16 +119,6 @@ def pads_by_default(kernel: str, config: KernelConfig) -> bool:
     return kernel == "bwd_dkdv" and config.fused_dq
 
 
-def fused_dq_by_default(head_dim: int) -> bool:
-    """Whether the untuned dK/dV default at head_dim takes dQ fused in (where the model lets it fit). Up to d = 64 dQ
-    is one block a step, and what fusing it costs grows with the head dim's chunks (a wgmma and a staging each): at
-    d=48 (32 + 16 columns) the fused default ran forward + backward 13 % slower than the unfused one beside the dQ
-    kernel without a mask (H200, N=8k; causal +1.5 %), at d=32 (one chunk) 11 % faster, and from d=64 up 3-12 %
-    faster (docs/PERF.md, "The untuned defaults"). So: fused at a head dim of one chunk (d <= 32, 49-64) and past 64;
-    the tuner searches both forms everywhere."""
-    return head_dim > 64 or len(head_chunks.chunks(head_dim)) == 1
-
-
 def default_config(
     head_dim: int,
     dtype: torch.dtype,
@@ -170,8 +161,6 @@ def default_config(
         ws = [cfg for cfg in measured if cfg.warp_specialized]
         measured = ws + _WS_ORDER[kernel, masked] + [cfg for cfg in measured if not cfg.warp_specialized]
     preferred = measured if dtype != torch.float32 else []
-    if not fused_dq_by_default(head_dim):
-        preferred = [cfg for cfg in preferred if not cfg.fused_dq]
     if head_chunks.pads(head_dim):
         padded = [cfg for cfg in preferred if cfg.warp_specialized and (pads_by_default(kernel, cfg) if pad is None
                                                                           else pad)]  # fmt: skip
