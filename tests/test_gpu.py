@@ -433,6 +433,11 @@ _FUSED_CHUNKED = [
     (40, 40, torch.float16, False, "64,128,4,3,ws,fused-dq"),
     (48, 48, torch.float16, False, "64,128,4,3,ws,fused-dq,persistent"),
     (56, 56, torch.bfloat16, False, "64,128,4,2,ws,fused-dq"),
+    # and with the mask, dK reading dSᵀ from shared memory (drained or not), every consumer on every Q tile
+    (64, 64, torch.bfloat16, True, "64,128,4,3,ws,fused-dq,persistent"),
+    (48, 48, torch.float16, True, "64,128,4,2,ws,fused-dq"),
+    (32, 32, torch.bfloat16, True, "64,128,4,3,ws,fused-dq,persistent,drain-before-dq"),
+    (64, 64, torch.float16, False, "64,128,4,2,ws,fused-dq,drain-before-dq"),
 ]  # fmt: skip
 
 

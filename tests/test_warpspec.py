@@ -621,20 +621,22 @@ def test_planner_model_and_registers_match_the_compiler():
     # what the compiler allocates, to within the mbarrier allowance, and a consumer spills (STACK > 0) exactly when
     # the planner's register rule says it would, with the split of planner.WS_REGISTERS: one, two (ping-pong,
     # causal; persistent, with its separate O buffer) and three consumers that fit, one consumer two an SM (maxnreg
-    # 128: planner.WS_TWO_AN_SM_REGISTERS) at d=64 and d=128, a fused-dQ dK/dV one at d=64 and a dQ one at d=128
+    # 128: planner.WS_TWO_AN_SM_REGISTERS) at d=64 and d=128, a fused-dQ dK/dV one at d=64 (two consumers at d=48, causal) and a dQ one at d=128
     # (its 2 stages within 512 B of half an SM), a dK/dV kernel, dK/dV kernels with split roles at d=256 and d=192, dQ
     # kernels of one and two consumers that fit and one that does not, and three forward consumers at d=128 B_c=128
     # that do not.
     # (Persistent and causal, the loop over tiles keeps 8-24 B of stack beside fitting accumulators, 128 B with
-    # three consumers at d=64: the rule does not count it, the tuner's timing does: docs/PERF.md, "Persistent kernels
-    # and paired causal tiles".)
+    # three consumers at d=64, 16-32 B with dQ fused in and the consumers taking turns at d <= 64 (Triton 3.9 also
+    # without the mask, one program a tile more): the rule does not count it, the tuner's timing does: docs/PERF.md,
+    # "Persistent kernels and paired causal tiles". Fused dQ's two consumers are checked at d=48 causal, which takes
+    # no turns.)
     rows = [("fwd", 128, "128,128,4,2,ws", False), ("fwd", 128, "128,128,4,2,ws,pingpong", True),
             ("fwd", 64, "192,128,4,2,ws", True), ("fwd", 128, "64,64,4,4,ws", False),
             ("fwd", 128, "128,128,4,2,ws,persistent", False), ("fwd", 64, "64,128,4,2,ws,persistent,x2", True),
             ("fwd", 128, "64,64,4,2,ws,persistent,x2", True),
             ("bwd_dkdv", 64, "64,64,4,3,ws,fused-dq,persistent,x2", True),
             ("bwd_dq", 128, "64,64,4,2,ws,persistent,x2", True), ("bwd_dkdv", 64, "64,128,4,3,ws", True),
-            ("bwd_dkdv", 64, "64,128,4,3,ws,fused-dq,persistent", True),
+            ("bwd_dkdv", 48, "64,128,4,3,ws,fused-dq,persistent", True),
             ("bwd_dkdv", 64, "64,64,4,3,ws,fused-dq", False), ("bwd_dq", 128, "128,64,4,3,ws", True),
             ("bwd_dq", 128, "64,128,4,2,ws", False), ("bwd_dq", 128, "128,128,4,2,ws", True),
             ("bwd_dkdv", 256, "64,64,4,2,ws,split-roles", True),
@@ -750,14 +752,16 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
         assert any(operands > 0 for _, operands, _ in loops), (row, loops)  # the check has something to check
         assert all(clobbers == 0 for _, _, clobbers in loops), (row, loops)
     # K and V are register operands where planner.kv_in_registers says, d=64 without a mask: eight A fragments (K's
-    # and V's 64 × 64 rows, four k-steps of 16 each) beside each step's Pᵀ (the causal loop's, four) and, with dQ fused
-    # in, its dSᵀ (dK's register operand without the mask: four more). The consumers' turns at forming dQ_i write
-    # the step loop two steps an iteration: its widest loop holds two steps' Pᵀ and dSᵀ and K and V once.
+    # and V's 64 × 64 rows, four k-steps of 16 each) beside each step's Pᵀ (four) and, with dQ fused in, its dSᵀ (dK's
+    # register operand without the mask: four more). The consumers' turns at forming dQ_i write the step loop two
+    # steps an iteration, so the widest loop holds two steps' operands: causal, two Pᵀ; without the mask, two Pᵀ, two
+    # dSᵀ, and K and V once
     assert planner.kv_in_registers(64) and not planner.kv_in_registers(64, causal=True)
-    causal, unmasked = ({operands for _, operands, _ in loops} for loops in found[:2])
-    assert len(causal) == 1 and max(unmasked) == 2 * (max(causal) + 4) + 8, (causal, unmasked)
-    # drained before its dQ share (drain_before_dq), dK reads dSᵀ from shared memory: K and V only
-    assert {operands for _, operands, _ in found[-1]} == {n + 8 for n in causal}, found[-1]
+    causal, unmasked, drained = (max(operands for _, operands, _ in loops) for loops in (found[0], found[1], found[-1]))
+    assert causal == 2 * 4 and unmasked == causal + 2 * 4 + 8, (found[0], found[1])
+    # drained before its dQ share (drain_before_dq), dK reads dSᵀ from shared memory: K and V and Pᵀ, no dSᵀ (the
+    # drain retires a step's wgmmas before the next, so the compiler may give both steps' Pᵀ one set of registers)
+    assert causal + 4 >= drained - 8 > 0 and drained < unmasked - 4, found[-1]
 
 
 # each config's step loop (scripts/sass_step_mix.py): the blocks a branch skips, and where it waits for its wgmmas
