@@ -621,10 +621,10 @@ def test_planner_model_and_registers_match_the_compiler():
     # what the compiler allocates, to within the mbarrier allowance, and a consumer spills (STACK > 0) exactly when
     # the planner's register rule says it would, with the split of planner.WS_REGISTERS: one, two (ping-pong,
     # causal; persistent, with its separate O buffer) and three consumers that fit, one consumer two an SM (maxnreg
-    # 128: planner.WS_TWO_AN_SM_REGISTERS) at d=64 and d=128, a fused-dQ dK/dV one at d=64 (two consumers at d=48, causal) and a dQ one at d=128
-    # (its 2 stages within 512 B of half an SM), a dK/dV kernel, dK/dV kernels with split roles at d=256 and d=192, dQ
-    # kernels of one and two consumers that fit and one that does not, and three forward consumers at d=128 B_c=128
-    # that do not.
+    # 128: planner.WS_TWO_AN_SM_REGISTERS) at d=64 and d=128, a fused-dQ dK/dV one at d=64 (two consumers at d=48,
+    # causal) and a dQ one at d=128 (its 2 stages within 512 B of half an SM), a dK/dV kernel, dK/dV kernels with split
+    # roles at d=256 and d=192, dQ kernels of one and two consumers that fit and one that does not, and three forward
+    # consumers at d=128 B_c=128 that do not.
     # (Persistent and causal, the loop over tiles keeps 8-24 B of stack beside fitting accumulators, 128 B with
     # three consumers at d=64, 16-32 B with dQ fused in and the consumers taking turns at d <= 64 (Triton 3.9 also
     # without the mask, one program a tile more): the rule does not count it, the tuner's timing does: docs/PERF.md,
