@@ -438,6 +438,7 @@ _FUSED_CHUNKED = [
     (48, 48, torch.float16, True, "64,128,4,2,ws,fused-dq"),
     (32, 32, torch.bfloat16, True, "64,128,4,3,ws,fused-dq,persistent,drain-before-dq"),
     (64, 64, torch.float16, False, "64,128,4,2,ws,fused-dq,drain-before-dq"),
+    (32, 32, torch.float16, True, "64,128,4,2,ws,fused-dq"),
 ]  # fmt: skip
 
 

@@ -39,9 +39,10 @@ _PREFERRED: dict[tuple[str, int, bool], list[KernelConfig]] = {
 # untuned defaults"):
 # - the forward: most rows a program first, persistent; causal: ping-pong persistent (the two consumers' softmaxes
 #   under each other's wgmmas), after the three-consumer tile that fits at d <= 64 only;
-# - dK/dV: dQ fused in (five matmuls a step instead of the dQ kernel's extra two; at every head dim up to 128, since
-#   d <= 64's consumers take turns forming dQ_i: docs/PERF.md, "The untuned defaults"), persistent where the staging
-#   fits, three stages where the model allows them (d <= 64); past the head dims where
+# - dK/dV: dQ fused in (five matmuls a step instead of the dQ kernel's extra two) at every head dim up to 128:
+#   below 65 the consumers take turns forming dQ_i, 5-26 % faster than unfused without a mask; causal at d = 33-48,
+#   where they do not, fused and unfused read within 3.3 % either way (docs/PERF.md, "The untuned defaults"),
+#   persistent where the staging fits, three stages where the model allows them (d <= 64); past the head dims where
 #   one warpgroup holds both dK and dV (d <= 128), the two consumers split the roles;
 # - dQ: three stages, persistent. At d >= 224 it fits one consumer only: per tile it spills 56-144 B (sm_90),
 #   persistent 0-56 (causal).
