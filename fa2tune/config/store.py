@@ -446,11 +446,22 @@ def same_chip_gpus(info: DeviceInfo) -> list[SameChipGPU]:
     return list(answer)
 
 
+# What _warn_if_another_gpus has read, as (path, GPU slug, the file's size and mtime): a lookup finds several entries
+# of one file, and each call signature's resolution looks again, so a file's `device` is read once while it is
+# unchanged
+_device_checked: set[tuple] = set()
+
+
 def _warn_if_another_gpus(path: Path, info: DeviceInfo) -> None:
     """Says once that a GPU's own file (by its name) records another GPU in its `device` (neither info's slug nor its
     name): a file copied or renamed from another GPU's carries that GPU's timings. Its entries are still read as the
     name says, since whoever put it there may mean it; each must fit this GPU as any entry must."""
     try:
+        stat = path.stat()
+        checked = (str(path), info.slug, stat.st_size, stat.st_mtime_ns)
+        if checked in _device_checked:
+            return
+        _device_checked.add(checked)
         device = _load(path).data.get("device")
     except (OSError, ValueError):
         return
