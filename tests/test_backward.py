@@ -118,11 +118,14 @@ def test_the_preprocess_zeroes_exactly_the_fp32_dq_rows_when_asked(zero_dq, copy
     buffer = torch.full((batch, heads, n + 5, d + 8), float("nan"), device=device)
     dq_acc = buffer[:, :, 2 : n + 2, 4 : d + 4]
     kernel = layout.kernel("bwd", "_attn_bwd_preprocess", Mask(), n, n, KernelConfig(block_m, 16, 4, 1), False)
-    strides = dq_acc.stride()[:3] if zero_dq else (0, 0, 0)
+    # the strides in the units the kernel multiplies back: the fp32 dQ's rows are 56 apart, which 16 does not divide
+    strides = (*o.stride()[:3], *do.stride()[:3], *(dq_acc.stride()[:3] if zero_dq else (0, 0, 0)))
+    unit = layout.stride_unit(strides)
+    assert unit == 8
     kernel[(grid.cdiv(n, block_m) * batch * heads,)](
-        o, do, lse, lse_out, delta, dq_acc, *o.stride()[:3], *do.stride()[:3], *lse.stride(), *strides, heads, n,
-        rows, HEAD_DIM=d, HEAD_DIM_PAD=planner.head_dim_padded(d), BLOCK_M=block_m, ZERO_DQ=zero_dq,
-        COPY_LSE=copy_lse,
+        o, do, lse, lse_out, delta, dq_acc, *(s // unit for s in strides[:6]), *lse.stride(),
+        *(s // unit for s in strides[6:]), heads, n, rows, HEAD_DIM=d, HEAD_DIM_PAD=planner.head_dim_padded(d),
+        BLOCK_M=block_m, ZERO_DQ=zero_dq, COPY_LSE=copy_lse, STRIDE_UNIT=unit,
     )  # fmt: skip
     expected = (o.float() * do.float()).sum(-1)
     assert torch.allclose(delta[..., :n], expected, rtol=1e-5, atol=1e-5)
@@ -138,6 +141,14 @@ def test_the_preprocess_zeroes_exactly_the_fp32_dq_rows_when_asked(zero_dq, copy
         assert (dq_acc == 0).all(), f"{int((dq_acc != 0).sum())} elements of the fp32 dQ not zeroed"
     else:
         assert dq_acc.isnan().all(), "ZERO_DQ off, yet the fp32 dQ was written"
+
+
+def test_the_stride_unit_is_the_widest_vector_dividing_every_stride():
+    # d = 72: rows 72 elements apart, heads 72·N — 8 divides them where the JIT's own check (16) does not
+    assert layout.stride_unit((28 * 197 * 72, 197 * 72, 72)) == 8
+    assert layout.stride_unit((0, 0, 0)) == 8  # a packed batch stride, or an unused tensor's
+    assert layout.stride_unit((4 * 100, 100)) == 4
+    assert layout.stride_unit((48, 37)) == 1
 
 
 def test_the_warpspec_backward_launchers_refuse_statistics_strides_without_the_padded_rows():

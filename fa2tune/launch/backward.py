@@ -14,7 +14,7 @@ from . import fastlaunch, plans, warpspec
 from . import layout as _layout
 from .fallback import check_combination, deterministic, runnable, unfused_for_v
 from .grid import LOG2E, cdiv, input_precision, stats_rows
-from .layout import Packing, as_mask, head_dim_options, layout, mask_args, on_device, totals
+from .layout import Packing, as_mask, head_dim_options, layout, mask_args, on_device, stride_unit, totals
 
 
 def backward(
@@ -173,9 +173,13 @@ def _preprocess_launcher(q, k, o, do, lse, stats: _Stats, mask: Mask, dq_config:
     dq_acc_strides = strides(torch.empty(q.shape, device="meta")) if fused_dq else (0, 0, 0)
     # only a copy reads the logsumexp; a packed one (heads_q, total_q) is read as one batch
     lse_in_strides = (*(0,) * (3 - lse.dim()), *lse.stride()) if stats.copy_lse else (0, 0, 0)
-    pre_scalars = (*strides(o), *strides(do), *lse_in_strides, *dq_acc_strides, heads_q, pre_rows, stats.rows)
+    # O's, dO's and the fp32 dQ's strides go in units the kernel multiplies back (layout.stride_unit)
+    row_strides = (*strides(o), *strides(do), *dq_acc_strides)
+    unit = stride_unit(row_strides)
+    o_strides, do_strides, dq_acc_strides = (tuple(s // unit for s in row_strides[i:i + 3]) for i in (0, 3, 6))
+    pre_scalars = (*o_strides, *do_strides, *lse_in_strides, *dq_acc_strides, heads_q, pre_rows, stats.rows)
     pre_options = dict(**head_dim_options(*head_dims), BLOCK_M=dq_config.block_m, ZERO_DQ=fused_dq,
-                       COPY_LSE=stats.copy_lse)  # fmt: skip
+                       COPY_LSE=stats.copy_lse, STRIDE_UNIT=unit)  # fmt: skip
     return fastlaunch.Launcher(pre, pre_grid, pre_scalars, pre_options)
 
 

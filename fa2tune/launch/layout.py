@@ -59,6 +59,22 @@ def head_dim_options(head_dim: int, head_dim_v: int) -> dict[str, int]:
     return options
 
 
+# A Triton load or store moves at most 16 bytes a thread: 8 elements of a 16-bit tensor.
+VECTOR_ELEMENTS = 8
+
+
+def stride_unit(strides) -> int:
+    """The largest power of two up to VECTOR_ELEMENTS that divides every one of `strides` (0 is divisible by any).
+    A kernel that takes its strides divided by it and multiplies them back sees each row start aligned to it, which
+    Triton's JIT proves of an int argument only when it is divisible by 16 (templates/bwd.py.jinja
+    _attn_bwd_preprocess's STRIDE_UNIT)."""
+    unit = VECTOR_ELEMENTS
+    for stride in strides:
+        while stride % unit:
+            unit //= 2
+    return unit
+
+
 def lse_strides(lse: torch.Tensor, packing: Packing | None) -> tuple[int, int]:
     # dense (batch, H, N): per batch and head; packed (H, total_q): per head only, the row offset is cu_seqlens_q
     return lse.stride()[:2] if packing is None else (0, lse.stride(0))
