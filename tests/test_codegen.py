@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import multiprocessing as mp
+import os
 import re
 import subprocess
 import sys
@@ -186,3 +188,31 @@ def test_an_entry_goes_stale_only_when_its_own_code_changes(tmp_path, monkeypatc
         for cached in (codegen.code_hash, codegen.template_hash, codegen._environment):
             cached.cache_clear()
         codegen._modules.clear()
+
+
+_VECTOR_PROBE = """
+import json, re, sys, torch
+from fa2tune.tune import probe
+from fa2tune.config.types import KernelConfig
+out = []
+for kernel, config in (("fwd", "128,64,8,3"), ("bwd_dkdv", "32,64,4,3"), ("bwd_dq", "128,64,8,3")):
+    report = probe.compile_config(kernel, KernelConfig.parse(config), int(sys.argv[1]), torch.bfloat16)
+    out.append(re.findall(r"\\b(?:LDG|STG)\\.E[.\\w]*", probe.cuobjdump(report.cubin, "-sass")))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("head_dim", [72, 40])
+def test_the_triton_kernels_move_rows_of_a_head_dim_of_8_mod_16_as_16_byte_vectors(head_dim):
+    # A contiguous call at d=72 has rows 72 elements apart. Triton's JIT proves an int argument's alignment only when
+    # it is divisible by 16, so without the strides in units (layout.in_units, _macros.jinja's strides_in_units)
+    # each thread moved its rows one 16-bit element at a time (LDG.E.U16, STG.E.U16: 8x the instructions). Compiled
+    # for sm_90 as a call of that head dim passes its strides (probe.compile_config), every global load and store of
+    # Q, K, V, dO and the outputs is a 128-bit one, as at d=64.
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _VECTOR_PROBE, str(head_dim)], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=str(codegen.templates_dir().parent))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    for kernel, ops in zip(("fwd", "bwd_dkdv", "bwd_dq"), json.loads(out.stdout.splitlines()[-1]), strict=True):
+        assert not [op for op in ops if op.endswith(("U16", ".16"))], (kernel, sorted(set(ops)))
+        assert "LDG.E.128" in ops and "STG.E.128" in ops, (kernel, sorted(set(ops)))

@@ -14,7 +14,7 @@ from . import fastlaunch, plans, warpspec
 from . import layout as _layout
 from .fallback import check_combination, deterministic, runnable, unfused_for_v
 from .grid import LOG2E, cdiv, input_precision, stats_rows
-from .layout import Packing, as_mask, head_dim_options, layout, mask_args, on_device, stride_unit, totals
+from .layout import Packing, as_mask, head_dim_options, in_units, layout, mask_args, on_device, totals
 
 
 def backward(
@@ -173,11 +173,9 @@ def _preprocess_launcher(q, k, o, do, lse, stats: _Stats, mask: Mask, dq_config:
     dq_acc_strides = strides(torch.empty(q.shape, device="meta")) if fused_dq else (0, 0, 0)
     # only a copy reads the logsumexp; a packed one (heads_q, total_q) is read as one batch
     lse_in_strides = (*(0,) * (3 - lse.dim()), *lse.stride()) if stats.copy_lse else (0, 0, 0)
-    # O's, dO's and the fp32 dQ's strides go in units the kernel multiplies back (layout.stride_unit)
-    row_strides = (*strides(o), *strides(do), *dq_acc_strides)
-    unit = stride_unit(row_strides)
-    o_strides, do_strides, dq_acc_strides = (tuple(s // unit for s in row_strides[i:i + 3]) for i in (0, 3, 6))
-    pre_scalars = (*o_strides, *do_strides, *lse_in_strides, *dq_acc_strides, heads_q, pre_rows, stats.rows)
+    # O's, dO's and the fp32 dQ's strides go in units the kernel multiplies back (layout.in_units)
+    unit, tensor_strides = in_units((*strides(o), *strides(do), *dq_acc_strides))
+    pre_scalars = (*tensor_strides[:6], *lse_in_strides, *tensor_strides[6:], heads_q, pre_rows, stats.rows)
     pre_options = dict(**head_dim_options(*head_dims), BLOCK_M=dq_config.block_m, ZERO_DQ=fused_dq,
                        COPY_LSE=stats.copy_lse, STRIDE_UNIT=unit)  # fmt: skip
     return fastlaunch.Launcher(pre, pre_grid, pre_scalars, pre_options)
@@ -190,7 +188,7 @@ class _Shared(NamedTuple):
     sizes: tuple  # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim)
     head_dims: tuple[int, int]  # (Q's and K's, V's)
     strides: Callable
-    inputs: tuple  # strides of q, k, v, dO and the statistics
+    inputs: tuple  # strides of q, k, v and dO
     stats_strides: tuple[int, int]  # the logsumexp's and δ's (batch, head) strides (_Stats)
     scalars: tuple  # heads, GQA group, lengths, scales, mask bounds, packed totals
     cu_q: torch.Tensor | None
@@ -203,16 +201,21 @@ class _Shared(NamedTuple):
         sizes, strides = layout(q, k, packing)
         _, heads_q, heads_kv, seqlen_q, seqlen_k, _ = sizes
         cu_q, cu_k, bounds = mask_args(mask, seqlen_q, seqlen_k, packing)
-        inputs = (*strides(q), *strides(k), *strides(v), *strides(do), *stats.strides)
+        inputs = (*strides(q), *strides(k), *strides(v), *strides(do))
         scalars = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds,
                    *totals(q, k, packing))  # fmt: skip
         return cls(sizes, (sizes[-1], v.shape[-1]), strides, inputs, stats.strides, scalars, cu_q, cu_k,
                    packing is not None, input_precision(q.dtype))  # fmt: skip
 
-    def options(self, config: KernelConfig) -> dict:
-        return dict(**head_dim_options(*self.head_dims), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                    INPUT_PRECISION=self.precision, num_warps=config.num_warps,
-                    num_stages=config.num_stages)  # fmt: skip
+    def arguments(self, config: KernelConfig, *outputs: torch.Tensor) -> tuple[tuple, dict]:
+        """(scalars, options) of a launch that writes `outputs` (dK and dV, or dQ): every tensor's strides in the
+        units the kernel multiplies back (layout.in_units), the statistics' as they are."""
+        unit, tensor_strides = in_units((*self.inputs, *(s for t in outputs for s in self.strides(t))))
+        scalars = (*tensor_strides[:12], *self.stats_strides, *tensor_strides[12:], *self.scalars)
+        options = dict(**head_dim_options(*self.head_dims), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                       INPUT_PRECISION=self.precision, num_warps=config.num_warps, num_stages=config.num_stages,
+                       STRIDE_UNIT=unit)  # fmt: skip
+        return scalars, options
 
 
 def _dkdv_launcher(q, k, v, dk, dv, mask: Mask, scale: float, config: KernelConfig, shared: _Shared):
@@ -224,8 +227,7 @@ def _dkdv_launcher(q, k, v, dk, dv, mask: Mask, scale: float, config: KernelConf
     batch, _, heads_kv, seqlen_q, seqlen_k, _ = shared.sizes
     dkdv = _layout.kernel("bwd", "_attn_bwd_dkdv", mask, seqlen_q, seqlen_k, config, shared.varlen, shared.head_dims)
     grid = (cdiv(seqlen_k, config.block_n) * batch * heads_kv,)
-    scalars = (*shared.inputs, *shared.strides(dk), *shared.strides(dv), *shared.scalars)
-    launch = fastlaunch.Launcher(dkdv, grid, scalars, shared.options(config))
+    launch = fastlaunch.Launcher(dkdv, grid, *shared.arguments(config, dk, dv))
     cu_q, cu_k = shared.cu_q, shared.cu_k
     return lambda q, k, v, do, dk, dv, lse, delta: launch(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k)
 
@@ -239,7 +241,6 @@ def _dq_launcher(q, k, v, dq, mask: Mask, scale: float, config: KernelConfig, sh
     dq_kernel = _layout.kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, config, shared.varlen,
                                shared.head_dims)  # fmt: skip
     grid = (cdiv(seqlen_q, config.block_m) * batch * heads_q,)
-    scalars = (*shared.inputs, *shared.strides(dq), *shared.scalars)
-    launch = fastlaunch.Launcher(dq_kernel, grid, scalars, shared.options(config))
+    launch = fastlaunch.Launcher(dq_kernel, grid, *shared.arguments(config, dq))
     cu_q, cu_k = shared.cu_q, shared.cu_k
     return lambda q, k, v, do, dq, lse, delta: launch(q, k, v, do, lse, delta, dq, cu_q, cu_k)

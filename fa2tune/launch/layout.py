@@ -66,13 +66,20 @@ VECTOR_ELEMENTS = 8
 def stride_unit(strides) -> int:
     """The largest power of two up to VECTOR_ELEMENTS that divides every one of `strides` (0 is divisible by any).
     A kernel that takes its strides divided by it and multiplies them back sees each row start aligned to it, which
-    Triton's JIT proves of an int argument only when it is divisible by 16 (templates/bwd.py.jinja
-    _attn_bwd_preprocess's STRIDE_UNIT)."""
+    Triton's JIT proves of an int argument only when it is divisible by 16 (templates/_macros.jinja's
+    strides_in_units)."""
     unit = VECTOR_ELEMENTS
     for stride in strides:
         while stride % unit:
             unit //= 2
     return unit
+
+
+def in_units(strides) -> tuple[int, tuple[int, ...]]:
+    """(unit, strides divided by it): the tensor strides a Triton kernel of the templates takes, and its
+    STRIDE_UNIT (stride_unit)."""
+    unit = stride_unit(strides)
+    return unit, tuple(stride // unit for stride in strides)
 
 
 def lse_strides(lse: torch.Tensor, packing: Packing | None) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from ..config import planner
 from ..config.inputs import DTYPE_NAMES
 from ..config.types import KernelConfig, Variant
 from ..kernels import codegen
-from ..launch.layout import head_dim_options
+from ..launch.layout import head_dim_options, stride_unit
 
 _TENSORS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _FP32_TENSORS = {"LSE", "DELTA"}
@@ -57,8 +57,9 @@ _EXAMPLE_BATCH = 2
 
 def _example_ints(head_dim_pad: int, heads: int, group: int, seqlen: int = EXAMPLE_SEQLEN,
                   padded_stats: bool = False) -> dict[str, int]:  # fmt: skip
-    """The int arguments of an example call: a (2, heads, seqlen, d) contiguous layout, whose strides are multiples
-    of 16 as in real use, and whose lengths are multiples of 16 where seqlen is. The logsumexp's strides: the
+    """The int arguments of an example call: a (2, heads, seqlen, head_dim_pad) contiguous layout (the Triton
+    kernels' callers pass the head dim itself, whose strides they take in units: compile_config), and lengths that
+    are multiples of 16 where seqlen is. The logsumexp's strides: the
     forward's (batch, heads, seqlen) tensor; padded_stats, the backward kernels' statistics buffers, whose rows a
     (batch, head) fa2tune.launch.backward pads to a multiple of 16 (_Stats) for a dense call."""
     from ..launch.grid import stats_rows as padded_rows
@@ -127,15 +128,17 @@ def compile_config(
         even_n=seqlen % config.block_n == 0, pipeline_qk=config.pipeline_qk, head_dim=head_dim, head_dim_v=head_dim_v,
     )  # fmt: skip
     fn = getattr(codegen.load(template, variant), name)
-    head_dim_pad = planner.head_dim_padded(head_dim)
-    # the backward's statistics are padded for dense calls; packed ones keep the logsumexp's layout
-    ints = _example_ints(head_dim_pad, heads=16, group=1, seqlen=seqlen, padded_stats=kernel != "fwd" and not varlen)
+    # the backward's statistics are padded for dense calls; packed ones keep the logsumexp's layout. The tensors'
+    # strides are a contiguous call's, of the head dim itself, in the units the launchers pass (layout.in_units)
+    ints = _example_ints(head_dim, heads=16, group=1, seqlen=seqlen, padded_stats=kernel != "fwd" and not varlen)
+    unit = stride_unit(ints[axis] for axis in ("stride_b", "stride_h", "stride_m"))
     signature: dict[str, str] = {}
     constexprs: dict[str, object] = {
         **head_dim_options(head_dim, head_dim_v or head_dim),
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
         "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "STRIDE_UNIT": unit,
     }
     attrs: dict[tuple[int, ...], list] = {}
     for index, arg in enumerate(fn.arg_names):
@@ -159,7 +162,7 @@ def compile_config(
         else:
             # stride_qm / stride_kn / ... are row strides; stride_*b and stride_*h batch and head strides.
             axis = {"b": "stride_b", "h": "stride_h", "m": "stride_m", "n": "stride_m"}
-            value = ints.get(arg) or (ints[axis[arg[-1]]] if arg.startswith("stride_") else ints[arg])
+            value = ints.get(arg) or (ints[axis[arg[-1]]] // unit if arg.startswith("stride_") else ints[arg])
             signature[arg], spec = _int_specialization(value)
             if signature[arg] == "constexpr":
                 constexprs[arg] = spec
@@ -242,7 +245,9 @@ def _compile_warpspec(
 _DECODE_POINTERS = {"Q": None, "K": None, "V": None, "O": None, "K_NEW": None, "V_NEW": None, "LSE": "fp32",
                     "PART_O": "fp32", "PART_LSE": "fp32", "SEQLENS": "i32", "TABLE": "i32"}  # fmt: skip
 # Strides of any value in real use: the logsumexp's head stride is seqlen_q (often 1), a block table's row its width.
-# The others are multiples of 16 elements in contiguous caches and queries of head_dim >= 16, as the JIT sees them.
+# The others reach the kernels divided by STRIDE_UNIT (8 at a head dim that is a multiple of 8) and are taken as
+# multiples of 16 after it, as the JIT sees them at d = 128; at other head dims it sees less divisibility, but every
+# row start 16-byte aligned all the same, which is what the loads' vector width follows.
 _DECODE_ANY_STRIDES = {"stride_lh", "stride_tb"}
 
 
@@ -251,7 +256,8 @@ def compile_decode(kernel: str, config, head_dim: int, dtype: torch.dtype, *, pa
                    capability: tuple[int, int] = (9, 0)) -> CompileReport:  # fmt: skip
     """Compiles a decode kernel of templates/decode.py.jinja ("_decode_fwd" with split partials, "_decode_merge",
     "_append_kv") with a DecodeConfig for a CUDA target, as fa2tune.launch.decode launches it on typical tensors:
-    every pointer 16-byte aligned, the strides multiples of 16 (but _DECODE_ANY_STRIDES), lengths plain i32, paged
+    every pointer 16-byte aligned, the strides in STRIDE_UNIT's units multiples of 16 (but _DECODE_ANY_STRIDES),
+    lengths plain i32, paged
     or not; block_m packed query rows a tile (decode_plan.row_tiles), `splits` splits merged (the merge's blocks,
     decode_plan.merge_blocks)."""
     from triton.backends.compiler import GPUTarget
@@ -268,7 +274,7 @@ def compile_decode(kernel: str, config, head_dim: int, dtype: torch.dtype, *, pa
         "SPLITS_PAD": splits_pad, "SPLIT_BLOCK": split_block,
         **head_dim_options(head_dim, head_dim), "BLOCK_M": block_m, "BLOCK_N": config.block_n, "BLOCK_R": 16,
         "PAGE_SIZE": page_size if paged else 0, "PARTIAL": True,
-        "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "STRIDE_UNIT": stride_unit((head_dim,)),
     }  # fmt: skip
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list] = {}
