@@ -178,8 +178,10 @@ def test_the_triton_templates_render_v_head_dim_only_where_it_differs():
         assert distinct.distinct_v and "HEAD_DIM_V_PAD: tl.constexpr" in codegen.render(template, distinct)
 
 
-def test_sdpa_patch_still_hands_pytorch_what_it_cannot_take():
-    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 4)
+def test_sdpa_patch_still_hands_pytorch_what_it_cannot_take(device):
+    # on the device the tests run on: CPU tensors are handed over for that alone where a GPU runs the kernels
+    q, k = torch.randn(1, 2, 5, 8, device=device), torch.randn(1, 2, 5, 4, device=device)
     reason = sdpa._unsupported(q, k, k, None, None, 0.0, False, None, False)
     assert reason.startswith("query and key head dims that differ")
-    assert sdpa._unsupported(q, q, torch.randn(1, 2, 5, 4), None, None, 0.0, False, None, False) is None
+    v = torch.randn(1, 2, 5, 4, device=device)
+    assert sdpa._unsupported(q, q, v, None, None, 0.0, False, None, False) is None
