@@ -143,12 +143,16 @@ def test_the_preprocess_zeroes_exactly_the_fp32_dq_rows_when_asked(zero_dq, copy
         assert dq_acc.isnan().all(), "ZERO_DQ off, yet the fp32 dQ was written"
 
 
-def test_the_stride_unit_is_the_widest_vector_dividing_every_stride():
+def test_the_stride_unit_is_the_widest_vector_dividing_every_stride_below_2_to_the_31():
     # d = 72: rows 72 elements apart, heads 72·N — 8 divides them where the JIT's own check (16) does not
     assert layout.stride_unit((28 * 197 * 72, 197 * 72, 72)) == 8
     assert layout.stride_unit((0, 0, 0)) == 8  # a packed batch stride, or an unused tensor's
     assert layout.stride_unit((4 * 100, 100)) == 4
     assert layout.stride_unit((48, 37)) == 1
+    # a launch with a stride of 2^31 or more passes its strides whole: a kernel multiplies a divided one back as an
+    # int32, which a stride past 2^31 would wrap
+    assert layout.in_units((2**31 + 2**13, 72)) == (1, (2**31 + 2**13, 72))
+    assert layout.in_units((2**31 - 8, 72)) == (8, ((2**31 - 8) // 8, 9))
 
 
 def test_the_warpspec_backward_launchers_refuse_statistics_strides_without_the_padded_rows():

@@ -75,10 +75,16 @@ def stride_unit(strides) -> int:
     return unit
 
 
+# Triton passes an int argument under 2^31 as an int32: the kernels multiply a divided stride back in that type.
+INT32_LIMIT = 2**31
+
+
 def in_units(strides) -> tuple[int, tuple[int, ...]]:
     """(unit, strides divided by it): the tensor strides a Triton kernel of the templates takes, and its
-    STRIDE_UNIT (stride_unit)."""
-    unit = stride_unit(strides)
+    STRIDE_UNIT (stride_unit). One unit a launch: the one every stride admits. Where a stride reaches 2^31 the unit
+    is 1 — the strides go as they are, int64 — so that a stride divided into an int32 never wraps when the kernel
+    multiplies it back."""
+    unit = 1 if any(abs(stride) >= INT32_LIMIT for stride in strides) else stride_unit(strides)
     return unit, tuple(stride // unit for stride in strides)
 
 
