@@ -429,3 +429,22 @@ def test_short_sequences_of_large_scores_give_finite_gradients(lengths, causal, 
         assert (ref_lse[seen] < -100).all() or not all_negative  # the inputs do what they are for
         assert_close(o, ref_o.nan_to_num(0.0), dtype)
         _assert_grads_within_flash_attention_bound(grads, q, k, v, do, causal)
+
+
+@pytest.mark.parametrize("width", [80, 76, 73], ids=["unit8", "unit4", "unit1"])
+def test_inputs_cut_from_wider_rows_match_reference(width, device):
+    # q, k, v and dO of head dim 72 cut from rows `width` elements wide (a slice of a fused buffer), in the flash_attn
+    # layout: strides of 8, 4 and 1 mod 8, which the Triton kernels take in units of 8, 4 and 1 (layout.in_units)
+    # and multiply back. A sliding window, so that a GPU runs those kernels too; forward and gradients against
+    # float64.
+    gen = torch.Generator().manual_seed(width)
+    rows = [torch.randn(2, 45, 3, width, generator=gen).to(device, torch.float16)[..., 1:73] for _ in range(4)]
+    assert rows[0].stride()[-2:] == (width, 1)
+    q, k, v, do = (t.transpose(1, 2) for t in rows)  # (batch, heads, seqlen, 72) views, unit last stride
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    o = fa2tune.attention(*leaves, causal=True, window=(20, 0))
+    grads = torch.autograd.grad(o, leaves, do)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = naive_attention(*ref_leaves, causal=True, window=(20, 0))
+    assert_close(o, ref, torch.float16)
+    _assert_grads_close(grads, torch.autograd.grad(ref, ref_leaves, do.double()), torch.float16, do)
