@@ -119,13 +119,13 @@ def test_the_preprocess_zeroes_exactly_the_fp32_dq_rows_when_asked(zero_dq, copy
     dq_acc = buffer[:, :, 2 : n + 2, 4 : d + 4]
     kernel = layout.kernel("bwd", "_attn_bwd_preprocess", Mask(), n, n, KernelConfig(block_m, 16, 4, 1), False)
     # the strides in the units the kernel multiplies back: the fp32 dQ's rows are 56 apart, which 16 does not divide
-    strides = (*o.stride()[:3], *do.stride()[:3], *(dq_acc.stride()[:3] if zero_dq else (0, 0, 0)))
-    unit = layout.stride_unit(strides)
-    assert unit == 8
+    units, strides = layout.in_units(O=o.stride()[:3], DO=do.stride()[:3],
+                                     ACC=dq_acc.stride()[:3] if zero_dq else (0, 0, 0))  # fmt: skip
+    assert units == {"UNIT_O": 8, "UNIT_DO": 8, "UNIT_ACC": 8}
     kernel[(grid.cdiv(n, block_m) * batch * heads,)](
-        o, do, lse, lse_out, delta, dq_acc, *(s // unit for s in strides[:6]), *lse.stride(),
-        *(s // unit for s in strides[6:]), heads, n, rows, HEAD_DIM=d, HEAD_DIM_PAD=planner.head_dim_padded(d),
-        BLOCK_M=block_m, ZERO_DQ=zero_dq, COPY_LSE=copy_lse, STRIDE_UNIT=unit,
+        o, do, lse, lse_out, delta, dq_acc, *strides[:6], *lse.stride(), *strides[6:], heads, n, rows, HEAD_DIM=d,
+        HEAD_DIM_PAD=planner.head_dim_padded(d), BLOCK_M=block_m, ZERO_DQ=zero_dq, COPY_LSE=copy_lse,
+        **units,
     )  # fmt: skip
     expected = (o.float() * do.float()).sum(-1)
     assert torch.allclose(delta[..., :n], expected, rtol=1e-5, atol=1e-5)
@@ -143,16 +143,17 @@ def test_the_preprocess_zeroes_exactly_the_fp32_dq_rows_when_asked(zero_dq, copy
         assert dq_acc.isnan().all(), "ZERO_DQ off, yet the fp32 dQ was written"
 
 
-def test_the_stride_unit_is_the_widest_vector_dividing_every_stride_below_2_to_the_31():
+def test_each_tensor_s_stride_unit_is_the_widest_vector_dividing_its_strides_below_2_to_the_31():
     # d = 72: rows 72 elements apart, heads 72·N — 8 divides them where the JIT's own check (16) does not
     assert layout.stride_unit((28 * 197 * 72, 197 * 72, 72)) == 8
     assert layout.stride_unit((0, 0, 0)) == 8  # a packed batch stride, or an unused tensor's
     assert layout.stride_unit((4 * 100, 100)) == 4
     assert layout.stride_unit((48, 37)) == 1
-    # a launch with a stride of 2^31 or more passes its strides whole: a kernel multiplies a divided one back as an
-    # int32, which a stride past 2^31 would wrap
-    assert layout.in_units((2**31 + 2**13, 72)) == (1, (2**31 + 2**13, 72))
-    assert layout.in_units((2**31 - 8, 72)) == (8, ((2**31 - 8) // 8, 9))
+    # a unit a tensor, so that one of weaker alignment narrows no other's; a tensor with a stride of 2^31 or more
+    # passes its strides whole: a kernel multiplies a divided one back as an int32, which would wrap
+    units, strides = layout.in_units(Q=(144, 72), V=(84, 84), O=(2**31 - 8, 72))
+    assert units == {"UNIT_Q": 8, "UNIT_V": 4, "UNIT_O": 8} and strides == (18, 9, 21, 21, (2**31 - 8) // 8, 9)
+    assert layout.in_units(K=(2**31 + 2**13, 72), O=(72,)) == ({"UNIT_K": 1, "UNIT_O": 8}, (2**31 + 2**13, 72, 9))
 
 
 def test_the_warpspec_backward_launchers_refuse_statistics_strides_without_the_padded_rows():
@@ -434,7 +435,7 @@ def test_short_sequences_of_large_scores_give_finite_gradients(lengths, causal, 
 @pytest.mark.parametrize("width", [80, 76, 73], ids=["unit8", "unit4", "unit1"])
 def test_inputs_cut_from_wider_rows_match_reference(width, device):
     # q, k, v and dO of head dim 72 cut from rows `width` elements wide (a slice of a fused buffer), in the flash_attn
-    # layout: strides of 8, 4 and 1 mod 8, which the Triton kernels take in units of 8, 4 and 1 (layout.in_units)
+    # layout: strides of 0, 4 and 1 mod 8, which the Triton kernels take in units of 8, 4 and 1 (layout.in_units)
     # and multiply back. A sliding window, so that a GPU runs those kernels too; forward and gradients against
     # float64.
     gen = torch.Generator().manual_seed(width)

@@ -174,10 +174,10 @@ def _preprocess_launcher(q, k, o, do, lse, stats: _Stats, mask: Mask, dq_config:
     # only a copy reads the logsumexp; a packed one (heads_q, total_q) is read as one batch
     lse_in_strides = (*(0,) * (3 - lse.dim()), *lse.stride()) if stats.copy_lse else (0, 0, 0)
     # O's, dO's and the fp32 dQ's strides go in units the kernel multiplies back (layout.in_units)
-    unit, tensor_strides = in_units((*strides(o), *strides(do), *dq_acc_strides))
+    units, tensor_strides = in_units(O=strides(o), DO=strides(do), ACC=dq_acc_strides)
     pre_scalars = (*tensor_strides[:6], *lse_in_strides, *tensor_strides[6:], heads_q, pre_rows, stats.rows)
     pre_options = dict(**head_dim_options(*head_dims), BLOCK_M=dq_config.block_m, ZERO_DQ=fused_dq,
-                       COPY_LSE=stats.copy_lse, STRIDE_UNIT=unit)  # fmt: skip
+                       COPY_LSE=stats.copy_lse, **units)  # fmt: skip
     return fastlaunch.Launcher(pre, pre_grid, pre_scalars, pre_options)
 
 
@@ -207,14 +207,15 @@ class _Shared(NamedTuple):
         return cls(sizes, (sizes[-1], v.shape[-1]), strides, inputs, stats.strides, scalars, cu_q, cu_k,
                    packing is not None, input_precision(q.dtype))  # fmt: skip
 
-    def arguments(self, config: KernelConfig, *outputs: torch.Tensor) -> tuple[tuple, dict]:
-        """(scalars, options) of a launch that writes `outputs` (dK and dV, or dQ): every tensor's strides in the
-        units the kernel multiplies back (layout.in_units), the statistics' as they are."""
-        unit, tensor_strides = in_units((*self.inputs, *(s for t in outputs for s in self.strides(t))))
+    def arguments(self, config: KernelConfig, **outputs: torch.Tensor) -> tuple[tuple, dict]:
+        """(scalars, options) of a launch that writes `outputs` (DK=dk, DV=dv, or DQ=dq): every tensor's strides in
+        the units the kernel multiplies back (layout.in_units), the statistics' as they are."""
+        inputs = dict(zip(("Q", "K", "V", "DO"), (self.inputs[at:at + 3] for at in range(0, 12, 3)), strict=True))
+        units, tensor_strides = in_units(**inputs, **{name: self.strides(t) for name, t in outputs.items()})
         scalars = (*tensor_strides[:12], *self.stats_strides, *tensor_strides[12:], *self.scalars)
         options = dict(**head_dim_options(*self.head_dims), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                        INPUT_PRECISION=self.precision, num_warps=config.num_warps, num_stages=config.num_stages,
-                       STRIDE_UNIT=unit)  # fmt: skip
+                       **units)  # fmt: skip
         return scalars, options
 
 
@@ -227,7 +228,7 @@ def _dkdv_launcher(q, k, v, dk, dv, mask: Mask, scale: float, config: KernelConf
     batch, _, heads_kv, seqlen_q, seqlen_k, _ = shared.sizes
     dkdv = _layout.kernel("bwd", "_attn_bwd_dkdv", mask, seqlen_q, seqlen_k, config, shared.varlen, shared.head_dims)
     grid = (cdiv(seqlen_k, config.block_n) * batch * heads_kv,)
-    launch = fastlaunch.Launcher(dkdv, grid, *shared.arguments(config, dk, dv))
+    launch = fastlaunch.Launcher(dkdv, grid, *shared.arguments(config, DK=dk, DV=dv))
     cu_q, cu_k = shared.cu_q, shared.cu_k
     return lambda q, k, v, do, dk, dv, lse, delta: launch(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k)
 
@@ -241,6 +242,6 @@ def _dq_launcher(q, k, v, dq, mask: Mask, scale: float, config: KernelConfig, sh
     dq_kernel = _layout.kernel("bwd", "_attn_bwd_dq", mask, seqlen_q, seqlen_k, config, shared.varlen,
                                shared.head_dims)  # fmt: skip
     grid = (cdiv(seqlen_q, config.block_m) * batch * heads_q,)
-    launch = fastlaunch.Launcher(dq_kernel, grid, *shared.arguments(config, dq))
+    launch = fastlaunch.Launcher(dq_kernel, grid, *shared.arguments(config, DQ=dq))
     cu_q, cu_k = shared.cu_q, shared.cu_k
     return lambda q, k, v, do, dq, lse, delta: launch(q, k, v, do, lse, delta, dq, cu_q, cu_k)

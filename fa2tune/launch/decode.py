@@ -30,7 +30,7 @@ from ..config.kvcache_inputs import KVCache
 from ..kernels import codegen
 from . import fastlaunch, plans
 from .grid import LOG2E, cdiv, input_precision
-from .layout import in_units, on_device, stride_unit
+from .layout import in_units, on_device
 
 APPEND_ROWS = 16  # new keys an append program copies
 
@@ -119,33 +119,32 @@ def _plan(q, cache: KVCache, scale: float, window: tuple[int, int], splits: int,
     append = None
     # every kernel takes its tensors' strides in the units it multiplies back (layout.in_units)
     if cache.seqlen_new:
-        unit, strides = in_units((*_strides(cache.k_new), *_strides(cache.v_new), *_strides(k_cache),
-                                  *_strides(v_cache)))  # fmt: skip
+        units, strides = in_units(KN=_strides(cache.k_new), VN=_strides(cache.v_new), K=_strides(k_cache),
+                                  V=_strides(v_cache))  # fmt: skip
         append = fastlaunch.Launcher(
             module._append_kv, (batch * kv_heads, cdiv(cache.seqlen_new, APPEND_ROWS)),
             (*strides, table_stride, kv_heads, *sizes),
-            dict(**head, BLOCK_R=APPEND_ROWS, PAGE_SIZE=cache.page_size, STRIDE_UNIT=unit, num_warps=4),
+            dict(**head, BLOCK_R=APPEND_ROWS, PAGE_SIZE=cache.page_size, num_warps=4, **units),
         )  # fmt: skip
     o_strides = (seqlen_q * heads_q * head_dim, heads_q * head_dim, head_dim)  # out is contiguous
     lse_strides = (heads_q * seqlen_q, seqlen_q)
-    unit, strides = in_units((*_strides(q), *_strides(k_cache), *_strides(v_cache), *o_strides))
+    units, strides = in_units(Q=_strides(q), K=_strides(k_cache), V=_strides(v_cache), O=o_strides)
     attend = fastlaunch.Launcher(
         module._decode_fwd, (batch * kv_heads, splits, tiles),
         (*strides, *lse_strides, table_stride, kv_heads, group, seqlen_q, *sizes, scale * LOG2E, *window),
         dict(**head, BLOCK_M=block_m, BLOCK_N=config.block_n, PAGE_SIZE=cache.page_size, PARTIAL=splits > 1,
-             INPUT_PRECISION=input_precision(q.dtype), STRIDE_UNIT=unit, num_warps=config.num_warps,
-             num_stages=config.num_stages),
+             INPUT_PRECISION=input_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+             **units),
     )  # fmt: skip
     merge = None
     if splits > 1:
         rows = group * seqlen_q
         splits_pad, split_block = decode_plan.merge_blocks(splits, head_dim)
-        merge_unit = stride_unit(o_strides)
+        merge_units, merge_strides = in_units(O=o_strides)
         merge = fastlaunch.Launcher(
             module._decode_merge, (batch * kv_heads * rows,),
-            (*(stride // merge_unit for stride in o_strides), *lse_strides, kv_heads, group, rows, tiles * block_m,
-             splits),
-            dict(**head, SPLITS_PAD=splits_pad, SPLIT_BLOCK=split_block, STRIDE_UNIT=merge_unit,
+            (*merge_strides, *lse_strides, kv_heads, group, rows, tiles * block_m, splits),
+            dict(**head, SPLITS_PAD=splits_pad, SPLIT_BLOCK=split_block, **merge_units,
                  num_warps=decode_plan.MERGE_WARPS),
         )  # fmt: skip
     part_shape = (splits, batch * kv_heads, tiles * block_m)

@@ -99,12 +99,12 @@ def _launcher(q, k, v, o, lse, mask: Mask, scale: float, config: KernelConfig, p
     fwd = _layout.kernel("fwd", "_attn_fwd", mask, seqlen_q, seqlen_k, config, packing is not None, head_dims)
     cu_q, cu_k, (left, right, prefix) = mask_args(mask, seqlen_q, seqlen_k, packing)
     grid = fwd_grid(cdiv(seqlen_q, config.block_m), batch * heads_q)
-    unit, tensor_strides = in_units((*strides(q), *strides(k), *strides(v), *strides(o)))  # the kernel multiplies back
+    units, tensor_strides = in_units(Q=strides(q), K=strides(k), V=strides(v), O=strides(o))  # multiplied back
     scalars = (*tensor_strides, *lse_strides(lse, packing), batch, heads_q, heads_q // heads_kv, seqlen_q, seqlen_k,
                scale * LOG2E, left, right, prefix, *totals(q, k, packing))  # fmt: skip
     options = dict(**head_dim_options(*head_dims), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                    INPUT_PRECISION=input_precision(q.dtype), num_warps=config.num_warps,
-                   num_stages=config.num_stages, STRIDE_UNIT=unit)  # fmt: skip
+                   num_stages=config.num_stages, **units)  # fmt: skip
 
     launch = fastlaunch.Launcher(fwd, grid, scalars, options)
     return lambda q, k, v, o, lse: launch(q, k, v, o, lse, cu_q, cu_k)

@@ -79,13 +79,16 @@ def stride_unit(strides) -> int:
 INT32_LIMIT = 2**31
 
 
-def in_units(strides) -> tuple[int, tuple[int, ...]]:
-    """(unit, strides divided by it): the tensor strides a Triton kernel of the templates takes, and its
-    STRIDE_UNIT (stride_unit). One unit a launch: the one every stride admits. Where a stride reaches 2^31 the unit
-    is 1 — the strides go as they are, int64 — so that a stride divided into an int32 never wraps when the kernel
-    multiplies it back."""
-    unit = 1 if any(abs(stride) >= INT32_LIMIT for stride in strides) else stride_unit(strides)
-    return unit, tuple(stride // unit for stride in strides)
+def in_units(**tensors: tuple[int, ...]) -> tuple[dict[str, int], tuple[int, ...]]:
+    """(units, strides) of a Triton kernel's launch, given each tensor's strides by the name of its unit parameter
+    (Q=..., DO=...): units {"UNIT_Q": unit, ...}, the constexprs it multiplies each tensor's strides back by
+    (stride_unit), and every tensor's strides divided by its unit, in order, as one tuple. A unit a tensor: one of
+    weaker alignment narrows no other's vectors. Where a tensor's stride reaches 2^31 its unit is 1 — its strides go
+    as they are, int64 —, so a stride divided into an int32 never wraps when the kernel multiplies it back."""
+    units = {name: 1 if any(abs(s) >= INT32_LIMIT for s in strides) else stride_unit(strides)
+             for name, strides in tensors.items()}  # fmt: skip
+    divided = tuple(s // units[name] for name, strides in tensors.items() for s in strides)
+    return {f"UNIT_{name}": unit for name, unit in units.items()}, divided
 
 
 def lse_strides(lse: torch.Tensor, packing: Packing | None) -> tuple[int, int]:

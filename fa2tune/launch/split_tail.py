@@ -84,8 +84,8 @@ def merge(kernel, part_o: torch.Tensor, part_lse: torch.Tensor, o: torch.Tensor,
     tile_m, width, head_dim = part_o.shape[1], part_o.shape[2], o.shape[3]
     rows = min(32, tile_m)
     cols = 1 << (width - 1).bit_length()  # a power of two over the pieces' columns (and so O's)
-    unit, o_strides = in_units(o.stride()[:3])  # the kernel multiplies them back
+    units, o_strides = in_units(O=o.stride()[:3])  # the kernel multiplies them back
     kernel[(tiles - main, tile_m // rows)](
         part_o, part_lse, o, lse, *o_strides, lse.stride(0), lse.stride(1), main, split, n_m, heads_q, seqlen_q,
-        HEAD_DIM=head_dim, PART_WIDTH=width, COLS=cols, TILE_M=tile_m, ROWS=rows, STRIDE_UNIT=unit, num_warps=4,
+        HEAD_DIM=head_dim, PART_WIDTH=width, COLS=cols, TILE_M=tile_m, ROWS=rows, **units, num_warps=4,
     )  # fmt: skip

@@ -28,6 +28,7 @@ from ..launch.layout import head_dim_options, stride_unit
 _TENSORS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _FP32_TENSORS = {"LSE", "DELTA"}
 _FLOATS = {"qk_scale", "scale"}
+_V_SIDE = {"v", "o", "do", "dv"}  # the tensors of V's head dim (head_dim_v), by their strides' names
 
 
 @dataclass(frozen=True)
@@ -129,17 +130,26 @@ def compile_config(
     )  # fmt: skip
     fn = getattr(codegen.load(template, variant), name)
     # the backward's statistics are padded for dense calls; packed ones keep the logsumexp's layout. The tensors'
-    # strides are a contiguous call's, of the head dim itself, in the units the launchers pass (layout.in_units)
+    # strides are a contiguous call's, of their own head dim (V, O, dO, dV: head_dim_v), each tensor's in the unit
+    # its launcher passes them in (layout.in_units)
     ints = _example_ints(head_dim, heads=16, group=1, seqlen=seqlen, padded_stats=kernel != "fwd" and not varlen)
-    unit = stride_unit(ints[axis] for axis in ("stride_b", "stride_h", "stride_m"))
+    ints_v = _example_ints(head_dim_v or head_dim, heads=16, group=1, seqlen=seqlen)
+    axis = {"b": "stride_b", "h": "stride_h", "m": "stride_m", "n": "stride_m"}
+
+    def tensor_strides(tensor: str) -> dict[str, int]:  # "q", "do", ...: its strides by axis
+        side = ints_v if tensor in _V_SIDE else ints
+        return {name: side[name] for name in axis.values()}
+
     signature: dict[str, str] = {}
     constexprs: dict[str, object] = {
         **head_dim_options(head_dim, head_dim_v or head_dim),
         "BLOCK_M": config.block_m,
         "BLOCK_N": config.block_n,
         "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
-        "STRIDE_UNIT": unit,
     }
+    for arg in fn.arg_names:
+        if arg.startswith("UNIT_"):
+            constexprs[arg] = stride_unit(tensor_strides(arg[5:].lower()).values())
     attrs: dict[tuple[int, ...], list] = {}
     for index, arg in enumerate(fn.arg_names):
         if arg in constexprs:
@@ -160,9 +170,13 @@ def compile_config(
         elif arg in ("BATCH", "N_Q", "N_K", "window_left", "window_right", "prefix_len", "TOTAL_Q", "TOTAL_K"):
             signature[arg] = "i32"  # do_not_specialize in the templates
         else:
-            # stride_qm / stride_kn / ... are row strides; stride_*b and stride_*h batch and head strides.
-            axis = {"b": "stride_b", "h": "stride_h", "m": "stride_m", "n": "stride_m"}
-            value = ints.get(arg) or (ints[axis[arg[-1]]] // unit if arg.startswith("stride_") else ints[arg])
+            # stride_qm / stride_kn / ... are row strides; stride_*b and stride_*h batch and head strides, of the
+            # tensor named between (q, do, dk, ...), divided by its unit
+            if arg in ints:
+                value = ints[arg]
+            else:
+                tensor = arg[len("stride_"):-1]
+                value = tensor_strides(tensor)[axis[arg[-1]]] // constexprs[f"UNIT_{tensor.upper()}"]
             signature[arg], spec = _int_specialization(value)
             if signature[arg] == "constexpr":
                 constexprs[arg] = spec
@@ -245,7 +259,7 @@ def _compile_warpspec(
 _DECODE_POINTERS = {"Q": None, "K": None, "V": None, "O": None, "K_NEW": None, "V_NEW": None, "LSE": "fp32",
                     "PART_O": "fp32", "PART_LSE": "fp32", "SEQLENS": "i32", "TABLE": "i32"}  # fmt: skip
 # Strides of any value in real use: the logsumexp's head stride is seqlen_q (often 1), a block table's row its width.
-# The others reach the kernels divided by STRIDE_UNIT (8 at a head dim that is a multiple of 8) and are taken as
+# The others reach the kernels divided by their tensor's unit (8 at a head dim that is a multiple of 8) and are taken as
 # multiples of 16 after it, as the JIT sees them at d = 128; at other head dims it sees less divisibility, but every
 # row start 16-byte aligned all the same, which is what the loads' vector width follows.
 _DECODE_ANY_STRIDES = {"stride_lh", "stride_tb"}
@@ -256,7 +270,7 @@ def compile_decode(kernel: str, config, head_dim: int, dtype: torch.dtype, *, pa
                    capability: tuple[int, int] = (9, 0)) -> CompileReport:  # fmt: skip
     """Compiles a decode kernel of templates/decode.py.jinja ("_decode_fwd" with split partials, "_decode_merge",
     "_append_kv") with a DecodeConfig for a CUDA target, as fa2tune.launch.decode launches it on typical tensors:
-    every pointer 16-byte aligned, the strides in STRIDE_UNIT's units multiples of 16 (but _DECODE_ANY_STRIDES),
+    every pointer 16-byte aligned, the strides in their tensors' units multiples of 16 (but _DECODE_ANY_STRIDES),
     lengths plain i32, paged
     or not; block_m packed query rows a tile (decode_plan.row_tiles), `splits` splits merged (the merge's blocks,
     decode_plan.merge_blocks)."""
@@ -274,8 +288,9 @@ def compile_decode(kernel: str, config, head_dim: int, dtype: torch.dtype, *, pa
         "SPLITS_PAD": splits_pad, "SPLIT_BLOCK": split_block,
         **head_dim_options(head_dim, head_dim), "BLOCK_M": block_m, "BLOCK_N": config.block_n, "BLOCK_R": 16,
         "PAGE_SIZE": page_size if paged else 0, "PARTIAL": True,
-        "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32", "STRIDE_UNIT": stride_unit((head_dim,)),
+        "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
     }  # fmt: skip
+    constexprs |= {arg: stride_unit((head_dim,)) for arg in fn.arg_names if arg.startswith("UNIT_")}
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list] = {}
     for index, arg in enumerate(fn.arg_names):
