@@ -23,12 +23,13 @@ from ..config import planner
 from ..config.inputs import DTYPE_NAMES
 from ..config.types import KernelConfig, Variant
 from ..kernels import codegen
-from ..launch.layout import head_dim_options, stride_unit
+from ..launch.layout import head_dim_options, in_units, stride_unit
 
 _TENSORS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 _FP32_TENSORS = {"LSE", "DELTA"}
 _FLOATS = {"qk_scale", "scale"}
 _V_SIDE = {"v", "o", "do", "dv"}  # the tensors of V's head dim (head_dim_v), by their strides' names
+_STRIDE_AXES = {"b": 0, "h": 1, "m": 2, "n": 2}  # a stride parameter's last letter: batch, head, row (query or key)
 
 
 @dataclass(frozen=True)
@@ -134,12 +135,11 @@ def compile_config(
     # its launcher passes them in (layout.in_units)
     ints = _example_ints(head_dim, heads=16, group=1, seqlen=seqlen, padded_stats=kernel != "fwd" and not varlen)
     ints_v = _example_ints(head_dim_v or head_dim, heads=16, group=1, seqlen=seqlen)
-    axis = {"b": "stride_b", "h": "stride_h", "m": "stride_m", "n": "stride_m"}
-
-    def tensor_strides(tensor: str) -> dict[str, int]:  # "q", "do", ...: its strides by axis
-        side = ints_v if tensor in _V_SIDE else ints
-        return {name: side[name] for name in axis.values()}
-
+    tensors = [arg[len("UNIT_"):] for arg in fn.arg_names if arg.startswith("UNIT_")]  # Q, K, ..., DV
+    example = {tensor: ints_v if tensor.lower() in _V_SIDE else ints for tensor in tensors}
+    units, divided = in_units(**{tensor: (side["stride_b"], side["stride_h"], side["stride_m"])
+                                 for tensor, side in example.items()})  # fmt: skip
+    strides_of = {tensor.lower(): divided[3 * i : 3 * i + 3] for i, tensor in enumerate(tensors)}
     signature: dict[str, str] = {}
     constexprs: dict[str, object] = {
         **head_dim_options(head_dim, head_dim_v or head_dim),
@@ -147,9 +147,7 @@ def compile_config(
         "BLOCK_N": config.block_n,
         "INPUT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
     }
-    for arg in fn.arg_names:
-        if arg.startswith("UNIT_"):
-            constexprs[arg] = stride_unit(tensor_strides(arg[5:].lower()).values())
+    constexprs |= units
     attrs: dict[tuple[int, ...], list] = {}
     for index, arg in enumerate(fn.arg_names):
         if arg in constexprs:
@@ -171,12 +169,11 @@ def compile_config(
             signature[arg] = "i32"  # do_not_specialize in the templates
         else:
             # stride_qm / stride_kn / ... are row strides; stride_*b and stride_*h batch and head strides, of the
-            # tensor named between (q, do, dk, ...), divided by its unit
+            # tensor named between (q, do, dk, ...), as its launcher passes them
             if arg in ints:
                 value = ints[arg]
             else:
-                tensor = arg[len("stride_"):-1]
-                value = tensor_strides(tensor)[axis[arg[-1]]] // constexprs[f"UNIT_{tensor.upper()}"]
+                value = strides_of[arg[len("stride_"):-1]][_STRIDE_AXES[arg[-1]]]
             signature[arg], spec = _int_specialization(value)
             if signature[arg] == "constexpr":
                 constexprs[arg] = spec
