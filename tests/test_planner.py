@@ -102,8 +102,10 @@ def test_default_config_fits_every_known_gpu(gpu, kernel):
     for head_dim in (16, 64, 96, 128, 256):
         for dtype in (torch.bfloat16, torch.float32):
             for causal in (False, True):
-                cfg = defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info)
-                assert planner.check(cfg, info, head_dim, dtype, kernel) is None
+                for bucket in ("all", "short"):
+                    cfg = defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info,
+                                                  seqlen_bucket=bucket)  # fmt: skip
+                    assert planner.check(cfg, info, head_dim, dtype, kernel) is None
 
 
 def test_default_config_prefers_the_h200_measurements():
@@ -153,6 +155,37 @@ def test_default_config_prefers_the_h200_measurements():
     l4 = known_gpu("l4")
     cfg = defaults.default_config(128, torch.bfloat16, device=l4)
     assert cfg != KernelConfig(256, 64, 8, 4) and planner.sram_bytes(cfg, 128, torch.bfloat16) <= l4.smem_per_block
+
+
+def test_short_calls_default_to_the_forms_measured_at_short_lengths():
+    # A call of the "short" bucket at a head dim without an entry (docs/PERF.md, "Short and odd lengths"): the causal
+    # forward leads with 128 x 64 persistent without ping-pong, the causal dK/dV kernel leaves dQ to its own kernel,
+    # ahead of the padded fused form too (d=112); longer calls, the other kernels and masks keep their order.
+    h200 = replace(known_gpu("h200"), triton_version="3.6.0")
+    fwd = KernelConfig(128, 64, 4, 3, warp_specialized=True, schedule=PERSISTENT)
+    dkdv = KernelConfig(64, 128, 4, 3, warp_specialized=True, schedule=PERSISTENT)
+    default = lambda head_dim, bucket, **kw: defaults.default_config(head_dim, torch.bfloat16, device=h200,
+                                                                     seqlen_bucket=bucket, **kw)  # fmt: skip
+    for head_dim in (40, 72, 112, 128):
+        assert default(head_dim, "short", causal=True) == fwd, head_dim
+        assert default(head_dim, "short", causal=True, kernel="bwd_dkdv") == dkdv, head_dim
+        for bucket in ("all", "medium"):  # three consumers at d <= 64, else ping-pong; dQ fused in
+            assert default(head_dim, bucket, causal=True) != fwd, (head_dim, bucket)
+            assert default(head_dim, bucket, causal=True, kernel="bwd_dkdv").fused_dq, (head_dim, bucket)
+        assert default(head_dim, "short") == default(head_dim, "all"), head_dim
+        for kernel, causal in (("bwd_dkdv", False), ("bwd_dq", False), ("bwd_dq", True)):
+            assert default(head_dim, "short", causal=causal, kernel=kernel) == default(head_dim, "all", causal=causal,
+                                                                                     kernel=kernel)  # fmt: skip
+    # where a short form does not fit, the next one or the long order follows: two stages at d=192, split roles
+    assert default(192, "short", causal=True) == replace(fwd, num_stages=2)
+    assert default(192, "short", causal=True, kernel="bwd_dkdv").split_roles
+    # fp32 and GPUs without wgmma take the Triton tiles of the long order
+    triton = dict(causal=True, warp_specialized=False)
+    assert default(128, "short", **triton) == default(128, "all", **triton)
+    fp32 = defaults.default_config(128, torch.float32, causal=True, device=h200, seqlen_bucket="short")
+    assert not fp32.warp_specialized
+    with pytest.raises(ValueError, match=r"seqlen_bucket must be one of \('all', 'short', 'medium'\), got 'long'"):
+        default(128, "long")
 
 
 def test_bad_kernel_and_head_dim():

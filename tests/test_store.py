@@ -297,6 +297,28 @@ def test_lookup_order_env_then_user_then_shipped(config_dir, monkeypatch):
     assert found.config == KernelConfig(64, 64, 4, 1) and path.parent == shipped
 
 
+def test_a_call_without_an_entry_runs_its_length_bucket_s_default(config_dir, monkeypatch):
+    # resolve() hands the call's length bucket to the planner's default: a short causal forward at a head dim with
+    # no entry runs the short form, a long one the long form (defaults._WS_ORDER_SHORT)
+    from fa2tune.config.device import known_gpu
+
+    h200 = replace(known_gpu("h200"), triton_version="3.6.0")
+    monkeypatch.setattr(selection, "device_info", lambda device: h200)
+    monkeypatch.setattr(store, "shipped_config_dir", lambda: config_dir / "shipped")
+    resolve = lambda seqlen: selection.resolve("fwd", 72, torch.bfloat16, True, "cuda", seqlen=seqlen)
+    want = lambda bucket: defaults.default_config(72, torch.bfloat16, causal=True, device=h200, seqlen_bucket=bucket)
+    assert resolve(512) == (want("short"), "planner-default")
+    assert resolve(8192) == (want("all"), "planner-default")
+    assert resolve(None) == (want("all"), "planner-default")
+    assert want("short") != want("all")
+    # and a short study with nothing stored starts from the short form: what its calls ran without it
+    from fa2tune.tune import job
+
+    spec = lambda bucket: job.StudySpec(kernel="fwd", head_dim=72, dtype="bf16", causal=True, seqlen_bucket=bucket)
+    assert job.baseline(spec("short"), "cuda", h200) == (want("short"), "planner-default")
+    assert job.baseline(spec("all"), "cuda", h200) == (want("all"), "planner-default")
+
+
 def test_a_16_bit_dtype_without_an_entry_of_its_own_reads_the_other_s(config_dir, monkeypatch, device):
     # bf16 and fp16 cost the same (store.SAME_COST_DTYPES): an fp16 call with no fp16 entry runs the bf16 one, and
     # its source says which; an entry of the call's own dtype wins wherever it is on the search path (here the

@@ -84,7 +84,8 @@ def resolve(
         store._warn_once(f"fa2tune: tuned config {found.entry.config} {_named(found)} does not fit {info.name}: "
                          f"{reason}")  # fmt: skip
     if result is None:
-        config = defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info)
+        config = defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info,
+                                         seqlen_bucket=buckets[0])  # fmt: skip
         result = (config, "planner-default")
     _cache[cache_key] = result
     return result

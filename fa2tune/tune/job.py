@@ -237,8 +237,9 @@ def _entry(spec: StudySpec, result: tuner.TuneResult, info: DeviceInfo, measure,
 
 
 def baseline(spec: StudySpec, device_name: str, info: DeviceInfo | None = None) -> tuple[planner.KernelConfig, str]:
-    """(config, name) a study must beat, timed first: the planner's default; for a length bucket's study ("short",
-    "medium"), the config calls of those lengths run without its entry — the "all" entry, tuned at other lengths — so
+    """(config, name) a study must beat, timed first: the planner's default (the bucket's: defaults.default_config's
+    seqlen_bucket); for a length bucket's study ("short", "medium"), the config calls of those lengths run without its
+    entry — the "all" entry, tuned at other lengths, where there is one — so
     a bucket's entry is written only as at least as fast as that at its own lengths (a tuned config is never slower
     than its baseline).
     info: the device's DeviceInfo, if already read.
@@ -250,7 +251,8 @@ def baseline(spec: StudySpec, device_name: str, info: DeviceInfo | None = None) 
         if source != "planner-default":
             return config, "seqlen_bucket all"
     info = info or selection.device_info(device_name)
-    default = defaults.default_config(spec.head_dim, dtype, causal=spec.causal, kernel=spec.kernel, device=info)
+    default = defaults.default_config(spec.head_dim, dtype, causal=spec.causal, kernel=spec.kernel, device=info,
+                                      seqlen_bucket=spec.seqlen_bucket)  # fmt: skip
     return default, "planner-default"
 
 
