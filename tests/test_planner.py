@@ -157,22 +157,27 @@ def test_default_config_prefers_the_h200_measurements():
     assert cfg != KernelConfig(256, 64, 8, 4) and planner.sram_bytes(cfg, 128, torch.bfloat16) <= l4.smem_per_block
 
 
-def test_short_calls_default_to_the_forms_measured_at_short_lengths():
+def test_short_and_medium_calls_default_to_the_forms_measured_at_their_lengths():
     # A call of the "short" bucket at a head dim without an entry (docs/PERF.md, "Short and odd lengths"): the causal
     # forward leads with 128 x 64 persistent without ping-pong, the causal dK/dV kernel leaves dQ to its own kernel,
-    # ahead of the padded fused form too (d=112); longer calls, the other kernels and masks keep their order.
+    # ahead of the padded fused form too (d=112); a "medium" causal forward takes ping-pong at every head dim; the
+    # other kernels and masks keep their order.
     h200 = replace(known_gpu("h200"), triton_version="3.6.0")
     fwd = KernelConfig(128, 64, 4, 3, warp_specialized=True, schedule=PERSISTENT)
     dkdv = KernelConfig(64, 128, 4, 3, warp_specialized=True, schedule=PERSISTENT)
     default = lambda head_dim, bucket, **kw: defaults.default_config(head_dim, torch.bfloat16, device=h200,
                                                                      seqlen_bucket=bucket, **kw)  # fmt: skip
-    for head_dim in (40, 72, 112, 128):
+    for head_dim in (32, 40, 64, 72, 112, 128):
         assert default(head_dim, "short", causal=True) == fwd, head_dim
         assert default(head_dim, "short", causal=True, kernel="bwd_dkdv") == dkdv, head_dim
-        for bucket in ("all", "medium"):  # three consumers at d <= 64, else ping-pong; dQ fused in
-            assert default(head_dim, bucket, causal=True) != fwd, (head_dim, bucket)
+        for bucket in ("all", "medium"):  # dQ fused in
             assert default(head_dim, bucket, causal=True, kernel="bwd_dkdv").fused_dq, (head_dim, bucket)
-        assert default(head_dim, "short") == default(head_dim, "all"), head_dim
+        # medium lengths: ping-pong at every head dim, where long ones take three consumers at d <= 64
+        assert default(head_dim, "medium", causal=True) == replace(fwd, block_n=128, num_stages=2, pingpong=True)
+        assert default(head_dim, "all", causal=True) != fwd
+        assert (default(head_dim, "all", causal=True).block_m == 192) == (head_dim <= 64), head_dim
+        for bucket in ("short", "medium"):
+            assert default(head_dim, bucket) == default(head_dim, "all"), (head_dim, bucket)
         for kernel, causal in (("bwd_dkdv", False), ("bwd_dq", False), ("bwd_dq", True)):
             assert default(head_dim, "short", causal=causal, kernel=kernel) == default(head_dim, "all", causal=causal,
                                                                                      kernel=kernel)  # fmt: skip

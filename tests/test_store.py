@@ -299,7 +299,7 @@ def test_lookup_order_env_then_user_then_shipped(config_dir, monkeypatch):
 
 def test_a_call_without_an_entry_runs_its_length_bucket_s_default(config_dir, monkeypatch):
     # resolve() hands the call's length bucket to the planner's default: a short causal forward at a head dim with
-    # no entry runs the short form, a long one the long form (defaults._WS_ORDER_SHORT)
+    # no entry runs the short form, a long one the long form (defaults._WS_ORDER_BY_BUCKET)
     from fa2tune.config.device import known_gpu
 
     h200 = replace(known_gpu("h200"), triton_version="3.6.0")

@@ -81,22 +81,32 @@ _WS_ORDER: dict[tuple[str, bool], list[KernelConfig]] = {
         KernelConfig(64, 64, 4, 2, **_WS),
     ],
 }
-# Calls of the "short" length bucket (lengths.SHORT_SEQLEN and below) at a head dim without an entry of their own
-# try these first, then the lists above. Measured on an H100 SXM (bf16, batch·N = 16k, heads·d = 2048; docs/PERF.md,
+# Calls of a length bucket (lengths.BUCKET_RANGES) at a head dim without an entry of their own try that bucket's
+# forms first, then the lists above. Measured on an H100 SXM (bf16, batch·N = 16k, heads·d = 2048; docs/PERF.md,
 # "Short and odd lengths"), the short-bucket tunes at d = 64 and 128 agreeing:
-# - causal forward: 128 × 64 persistent, no ping-pong, three stages. A short causal tile visits a few K/V tiles, most
-#   of them on the diagonal, where 64-key steps waste less and the consumers' turns hide little. Against the long
-#   order's first fit at N=512: d=40 and 64 1.75-1.95× (the three-consumer 192 × 128), d = 96 and 128 +11 %
-#   (128 × 128 ping-pong); at N=1k d=40 and 64 1.36-1.54×, d = 96 and 128 2-4 % behind. Two stages where three do
-#   not fit (d=192, where either form reads the same).
-# - causal dK/dV: dQ by its own kernel, persistent. With few Q tiles a K/V tile, the fused form's dQ reductions and
-#   zeroing weigh more than the two matmuls it saves: the whole backward at N=512 +2.6 % (d=40), +6 % (d=72), +22 %
-#   (d=112, against its padded fused default); the d=128 tune chose it too (+8 % at N=1k). Past d=128 it does not
-#   fit and split roles follow. Without the mask the fused default stays (within 2.4 % of the best at d = 40-112).
-_SHORT = dict(warp_specialized=True, schedule=PERSISTENT)
-_WS_ORDER_SHORT: dict[tuple[str, bool], list[KernelConfig]] = {
-    ("fwd", True): [KernelConfig(128, 64, 4, 3, **_SHORT), KernelConfig(128, 64, 4, 2, **_SHORT)],
-    ("bwd_dkdv", True): [KernelConfig(64, 128, 4, 3, **_SHORT), KernelConfig(64, 128, 4, 2, **_SHORT)],
+# - short (N <= 1k), causal forward: 128 × 64 persistent, no ping-pong, three stages. A short causal tile visits a
+#   few K/V tiles, most of them on the diagonal, where 64-key steps waste less and the consumers' turns hide little.
+#   Against the long order's first fit at N=512: d = 40 and 64 1.75-1.95× (the three-consumer 192 × 128), d = 96 and
+#   128 +11 % (ping-pong); 15-20 % ahead of ping-pong at d = 40-64. At N=1k 1.36-1.54× over 192 × 128 (d = 32-64)
+#   but 2-9 % behind ping-pong at every head dim measured (d = 32-128). Two stages where three do not fit (d=192,
+#   where either form reads the same).
+# - short, causal dK/dV: dQ by its own kernel, persistent. With few Q tiles a K/V tile, the fused form's dQ
+#   reductions and zeroing weigh more than the two matmuls it saves: the whole backward at N=512 +2.6 % (d=40),
+#   +6 % (d=72), +22 % (d=112, against its padded fused default); the d=128 tune chose it too (+8 % at N=1k). Past
+#   d=128 it does not fit and split roles follow. Without the mask the fused default stays (within 2.4 % of the
+#   best at d = 40-112). At N=2k fused is ahead again at d=72 (+10 %), so the medium bucket keeps it.
+# - medium (1k < N <= 4k), causal forward: 128 × 128 ping-pong, persistent, the long order's choice past d=64, at
+#   every head dim: at d = 32-64 it is 12-33 % ahead of the three-consumer tile at N=2k and 4 % at 4k (d = 40,
+#   48; d=64 within 0.6 %), which pulls ahead from 8k.
+_WS_PERSISTENT = dict(warp_specialized=True, schedule=PERSISTENT)
+_WS_ORDER_BY_BUCKET: dict[str, dict[tuple[str, bool], list[KernelConfig]]] = {
+    "short": {
+        ("fwd", True): [KernelConfig(128, 64, 4, stages, **_WS_PERSISTENT) for stages in (3, 2)],
+        ("bwd_dkdv", True): [KernelConfig(64, 128, 4, stages, **_WS_PERSISTENT) for stages in (3, 2)],
+    },
+    "medium": {
+        ("fwd", True): [KernelConfig(128, 128, 4, 2, **_WS_PERSISTENT, pingpong=True)],
+    },
 }
 # Without a measurement: moderate tiles first (they ran within 10 % of the best in every H200 sweep), then smaller.
 _FALLBACK = {
@@ -165,8 +175,8 @@ def default_config(
         pad: at a head dim a pad changes (head_chunks.pads), try the warp-specialized shapes with the head dim padded
             to fewer chunks (KernelConfig.pad_head_dim) before any without; None: for the shapes pads_by_default
             says.
-        seqlen_bucket: the length bucket of the call (lengths.bucket_of): "short" tries the forms measured best at
-            short lengths first (_WS_ORDER_SHORT).
+        seqlen_bucket: the length bucket of the call (lengths.bucket_of): "short" and "medium" try the forms
+            measured best at those lengths first (_WS_ORDER_BY_BUCKET).
     """
     planner.check_kernel(kernel)
     if device is INTERPRETER:
@@ -188,8 +198,8 @@ def default_config(
         padded = [cfg for cfg in preferred if cfg.warp_specialized and (pads_by_default(kernel, cfg) if pad is None
                                                                           else pad)]  # fmt: skip
         preferred = [replace(cfg, pad_head_dim=True) for cfg in padded] + preferred
-    if seqlen_bucket == "short" and dtype != torch.float32:  # ahead of the padded forms: measured against them
-        preferred = _WS_ORDER_SHORT.get((kernel, causal), []) + preferred
+    if dtype != torch.float32:  # ahead of the padded forms: measured against them
+        preferred = _WS_ORDER_BY_BUCKET.get(seqlen_bucket, {}).get((kernel, causal), []) + preferred
     for cfg in preferred + _FALLBACK[kernel]:
         if cfg.warp_specialized and not warp_specialized:
             continue
