@@ -29,8 +29,9 @@ class AttentionKernel:
         source: where the forward config came from — a YAML file path, or "planner-default".
         bwd_source: the same for the backward configs.
         short_config, short_source: the forward config for calls whose longer side is at most
-            lengths.SHORT_SEQLEN, and where it came from: the store's "short" entry if there is one, else the same
-            as config. (The backward looks its configs up the same way at each call.)
+            lengths.SHORT_SEQLEN, and where it came from: the store's "short" entry if there is one, else its "all"
+            entry (config), else the planner's default for short calls (defaults.default_config's seqlen_bucket).
+            (The backward looks its configs up the same way at each call.)
         medium_config, medium_source: the same for calls whose longer side is past lengths.SHORT_SEQLEN and at most
             lengths.MEDIUM_SEQLEN (the store's "medium" entry).
     """

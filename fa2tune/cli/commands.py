@@ -270,8 +270,8 @@ def _resolved_rows(head_dims: list[int], device_name: str) -> list[dict]:
                     "bwd_source": k.bwd_source,
                 }
             )
-            if (k.short_config, k.short_source) != (k.config, k.source):  # a "short" entry for N <= 1024
+            if (k.short_config, k.short_source) != (k.config, k.source):  # N <= 1024: a "short" entry or default
                 rows[-1].update(fwd_short=k.short_config.to_dict(), short_source=k.short_source)
-            if (k.medium_config, k.medium_source) != (k.config, k.source):  # a "medium" entry, 1024 < N <= 4096
+            if (k.medium_config, k.medium_source) != (k.config, k.source):  # 1024 < N <= 4096: the same
                 rows[-1].update(fwd_medium=k.medium_config.to_dict(), medium_source=k.medium_source)
     return rows
