@@ -102,7 +102,7 @@ def test_default_config_fits_every_known_gpu(gpu, kernel):
     for head_dim in (16, 64, 96, 128, 256):
         for dtype in (torch.bfloat16, torch.float32):
             for causal in (False, True):
-                for bucket in ("all", "short"):
+                for bucket in ("all", "short", "medium"):
                     cfg = defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info,
                                                   seqlen_bucket=bucket)  # fmt: skip
                     assert planner.check(cfg, info, head_dim, dtype, kernel) is None

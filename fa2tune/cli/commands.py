@@ -272,6 +272,6 @@ def _resolved_rows(head_dims: list[int], device_name: str) -> list[dict]:
             )
             if (k.short_config, k.short_source) != (k.config, k.source):  # N <= 1024: a "short" entry or default
                 rows[-1].update(fwd_short=k.short_config.to_dict(), short_source=k.short_source)
-            if (k.medium_config, k.medium_source) != (k.config, k.source):  # 1024 < N <= 4096: the same
+            if (k.medium_config, k.medium_source) != (k.config, k.source):  # 1k < N <= 4k: a "medium" entry or default
                 rows[-1].update(fwd_medium=k.medium_config.to_dict(), medium_source=k.medium_source)
     return rows

@@ -46,6 +46,7 @@ _PREFERRED: dict[tuple[str, int, bool], list[KernelConfig]] = {
 #   one warpgroup holds both dK and dV (d <= 128), the two consumers split the roles;
 # - dQ: three stages, persistent. At d >= 224 it fits one consumer only: per tile it spills 56-144 B (sm_90),
 #   persistent 0-56 (causal).
+_PINGPONG = KernelConfig(128, 128, 4, 2, **_WS, pingpong=True, schedule=PERSISTENT)
 _WS_ORDER: dict[tuple[str, bool], list[KernelConfig]] = {
     ("fwd", False): [
         KernelConfig(192, 128, 4, 2, **_WS, schedule=PERSISTENT),
@@ -58,7 +59,7 @@ _WS_ORDER: dict[tuple[str, bool], list[KernelConfig]] = {
     ],
     ("fwd", True): [
         KernelConfig(192, 128, 4, 3, **_WS, schedule=PERSISTENT),
-        KernelConfig(128, 128, 4, 2, **_WS, pingpong=True, schedule=PERSISTENT),
+        _PINGPONG,
         KernelConfig(128, 128, 4, 2, **_WS, pingpong=True),
         KernelConfig(128, 64, 4, 2, **_WS, pingpong=True, schedule=PERSISTENT),
         KernelConfig(128, 64, 4, 2, **_WS, pingpong=True),
@@ -83,30 +84,29 @@ _WS_ORDER: dict[tuple[str, bool], list[KernelConfig]] = {
 }
 # Calls of a length bucket (lengths.BUCKET_RANGES) at a head dim without an entry of their own try that bucket's
 # forms first, then the lists above. Measured on an H100 SXM (bf16, batch·N = 16k, heads·d = 2048; docs/PERF.md,
-# "Short and odd lengths"), the short-bucket tunes at d = 64 and 128 agreeing:
+# "Short and odd lengths"); the head dims between those measured follow the same forms where the model lets them fit.
 # - short (N <= 1k), causal forward: 128 × 64 persistent, no ping-pong, three stages. A short causal tile visits a
 #   few K/V tiles, most of them on the diagonal, where 64-key steps waste less and the consumers' turns hide little.
-#   Against the long order's first fit at N=512: d = 40 and 64 1.75-1.95× (the three-consumer 192 × 128), d = 96 and
-#   128 +11 % (ping-pong); 15-20 % ahead of ping-pong at d = 40-64. At N=1k 1.36-1.54× over 192 × 128 (d = 32-64)
-#   but 2-9 % behind ping-pong at every head dim measured (d = 32-128). Two stages where three do not fit (d=192,
-#   where either form reads the same).
+#   Against the long order's first fit at N=512: d = 40 and 64 1.74-1.95× (the three-consumer 192 × 128), d = 96 and
+#   128 +11 % (ping-pong); ping-pong is 18-25 % slower at d = 40-64 too. At N=1k 1.36-1.54× over 192 × 128
+#   (d = 32-64) but 2-9 % behind ping-pong at every head dim measured (d = 32-128). The d=128 short tunes chose this
+#   form; d=64's chose two programs an SM (64 × 128), within 2 % of it at N=512. Two stages where three do not fit
+#   (d = 192-224, where either form reads the same).
 # - short, causal dK/dV: dQ by its own kernel, persistent. With few Q tiles a K/V tile, the fused form's dQ
 #   reductions and zeroing weigh more than the two matmuls it saves: the whole backward at N=512 +2.6 % (d=40),
-#   +6 % (d=72), +22 % (d=112, against its padded fused default); the d=128 tune chose it too (+8 % at N=1k). Past
+#   +7 % (d=72), +24 % (d=112, against its padded fused default); d=128's short tunes chose it too (at N=1k the
+#   unfused pair read 317 TFLOP/s against fused 293: docs/PERF.md, "The backward's dK/dV kernel and fused dQ"). Past
 #   d=128 it does not fit and split roles follow. Without the mask the fused default stays (within 2.4 % of the
 #   best at d = 40-112). At N=2k fused is ahead again at d=72 (+10 %), so the medium bucket keeps it.
 # - medium (1k < N <= 4k), causal forward: 128 × 128 ping-pong, persistent, the long order's choice past d=64, at
 #   every head dim: at d = 32-64 it is 12-33 % ahead of the three-consumer tile at N=2k and 4 % at 4k (d = 40,
-#   48; d=64 within 0.6 %), which pulls ahead from 8k.
-_WS_PERSISTENT = dict(warp_specialized=True, schedule=PERSISTENT)
+#   48; d=64 within 0.6 %); at 8k the three consumers lead at d = 48 and 64 (4-5 %), d=40 within 1 %.
 _WS_ORDER_BY_BUCKET: dict[str, dict[tuple[str, bool], list[KernelConfig]]] = {
     "short": {
-        ("fwd", True): [KernelConfig(128, 64, 4, stages, **_WS_PERSISTENT) for stages in (3, 2)],
-        ("bwd_dkdv", True): [KernelConfig(64, 128, 4, stages, **_WS_PERSISTENT) for stages in (3, 2)],
+        ("fwd", True): [KernelConfig(128, 64, 4, stages, **_WS, schedule=PERSISTENT) for stages in (3, 2)],
+        ("bwd_dkdv", True): [KernelConfig(64, 128, 4, stages, **_WS, schedule=PERSISTENT) for stages in (3, 2)],
     },
-    "medium": {
-        ("fwd", True): [KernelConfig(128, 128, 4, 2, **_WS_PERSISTENT, pingpong=True)],
-    },
+    "medium": {("fwd", True): [_PINGPONG]},
 }
 # Without a measurement: moderate tiles first (they ran within 10 % of the best in every H200 sweep), then smaller.
 _FALLBACK = {
@@ -173,12 +173,15 @@ def default_config(
         warp_specialized: False: a Triton-template config only (for inputs the warp-specialized kernels do not
             take).
         pad: at a head dim a pad changes (head_chunks.pads), try the warp-specialized shapes with the head dim padded
-            to fewer chunks (KernelConfig.pad_head_dim) before any without; None: for the shapes pads_by_default
-            says.
+            to fewer chunks (KernelConfig.pad_head_dim) before any without (a length bucket's own forms, unpadded,
+            still lead); None: for the shapes pads_by_default says.
         seqlen_bucket: the length bucket of the call (lengths.bucket_of): "short" and "medium" try the forms
-            measured best at those lengths first (_WS_ORDER_BY_BUCKET).
+            measured best at those lengths first (_WS_ORDER_BY_BUCKET), ahead of the padded ones (measured
+            against them: d=112's short causal dK/dV).
     """
     planner.check_kernel(kernel)
+    if seqlen_bucket not in lengths.SEQLEN_BUCKETS:
+        raise ValueError(f"seqlen_bucket must be one of {lengths.SEQLEN_BUCKETS}, got {seqlen_bucket!r}")
     if device is INTERPRETER:
         return INTERPRETER_CONFIG
     if device is None:
@@ -191,14 +194,13 @@ def default_config(
     elif measured[0].warp_specialized:  # measured warp-specialized best; where it does not fit, the model's shapes
         ws = [cfg for cfg in measured if cfg.warp_specialized]
         measured = ws + _WS_ORDER[kernel, masked] + [cfg for cfg in measured if not cfg.warp_specialized]
-    if seqlen_bucket not in lengths.SEQLEN_BUCKETS:
-        raise ValueError(f"seqlen_bucket must be one of {lengths.SEQLEN_BUCKETS}, got {seqlen_bucket!r}")
-    preferred = measured if dtype != torch.float32 else []
-    if head_chunks.pads(head_dim):
-        padded = [cfg for cfg in preferred if cfg.warp_specialized and (pads_by_default(kernel, cfg) if pad is None
-                                                                          else pad)]  # fmt: skip
-        preferred = [replace(cfg, pad_head_dim=True) for cfg in padded] + preferred
-    if dtype != torch.float32:  # ahead of the padded forms: measured against them
+    preferred = []
+    if dtype != torch.float32:
+        preferred = measured
+        if head_chunks.pads(head_dim):
+            padded = [cfg for cfg in preferred if cfg.warp_specialized and (pads_by_default(kernel, cfg)
+                                                                              if pad is None else pad)]  # fmt: skip
+            preferred = [replace(cfg, pad_head_dim=True) for cfg in padded] + preferred
         preferred = _WS_ORDER_BY_BUCKET.get(seqlen_bucket, {}).get((kernel, causal), []) + preferred
     for cfg in preferred + _FALLBACK[kernel]:
         if cfg.warp_specialized and not warp_specialized:
