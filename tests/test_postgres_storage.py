@@ -137,10 +137,13 @@ def test_workers_on_one_database_lose_nothing_when_one_is_killed_and_resumed(dat
                 if t.state == optuna.trial.TrialState.COMPLETE}  # fmt: skip
     timed = [KernelConfig.from_params(t.params) for t in trials if "timing" in t.user_attrs and t.number != killed]
     assert len(timed) == len(set(timed)) == TRIALS
-    # Every trial a finished worker timed is in the database, with the reading it printed.
-    for name in (alive, "resumed"):
-        said = _said_timed(logs[name])
-        assert said and all(complete.get(cfg) == pytest.approx(ms, abs=1e-3) for cfg, ms in said.items())
+    # Every trial a finished worker timed is in the database, with the reading it printed. The resumed host may find
+    # the budget spent: the alive one, slowed by a loaded machine, can time the whole budget before the killed trial
+    # goes stale (seen in a CI run: 4 of 4 timed by it, none left), so only the two together must have timed some.
+    said = {name: _said_timed(logs[name]) for name in (alive, "resumed")}
+    assert said[alive] or said["resumed"]
+    for timings in said.values():
+        assert all(complete.get(cfg) == pytest.approx(ms, abs=1e-3) for cfg, ms in timings.items())
     # Each host wrote its entry into its own file (per GPU model: <config-dir>/<gpu slug>.yaml), a config the
     # study timed.
     for host in hosts.values():
