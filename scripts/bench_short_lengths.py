@@ -4,7 +4,8 @@
 At N <= 1k a fwd+bwd call's kernels take a few hundred µs, the same order as the host's part of the call, so
 single readings swing. This times fa2tune's fwd+bwd with the length-bucket entries ("short" for N <= 1k, "medium"
 for 1k < N <= 4k: `--seqlens 2048,4096` measures those) and with them switched off (lengths.buckets_for patched to
-"all" only), alternating, several rounds; then, with --profile, compares do_bench's
+"all" only, which also gives a head dim without entries the long-length defaults instead of its bucket's),
+alternating, several rounds; then, with --profile, compares do_bench's
 time with the sum of the kernels' times from torch.profiler: the difference is time the GPU waited for the host.
 Shapes as in `fa2tune bench --preset grid`: batch·N = 16k tokens, heads·d = 2048, bf16.
 
@@ -111,7 +112,8 @@ def _threads_table(head_dims, seqlens, tokens: int, width: int, rounds: int) -> 
 
 
 def _use_bucket_entries(on: bool, real) -> None:
-    """Bucket entries (short and medium) on, or every call resolved from the "all" entries."""
+    """Bucket entries (short and medium) on, or every call resolved from the "all" entries (and, without one, the
+    long-length default: selection.resolve hands defaults.default_config the bucket it looked up)."""
     from fa2tune.api import selection
     from fa2tune.config import lengths
 
