@@ -115,15 +115,17 @@ def _switches(cfg) -> str:
 
 
 def _codegen_switch_templates() -> dict[str, tuple[str, ...]]:
-    """The templates whose code each of codegen's switches changes (Variant.for_template's rules): given for another,
-    it would be dropped without a word and the source printed would not be the one asked for."""
-    from ..config.types import PERSISTENT_TEMPLATES
+    """The templates whose code each of codegen's switches changes (types.SWITCH_TEMPLATES, Variant.for_template's
+    rules; --two-an-sm turns off stage_stats): given for another, it would be dropped without a word and the source
+    printed would not be the one asked for. Ragged tails and the interpreter's fp32 dots are the Triton templates'
+    (the warpspec ones bound tiles by TMA), the head-dim chunks the warpspec ones'."""
+    from ..config.types import SWITCH_TEMPLATES
     from ..kernels.codegen import WARPSPEC_TEMPLATE_OF
 
     triton, warpspec = ("fwd", "bwd"), tuple(WARPSPEC_TEMPLATE_OF.values())
-    return {"ragged": triton, "interpret": triton, "pingpong": ("fwd_ws",), "fused_dq": ("bwd_ws",),
-            "split_roles": ("bwd_ws",), "two_an_sm": ("bwd_ws",), "persistent": PERSISTENT_TEMPLATES,
-            "pad_head_dim": warpspec}  # fmt: skip
+    named = {flag: SWITCH_TEMPLATES[flag] for flag in ("pingpong", "fused_dq", "split_roles", "persistent")}
+    return {"ragged": triton, "interpret": triton, "two_an_sm": SWITCH_TEMPLATES["stage_stats"],
+            "pad_head_dim": warpspec, **named}  # fmt: skip
 
 
 def codegen(args: argparse.Namespace) -> int:

@@ -22,6 +22,16 @@ WS_BACKWARD_TILES = {
     "bwd_dq": ("block_m", WS_DQ_BLOCK_M, "query", "block_n", WS_DQ_BLOCK_N),
 }
 PERSISTENT_TEMPLATES = ("fwd_ws", "bwd_ws", "bwd_dq_ws")  # the warpspec templates with a `persistent` switch
+# The templates whose code each of Variant's template switches changes: Variant.for_template drops a switch given for
+# another template, and `fa2tune codegen` refuses it there (cli/commands.py) rather than print other code than asked.
+SWITCH_TEMPLATES: dict[str, tuple[str, ...]] = {
+    "pipeline_qk": ("fwd",),
+    "pingpong": ("fwd_ws",),
+    "persistent": PERSISTENT_TEMPLATES,
+    "fused_dq": ("bwd_ws",),
+    "split_roles": ("bwd_ws",),
+    "stage_stats": ("bwd_ws",),
+}
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")  # the kernels a config is for: the forward, the backward's dK/dV and dQ
 MAX_HEAD_DIM = 256  # the largest head dimension the templates take
 # The short names of the dtypes the kernels take, as YAML and the CLI spell them (torch-free, for the CLI's parser;
@@ -431,22 +441,22 @@ class Variant:
         sequences (the launcher routes those to the Triton templates). They are written out a head-dim chunk at a
         time: they need head_dim (and head_dim_v, V's, where it differs). The Triton templates take any head dims as
         constexprs; a head_dim_v other than head_dim gives them V's own (distinct_v)."""
+        takes = lambda switch: template in SWITCH_TEMPLATES[switch]
         if template.endswith("_ws"):
-            forward = template == "fwd_ws"
-            persistent = bool(persistent) and template in PERSISTENT_TEMPLATES
             if head_dim is None:
                 raise ValueError(f"{template} is rendered for a head dim: pass head_dim")
             qk_chunks = head_chunks.chunks(head_dim, pad_head_dim)
             v_chunks = head_chunks.chunks(head_dim if head_dim_v is None else head_dim_v, pad_head_dim)
-            fused_dq = fused_dq and template == "bwd_ws"
-            return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and forward,
-                       persistent=persistent, fused_dq=fused_dq, split_roles=split_roles and template == "bwd_ws",
-                       stage_stats=stage_stats and template == "bwd_ws" and not split_roles,
+            fused_dq = fused_dq and takes("fused_dq")
+            split_roles = split_roles and takes("split_roles")
+            return cls(causal=causal, even_m=False, even_n=False, pingpong=pingpong and takes("pingpong"),
+                       persistent=bool(persistent) and takes("persistent"), fused_dq=fused_dq,
+                       split_roles=split_roles, stage_stats=stage_stats and takes("stage_stats") and not split_roles,
                        drain_before_dq=drain_before_dq and fused_dq, qk_chunks=qk_chunks,
                        v_chunks=v_chunks)  # fmt: skip
         return cls(
             causal=causal and not banded, even_m=even_m and not varlen, even_n=even_n and not varlen,
-            dot_fp32=dot_fp32, banded=banded, varlen=varlen, pipeline_qk=bool(pipeline_qk) and template == "fwd",
+            dot_fp32=dot_fp32, banded=banded, varlen=varlen, pipeline_qk=bool(pipeline_qk) and takes("pipeline_qk"),
             distinct_v=head_dim_v is not None and head_dim_v != head_dim,
         )  # fmt: skip
 
