@@ -188,7 +188,7 @@ class _Shared(NamedTuple):
     sizes: tuple  # (batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim)
     head_dims: tuple[int, int]  # (Q's and K's, V's)
     strides: Callable
-    inputs: tuple  # strides of q, k, v and dO
+    inputs: dict[str, tuple]  # strides of q, k, v and dO by their unit names (Q, K, V, DO: layout.in_units)
     stats_strides: tuple[int, int]  # the logsumexp's and δ's (batch, head) strides (_Stats)
     scalars: tuple  # heads, GQA group, lengths, scales, mask bounds, packed totals
     cu_q: torch.Tensor | None
@@ -201,7 +201,7 @@ class _Shared(NamedTuple):
         sizes, strides = layout(q, k, packing)
         _, heads_q, heads_kv, seqlen_q, seqlen_k, _ = sizes
         cu_q, cu_k, bounds = mask_args(mask, seqlen_q, seqlen_k, packing)
-        inputs = (*strides(q), *strides(k), *strides(v), *strides(do))
+        inputs = {"Q": strides(q), "K": strides(k), "V": strides(v), "DO": strides(do)}
         scalars = (heads_q, heads_q // heads_kv, seqlen_q, seqlen_k, scale, scale * LOG2E, *bounds,
                    *totals(q, k, packing))  # fmt: skip
         return cls(sizes, (sizes[-1], v.shape[-1]), strides, inputs, stats.strides, scalars, cu_q, cu_k,
@@ -210,8 +210,7 @@ class _Shared(NamedTuple):
     def arguments(self, config: KernelConfig, **outputs: torch.Tensor) -> tuple[tuple, dict]:
         """(scalars, options) of a launch that writes `outputs` (DK=dk, DV=dv, or DQ=dq): every tensor's strides in
         the units the kernel multiplies back (layout.in_units), the statistics' as they are."""
-        inputs = dict(zip(("Q", "K", "V", "DO"), (self.inputs[at:at + 3] for at in range(0, 12, 3)), strict=True))
-        units, tensor_strides = in_units(**inputs, **{name: self.strides(t) for name, t in outputs.items()})
+        units, tensor_strides = in_units(**self.inputs, **{name: self.strides(t) for name, t in outputs.items()})
         scalars = (*tensor_strides[:12], *self.stats_strides, *tensor_strides[12:], *self.scalars)
         options = dict(**head_dim_options(*self.head_dims), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                        INPUT_PRECISION=self.precision, num_warps=config.num_warps, num_stages=config.num_stages,
