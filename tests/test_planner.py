@@ -159,9 +159,9 @@ def test_default_config_prefers_the_h200_measurements():
 
 def test_short_and_medium_calls_default_to_the_forms_measured_at_their_lengths():
     # A call of the "short" bucket at a head dim without an entry (docs/PERF.md, "Short and odd lengths"): the causal
-    # forward leads with 128 x 64 persistent without ping-pong, the causal dK/dV kernel leaves dQ to its own kernel,
-    # ahead of the padded fused form too (d=112); a "medium" causal forward takes ping-pong at every head dim; the
-    # other kernels and masks keep their order.
+    # forward leads with 128 x 64 persistent without ping-pong, the one without a mask with 128 x 128, the causal
+    # dK/dV kernel leaves dQ to its own kernel, ahead of the padded fused form too (d=112); a "medium" causal forward
+    # takes ping-pong at every head dim; the other kernels and masks keep their order.
     h200 = replace(known_gpu("h200"), triton_version="3.6.0")
     fwd = KernelConfig(128, 64, 4, 3, warp_specialized=True, schedule=PERSISTENT)
     dkdv = KernelConfig(64, 128, 4, 3, warp_specialized=True, schedule=PERSISTENT)
@@ -176,13 +176,18 @@ def test_short_and_medium_calls_default_to_the_forms_measured_at_their_lengths()
         assert default(head_dim, "medium", causal=True) == replace(fwd, block_n=128, num_stages=2, pingpong=True)
         assert default(head_dim, "all", causal=True) != fwd
         assert (default(head_dim, "all", causal=True).block_m == 192) == (head_dim <= 64), head_dim
-        for bucket in ("short", "medium"):
-            assert default(head_dim, bucket) == default(head_dim, "all"), (head_dim, bucket)
+        # no mask: short calls take 128 x 128 (two stages, persistent), the long order's choice past d=64, where
+        # long ones take three consumers at d <= 64; medium ones keep the long order
+        short_plain = replace(fwd, block_n=128, num_stages=2)
+        assert default(head_dim, "short") == short_plain, head_dim
+        assert (default(head_dim, "all") == short_plain) == (head_dim > 64), head_dim
+        assert default(head_dim, "medium") == default(head_dim, "all"), head_dim
         for kernel, causal in (("bwd_dkdv", False), ("bwd_dq", False), ("bwd_dq", True)):
             assert default(head_dim, "short", causal=causal, kernel=kernel) == default(head_dim, "all", causal=causal,
                                                                                      kernel=kernel)  # fmt: skip
     # where a short form does not fit, the next one or the long order follows: two stages at d=192, split roles
     assert default(192, "short", causal=True) == replace(fwd, num_stages=2)
+    assert default(192, "short") == default(192, "all") != replace(fwd, block_n=128, num_stages=2)
     assert default(192, "short", causal=True, kernel="bwd_dkdv").split_roles
     # fp32 and GPUs without wgmma take the Triton tiles of the long order
     triton = dict(causal=True, warp_specialized=False)
