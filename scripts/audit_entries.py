@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.file.is_file():
         parser.error(f"file: no such file {str(args.file)!r}")
+    if args.rounds < 1:
+        parser.error(f"--rounds: at least 1, got {args.rounds}")
     if not args.device.startswith("cuda"):
         parser.error(f"--device: a CUDA device (cuda or cuda:N), got {args.device!r}; timings on the CPU mean nothing")
 
@@ -55,7 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("audit_entries.py needs a CUDA GPU; none is visible", file=sys.stderr)
         return 2
+    from fa2tune.config import store
     from fa2tune.tune import audit
+
+    try:
+        store.read_file(args.file)
+    except (OSError, ValueError) as error:
+        parser.error(f"file: {args.file} is not a tuned-config file: {error}")
 
     def show(row):
         print(audit.report([row], args.threshold).splitlines()[1], flush=True)

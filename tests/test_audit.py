@@ -118,5 +118,8 @@ def test_the_script_refuses_a_missing_file_and_the_cpu(tmp_path, capsys):
     with pytest.raises(SystemExit):
         script.main([str(path), "--device", "cpu"])
     assert "--device: a CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.main([str(path), "--rounds", "0"])
+    assert "--rounds: at least 1, got 0" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert script.main([str(path)]) == 2
