@@ -291,11 +291,15 @@ def own_files(slug: str) -> list[Path]:
 
 
 def _lookup_in(
-    paths: list[Path], key: EntryKey, template_hash: str | Callable[[KernelConfig], str] | None
+    paths: list[Path], key: EntryKey, template_hash: str | Callable[[KernelConfig], str] | None,
+    passed_over: tuple[Path, EntryKey] | None = None,
 ) -> tuple[Entry, Path] | None:
     """The first usable entry for `key` in the files `paths`, in order (lookup's rules), or None. template_hash None:
-    stale entries count too (a tune's incumbent)."""
+    stale entries count too (a tune's incumbent). passed_over (file, key): that file is read as if it held no entry
+    for that key (find_for_device's)."""
     for path in paths:
+        if passed_over is not None and passed_over[1] == key and _same_file(path, passed_over[0]):
+            continue
         try:
             _, entries = read_file(path)
         except FileNotFoundError:
@@ -320,6 +324,13 @@ def _lookup_in(
                 break
             return entry, path
     return None
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a == b or os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return False
 
 
 def dtype_twins(keys: list[EntryKey]) -> list[EntryKey]:
@@ -366,10 +377,11 @@ class Found:
         return text + (f" (tuned on {self.tuned_on}, the same chip)" if self.tuned_on else "")
 
 
-def _found_in(paths: list[Path], keys: list[EntryKey], template_hash, tuned_on: str | None) -> Iterator[Found]:
+def _found_in(paths: list[Path], keys: list[EntryKey], template_hash, tuned_on: str | None,
+              passed_over: tuple[Path, EntryKey] | None = None) -> Iterator[Found]:  # fmt: skip
     own = keys[0].dtype if keys else None
     for key in dtype_twins(keys):
-        found = _lookup_in(paths, key, template_hash)
+        found = _lookup_in(paths, key, template_hash, passed_over)
         if found is not None:
             yield Found(found[0], found[1], key.dtype != own, tuned_on)
 
@@ -477,20 +489,28 @@ def _warn_if_another_gpus(path: Path, info: DeviceInfo) -> None:
 
 
 def find_for_device(
-    info: DeviceInfo, keys: list[EntryKey], *, template_hash: str | Callable[[KernelConfig], str] | None
+    info: DeviceInfo, keys: list[EntryKey], *, template_hash: str | Callable[[KernelConfig], str] | None,
+    first: Path | None = None, passed_over: tuple[Path, EntryKey] | None = None,
 ) -> Iterator[Found]:
     """Each usable entry for `keys` (tried in order, all of one dtype and kernel) a call on the GPU `info` may read,
     in the order it reads them: the GPU's own files along config_dirs() (its dtype's keys, then the same-cost
     dtype's: dtype_twins), then each other GPU of the same chip's files the same way (same_chip_gpus; not for
     decode entries). The caller takes the first that fits its device; the same-chip files are looked for only when
-    it asks past the GPU's own entries. template_hash None: stale entries count too."""
-    for found in _found_in(own_files(info.slug), keys, template_hash, None):
-        _warn_if_another_gpus(found.path, info)
+    it asks past the GPU's own entries. template_hash None: stale entries count too.
+    first: a file read before the GPU's own, as one of them (the file an audit examines: tune.audit);
+    passed_over (file, key): that file's entry for that key is read as absent — what calls would read without it."""
+    own = own_files(info.slug)
+    if first is not None:
+        own = [first, *(path for path in own if not _same_file(path, first))]
+    for found in _found_in(own, keys, template_hash, None, passed_over):
+        if first is None or not _same_file(found.path, first):  # the audited file may be another GPU's on purpose
+            _warn_if_another_gpus(found.path, info)
         yield found
     if not keys or keys[0].kernel in CHIP_BLIND_KERNELS:
         return
     for gpu in same_chip_gpus(info):
-        yield from _found_in(list(gpu.paths), keys, template_hash, gpu.name)
+        paths = [path for path in gpu.paths if first is None or not _same_file(path, first)]
+        yield from _found_in(paths, keys, template_hash, gpu.name, passed_over)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """Tuned entries timed against what their calls would run without them, to find the ones a template change has left
 behind: an entry keeps the config that won under the templates of its tune, and a change that speeds up other forms
-more (or restamping it without a re-tune: docs/TUNING.md, "Stale entries") can leave the untuned default faster.
+more (or restamping it without a re-tune: docs/TUNING.md, "Stale entries") can leave its fallback faster.
 `scripts/audit_entries.py` is the command; a flagged entry is re-tuned with `fa2tune tune` for its key.
 """
 
@@ -11,27 +11,30 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..api import selection
-from ..config import store
-from ..config.entries import Entry, EntryKey
+from ..config import defaults, store
+from ..config.entries import DECODE_KERNEL, Entry, EntryKey
 from ..config.inputs import DTYPES_BY_NAME
 from ..config.lengths import TUNING_LENGTHS
-from ..config.types import KernelConfig
+from ..config.types import DeviceInfo, KernelConfig
+from ..kernels import codegen
 from . import job, workload
 from .compile_pool import CompilePool
 
 ROUNDS = 2  # each config timed this many times, alternating with its rival, and the fastest reading kept
+PLANNER_DEFAULT = "planner-default"  # a fallback's source where no other entry serves the key (selection.resolve's)
 
 
 @dataclass(frozen=True)
 class AuditRow:
-    """One entry's audit: its config and the fallback's (what a call of its key runs without it: the planner's
-    default, or for a length bucket's entry the "all" entry), timed at the entry's tuning lengths as its study times
-    them (ms summed over the lengths); `note` says why a row has no timing."""
+    """One entry's audit: its config and the fallback's — what a call of its key on the audited GPU would run were
+    the entry not in its file (selection.resolve's lookup, that entry passed over: another entry of the file or of
+    the search path, or the planner's default; `fallback_source` says which) —, timed at the entry's tuning lengths
+    as its study times them (ms summed over the lengths); `note` says why a row has no timing."""
 
     key: EntryKey
     entry: KernelConfig
     fallback: KernelConfig | None = None
-    fallback_name: str = ""
+    fallback_source: str = ""
     seqlens: tuple[int, ...] = ()
     entry_ms: float | None = None
     fallback_ms: float | None = None
@@ -48,6 +51,10 @@ class AuditRow:
         """Whether the fallback is faster than the entry by more than `threshold` (a fraction): re-tune it."""
         return self.ratio is not None and self.ratio > 1 + threshold
 
+    @property
+    def failed(self) -> bool:
+        return self.note.startswith("failed")
+
 
 def study_spec(key: EntryKey, path: Path) -> job.StudySpec | None:
     """The study that would re-tune `key` into the file at `path`, at the lengths a tune times it at (job's
@@ -61,9 +68,27 @@ def study_spec(key: EntryKey, path: Path) -> job.StudySpec | None:
     return replace(spec, seqlens=job.unserved_lengths(spec, path))
 
 
+def fallback(key: EntryKey, path: Path, info: DeviceInfo) -> tuple[KernelConfig, str]:
+    """(config, source) a call of `key` (at its bucket's lengths) on the GPU `info` would run if the file at `path`,
+    read as the GPU's first file, held no entry for `key`: selection.resolve's lookup with that one entry passed
+    over — the file's other entries (a bucket entry's "all" one, the other 16-bit dtype's), the search path's, a
+    same-chip GPU's —, stale and unfit entries skipped as at run time; else the planner's default."""
+    buckets = (key.seqlen_bucket, "all") if key.seqlen_bucket != "all" else ("all",)
+    keys = [replace(key, seqlen_bucket=bucket) for bucket in buckets]
+    def code_hash(config: KernelConfig) -> str:  # the keys differ in bucket and dtype, which the code does not
+        return codegen.entry_code_hash(keys[0], config)
+
+    for found in store.find_for_device(info, keys, template_hash=code_hash, first=path, passed_over=(path, key)):
+        if selection.unfit(found.entry, info) is None:
+            return found.entry.config, found.source
+    dtype = DTYPES_BY_NAME[key.dtype]
+    return defaults.default_config(key.head_dim, dtype, causal=key.causal, kernel=key.kernel, device=info,
+                                   seqlen_bucket=key.seqlen_bucket), PLANNER_DEFAULT  # fmt: skip
+
+
 def selected(entries: Iterable[Entry], *, kernels=None, head_dims=None, dtypes=None, buckets=None) -> list[Entry]:
-    """The entries whose key matches every filter given (None: any), the first of each key only (store.lookup
-    reads the first)."""
+    """The entries whose key matches every filter given (None: any), the first of each key only (what lookups
+    read)."""
     seen: set[EntryKey] = set()
     kept = []
     for entry in entries:
@@ -75,6 +100,19 @@ def selected(entries: Iterable[Entry], *, kernels=None, head_dims=None, dtypes=N
                 and (dtypes is None or key.dtype in dtypes) and (buckets is None or key.seqlen_bucket in buckets)):
             kept.append(entry)  # fmt: skip
     return kept
+
+
+def _untimed(entry: Entry, info: DeviceInfo) -> str | None:
+    """Why an entry is not timed, or None: kinds the audit does not time, and entries calls pass over anyway."""
+    key = entry.key
+    if key.kernel == DECODE_KERNEL:
+        return "skipped: a decode entry (`fa2tune tune --kernel decode` times its candidates against it)"
+    if key.window:
+        return "skipped: a band-mask entry's window is not recorded"
+    if entry.template_hash != codegen.entry_code_hash(key, entry.config):
+        return "stale: calls pass it over (tuned on other kernel code); re-tune it"
+    reason = selection.unfit(entry, info)
+    return None if reason is None else f"unfit: calls on this GPU pass it over ({reason})"
 
 
 def audit(
@@ -90,70 +128,104 @@ def audit(
     measure_factory: Callable = workload.make_measure,
     on_row: Callable[[AuditRow], None] | None = None,
 ) -> list[AuditRow]:
-    """Each selected entry of the file at `path` (selected's filters) against its fallback on `device_name`: both
-    configs compiled first, in a pool of compile_workers processes (0: none, each compiled when first timed), then
-    timed `rounds` times in turn by measure_factory (workload.make_measure's signature: the tuner's objective).
-    on_row: called with each row as it is done."""
+    """Each selected entry of the file at `path` (selected's filters) against its fallback on `device_name`: the
+    configs to time compiled first, in a pool of compile_workers processes (0: none, each compiled when first
+    timed), then timed `rounds` times in turn by measure_factory (workload.make_measure's signature: the tuner's
+    objective). on_row: called with each row as it is done."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds!r}")
+    path = Path(path)
     _, entries = store.read_file(path)
-    info = None if device_name == "cpu" else selection.device_info(device_name)
-    plans = []
+    info = selection.device_info(device_name)
+    plans: list[AuditRow | tuple[job.StudySpec, AuditRow]] = []
     for entry in selected(entries, kernels=kernels, head_dims=head_dims, dtypes=dtypes, buckets=buckets):
-        spec = study_spec(entry.key, path)
-        if spec is None:
-            plans.append(AuditRow(entry.key, entry.config, note="skipped: a band-mask entry's window is not recorded"))
+        why = _untimed(entry, info)
+        if why is not None:
+            plans.append(AuditRow(entry.key, entry.config, note=why))
             continue
-        fallback, name = job.baseline(spec, device_name, info)
-        plans.append((entry, spec, AuditRow(entry.key, entry.config, fallback, name, spec.seqlens)))
+        spec = study_spec(entry.key, path)
+        config, source = fallback(entry.key, path, info)
+        row = AuditRow(entry.key, entry.config, config, source, spec.seqlens)
+        if config == entry.config:
+            plans.append(replace(row, note="the fallback is the entry's config"))
+        else:
+            plans.append((spec, row))
     timed = [plan for plan in plans if not isinstance(plan, AuditRow)]
+    failures: dict[int, str] = {}
     if compile_workers > 0 and timed:
-        with CompilePool(compile_workers) as pool:  # every config compiled at once, then timed one by one
-            waits = [pool.start(spec.kernel, spec.head_dim, DTYPES_BY_NAME[spec.dtype], spec.mask,
-                                [row.entry, row.fallback], seqlens=spec.seqlens, device=device_name,
-                                varlen=spec.varlen)
-                     for _, spec, row in timed]  # fmt: skip
-            for wait, (_, _, row) in zip(waits, timed, strict=True):
-                wait(row.entry), wait(row.fallback)
+        failures = _compiled(timed, device_name, compile_workers)
     rows = []
     for plan in plans:
-        row = plan if isinstance(plan, AuditRow) else _timed(*plan[1:], device_name, rounds, measure_factory)
+        if isinstance(plan, AuditRow):
+            row = plan
+        else:
+            spec, row = plan
+            problem = failures.get(id(plan))
+            row = replace(row, note=problem) if problem else _timed(spec, row, device_name, rounds, measure_factory)
         rows.append(row)
         if on_row is not None:
             on_row(row)
     return rows
 
 
-def _timed(spec: job.StudySpec, row: AuditRow, device_name: str, rounds: int, measure_factory: Callable) -> AuditRow:
-    """row with both configs timed (the fastest of `rounds` readings each, taken in turn), or a note of why not."""
-    if row.fallback == row.entry:
-        return replace(row, note="the fallback is the entry's config")
-    measure = measure_factory(spec.kernel, spec.head_dim, DTYPES_BY_NAME[spec.dtype], spec.mask, seqlens=spec.seqlens,
-                              device=device_name, varlen=spec.varlen, with_forward=spec.in_training_call)  # fmt: skip
-    readings: dict[str, list[float]] = {"entry": [], "fallback": []}
+def _compiled(timed: list, device_name: str, workers: int) -> dict[int, str]:
+    """Compiles both configs of each (spec, row) of `timed` at once; {id of the pair: "failed: ..."} for those
+    whose compile failed, naming the config."""
+    failures = {}
+    pool = CompilePool(workers)
     try:
-        for _ in range(rounds):
-            readings["entry"].append(measure(row.entry))
-            readings["fallback"].append(measure(row.fallback))
-    except Exception as error:  # a config that no longer compiles or runs is itself the finding
-        return replace(row, note=f"failed: {type(error).__name__}: {str(error)[:200]}")
-    return replace(row, entry_ms=min(readings["entry"]), fallback_ms=min(readings["fallback"]))
+        waits = [pool.start(spec.kernel, spec.head_dim, DTYPES_BY_NAME[spec.dtype], spec.mask,
+                            [row.entry, row.fallback], seqlens=spec.seqlens, device=device_name, varlen=spec.varlen)
+                 for spec, row in timed]  # fmt: skip
+        for wait, plan in zip(waits, timed, strict=True):
+            row = plan[1]
+            for name, config in (("the entry", row.entry), ("the fallback", row.fallback)):
+                reason = wait(config)
+                if reason:
+                    failures[id(plan)] = f"failed: {name}'s config does not compile: {str(reason)[:200]}"
+                    break
+    except BaseException:
+        pool.release()  # an interrupted audit does not wait for the queued compiles
+        raise
+    finally:
+        pool.close()
+    return failures
+
+
+def _timed(spec: job.StudySpec, row: AuditRow, device_name: str, rounds: int, measure_factory: Callable) -> AuditRow:
+    """row with both configs timed (the fastest of `rounds` readings each, taken in turn), or a note of what failed:
+    the inputs, or which config."""
+    try:
+        measure = measure_factory(spec.kernel, spec.head_dim, DTYPES_BY_NAME[spec.dtype], spec.mask,
+                                  seqlens=spec.seqlens, device=device_name, varlen=spec.varlen,
+                                  with_forward=spec.in_training_call)  # fmt: skip
+    except Exception as error:  # the inputs run a forward, which can fail (memory) as a config can
+        return replace(row, note=f"failed: the inputs: {type(error).__name__}: {str(error)[:200]}")
+    readings: dict[str, list[float]] = {"the entry": [], "the fallback": []}
+    for _ in range(rounds):
+        for name, config in (("the entry", row.entry), ("the fallback", row.fallback)):
+            try:
+                readings[name].append(measure(config))
+            except Exception as error:  # a config that no longer runs is itself the finding; say whose
+                return replace(row, note=f"failed: {name}'s config: {type(error).__name__}: {str(error)[:200]}")
+    return replace(row, entry_ms=min(readings["the entry"]), fallback_ms=min(readings["the fallback"]))
 
 
 def report(rows: list[AuditRow], threshold: float) -> str:
     """The rows as a text table, the entries behind their fallback by more than `threshold` marked "re-tune"."""
-    lines = [f"{'kernel':<9} {'d':>4} {'dtype':<5} {'mask':<6} {'bucket':<7} {'entry':<44} {'fallback':<44} "
+    lines = [f"{'kernel':<9} {'d':>4} {'dtype':<5} {'mask':<10} {'bucket':<7} {'entry':<44} {'fallback':<44} "
              f"{'ms':>9} {'ms':>9} {'ratio':>6}  verdict"]  # fmt: skip
     for row in rows:
         key = row.key
-        mask = "causal" if key.causal else "plain"
-        mask += "+win" if key.window else "+var" if key.varlen else ""
-        fallback = row.fallback.label() if row.fallback is not None else "-"
+        mask = ("causal" if key.causal else "plain") + ("+window" if key.window else "+varlen" if key.varlen else "")
+        fallback_label = row.fallback.label() if row.fallback is not None else "-"
         if row.ratio is None:
             times, verdict = f"{'-':>9} {'-':>9} {'-':>6}", row.note
         else:
             verdict = "re-tune" if row.behind(threshold) else "ok"
             times = f"{row.entry_ms:>9.3f} {row.fallback_ms:>9.3f} {row.ratio:>6.3f}"
-        lines.append(f"{key.kernel:<9} {key.head_dim:>4} {key.dtype:<5} {mask:<6} {key.seqlen_bucket:<7} "
-                     f"{row.entry.label():<44} {fallback:<44} {times}  {verdict}")  # fmt: skip
+        if row.fallback_source and row.fallback_source != PLANNER_DEFAULT:
+            verdict += f" (fallback: {row.fallback_source})"
+        lines.append(f"{key.kernel:<9} {key.head_dim:>4} {key.dtype:<5} {mask:<10} {key.seqlen_bucket:<7} "
+                     f"{row.entry.label():<44} {fallback_label:<44} {times}  {verdict}")  # fmt: skip
     return "\n".join(lines)
