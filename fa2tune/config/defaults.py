@@ -100,8 +100,8 @@ _WS_ORDER: dict[tuple[str, bool], list[KernelConfig]] = {
 #   best at d = 40-112). At N=2k fused is ahead again at d=72 (+10 %), so the medium bucket keeps it.
 # - short, forward without a mask: 128 × 128 persistent, two stages — the long order's choice past d=64 — at every
 #   head dim: at d = 32-64 the three-consumer tile computes rows past a short sequence's end (three tiles of 192 rows
-#   for N=512, 12.5 % of them past it; at 8k 0.8 %); 128 × 128 is 2.4-6 % faster at N=512 and 1-5.5 % at 1k (d = 32,
-#   48, 64), three stages within 2 % of two.
+#   for N=512: 12.5 % more rows than the sequence; at 8k 0.8 %); 128 × 128 is 2-6 % faster at N=512 and 1-5.5 % at 1k
+#   (d = 32, 48, 64), three stages within 2 % of two.
 # - medium (1k < N <= 4k), causal forward: 128 × 128 ping-pong, persistent, the long order's choice past d=64, at
 #   every head dim: at d = 32-64 it is 12-33 % ahead of the three-consumer tile at N=2k and 4 % at 4k (d = 40,
 #   48; d=64 within 0.6 %); at 8k the three consumers lead at d = 48 and 64 (4-5 %), d=40 within 1 %.
