@@ -311,6 +311,10 @@ def test_a_call_without_an_entry_runs_its_length_bucket_s_default(config_dir, mo
     assert resolve(8192) == (want("all"), "planner-default")
     assert resolve(None) == (want("all"), "planner-default")
     assert want("short") != want("all")
+    # without the mask too, where a head dim up to 64 takes another tile at short lengths
+    plain = lambda seqlen: selection.resolve("fwd", 48, torch.bfloat16, False, "cuda", seqlen=seqlen)[0]
+    plain_want = lambda bucket: defaults.default_config(48, torch.bfloat16, device=h200, seqlen_bucket=bucket)
+    assert plain(700) == plain_want("short") != plain(8192) == plain_want("all")
     # and a short study with nothing stored starts from the short form: what its calls ran without it
     from fa2tune.tune import job
 
