@@ -62,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     for label in stale:
         print(("restamped " if args.write else "stale ") + label)
     print(f"{len(stale)} of the file's entries {'restamped' if args.write else 'stale'}")
+    if args.write and stale:
+        # a restamp keeps configs that won under the old code; a change that moved some forms more than others can
+        # leave them behind the untuned default (d=80's dK/dV entries were, by 4-11 %: docs/PERF.md)
+        print(f"their configs are kept, not re-timed: check them against what calls would run without them on a GPU, "
+              f"python scripts/audit_entries.py {args.path}")  # fmt: skip
     return 0
 
 

@@ -160,6 +160,7 @@ def test_restamp_lists_stale_entries_and_rewrites_only_their_hash_lines(tmp_path
     assert path.read_text() == before
     assert "stale fwd d=64 fp16 causal=True all: 64x64 w4 s2" in capsys.readouterr().out
     assert script.main([str(path), "--write"]) == 0
+    assert f"python scripts/audit_entries.py {path}" in capsys.readouterr().out  # the configs kept: check them
     after = path.read_text()
     changed = [(a, b) for a, b in zip(before.splitlines(), after.splitlines(), strict=True) if a != b]
     current = codegen.entry_code_hash(entry(True, "x").key, cfg)
