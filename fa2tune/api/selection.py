@@ -12,6 +12,8 @@ own resolves at the larger of the two (planner.config_head_dim). resolve_decode 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -23,9 +25,10 @@ from ..config.types import KernelConfig, Mask
 from ..kernels import codegen
 
 __all__ = ["BACKWARD", "FORWARD", "FORWARD_BACKWARD", "clear_cache", "config_for", "decode_config", "device_info",
-           "for_call", "resolve", "resolve_decode", "unfit"]  # fmt: skip
+           "for_call", "lookup", "resolve", "resolve_decode", "unfit"]  # fmt: skip
 
 _cache: dict[tuple, tuple[KernelConfig, str]] = {}
+PLANNER_DEFAULT = "planner-default"  # resolve's source where no entry serves a call
 
 # The kernels a call runs, as for_call takes them.
 FORWARD = ("fwd",)
@@ -69,26 +72,33 @@ def resolve(
     if hit is not None:
         return hit
 
-    result = None
-    keys = [store.EntryKey(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=causal, kernel=kernel,
-                           seqlen_bucket=bucket, window=window, varlen=varlen) for bucket in buckets]  # fmt: skip
+    key = store.EntryKey(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=causal, kernel=kernel,
+                         seqlen_bucket=buckets[0], window=window, varlen=varlen)  # fmt: skip
+    result = _cache[cache_key] = lookup(key, info)
+    return result
+
+
+def lookup(
+    key: store.EntryKey, info, *, first: Path | None = None, passed_over: tuple[Path, store.EntryKey] | None = None
+) -> tuple[KernelConfig, str]:
+    """(config, source) of resolve, uncached, for the calls of `key` (its bucket's, then "all") on the GPU `info` (a
+    DeviceInfo): the first entry store.find_for_device finds that fits the GPU (one warning for each that does not),
+    else the planner's default for the bucket. first, passed_over: find_for_device's (an audit's: a file read first,
+    one of its entries read as absent — tune.audit)."""
+    keys = [replace(key, seqlen_bucket=bucket) for bucket in lengths.buckets_for(lengths.longest(key.seqlen_bucket))]
 
     def code_hash(config: KernelConfig) -> str:  # the keys differ in bucket and dtype, which the code does not
         return codegen.entry_code_hash(keys[0], config)
 
-    for found in store.find_for_device(info, keys, template_hash=code_hash):
+    for found in store.find_for_device(info, keys, template_hash=code_hash, first=first, passed_over=passed_over):
         reason = unfit(found.entry, info)
         if reason is None:
-            result = (found.entry.config, found.source)
-            break
+            return found.entry.config, found.source
         store._warn_once(f"fa2tune: tuned config {found.entry.config} {_named(found)} does not fit {info.name}: "
                          f"{reason}")  # fmt: skip
-    if result is None:
-        config = defaults.default_config(head_dim, dtype, causal=causal, kernel=kernel, device=info,
-                                         seqlen_bucket=buckets[0])  # fmt: skip
-        result = (config, "planner-default")
-    _cache[cache_key] = result
-    return result
+    config = defaults.default_config(key.head_dim, DTYPES_BY_NAME[key.dtype], causal=key.causal, kernel=key.kernel,
+                                     device=info, seqlen_bucket=key.seqlen_bucket)  # fmt: skip
+    return config, PLANNER_DEFAULT
 
 
 def _named(found: store.Found) -> str:
@@ -162,7 +172,7 @@ def resolve_decode(device: torch.device | str, head_dim: int, dtype: torch.dtype
             return found.entry.config, found.source
         store._warn_once(f"fa2tune: tuned decode config {found.entry.config.label()} {_named(found)} does not fit "
                          f"{info.name}: {reason}; using the default")  # fmt: skip
-    return decode_plan.default_config(info, head_dim, dtype), "planner-default"
+    return decode_plan.default_config(info, head_dim, dtype), PLANNER_DEFAULT
 
 
 def decode_config(device: torch.device | str, head_dim: int, dtype: torch.dtype) -> DecodeConfig:

@@ -509,7 +509,7 @@ def find_for_device(
     if not keys or keys[0].kernel in CHIP_BLIND_KERNELS:
         return
     for gpu in same_chip_gpus(info):
-        paths = [path for path in gpu.paths if first is None or not _same_file(path, first)]
+        paths = list(gpu.paths) if first is None else [path for path in gpu.paths if not _same_file(path, first)]
         yield from _found_in(paths, keys, template_hash, gpu.name, passed_over)
 
 

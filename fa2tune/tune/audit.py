@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..api import selection
-from ..config import defaults, store
+from ..config import store
 from ..config.entries import DECODE_KERNEL, Entry, EntryKey
 from ..config.inputs import DTYPES_BY_NAME
 from ..config.lengths import TUNING_LENGTHS
@@ -21,7 +21,7 @@ from . import job, workload
 from .compile_pool import CompilePool
 
 ROUNDS = 2  # each config timed this many times, alternating with its rival, and the fastest reading kept
-PLANNER_DEFAULT = "planner-default"  # a fallback's source where no other entry serves the key (selection.resolve's)
+PLANNER_DEFAULT = selection.PLANNER_DEFAULT  # a fallback's source where no other entry serves the key
 
 
 @dataclass(frozen=True)
@@ -70,20 +70,10 @@ def study_spec(key: EntryKey, path: Path) -> job.StudySpec | None:
 
 def fallback(key: EntryKey, path: Path, info: DeviceInfo) -> tuple[KernelConfig, str]:
     """(config, source) a call of `key` (at its bucket's lengths) on the GPU `info` would run if the file at `path`,
-    read as the GPU's first file, held no entry for `key`: selection.resolve's lookup with that one entry passed
-    over — the file's other entries (a bucket entry's "all" one, the other 16-bit dtype's), the search path's, a
-    same-chip GPU's —, stale and unfit entries skipped as at run time; else the planner's default."""
-    buckets = (key.seqlen_bucket, "all") if key.seqlen_bucket != "all" else ("all",)
-    keys = [replace(key, seqlen_bucket=bucket) for bucket in buckets]
-    def code_hash(config: KernelConfig) -> str:  # the keys differ in bucket and dtype, which the code does not
-        return codegen.entry_code_hash(keys[0], config)
-
-    for found in store.find_for_device(info, keys, template_hash=code_hash, first=path, passed_over=(path, key)):
-        if selection.unfit(found.entry, info) is None:
-            return found.entry.config, found.source
-    dtype = DTYPES_BY_NAME[key.dtype]
-    return defaults.default_config(key.head_dim, dtype, causal=key.causal, kernel=key.kernel, device=info,
-                                   seqlen_bucket=key.seqlen_bucket), PLANNER_DEFAULT  # fmt: skip
+    read as the GPU's first file, held no entry for `key`: selection.lookup, resolve's own, with that one entry
+    passed over — the file's other entries (a bucket entry's "all" one, the other 16-bit dtype's), the search path's,
+    a same-chip GPU's —, stale and unfit entries skipped as at run time; else the planner's default."""
+    return selection.lookup(key, info, first=path, passed_over=(path, key))
 
 
 def selected(entries: Iterable[Entry], *, kernels=None, head_dims=None, dtypes=None, buckets=None) -> list[Entry]:
