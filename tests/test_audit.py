@@ -89,7 +89,7 @@ def test_an_entry_slower_than_its_fallback_is_marked_for_a_re_tune(config_file):
     rows = _by_key(rows)
     plain, causal = rows[64, "fwd", "fp32", False, False, "all"], rows[64, "fwd", "fp32", True, False, "all"]
     window, short = rows[64, "fwd", "fp32", False, True, "all"], rows[64, "bwd_dkdv", "fp32", False, False, "short"]
-    assert plain.fallback == FALLBACK and plain.fallback_source == audit.PLANNER_DEFAULT
+    assert plain.fallback == FALLBACK and plain.fallback_source == selection.PLANNER_DEFAULT
     assert plain.ratio == pytest.approx(1.1) and plain.behind(0.03) and not plain.behind(0.2)
     assert causal.ratio == pytest.approx(0.9) and not causal.behind(0.0)
     assert window.ratio is None and "window" in window.note and not window.behind(0.0)

@@ -21,7 +21,6 @@ from . import job, workload
 from .compile_pool import CompilePool
 
 ROUNDS = 2  # each config timed this many times, alternating with its rival, and the fastest reading kept
-PLANNER_DEFAULT = selection.PLANNER_DEFAULT  # a fallback's source where no other entry serves the key
 
 
 @dataclass(frozen=True)
@@ -141,7 +140,7 @@ def audit(
         else:
             plans.append((spec, row))
     timed = [plan for plan in plans if not isinstance(plan, AuditRow)]
-    failures: dict[int, str] = {}
+    failures: dict[EntryKey, str] = {}
     if compile_workers > 0 and timed:
         failures = _compiled(timed, device_name, compile_workers)
     rows = []
@@ -150,7 +149,7 @@ def audit(
             row = plan
         else:
             spec, row = plan
-            problem = failures.get(id(plan))
+            problem = failures.get(row.key)
             row = replace(row, note=problem) if problem else _timed(spec, row, device_name, rounds, measure_factory)
         rows.append(row)
         if on_row is not None:
@@ -158,21 +157,20 @@ def audit(
     return rows
 
 
-def _compiled(timed: list, device_name: str, workers: int) -> dict[int, str]:
-    """Compiles both configs of each (spec, row) of `timed` at once; {id of the pair: "failed: ..."} for those
-    whose compile failed, naming the config."""
+def _compiled(timed: list, device_name: str, workers: int) -> dict[EntryKey, str]:
+    """Compiles both configs of each (spec, row) of `timed` at once; {row's key: "failed: ..."} for those whose
+    compile failed, naming the config (selected keeps one entry a key)."""
     failures = {}
     pool = CompilePool(workers)
     try:
         waits = [pool.start(spec.kernel, spec.head_dim, DTYPES_BY_NAME[spec.dtype], spec.mask,
                             [row.entry, row.fallback], seqlens=spec.seqlens, device=device_name, varlen=spec.varlen)
                  for spec, row in timed]  # fmt: skip
-        for wait, plan in zip(waits, timed, strict=True):
-            row = plan[1]
+        for wait, (_, row) in zip(waits, timed, strict=True):
             for name, config in (("the entry", row.entry), ("the fallback", row.fallback)):
                 reason = wait(config)
                 if reason:
-                    failures[id(plan)] = f"failed: {name}'s config does not compile: {str(reason)[:200]}"
+                    failures[row.key] = f"failed: {name}'s config does not compile: {str(reason)[:200]}"
                     break
     except BaseException:
         pool.release()  # an interrupted audit does not wait for the queued compiles
@@ -214,7 +212,7 @@ def report(rows: list[AuditRow], threshold: float) -> str:
         else:
             verdict = "re-tune" if row.behind(threshold) else "ok"
             times = f"{row.entry_ms:>9.3f} {row.fallback_ms:>9.3f} {row.ratio:>6.3f}"
-        if row.fallback_source and row.fallback_source != PLANNER_DEFAULT:
+        if row.fallback_source and row.fallback_source != selection.PLANNER_DEFAULT:
             verdict += f" (fallback: {row.fallback_source})"
         lines.append(f"{key.kernel:<9} {key.head_dim:>4} {key.dtype:<5} {mask:<10} {key.seqlen_bucket:<7} "
                      f"{row.entry.label():<44} {fallback_label:<44} {times}  {verdict}")  # fmt: skip
