@@ -81,6 +81,16 @@ def test_modules_are_written_once_by_content_hash(tmp_path, monkeypatch):
     assert other != first
 
 
+def test_a_damaged_module_file_is_written_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("FA2TUNE_CACHE_DIR", str(tmp_path))
+    variant = Variant(causal=True, even_m=True, even_n=False)
+    path = codegen.write_module("fwd", variant)
+    for damage in (path.read_bytes()[:300], b"\xff\xfe not python"):  # truncated; not text
+        path.write_bytes(damage)
+        assert codegen.write_module("fwd", variant) == path
+        assert path.read_text() == codegen.render("fwd", variant)
+
+
 def test_load_imports_a_module_with_the_kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("FA2TUNE_CACHE_DIR", str(tmp_path))
     variant = Variant(causal=False, even_m=True, even_n=False, dot_fp32=True)

@@ -213,7 +213,14 @@ def cache_dir() -> Path:
 def _write_once(directory: Path, name: str, source: str) -> Path:
     path = directory / name
     if path.is_file():
-        return path  # the name is the content's hash: an existing file already holds these bytes
+        # The name is the content's hash, but a file can be damaged after it was written (a full disk, an interrupted
+        # copy of the cache): one comparison a variant a process, so a damaged file is written again rather than
+        # failing every import after it.
+        try:
+            if path.read_text() == source:
+                return path
+        except (OSError, UnicodeDecodeError):
+            pass
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
     try:
