@@ -384,6 +384,41 @@ def test_stale_entry_is_skipped_with_a_warning(config_dir, device):
     assert kernel.source == "planner-default"
 
 
+def test_a_file_of_stale_entries_warns_once_and_where_warnings_are_errors_every_time(config_dir, device):
+    slug = selection.device_info(device).slug
+    stale = "0123456789abcdef"
+    store.write_entries(config_dir / "env" / f"{slug}.yaml", DEVICE, [
+        _entry(head_dim=d, causal=c, kernel=k, template_hash=stale)
+        for d in (32, 64) for c in (False, True) for k in ("fwd", "bwd_dkdv", "bwd_dq")])  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for d in (32, 64):
+            for causal in (False, True):
+                kernel = fa2tune.get_kernel(d, device=device, dtype=torch.float32, causal=causal)
+                assert (kernel.source, kernel.bwd_source) == ("planner-default", "planner-default")
+    said = [str(w.message) for w in caught if "fa2tune" in str(w.message)]
+    assert len(said) == 1 and "stale" in said[0] and stale in said[0], said
+    store._warned.clear()
+    attention_kernel.clear_cache()
+    for _ in range(2):  # under -W error each call that meets the file raises, not only the first
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(RuntimeWarning, match="stale"):
+                fa2tune.get_kernel(64, device=device, dtype=torch.float32)
+        attention_kernel.clear_cache()
+
+
+def test_a_config_dir_that_does_not_exist_is_said_once(config_dir, device, monkeypatch):
+    missing = config_dir / "deploy" / "configs-misspelt"
+    monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(missing))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for causal in (False, True):
+            assert fa2tune.get_kernel(64, device=device, dtype=torch.float32, causal=causal).source == "planner-default"
+    said = [str(w.message) for w in caught if "fa2tune" in str(w.message)]
+    assert len(said) == 1 and "FA2TUNE_CONFIG_DIR" in said[0] and str(missing) in said[0], said
+
+
 def test_get_kernel_uses_a_tuned_entry_for_fwd_and_bwd(config_dir, device):
     slug = selection.device_info(device).slug
     path = config_dir / "env" / f"{slug}.yaml"

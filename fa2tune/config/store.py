@@ -77,7 +77,11 @@ def config_dirs() -> list[Path]:
     """Where lookup searches, in order: $FA2TUNE_CONFIG_DIR, the user cache dir, the shipped tuned_configs/."""
     dirs = []
     if os.environ.get("FA2TUNE_CONFIG_DIR"):
-        dirs.append(Path(os.environ["FA2TUNE_CONFIG_DIR"]))
+        named = Path(os.environ["FA2TUNE_CONFIG_DIR"])
+        if not os.path.lexists(named):  # a misspelt path would otherwise leave a model on untuned kernels unsaid
+            _warn_once(f"fa2tune: FA2TUNE_CONFIG_DIR names {named}, which does not exist; lookups read the other "
+                       "sources (a tune writes its file there, creating it)")  # fmt: skip
+        dirs.append(named)
     dirs.append(user_config_dir())
     dirs.append(shipped_config_dir())
     return dirs
@@ -93,13 +97,16 @@ def shipped_config_dir() -> Path:
     return installed if installed.is_dir() else package.parent / "tuned_configs"
 
 
-_warned: set[str] = set()
+_warned: set[object] = set()
 
 
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
+def _warn_once(message: str, once: object = None) -> None:
+    """A RuntimeWarning the first time a process meets `once` (default: the message itself). Recorded after it is
+    issued: where warnings are errors, each call that meets the problem raises, not only the first."""
+    once = message if once is None else once
+    if once not in _warned:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+        _warned.add(once)
 
 
 class _UniqueKeys:
@@ -316,10 +323,11 @@ def _lookup_in(
                 continue
             expected = template_hash(entry.config) if callable(template_hash) else template_hash
             if expected is not None and entry.template_hash != expected:
-                _warn_once(
-                    f"fa2tune: the tuned config for {key} in {path} was tuned for kernel templates "
-                    f"{entry.template_hash}, these are {expected} (stale); re-run `fa2tune tune`. "
-                    "Using the next source"
+                _warn_once(  # once a file: a template change leaves many of its entries stale at once
+                    f"fa2tune: {path} holds entries tuned for other kernel templates, which calls skip for the next "
+                    f"source (the first met: {key}, tuned for kernel templates {entry.template_hash}, these are "
+                    f"{expected} (stale)); re-run `fa2tune tune`",
+                    once=(str(path), "stale"),
                 )
                 break
             return entry, path
