@@ -204,6 +204,8 @@ def test_sdpa_gives_a_learnable_mask_its_gradient(device):
         (dict(attn_mask=torch.ones(3, 1, 1, 7, dtype=torch.bool)), ValueError, "attn_mask must broadcast"),
         (dict(attn_mask=torch.ones(7, dtype=torch.int32)), TypeError, "attn_mask must be bool"),
         (dict(attn_mask=[True] * 7), TypeError, "attn_mask must be a torch.Tensor"),
+        (dict(attn_mask=torch.zeros(2, 1, 1, 7, dtype=torch.bfloat16)), TypeError, "float32 or query's dtype"),
+        (dict(attn_mask=torch.zeros(2, 1, 1, 7, dtype=torch.float64)), TypeError, "float32 or query's dtype"),
         (dict(scale=-1.0), ValueError, "scale must be a positive"),
     ],
 )
@@ -214,6 +216,23 @@ def test_sdpa_refuses_what_it_cannot_run_naming_the_argument(kwargs, error, word
     k = v = torch.randn(2, k_heads, 7, 16, device=device)
     with pytest.raises(error, match=words):
         fa2tune.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_sdpa_takes_the_mask_dtypes_pytorchs_sdpa_takes(mask_dtype, device):
+    q = torch.randn(2, 2, 5, 16, device=device, dtype=torch.float16)
+    k, v = (torch.randn(2, 2, 7, 16, device=device, dtype=torch.float16) for _ in range(2))
+    keep = torch.arange(7, device=device) < torch.tensor([[4], [7]], device=device)
+    mask = torch.zeros(2, 1, 1, 7, device=device, dtype=mask_dtype).masked_fill(~keep[:, None, None], float("-inf"))
+    try:  # does PyTorch take this mask dtype with float16 inputs? (asked on the CPU, where every dtype runs)
+        probe = torch.zeros(1, 1, 1, 16, dtype=q.dtype)
+        sdpa.TORCH_SDPA(probe, probe, probe, attn_mask=torch.zeros(1, 1, 1, 1, dtype=mask_dtype))
+    except RuntimeError:
+        with pytest.raises(TypeError, match="attn_mask must be bool, float32 or query's dtype"):
+            fa2tune.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return
+    want = sdpa.TORCH_SDPA(q.double(), k.double(), v.double(), attn_mask=mask.double())
+    assert_close(fa2tune.scaled_dot_product_attention(q, k, v, attn_mask=mask), want, q.dtype)
 
 
 def test_sdpa_and_its_patch_follow_autocast_as_pytorchs_sdpa(monkeypatch, device):

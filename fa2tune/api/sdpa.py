@@ -49,11 +49,11 @@ def scaled_dot_product_attention(
         key, value: (batch, heads_kv, seqlen_k, head_dim); value's head dim may be its own, as PyTorch's (Ev).
             heads_kv must equal heads_q unless enable_gqa=True, when it must divide heads_q (PyTorch's rule;
             fa2tune reads the shared K/V heads in place).
-        attn_mask: None; or a boolean mask (True = take part) or an additive float mask, broadcastable to
-            (batch, heads_q, seqlen_q, seqlen_k). A key-padding mask — the same for every head and query, e.g.
-            (batch, 1, 1, seqlen_k), with float values 0, -inf or the dtype's lowest value — runs on the
-            packed-sequence kernels (the kept keys gathered per batch entry; one host sync). Any other mask, a
-            mask that requires grad, or a mask together with is_causal is computed by PyTorch's own SDPA (exact,
+        attn_mask: None; or a boolean mask (True = take part) or an additive float mask (float32 or query's dtype, as
+            PyTorch takes it), broadcastable to (batch, heads_q, seqlen_q, seqlen_k). A key-padding mask — the same for
+            every head and query, e.g. (batch, 1, 1, seqlen_k), with float values 0, -inf or the dtype's lowest value —
+            runs on the packed-sequence kernels (the kept keys gathered per batch entry; one host sync). Any other mask,
+            a mask that requires grad, or a mask together with is_causal is computed by PyTorch's own SDPA (exact,
             O(seqlen_q·seqlen_k) memory; logged once).
         dropout_p: must be 0.0; fa2tune has no dropout (NotImplementedError).
         is_causal: query i sees keys j <= i, aligned TOP-LEFT as PyTorch's SDPA aligns it (fa2tune.attention's
@@ -110,7 +110,8 @@ def _autocast_dtype_of(t, dtype: torch.dtype | None):
 
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, slow):
     """scaled_dot_product_attention, with `slow` the SDPA that computes the masks the kernels do not take."""
-    query, key, value = autocast_inputs(query, key, value)
+    autocast_dtype = _autocast_dtype(query)
+    query, key, value = autocast_inputs(query, key, value, autocast_dtype)
     _check_dropout(dropout_p)
     is_causal, enable_gqa = check_flag("is_causal", is_causal), check_flag("enable_gqa", enable_gqa)
     query, key, value = (unit_last_stride(t) for t in (query, key, value))
@@ -118,7 +119,7 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     shape = check_qkv(query, key, value)
     if attn_mask is None:
         return _top_left_causal(query, key, value, scale) if is_causal else attention(query, key, value, scale=scale)
-    _check_mask(attn_mask, query, (shape.batch, shape.heads_q, shape.seqlen_q, shape.seqlen_k))
+    _check_mask(attn_mask, query, (shape.batch, shape.heads_q, shape.seqlen_q, shape.seqlen_k), autocast_dtype)
     visible, reason = _visible_keys(attn_mask, shape.batch, shape.seqlen_k, is_causal)
     if visible is None:
         note_once(f"fa2tune: {reason}: computed by PyTorch's SDPA (exact; O(seqlen_q*seqlen_k) memory)")
@@ -148,12 +149,21 @@ def _check_heads_rule(query: object, key: object, enable_gqa: bool) -> None:
         )
 
 
-def _check_mask(mask: object, query: torch.Tensor, shape: tuple[int, int, int, int]) -> None:
+def _check_mask(mask: object, query: torch.Tensor, shape: tuple[int, int, int, int],
+                autocast_dtype: torch.dtype | None) -> None:  # fmt: skip
+    """PyTorch's SDPA's rules for attn_mask, so that a call this takes is one PyTorch takes. autocast_dtype: what
+    autocast casts SDPA's floating inputs to (None: off), the mask's among them."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
     if not (mask.dtype == torch.bool or mask.is_floating_point()):
         raise TypeError(
             f"attn_mask must be bool (True = take part) or floating (added to the scores), got {mask.dtype}"
+        )
+    seen = _autocast_dtype_of(mask, autocast_dtype)
+    if seen not in (torch.bool, torch.float32, query.dtype):
+        raise TypeError(
+            f"attn_mask must be bool, float32 or query's dtype ({query.dtype}), as PyTorch's SDPA takes it, got "
+            f"{mask.dtype}"
         )
     if mask.device != query.device:
         raise ValueError(f"attn_mask must be on query's device {query.device}, got {mask.device}")
