@@ -353,6 +353,26 @@ def test_an_append_into_caches_that_share_memory_is_refused(alias, device):
     assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))  # refused before any write
 
 
+@pytest.mark.parametrize("past", ["query rows", "new keys"])
+def test_a_call_past_a_grid_axis_is_refused_by_name(past, device):
+    # the row tiles (group · seqlen_q / 64) and the append's row blocks (seqlen_new / 16) are CUDA grid axes, which
+    # stop at 65535: such a call would fail to launch
+    from fa2tune.launch.decode import APPEND_ROWS
+    from fa2tune.launch.grid import GRID_AXIS_MAX
+
+    group, width = 8, 8
+    new = GRID_AXIS_MAX * APPEND_ROWS + 1 if past == "new keys" else 1
+    tokens = GRID_AXIS_MAX * 64 // group + 1 if past == "query rows" else 1
+    q = torch.randn(1, tokens, group, width, dtype=torch.float16, device=device)
+    k_cache, v_cache = (torch.zeros(1, new + 4, 1, width, dtype=torch.float16, device=device) for _ in range(2))
+    k, v = (torch.randn(1, new, 1, width, dtype=torch.float16, device=device) for _ in range(2))
+    lengths = torch.tensor([3], dtype=torch.int32, device=device)
+    words = "packed rows, more than the decode kernel" if past == "query rows" else "more than one append takes"
+    with pytest.raises(ValueError, match=words):
+        fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths)
+    assert not k_cache.any()  # refused before any write
+
+
 def test_an_append_under_a_dispatch_mode_checks_the_caches_memory_too(device):
     # outside plain eager calls the append runs through the custom op, which checks the caches' memory itself
     from torch.utils.flop_counter import FlopCounterMode

@@ -29,7 +29,7 @@ from ..config.inputs import interpreting
 from ..config.kvcache_inputs import KVCache
 from ..kernels import codegen
 from . import fastlaunch, plans
-from .grid import LOG2E, cdiv, input_precision
+from .grid import GRID_AXIS_MAX, LOG2E, cdiv, input_precision
 from .layout import in_units, on_device
 
 APPEND_ROWS = 16  # new keys an append program copies
@@ -111,6 +111,7 @@ def _plan(q, cache: KVCache, scale: float, window: tuple[int, int], splits: int,
     kv_heads = k_cache.shape[2]
     group = heads_q // kv_heads
     block_m, tiles = decode_plan.row_tiles(group, seqlen_q, config.max_block_m)
+    _check_grid(tiles, block_m, group, seqlen_q, cache.seqlen_new)
     module = _kernels(table is not None)
     head = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=planner.head_dim_padded(head_dim))
     num_pages = k_cache.shape[0] if table is not None else 1
@@ -162,6 +163,22 @@ def _plan(q, cache: KVCache, scale: float, window: tuple[int, int], splits: int,
         merge(part_o, part_lse, out, lse)
 
     return launch
+
+
+def _check_grid(tiles: int, block_m: int, group: int, seqlen_q: int, seqlen_new: int) -> None:
+    """The attention's row tiles and the append's row blocks are grid axes that CUDA caps at GRID_AXIS_MAX: a call
+    past them is refused by name rather than failing to launch."""
+    if tiles > GRID_AXIS_MAX:
+        raise ValueError(
+            f"q has {seqlen_q} tokens of {group} query heads a K/V head: {group * seqlen_q} packed rows, more than the "
+            f"decode kernel's {GRID_AXIS_MAX} tiles of {block_m} take; flash_attn_with_kvcache is for decode steps "
+            "and chunks of a prompt — attend a longer one with fa2tune.attention"
+        )
+    if -(-seqlen_new // APPEND_ROWS) > GRID_AXIS_MAX:
+        raise ValueError(
+            f"k/v to append have {seqlen_new} tokens, more than one append takes ({GRID_AXIS_MAX * APPEND_ROWS}); "
+            "append them in parts"
+        )
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
