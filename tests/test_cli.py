@@ -649,6 +649,20 @@ def test_ctrl_c_while_workers_time_ends_every_process_of_the_tune_with_one_line(
     assert left() == []
 
 
+def test_a_tune_over_several_devices_lists_what_every_worker_timed(tmp_path, capsys, monkeypatch):
+    # each worker process times trials of one shared study; the process that finishes it has none of its own, and
+    # the report listed nothing as timed (and --json no trials) where the table counted them
+    if torch.cuda.is_available():
+        pytest.skip("the CPU pipeline test; on a GPU `fa2tune tune` is a real tune (scripts/gpu-tests.sh skips it)")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    args = ["tune", "--device", "cpu,cpu", "--head-dim", "16", "--trials", "2", "--kernel", "fwd", "--causal", "no",
+            "--config-dir", str(tmp_path / "cfg"), "--json"]  # fmt: skip
+    assert cli.main(args) == 0
+    (study,) = json.loads(capsys.readouterr().out)["studies"]
+    assert study["timed"] == 2 and len(study["trials"]) == 2, study
+    assert sorted(t["ms"] for t in study["trials"]) == [t["ms"] for t in study["trials"]]  # fastest first
+
+
 _POOL_INTERRUPTED = """
 import sys, time
 from fa2tune.tune import compile_pool

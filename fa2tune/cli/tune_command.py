@@ -174,8 +174,7 @@ def _report(written: _Written) -> None:
     # What each study timed, fastest first: which configs a winner was chosen among; without it nothing says that a
     # study which kept its config timed, say, only spilling fused configs beside it
     for kernel, causal, r in written.rows:
-        timed = sorted({t.config: t.ms for t in r.history if t.ms is not None}.items(), key=lambda item: item[1])
-        print(f"  {kernel} causal={causal} timed: " + ", ".join(f"{cfg.label()} {ms:.3f}" for cfg, ms in timed))
+        print(f"  {kernel} causal={causal} timed: " + ", ".join(f"{cfg.label()} {ms:.3f}" for cfg, ms in r.timed))
     for kernel, causal, r in written.rows:  # the config the file held for the key, kept or replaced, and why
         if r.incumbent_note is not None:
             print(f"  {kernel} causal={causal}: {r.incumbent_note}")
@@ -185,12 +184,11 @@ def _as_json(written: _Written) -> dict:
     """What _report prints, as data: the file written and, per study, the winner, the timings and what was timed."""
     studies = []
     for kernel, causal, r in written.rows:
-        timed = sorted({t.config: t.ms for t in r.history if t.ms is not None}.items(), key=lambda item: item[1])
         studies.append({"kernel": kernel, "causal": causal, "study": r.study_name, "winner": r.best.to_dict(),
                         "winner_label": r.best.label(), "ms": r.best_ms, "default_ms": r.default_ms,
                         "incumbent_ms": r.incumbent_ms, "median_ms": r.median_ms, "timed": r.measured,
                         "within_2pct_at": r.within_2pct_at, "wall_s": r.wall_s, "incumbent_note": r.incumbent_note,
-                        "trials": [{"config": cfg.to_dict(), "ms": ms} for cfg, ms in timed]})  # fmt: skip
+                        "trials": [{"config": cfg.to_dict(), "ms": ms} for cfg, ms in r.timed]})  # fmt: skip
     return {"config_file": str(written.path), "studies": studies}
 
 

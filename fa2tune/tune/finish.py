@@ -142,4 +142,5 @@ def _result(study, target: Target, space: Space, cost: Cost, second: dict[Kernel
         wall_s=time.time() - start,
         within_2pct_at=within,
         history=tuple(cost.history),
+        timed=tuple(sorted(measured.items(), key=lambda item: item[1])),
     )

@@ -133,6 +133,9 @@ class TuneResult:
     incumbent_ms: float | None = None
     incumbent_note: str | None = None  # what became of the incumbent, in words: kept, or replaced and why
     history: tuple[TrialRecord, ...] = field(repr=False, default=())
+    # every config the study timed, by any process sharing it (history holds this process's trials only), with its
+    # first reading, fastest first
+    timed: tuple[tuple[KernelConfig, float], ...] = field(repr=False, default=())
 
 
 def study_name(
