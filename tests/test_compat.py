@@ -235,6 +235,24 @@ def test_sdpa_takes_the_mask_dtypes_pytorchs_sdpa_takes(mask_dtype, device):
     assert_close(fa2tune.scaled_dot_product_attention(q, k, v, attn_mask=mask), want, q.dtype)
 
 
+def test_under_autocast_a_mask_is_taken_in_the_dtype_autocast_gives_it(device):
+    # autocast casts SDPA's float inputs but float64 ones, the mask among them: a float16 mask with float32 inputs
+    # under bfloat16 autocast reaches SDPA in bfloat16, as the query does (taken); a float64 one stays float64 (refused)
+    q = torch.randn(2, 2, 5, 16, device=device)
+    k, v = (torch.randn(2, 2, 7, 16, device=device) for _ in range(2))
+    keep = torch.arange(7, device=device) < torch.tensor([[4], [7]], device=device)
+    hidden = ~keep[:, None, None]
+    with torch.autocast(device.type if isinstance(device, torch.device) else device, dtype=torch.bfloat16):
+        mask = torch.zeros(2, 1, 1, 7, device=device, dtype=torch.float16).masked_fill(hidden, float("-inf"))
+        got = fa2tune.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        with pytest.raises(TypeError, match="attn_mask must be bool, float32 or query's dtype"):
+            fa2tune.scaled_dot_product_attention(q, k, v, attn_mask=mask.double())
+    rounded = [t.bfloat16().double() for t in (q, k, v)]
+    want = sdpa.TORCH_SDPA(*rounded, attn_mask=torch.zeros_like(mask, dtype=torch.float64).masked_fill(hidden, -1e300))
+    assert got.dtype == torch.bfloat16
+    assert_close(got, want, torch.bfloat16)
+
+
 def test_sdpa_and_its_patch_follow_autocast_as_pytorchs_sdpa(monkeypatch, device):
     # SDPA is one of autocast's lower-precision ops: under torch.autocast its float32 inputs run in autocast's dtype
     # and so does its output, and inputs of mixed dtypes are cast alike. fa2tune's stand-ins must give the same: the

@@ -357,12 +357,14 @@ def test_an_append_into_caches_that_share_memory_is_refused(alias, device):
 def test_a_call_past_a_grid_axis_is_refused_by_name(past, device):
     # the row tiles (group · seqlen_q / 64) and the append's row blocks (seqlen_new / 16) are CUDA grid axes, which
     # stop at 65535: such a call would fail to launch
+    from fa2tune.api import selection
     from fa2tune.launch.decode import APPEND_ROWS
     from fa2tune.launch.grid import GRID_AXIS_MAX
 
     group, width = 8, 8
+    rows_a_tile = selection.decode_config(torch.device(device), width, torch.float16).max_block_m  # the call's config
     new = GRID_AXIS_MAX * APPEND_ROWS + 1 if past == "new keys" else 1
-    tokens = GRID_AXIS_MAX * 64 // group + 1 if past == "query rows" else 1
+    tokens = GRID_AXIS_MAX * rows_a_tile // group + 1 if past == "query rows" else 1
     q = torch.randn(1, tokens, group, width, dtype=torch.float16, device=device)
     k_cache, v_cache = (torch.zeros(1, new + 4, 1, width, dtype=torch.float16, device=device) for _ in range(2))
     k, v = (torch.randn(1, new, 1, width, dtype=torch.float16, device=device) for _ in range(2))

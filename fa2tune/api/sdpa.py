@@ -159,8 +159,8 @@ def _check_mask(mask: object, query: torch.Tensor, shape: tuple[int, int, int, i
         raise TypeError(
             f"attn_mask must be bool (True = take part) or floating (added to the scores), got {mask.dtype}"
         )
-    seen = _autocast_dtype_of(mask, autocast_dtype)
-    if seen not in (torch.bool, torch.float32, query.dtype):
+    mask_dtype = _autocast_dtype_of(mask, autocast_dtype)
+    if mask_dtype not in (torch.bool, torch.float32, query.dtype):
         raise TypeError(
             f"attn_mask must be bool, float32 or query's dtype ({query.dtype}), as PyTorch's SDPA takes it, got "
             f"{mask.dtype}"

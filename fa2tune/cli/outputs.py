@@ -58,8 +58,8 @@ def config_destination(config_dir: str | None) -> tuple[Path, str]:
         if not config_dir.strip():
             fail("--config-dir: an empty path (an unset variable?); name a directory, or leave the flag out")
         return Path(config_dir), "--config-dir"
-    first = store.config_dirs()[0]
-    return first, ("--config-dir" if first == store.user_config_dir() else "$FA2TUNE_CONFIG_DIR")
+    named = store.env_config_dir()  # not config_dirs(): it warns of a directory the tune is about to create
+    return (named, "$FA2TUNE_CONFIG_DIR") if named is not None else (store.user_config_dir(), "--config-dir")
 
 
 def check_writable(config_dir: Path, target: Path, storage: str | None, source: str = "--config-dir") -> None:

@@ -76,15 +76,22 @@ TOP_LEVEL_KEYS = ("schema_version", "device", "entries")
 def config_dirs() -> list[Path]:
     """Where lookup searches, in order: $FA2TUNE_CONFIG_DIR, the user cache dir, the shipped tuned_configs/."""
     dirs = []
-    if os.environ.get("FA2TUNE_CONFIG_DIR"):
-        named = Path(os.environ["FA2TUNE_CONFIG_DIR"])
-        if not os.path.lexists(named):  # a misspelt path would otherwise leave a model on untuned kernels unsaid
+    named = env_config_dir()
+    if named is not None:
+        if not os.path.exists(named):  # a misspelt path would otherwise leave a model on untuned kernels unsaid
             _warn_once(f"fa2tune: FA2TUNE_CONFIG_DIR names {named}, which does not exist; lookups read the other "
                        "sources (a tune writes its file there, creating it)")  # fmt: skip
         dirs.append(named)
     dirs.append(user_config_dir())
     dirs.append(shipped_config_dir())
     return dirs
+
+
+def env_config_dir() -> Path | None:
+    """$FA2TUNE_CONFIG_DIR, where it is set and not empty: the first directory lookups read (config_dirs) and a tune
+    without --config-dir writes to. Read as it is, without config_dirs' warning for one that does not exist yet."""
+    named = os.environ.get("FA2TUNE_CONFIG_DIR")
+    return Path(named) if named else None
 
 
 def user_config_dir() -> Path:
@@ -100,13 +107,13 @@ def shipped_config_dir() -> Path:
 _warned: set[object] = set()
 
 
-def _warn_once(message: str, once: object = None) -> None:
-    """A RuntimeWarning the first time a process meets `once` (default: the message itself). Recorded after it is
+def _warn_once(message: str, key: object = None) -> None:
+    """A RuntimeWarning the first time a process meets `key` (default: the message itself). Recorded after it is
     issued: where warnings are errors, each call that meets the problem raises, not only the first."""
-    once = message if once is None else once
-    if once not in _warned:
+    key = message if key is None else key
+    if key not in _warned:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
-        _warned.add(once)
+        _warned.add(key)
 
 
 class _UniqueKeys:
@@ -327,7 +334,7 @@ def _lookup_in(
                     f"fa2tune: {path} holds entries tuned for other kernel templates, which calls skip for the next "
                     f"source (the first met: {key}, tuned for kernel templates {entry.template_hash}, these are "
                     f"{expected} (stale)); re-run `fa2tune tune`",
-                    once=(str(path), "stale"),
+                    key=(str(path), "stale"),
                 )
                 break
             return entry, path
@@ -481,19 +488,29 @@ def _warn_if_another_gpus(path: Path, info: DeviceInfo) -> None:
         checked = (str(path), info.slug, stat.st_size, stat.st_mtime_ns)
         if checked in _device_checked:
             return
-        _device_checked.add(checked)
+    except OSError:
+        return
+    try:
         device = _load(path).data.get("device")
     except (OSError, ValueError):
-        return
+        device = None
+    recorded = _another_gpu(device, info, path)
+    if recorded is not None:  # recorded as checked after the warning: under -W error each call raises
+        _warn_once(f"fa2tune: {path} is read as {info.name}'s tuned configs (its file name) but records another "
+                   f"GPU, {recorded!r}, in its `device`: entries tuned there are used here. Rename the file to that "
+                   "GPU's slug or move it aside (a tune here would merge into it and keep them)")  # fmt: skip
+    _device_checked.add(checked)
+
+
+def _another_gpu(device: object, info: DeviceInfo, path: Path) -> str | None:
+    """The GPU a file's `device` records where it is neither info's slug nor its name (as the warning names it),
+    else None."""
     if not isinstance(device, dict):
-        return
+        return None
     slug, name = device.get("slug"), device.get("name")
     if (slug is None and name is None) or slug == info.slug or name == info.name:
-        return
-    recorded = _gpu_name(device, path) if isinstance(name, str) else str(slug)[:_MAX_GPU_NAME]
-    _warn_once(f"fa2tune: {path} is read as {info.name}'s tuned configs (its file name) but records another GPU, "
-               f"{recorded!r}, in its `device`: entries tuned there are used here. Rename the file to that GPU's slug "
-               "or move it aside (a tune here would merge into it and keep them)")  # fmt: skip
+        return None
+    return _gpu_name(device, path) if isinstance(name, str) else str(slug)[:_MAX_GPU_NAME]
 
 
 def find_for_device(
