@@ -149,6 +149,12 @@ def _check_heads_rule(query: object, key: object, enable_gqa: bool) -> None:
         )
 
 
+def _mask_dtype_taken(mask_dtype: torch.dtype | None, query_dtype: torch.dtype) -> bool:
+    """PyTorch's SDPA's rule for an attn_mask's dtype as SDPA receives it (after autocast): bool, float32 or the
+    query's."""
+    return mask_dtype in (torch.bool, torch.float32, query_dtype)
+
+
 def _check_mask(mask: object, query: torch.Tensor, shape: tuple[int, int, int, int],
                 autocast_dtype: torch.dtype | None) -> None:  # fmt: skip
     """PyTorch's SDPA's rules for attn_mask, so that a call this takes is one PyTorch takes. autocast_dtype: what
@@ -159,8 +165,7 @@ def _check_mask(mask: object, query: torch.Tensor, shape: tuple[int, int, int, i
         raise TypeError(
             f"attn_mask must be bool (True = take part) or floating (added to the scores), got {mask.dtype}"
         )
-    mask_dtype = _autocast_dtype_of(mask, autocast_dtype)
-    if mask_dtype not in (torch.bool, torch.float32, query.dtype):
+    if not _mask_dtype_taken(_autocast_dtype_of(mask, autocast_dtype), query.dtype):
         raise TypeError(
             f"attn_mask must be bool, float32 or query's dtype ({query.dtype}), as PyTorch's SDPA takes it, got "
             f"{mask.dtype}"
@@ -354,7 +359,7 @@ def _unsupported(query, key, value, attn_mask, mask_dtype, dropout_p, is_causal,
         return "a scale that is not a positive finite float"
     if attn_mask is not None and not (
         type(attn_mask) is torch.Tensor
-        and mask_dtype in (torch.bool, torch.float32, query.dtype)
+        and _mask_dtype_taken(mask_dtype, query.dtype)
         and attn_mask.dim() > 0
         and attn_mask.device == query.device
         and mask_fits(attn_mask, (batch, heads_q, query.shape[2], seqlen_k))

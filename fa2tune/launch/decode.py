@@ -174,7 +174,7 @@ def _check_grid(tiles: int, block_m: int, group: int, seqlen_q: int, seqlen_new:
             f"decode kernel's {GRID_AXIS_MAX} tiles of {block_m} take; flash_attn_with_kvcache is for decode steps "
             "and chunks of a prompt — attend a longer one with fa2tune.attention"
         )
-    if -(-seqlen_new // APPEND_ROWS) > GRID_AXIS_MAX:
+    if cdiv(seqlen_new, APPEND_ROWS) > GRID_AXIS_MAX:
         raise ValueError(
             f"k/v to append have {seqlen_new} tokens, more than one append takes ({GRID_AXIS_MAX * APPEND_ROWS}); "
             "append them in parts"
