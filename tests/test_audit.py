@@ -34,6 +34,7 @@ def _entry(kernel="fwd", causal=False, cfg=SLOW, bucket="all", window=False, hea
 @pytest.fixture
 def config_file(tmp_path, monkeypatch):
     monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path / "env"))
+    (tmp_path / "env").mkdir(exist_ok=True)  # a missing $FA2TUNE_CONFIG_DIR is warned of
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     attention_kernel.clear_cache()
     selection.clear_cache()

@@ -568,6 +568,7 @@ def config_dir(tmp_path, monkeypatch):
     from fa2tune.config import store
 
     monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path / "env"))
+    (tmp_path / "env").mkdir(exist_ok=True)  # a missing $FA2TUNE_CONFIG_DIR is warned of
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setattr(store, "shipped_config_dir", lambda: tmp_path / "shipped")
     monkeypatch.setattr(store, "_warned", set())
