@@ -11,7 +11,7 @@ import fa2tune
 from fa2tune.api import ops
 from fa2tune.config.schedule import PERSISTENT
 from fa2tune.config.types import KernelConfig
-from fa2tune.launch import grid
+from fa2tune.launch import grid, layout
 from fa2tune.tune.reference import naive_attention
 
 from .conftest import assert_close
@@ -123,6 +123,43 @@ def test_strided_inputs_are_read_in_place(device):
     o = fa2tune.attention(q, k, v, causal=True)
     assert o.is_contiguous()
     assert_close(o, _reference(q, k, v, True)[0], torch.float32)
+
+
+def test_size_one_dims_strides_count_toward_no_unit(device):
+    # A (batch, 1, seqlen, d) slice whose head stride is 3 elements: that stride addresses nothing (the dim is
+    # indexed at 0 only), so the launchers settle it and the tensor keeps its widest vectors and TMA's alignment.
+    torch.manual_seed(9)
+    base = torch.randn(2, 40, 3 * 32 + 8, device=device)
+    q, k, v = (base[:, :, i * 32 : (i + 1) * 32].unsqueeze(1) for i in range(3))
+    q = q.as_strided(q.shape, (q.stride(0), 3, *q.stride()[2:]))
+    settled = layout.settled_strides(q)
+    assert layout.stride_unit(q.stride()[:3]) == 1 and layout.stride_unit(settled.stride()[:3]) == 8
+    assert settled.stride()[1] == settled.stride(2) * 40 and torch.equal(settled, q)
+    assert layout.settled_strides(k) is k  # already settled: no new view
+    # a size-1 stride that is already a multiple of 8 stays, though it is not the contiguous one (it narrows nothing)
+    wide = torch.randn(2, 2, 1, 64, device=device)[..., :36]
+    assert layout.settled_strides(wide) is wide
+    qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))  # clone keeps no odd stride: the control
+    q, k, v = (t.requires_grad_() for t in (q.detach(), k.detach(), v.detach()))
+    o = fa2tune.attention(q, k, v, causal=True)
+    do = torch.randn_like(o)
+    o.backward(do)
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    again = fa2tune.attention(q, k, v, causal=True)  # the kept plans, which settle each call's strides
+    odd_do = torch.randn(2, 40, 33, device=device)[..., :32].unsqueeze(1).as_strided(do.shape, (1320, 5, 33, 1))
+    odd_do.copy_(do)
+    again.backward(odd_do)  # dO with an odd size-1 stride of its own
+    assert torch.equal(again, o) and all(torch.equal(t.grad, g) for t, g in zip((q, k, v), grads, strict=True))
+    want = _reference(qg, kg, vg, True)[0]
+    want.backward(do.double())
+    assert_close(o, want, torch.float32)
+    for got, ref in ((q.grad, qg.grad), (k.grad, kg.grad), (v.grad, vg.grad)):
+        assert_close(got, ref, torch.float32)
+    out = torch.full_like(q, float("nan"))  # keeps q's odd stride; returned as it is, written in full
+    o_out, _ = ops.forward(q.detach(), k.detach(), v.detach(), causal=True, scale=32**-0.5, out=out)
+    assert o_out is out and torch.equal(out, o)
 
 
 def test_default_scale_is_inverse_sqrt_head_dim(device):

@@ -14,7 +14,18 @@ from . import fastlaunch, plans, warpspec
 from . import layout as _layout
 from .fallback import check_combination, deterministic, runnable, unfused_for_v
 from .grid import LOG2E, cdiv, input_precision, stats_rows
-from .layout import Packing, as_mask, head_dim_options, in_units, layout, mask_args, on_device, totals
+from .layout import (
+    Packing,
+    as_mask,
+    head_dim_options,
+    in_units,
+    layout,
+    mask_args,
+    on_device,
+    settle,
+    settling_launch,
+    totals,
+)
 
 
 def backward(
@@ -65,6 +76,7 @@ def backward(
                 with on_device(q):
                     plan.launch(q, k, v, o, lse, do, dq, dk, dv, dlse)
                 return dq, dk, dv
+    (q, k, v, o, do), unsettled = settle((q, k, v, o, do))
     for kernel_name, config, explicit in (("bwd_dkdv", dkdv_config, dkdv_explicit), ("bwd_dq", dq_config, dq_explicit)):
         if explicit:
             check_combination(config, kernel_name)
@@ -77,6 +89,8 @@ def backward(
     with on_device(q):
         launch(q, k, v, o, lse, do, dq, dk, dv, dlse)
     downgraded = dkdv_run != dkdv_config or dq_run != dq_config
+    if unsettled:  # launch's arguments: q, k, v, o, lse, dO, …
+        launch = settling_launch(launch, tuple(i if i < 4 else i + 1 for i in unsettled))
     plans.keep(key, plans.Plan(launch, dkdv_run.warp_specialized or dq_run.warp_specialized), downgraded,
                (q, k, v, do, dq, dk, dv))  # fmt: skip
     return dq, dk, dv

@@ -20,6 +20,9 @@ from .layout import (
     mask_args,
     on_device,
     output_like,
+    settle,
+    settled_strides,
+    settling_launch,
     totals,
 )
 
@@ -63,20 +66,24 @@ def forward(
                 with on_device(q):
                     plan.launch(q, k, v, o, lse)
                 return o, lse
+    (q, k, v), unsettled = settle((q, k, v))
     (batch, heads_q, _, seqlen_q, _, _), _ = layout(q, k, packing)
     if explicit:
         check_combination(config, "fwd")
-    o = output_like(q, v) if out is None else out
+    result = output_like(q, v) if out is None else out
+    o = settled_strides(result)  # the caller's out is returned as it is, and written through this view
     lse_shape = (batch, heads_q, seqlen_q) if packing is None else (heads_q, q.shape[0])
     lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
     if o.numel() == 0 or batch == 0 or seqlen_q == 0:
-        return o, lse.fill_(float("-inf"))
+        return result, lse.fill_(float("-inf"))
     run = runnable(config, "fwd", explicit, mask, packing, q=q, k=k, v=v, out=o)
     launch = _launcher(q, k, v, o, lse, mask, scale, run, packing)
     with on_device(q):
         launch(q, k, v, o, lse)
+    if unsettled:
+        launch = settling_launch(launch, unsettled)
     plans.keep(key, plans.Plan(launch, run.warp_specialized), run != config, (q, k, v, o))
-    return o, lse
+    return result, lse
 
 
 def checked_forward(q, k, v, mask: Mask, scale: float, config: KernelConfig, explicit: bool, packing: Packing | None):

@@ -4,6 +4,7 @@ device to launch on, and the kernel of the template variant the call runs."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,46 @@ def in_units(**tensors: tuple[int, ...]) -> tuple[dict[str, int], tuple[int, ...
              for name, strides in tensors.items()}  # fmt: skip
     divided = tuple(s // units[name] for name, strides in tensors.items() for s in strides)
     return {f"UNIT_{name}": unit for name, unit in units.items()}, divided
+
+
+def settled_strides(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a view of it whose size-1 dims have strides that are multiples of VECTOR_ELEMENTS. Such a dim is only
+    indexed at 0, so its stride addresses nothing, yet it counts toward the tensor's stride unit (stride_unit) and
+    TMA's 16-byte stride rule: a (batch, 1, seqlen, d) slice with a head stride of 3 would read one element at a
+    time and leave the warp-specialized kernels. An odd one becomes the extent of the dims inside it (the next
+    dim's stride times that dim's size), rounded up to a multiple of VECTOR_ELEMENTS, so it narrows neither."""
+    shape = t.shape
+    if 1 not in shape:  # the common call: one test
+        return t
+    strides = t.stride()
+    if all(size != 1 or stride % VECTOR_ELEMENTS == 0 for size, stride in zip(shape[:-1], strides, strict=False)):
+        return t
+    settled = list(strides)
+    for dim in range(len(shape) - 2, -1, -1):
+        if shape[dim] == 1 and settled[dim] % VECTOR_ELEMENTS:
+            extent = settled[dim + 1] * shape[dim + 1]
+            settled[dim] = -(-extent // VECTOR_ELEMENTS) * VECTOR_ELEMENTS
+    return t.as_strided(shape, settled)
+
+
+def settle(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+    """(tensors through settled_strides, the positions of those it changed). A launch plan's first call asks; a
+    signature (plans.plan_key: shapes and strides) with changed positions keeps a plan that settles each call's
+    tensors there (settling_launch), so the calls of other signatures that find a plan pay nothing."""
+    settled = tuple(settled_strides(t) for t in tensors)
+    return settled, tuple(i for i, (a, b) in enumerate(zip(settled, tensors, strict=True)) if a is not b)
+
+
+def settling_launch(launch: Callable[..., None], positions: tuple[int, ...]) -> Callable[..., None]:
+    """`launch`, whose arguments at `positions` go through settled_strides first (settle's positions)."""
+
+    def launch_settled(*args):
+        args = list(args)
+        for i in positions:
+            args[i] = settled_strides(args[i])
+        launch(*args)
+
+    return launch_settled
 
 
 def lse_strides(lse: torch.Tensor, packing: Packing | None) -> tuple[int, int]:
