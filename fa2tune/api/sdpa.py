@@ -347,8 +347,8 @@ def _unsupported(query, key, value, attn_mask, mask_dtype, dropout_p, is_causal,
     runs_here = query.device.type == "cuda" or (query.device.type == "cpu" and interpreting())
     if not (runs_here and query.device == key.device == value.device):
         return f"inputs on {query.device.type}"
-    if not (query.shape[3] == key.shape[3] <= MAX_HEAD_DIM and value.shape[3] <= MAX_HEAD_DIM):
-        return f"query and key head dims that differ, or head dims over {MAX_HEAD_DIM}"
+    if not (1 <= query.shape[3] == key.shape[3] <= MAX_HEAD_DIM and 1 <= value.shape[3] <= MAX_HEAD_DIM):
+        return f"query and key head dims that differ, or head dims outside 1..{MAX_HEAD_DIM}"
     (batch, heads_q, _, _), (_, heads_kv, seqlen_k, _) = query.shape, key.shape
     if (value.shape[:3] != key.shape[:3] or key.shape[0] != batch or heads_kv == 0 or heads_q % heads_kv != 0
             or (heads_kv != heads_q and not enable_gqa)):  # fmt: skip
