@@ -6,6 +6,7 @@ Skipped when transformers is not installed (it is the optional `hf` extra)."""
 from __future__ import annotations
 
 import copy
+import itertools
 import subprocess
 import sys
 import warnings
@@ -375,16 +376,29 @@ def test_a_custom_name_without_the_mask_function_would_attend_to_padding():
     assert (got[0, left_padded] - want[0, left_padded]).abs().max() > 1e-2
 
 
-def test_packed_sequences_match_sdpa():
+def test_packed_sequences_match_sdpa(monkeypatch):
     # Three sequences packed into one row by their position_ids (no padding mask), as padding-free training packs.
+    # transformers finds packed sequences only without a cache (use_cache=False, as training runs): with one, every
+    # backend attends across them, and agreeing with sdpa would prove nothing.
     model = _model("mistral", torch.float32).eval()
-    position_ids = torch.cat([torch.arange(7), torch.arange(9), torch.arange(4)])[None]
-    packed = dict(input_ids=torch.randint(0, VOCAB, (1, 20)), position_ids=position_ids)
+    lengths = (7, 9, 4)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)))
+    packed_calls = []
+    run = fa2tune_hf._run
+    monkeypatch.setattr(fa2tune_hf, "_run", lambda pattern, rows, *args: (packed_calls.append(rows), run(
+        pattern, rows, *args))[1])  # fmt: skip
     logits = {}
     for implementation in ("sdpa", "fa2tune"):
         model.set_attn_implementation(implementation)
         with torch.no_grad():
-            logits[implementation] = model(**packed).logits
+            logits[implementation] = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+        if implementation == "sdpa":  # each sequence alone: what packing must give
+            starts = torch.tensor((0, *lengths)).cumsum(0).tolist()
+            with torch.no_grad():
+                alone = torch.cat([model(input_ids=ids[:, a:b]).logits for a, b in itertools.pairwise(starts)], 1)
+    assert packed_calls and all(rows is not None for rows in packed_calls), "fa2tune ran whole rows, not sequences"
+    torch.testing.assert_close(logits["fa2tune"], alone, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(logits["fa2tune"], logits["sdpa"], atol=1e-5, rtol=1e-5)
 
 
