@@ -27,6 +27,9 @@ from .layout import (
     totals,
 )
 
+# Where q, k, v, o and dO (settle's order) sit among a backward launch's arguments (q, k, v, o, lse, dO, …)
+_SETTLED_ARGUMENTS = (0, 1, 2, 3, 5)
+
 
 def backward(
     do: torch.Tensor,
@@ -76,7 +79,7 @@ def backward(
                 with on_device(q):
                     plan.launch(q, k, v, o, lse, do, dq, dk, dv, dlse)
                 return dq, dk, dv
-    (q, k, v, o, do), unsettled = settle((q, k, v, o, do))
+    (q, k, v, o, do), unsettled = settle((q, k, v, o, do))  # not lse: ours, and read through _Stats' checks
     for kernel_name, config, explicit in (("bwd_dkdv", dkdv_config, dkdv_explicit), ("bwd_dq", dq_config, dq_explicit)):
         if explicit:
             check_combination(config, kernel_name)
@@ -89,8 +92,8 @@ def backward(
     with on_device(q):
         launch(q, k, v, o, lse, do, dq, dk, dv, dlse)
     downgraded = dkdv_run != dkdv_config or dq_run != dq_config
-    if unsettled:  # launch's arguments: q, k, v, o, lse, dO, …
-        launch = settling_launch(launch, tuple(i if i < 4 else i + 1 for i in unsettled))
+    if unsettled:
+        launch = settling_launch(launch, tuple(_SETTLED_ARGUMENTS[i] for i in unsettled))
     plans.keep(key, plans.Plan(launch, dkdv_run.warp_specialized or dq_run.warp_specialized), downgraded,
                (q, k, v, do, dq, dk, dv))  # fmt: skip
     return dq, dk, dv

@@ -13,6 +13,7 @@ from ..config import planner
 from ..config.inputs import interpreting
 from ..config.types import KernelConfig, Mask, Variant
 from ..kernels import codegen
+from .grid import cdiv
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def settled_strides(t: torch.Tensor) -> torch.Tensor:
     for dim in range(len(shape) - 2, -1, -1):
         if shape[dim] == 1 and settled[dim] % VECTOR_ELEMENTS:
             extent = settled[dim + 1] * shape[dim + 1]
-            settled[dim] = -(-extent // VECTOR_ELEMENTS) * VECTOR_ELEMENTS
+            settled[dim] = cdiv(extent, VECTOR_ELEMENTS) * VECTOR_ELEMENTS
     return t.as_strided(shape, settled)
 
 
