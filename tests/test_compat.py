@@ -348,6 +348,19 @@ def test_patch_sdpa_hands_calls_it_cannot_serve_to_pytorch_and_says_so_once(name
     assert len(caplog.records) == 1 and "run on the SDPA it replaced" in caplog.records[0].getMessage()
 
 
+def test_patch_sdpa_names_mixed_dtypes_as_its_reason(fresh_notes, caplog):
+    # PyTorch refuses query, key and value of different dtypes: the patch must raise what it raises, and its note
+    # must name the mix, not query's dtype alone (float32, which it would serve)
+    q = torch.randn(1, 2, 5, 8)
+    k, v = q.half(), q.half()
+    with pytest.raises(RuntimeError) as expected:
+        sdpa.TORCH_SDPA(q, k, v)
+    with caplog.at_level(logging.WARNING, logger="fa2tune"), fa2tune.patch_sdpa(), pytest.raises(RuntimeError) as got:
+        F.scaled_dot_product_attention(q, k, v)
+    assert str(got.value) == str(expected.value)
+    assert len(caplog.records) == 1 and "different dtypes" in caplog.records[0].getMessage()
+
+
 @pytest.mark.parametrize("mask", ["bfloat16 mask", "float64 mask", "0-dim bool", "0-dim float"])
 def test_patch_sdpa_leaves_masks_pytorch_refuses_to_pytorch(mask, packed_calls, device):
     # PyTorch's SDPA takes a bool mask or one in query's dtype, of at least one dimension: the patched function

@@ -342,7 +342,9 @@ def _unsupported(query, key, value, attn_mask, mask_dtype, dropout_p, is_causal,
     transform = function_transform(query, key, value, names=("query", "key", "value"))
     if transform is not None:
         return transform
-    if not (query.dtype == key.dtype == value.dtype and query.dtype in SUPPORTED_DTYPES):
+    if not query.dtype == key.dtype == value.dtype:
+        return "query, key and value of different dtypes"
+    if query.dtype not in SUPPORTED_DTYPES:
         return f"{query.dtype} inputs"
     runs_here = query.device.type == "cuda" or (query.device.type == "cpu" and interpreting())
     if not (runs_here and query.device == key.device == value.device):
