@@ -200,7 +200,7 @@ def test_sdpa_gives_a_learnable_mask_its_gradient(device):
         (dict(dropout_p="0"), TypeError, "dropout_p must be a float"),
         (dict(is_causal=1), TypeError, "is_causal must be True or False"),
         (dict(k_heads=1), ValueError, "enable_gqa=True"),
-        (dict(q_heads=3, k_heads=2, enable_gqa=True), ValueError, "multiple of k/v's heads"),
+        (dict(q_heads=3, k_heads=2, enable_gqa=True), ValueError, "query's heads must be a multiple of key/value's"),
         (dict(attn_mask=torch.ones(3, 1, 1, 7, dtype=torch.bool)), ValueError, "attn_mask must broadcast"),
         (dict(attn_mask=torch.ones(7, dtype=torch.int32)), TypeError, "attn_mask must be bool"),
         (dict(attn_mask=[True] * 7), TypeError, "attn_mask must be a torch.Tensor"),
@@ -286,7 +286,7 @@ def test_patch_sdpa_hands_meta_tensors_and_function_transforms_to_pytorch(device
         assert F.scaled_dot_product_attention(*meta, is_causal=True).device.type == "meta"
         mapped = torch.vmap(F.scaled_dot_product_attention)(q[None], k[None], v[None])  # 4-D inside the map
     assert_close(mapped[0], sdpa.TORCH_SDPA(q.double(), k.double(), v.double()), torch.float32)
-    with pytest.raises(ValueError, match="q must be on a CUDA device, got meta"):
+    with pytest.raises(ValueError, match="query must be on a CUDA device, got meta"):  # SDPA's argument names
         fa2tune.scaled_dot_product_attention(*meta)
     with pytest.raises(NotImplementedError, match=r"does not run under a torch\.func transform"):
         torch.vmap(fa2tune.scaled_dot_product_attention)(q[None], k[None], v[None])

@@ -30,6 +30,7 @@ _log = logging.getLogger(__name__)
 TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
 
 _PATCH_MARK = "_fa2tune_patch"  # set on the function patch_sdpa() installs
+SDPA_NAMES = ("query", "key", "value")  # what PyTorch's SDPA calls its tensors, and so its errors here
 
 
 def scaled_dot_product_attention(
@@ -116,7 +117,7 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     is_causal, enable_gqa = check_flag("is_causal", is_causal), check_flag("enable_gqa", enable_gqa)
     query, key, value = (unit_last_stride(t) for t in (query, key, value))
     _check_heads_rule(query, key, enable_gqa)
-    shape = check_qkv(query, key, value)
+    shape = check_qkv(query, key, value, SDPA_NAMES)
     if attn_mask is None:
         return _top_left_causal(query, key, value, scale) if is_causal else attention(query, key, value, scale=scale)
     _check_mask(attn_mask, query, (shape.batch, shape.heads_q, shape.seqlen_q, shape.seqlen_k), autocast_dtype)
@@ -339,7 +340,7 @@ def _unsupported(query, key, value, attn_mask, mask_dtype, dropout_p, is_causal,
         return "non-bool is_causal or enable_gqa"
     if any(type(t) is not torch.Tensor or t.dim() != 4 for t in tensors):  # nested tensors, DTensors, 3-D inputs
         return "inputs that are not plain 4-D tensors"
-    transform = function_transform(query, key, value, names=("query", "key", "value"))
+    transform = function_transform(query, key, value, names=SDPA_NAMES)
     if transform is not None:
         return transform
     if not query.dtype == key.dtype == value.dtype:

@@ -79,10 +79,16 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def _check_tensors(q: object, k: object, v: object, layout: str) -> None:
+# The names errors give the three tensors: the arguments' own (flash_attn's and attention()'s q, k, v; SDPA's query,
+# key, value: sdpa.SDPA_NAMES).
+QKV_NAMES = ("q", "k", "v")
+
+
+def _check_tensors(q: object, k: object, v: object, layout: str, names: tuple[str, str, str] = QKV_NAMES) -> None:
     """What q, k, v must share in any layout: tensor type, rank, dtype, unit last stride, one device."""
     rank = layout.count(",") + 1
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    qn, kn, vn = names
+    for name, t in zip(names, (q, k, v), strict=True):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != rank:
@@ -95,18 +101,20 @@ def _check_tensors(q: object, k: object, v: object, layout: str) -> None:
                 "call .contiguous() on it"
             )
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
-    check_no_function_transform(q, k, v)
+    check_no_function_transform(q, k, v, names=names)
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share one dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+        raise TypeError(f"{qn}, {kn} and {vn} must share one dtype, got {qn}={q.dtype}, {kn}={k.dtype}, {vn}={v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+        raise ValueError(
+            f"{qn}, {kn} and {vn} must be on one device, got {qn}={q.device}, {kn}={k.device}, {vn}={v.device}"
+        )
     if q.device.type == "cpu" and not interpreting():
         raise ValueError(
-            "q is on the CPU, but fa2tune's kernels run on CUDA devices; move the tensors to a GPU, or set "
+            f"{qn} is on the CPU, but fa2tune's kernels run on CUDA devices; move the tensors to a GPU, or set "
             "TRITON_INTERPRET=1 before importing triton to run them through Triton's interpreter (slow, for tests)"
         )
     if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"q must be on a CUDA device, got {q.device}")
+        raise ValueError(f"{qn} must be on a CUDA device, got {q.device}")
 
 
 def function_transform(*tensors: torch.Tensor, names: tuple[str, ...] = ("q", "k", "v")) -> str | None:
@@ -141,28 +149,32 @@ def check_no_function_transform(*tensors: torch.Tensor, names: tuple[str, ...] =
         )
 
 
-def _check_heads(heads_q: int, heads_k: int, heads_v: int) -> None:
+def _check_heads(heads_q: int, heads_k: int, heads_v: int, names: tuple[str, str, str] = QKV_NAMES) -> None:
+    qn, kn, vn = names
     if heads_k != heads_v:
-        raise ValueError(f"k and v must have the same number of heads, got k={heads_k}, v={heads_v}")
+        raise ValueError(f"{kn} and {vn} must have the same number of heads, got {kn}={heads_k}, {vn}={heads_v}")
     if heads_k == 0:
-        raise ValueError(f"k and v must have at least one head, got none (q heads={heads_q})")
+        raise ValueError(f"{kn} and {vn} must have at least one head, got none ({qn} heads={heads_q})")
     if heads_q % heads_k != 0:
         raise ValueError(
-            f"q's heads must be a multiple of k/v's heads (GQA/MQA), got q heads={heads_q}, k/v heads={heads_k}"
+            f"{qn}'s heads must be a multiple of {kn}/{vn}'s heads (GQA/MQA), got {qn} heads={heads_q}, "
+            f"{kn}/{vn} heads={heads_k}"
         )
 
 
-def _check_head_dim(head_dim: int, k_dim: int, v_dim: int) -> None:
+def _check_head_dim(head_dim: int, k_dim: int, v_dim: int, names: tuple[str, str, str] = QKV_NAMES) -> None:
     """Q and K share a head dim (the scores are q·kᵀ); V's may be its own (O takes it), each in 1..MAX_HEAD_DIM."""
+    qn, kn, vn = names
     if k_dim != head_dim:
-        raise ValueError(f"k's head_dim must equal q's (the scores are q·kᵀ), got q={head_dim}, k={k_dim}")
-    for name, dim in (("q", head_dim), ("v", v_dim)):
+        raise ValueError(f"{kn}'s head_dim must equal {qn}'s (the scores are q·kᵀ), got {qn}={head_dim}, {kn}={k_dim}")
+    for name, dim in ((qn, head_dim), (vn, v_dim)):
         if not 1 <= dim <= MAX_HEAD_DIM:
             raise ValueError(f"{name}'s head_dim must be in 1..{MAX_HEAD_DIM}, got {dim}")
 
 
-def check_qkv(q: object, k: object, v: object) -> AttentionShape:
-    """Validates q, k, v (batch, heads, seqlen, head_dim) and returns their sizes.
+def check_qkv(q: object, k: object, v: object, names: tuple[str, str, str] = QKV_NAMES) -> AttentionShape:
+    """Validates q, k, v (batch, heads, seqlen, head_dim) and returns their sizes; errors call them `names` (the
+    caller's arguments': SDPA's are query, key, value).
 
     Raises:
         TypeError: a non-tensor, a non-float dtype, or mixed dtypes.
@@ -170,17 +182,22 @@ def check_qkv(q: object, k: object, v: object) -> AttentionShape:
             do not divide, a head_dim > 256,
             a non-unit last stride, tensors on different devices, or CPU tensors without the interpreter.
     """
-    _check_tensors(q, k, v, "(batch, heads, seqlen, head_dim) as in scaled_dot_product_attention")
+    _check_tensors(q, k, v, "(batch, heads, seqlen, head_dim) as in scaled_dot_product_attention", names)
     batch, heads_q, seqlen_q, head_dim = q.shape
+    qn, kn, vn = names
     try:
         if k.shape[0] != batch or v.shape[0] != batch:
-            raise ValueError(f"q, k and v must have the same batch size, got {batch}, {k.shape[0]}, {v.shape[0]}")
-        _check_heads(heads_q, k.shape[1], v.shape[1])
+            raise ValueError(
+                f"{qn}, {kn} and {vn} must have the same batch size, got {batch}, {k.shape[0]}, {v.shape[0]}"
+            )
+        _check_heads(heads_q, k.shape[1], v.shape[1], names)
         if k.shape[2] != v.shape[2]:
-            raise ValueError(f"k and v must have the same sequence length, got k={k.shape[2]}, v={v.shape[2]}")
+            raise ValueError(
+                f"{kn} and {vn} must have the same sequence length, got {kn}={k.shape[2]}, {vn}={v.shape[2]}"
+            )
     except ValueError as error:
         raise ValueError(f"{error}{_LAYOUT_HINT}") from None
-    _check_head_dim(head_dim, k.shape[3], v.shape[3])
+    _check_head_dim(head_dim, k.shape[3], v.shape[3], names)
     return AttentionShape(batch, heads_q, k.shape[1], seqlen_q, k.shape[2], head_dim, v.shape[3])
 
 
