@@ -319,6 +319,24 @@ def _model(kind: str, dtype: torch.dtype) -> transformers.PreTrainedModel:
     return model.to(dtype).train()
 
 
+def test_output_attentions_warns_at_the_line_that_asked():
+    # fa2tune computes no attention weights: the warning says so at the user's line (the model's call, generate()),
+    # not in fa2tune or transformers, whose frames in between vary by model and version
+    model = _model("llama", torch.float32).eval()
+    model.set_attn_implementation("fa2tune")
+    input_ids = torch.randint(0, VOCAB, (1, 7))
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model(input_ids, output_attentions=True)  # the line each warning must name
+        asked = [sys._getframe().f_lineno - 1]
+        model.generate(input_ids, max_new_tokens=2, do_sample=False, output_attentions=True,
+                       return_dict_in_generate=True)  # fmt: skip
+        asked.append(sys._getframe().f_lineno - 2)
+    ours = [w for w in caught if "no attention weights" in str(w.message)]
+    assert ours and all(w.filename == __file__ for w in ours), [(w.filename, w.lineno) for w in ours]
+    assert {w.lineno for w in ours} == set(asked), ([w.lineno for w in ours], asked)
+
+
 def _batch(length: int = 19) -> dict[str, torch.Tensor]:
     """Three rows: left-padded, right-padded, whole; padded positions labelled -100."""
     torch.manual_seed(1)

@@ -17,7 +17,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import sys
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -231,7 +233,28 @@ def _refuse_unsupported(dropout: object, softcap: object, kwargs: dict) -> None:
                 "attn_implementation='sdpa' or 'eager' for it"
             )
     if kwargs.get("output_attentions"):
-        warnings.warn("fa2tune returns no attention weights (output_attentions=True gives None)", stacklevel=3)
+        warnings.warn("fa2tune returns no attention weights (output_attentions=True gives None)",
+                      stacklevel=_callers_level())  # fmt: skip
+
+
+def _callers_level() -> int:
+    """warnings.warn's stacklevel, from its caller, of the user's frame that asked: the one that called the model
+    (the outermost torch.nn.Module call) or, where that was transformers (generate()), the first frame above it
+    outside transformers and torch. The frames between vary by model and version, and other libraries (the kernels
+    hub) may sit among them."""
+    frames = []
+    frame = sys._getframe(2)  # stacklevel 2: the frame that calls warn is 1
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    module_calls = {getattr(torch.nn.Module, name).__code__ for name in ("_call_impl", "_wrapped_call_impl")
+                    if hasattr(torch.nn.Module, name)}  # fmt: skip
+    calls = [i for i, f in enumerate(frames) if f.f_code in module_calls]
+    i = calls[-1] + 1 if calls else 0
+    libraries = tuple(str(Path(m.__file__).resolve().parent) for m in (importlib.import_module("transformers"), torch))
+    while i < len(frames) - 1 and str(Path(frames[i].f_code.co_filename).resolve()).startswith(libraries):
+        i += 1
+    return i + 2
 
 
 def _pattern(module: torch.nn.Module, is_causal: bool | None, sliding_window: object) -> Pattern:
