@@ -90,10 +90,12 @@ FUSED_DQ_MAX_HEAD_DIM = 128
 # sm_90, (d, B_r, B_c) = (256, 64, 128) with 192 of 255, (256, 128, 128) 192 of 240 and (128, 192, 128) 128 of
 # 160 spill (cuobjdump STACK 40, 96, 248 B); 160 of 255, 160 of 240 and 96 of 160 do not (tests/test_warpspec.py).
 _WS_REGISTERS_BESIDE_ACCUMULATORS = {"fwd": 64, "bwd_dkdv": 16, "bwd_dq": 24}
-# What another Triton's code needs beyond that, by (kernel, consumers): Triton 3.9's three forward consumers (160
-# registers each) spill 24–120 B at B_c = 128 from d=32 on (sm_90 compiles; 3.6: none), and not at d=16's 72
-# accumulator values or B_c = 64's 64: their budget is 24 registers less.
-_TRITON_REGISTERS_BESIDE_EXTRA = {"3.9.": {("fwd", 3): 24}}
+# What another Triton's code needs beyond that, by (kernel, consumers, B_c), from sm_90 compiles (the score tile's
+# registers weigh more there than the model's count of them). Triton 3.9's forward consumers at B_c = 128: three (160
+# registers each) spill 24–120 B from d=32 on (3.6: none), and not at d=16's 72 accumulator values; two (240 each)
+# hold (d, B_r) = (144, 128)'s 136 without a spill and spill (160, 128)'s 144 (56 B; persistent 128 B; 3.6: none):
+# their budgets are 24 and 40 registers less. At B_c = 64 neither spills ((128, 192) 96 values, (256, 128) 160).
+_TRITON_REGISTERS_BESIDE_EXTRA = {"3.9.": {("fwd", 3, 128): 24, ("fwd", 2, 128): 40}}
 # dK/dV: (d, B_r, B_c) = (128, 64, 128) holds 224 of 240 and keeps a 32 B stack, measured 17 % faster than the Triton
 # template's dK/dV all the same; (64, 128, 128) holds 256 and spills 264 B. dQ: (d, B_r, B_c) =
 # (128, 64, 128) holds 224 of 255 and does not spill; (128, 128, 128), 224 of 240, spills 48 B (causal 72).
@@ -205,12 +207,12 @@ def sram_bytes(
     return e * d * (2 * m + 2 * s * n) + scores
 
 
-def _registers_beside(kernel: str, consumers: int, triton: str) -> int:
+def _registers_beside(kernel: str, consumers: int, block_n: int, triton: str) -> int:
     """Registers a warp-specialized consumer of `kernel` keeps beside its accumulators when `triton` (the card's
     reading; "" for a table entry: the installed Triton) compiles it."""
     triton = triton or triton_version()
     extra = next((table for prefix, table in _TRITON_REGISTERS_BESIDE_EXTRA.items() if triton.startswith(prefix)), {})
-    return _WS_REGISTERS_BESIDE_ACCUMULATORS[kernel] + extra.get((kernel, consumers), 0)
+    return _WS_REGISTERS_BESIDE_ACCUMULATORS[kernel] + extra.get((kernel, consumers, block_n), 0)
 
 
 def _ws_overhead(width: int) -> int:
@@ -304,7 +306,8 @@ def check(cfg: KernelConfig, device: DeviceInfo, head_dim: int, dtype: torch.dty
                 "columns (head_chunks.fewer_chunks)"
             )
         consumer_registers = ws_registers(cfg, kernel)[1]
-        budget = consumer_registers - _registers_beside(kernel, cfg.consumers(kernel), device.triton_version)
+        budget = consumer_registers - _registers_beside(kernel, cfg.consumers(kernel), cfg.block_n,
+                                                        device.triton_version)
         regs = accumulators_per_thread(cfg, head_dim, kernel)
         if regs > budget:
             return (
