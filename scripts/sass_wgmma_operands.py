@@ -78,25 +78,28 @@ def _destination(instruction: str) -> int | None:
 
 def _reused_operands(body: list[str]) -> tuple[str, ...]:
     """Writes that turn a register operand carried into the loop into another matmul's operand: the register is
-    read, before anything in the loop writes it, as the A operand of an HGMMA accumulating into one register block,
-    then written, then read as the A operand of an HGMMA accumulating into another. That is the signature of a value
-    meant to last the loop (an operand loaded once) whose registers the compile gave to a value of one step; a
-    value of the step before replaced by this step's (P of a pipelined forward) is read by one matmul only."""
-    first_reader: dict[int, int] = {}  # register -> accumulator of the HGMMA that read it first, before any write
+    read, before anything in the loop writes it, as the A operand of HGMMAs accumulating into some register blocks,
+    then written, then read as the A operand of HGMMAs accumulating into none of those. That is the signature of a
+    value meant to last the loop (an operand loaded once) whose registers the compile gave to a value of one step; a
+    value of the step before replaced by this step's (P of a pipelined forward) is read by the same matmuls before
+    and after — by each head-dim chunk's, where V comes in several (d=192: P feeds two accumulators, and the loop as
+    compiled may begin between their reads)."""
+    before: dict[int, set[int]] = {}  # register -> accumulators of the HGMMAs that read it before any write
+    after: dict[int, set[int]] = {}  # register -> accumulators of those that read it after the first write
     written: dict[int, str] = {}  # register -> the first instruction in the loop that wrote it
-    found = []
     for x in body:
         m = _RS_HGMMA.match(x)
         if m:
             accumulator, first = int(m.group(1)), int(m.group(2))
             for reg in range(first, first + A_OPERAND_REGISTERS):
-                if reg not in written:
-                    first_reader.setdefault(reg, accumulator)
-                elif first_reader.get(reg, accumulator) != accumulator and written[reg] not in found:
-                    found.append(written[reg])
+                (after if reg in written else before).setdefault(reg, set()).add(accumulator)
         r = _destination(x)
         if r is not None:
             written.setdefault(r, x)
+    found = []
+    for reg, readers in after.items():
+        if before.get(reg) and not readers & before[reg] and written[reg] not in found:
+            found.append(written[reg])
     return tuple(found)
 
 

@@ -70,6 +70,31 @@ def test_sass_check_finds_a_register_operand_rewritten_inside_its_loop():
     assert good.clobbers == () and good.operand_registers == (60, 152) and good.spills == 0
 
 
+# A pipelined step at a head dim of two V chunks (d=192): the step before's P, carried in, feeds the second chunk's
+# P·V, then this step's P replaces it and feeds both chunks' — as compiled, the loop may begin between the two reads.
+_SASS_TWO_CHUNKS = """
+        /*0200*/                   WARPGROUP.ARRIVE ;                                    /* 0x0 */
+        /*0210*/                   HGMMA.64x64x16.F32.BF16 R88, R60, gdesc[UR28].tnspB, R88 ;   /* 0x0 */
+        /*0220*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                       /* 0x0 */
+        /*0230*/                   MUFU.EX2 R40, R24 ;                                   /* 0x0 */
+        /*0240*/                   F2FP.BF16.F32.PACK_AB R60, R41, R40 ;                 /* 0x0 */
+        /*0250*/                   HGMMA.64x128x16.F32.BF16 R120, R60, gdesc[UR24].tnspB, R120 ;  /* 0x0 */
+        /*0260*/                   HGMMA.64x64x16.F32.BF16 {acc}, R60, gdesc[UR28].tnspB, {acc} ;   /* 0x0 */
+        /*0270*/               @P0 BRA 0x200 ;                                           /* 0x0 */
+"""
+
+
+def test_sass_check_takes_one_operand_feeding_each_head_dim_chunk_for_no_rewrite():
+    # the same P read by the same matmuls before and after its rewrite is the step's value replaced by the next
+    # step's, not an operand meant to last the loop given to another matmul (which the test above finds)
+    script = load_script("sass_wgmma_operands")
+    (loop,) = script.innermost_hgmma_loops(script.parse(_SASS_TWO_CHUNKS.format(acc="R88")))
+    assert loop.hgmmas == 3 and loop.operand_registers == (60,) and loop.clobbers == ()
+    # given only to matmuls that did not read it before the write, it is reported
+    (bad,) = script.innermost_hgmma_loops(script.parse(_SASS_TWO_CHUNKS.format(acc="R24")))
+    assert bad.clobbers == ("F2FP.BF16.F32.PACK_AB R60, R41, R40",)
+
+
 _SASS_STEP = """
         /*0100*/                   MOV R1, R2 ;                                          /* 0x0 */
         /*0200*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR20], RZ, !UPT ; /* 0x0 */

@@ -742,13 +742,15 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
     # An asynchronous wgmma reads a register A operand after it is issued; a value carried into a step loop for it must
     # not be rewritten in the loop. An sm_90 compile did (K and V as operands, the causal mask under a branch: wrong dK;
     # docs/PERF.md, "The backward's dK/dV kernel and fused dQ"). scripts/sass_wgmma_operands.py reads the compiled
-    # loops; the shipped kinds of warpspec kernel (causal, where the branches are, the fused dQ, and d=64's K and V in
-    # registers) issue register-operand HGMMAs in their step loops and leave every operand carried into a loop alone.
+    # loops; the shipped kinds of warpspec kernel (causal, where the branches are, the fused dQ, d=64's K and V in
+    # registers, and d=192's two head-dim chunks, where one P or Pᵀ feeds two matmuls) issue register-operand HGMMAs
+    # in their step loops and leave every operand carried into a loop alone.
     rows = [("bwd_dkdv", 64, True, "64,128,4,3,ws,fused-dq,persistent"),
             ("bwd_dkdv", 64, False, "64,128,4,3,ws,fused-dq,persistent"),
             ("bwd_dkdv", 128, True, "64,128,4,2,ws,persistent"), ("bwd_dkdv", 128, False, "64,128,4,2,ws,fused-dq"),
             ("fwd", 128, True, "128,128,4,2,ws,pingpong,persistent"),
             ("bwd_dq", 128, True, "128,64,4,3,ws,persistent"),
+            ("fwd", 192, False, "128,64,4,2,ws,persistent"), ("bwd_dkdv", 192, True, "64,64,4,2,ws,split-roles"),
             ("bwd_dkdv", 64, False, "64,128,4,3,ws,fused-dq,persistent,drain-before-dq")]  # fmt: skip
     found = _probe(_SASS_PROBE, json.dumps(rows))
     for row, loops in zip(rows, found, strict=True):
