@@ -117,7 +117,7 @@ def _check_tensors(q: object, k: object, v: object, layout: str, names: tuple[st
         raise ValueError(f"{qn} must be on a CUDA device, got {q.device}")
 
 
-def function_transform(*tensors: torch.Tensor, names: tuple[str, ...] = ("q", "k", "v")) -> str | None:
+def function_transform(*tensors: torch.Tensor, names: tuple[str, ...] = QKV_NAMES) -> str | None:
     """Why fa2tune cannot run a call on these tensors because of a torch.func transform (vmap, grad, jvp, jacrev,
     ...) or forward-mode AD (torch.autograd.forward_ad), or None. The kernels have no batching rule and no forward
     derivative: the eager path would take a transform's wrapped tensors for plain ones (a crash) and drop a tangent
@@ -137,7 +137,7 @@ def function_transform(*tensors: torch.Tensor, names: tuple[str, ...] = ("q", "k
     return None
 
 
-def check_no_function_transform(*tensors: torch.Tensor, names: tuple[str, ...] = ("q", "k", "v")) -> None:
+def check_no_function_transform(*tensors: torch.Tensor, names: tuple[str, ...] = QKV_NAMES) -> None:
     """NotImplementedError naming the transform or the tangent where function_transform finds one: fa2tune
     differentiates in reverse mode only (backward(), torch.autograd.grad)."""
     reason = function_transform(*tensors, names=names)
