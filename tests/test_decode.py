@@ -245,6 +245,32 @@ def test_a_call_reads_no_tensor_back_to_the_host(monkeypatch, device):
                                     num_splits=2)  # fmt: skip
 
 
+def test_a_one_token_dims_odd_stride_narrows_no_unit(monkeypatch, device):
+    # A one-token q and new keys sliced out of wider buffers with odd strides on their token dim: that dim is
+    # indexed at 0 only, so the launchers settle its stride and every tensor keeps 16-byte vectors (UNIT 8).
+    q, k_cache, v_cache, table, k_new, v_new, seqlens = _make_case([7, 30], seqlen_new=1, heads=4, page=16,
+                                                                   device=device)  # fmt: skip
+    q, k_new, v_new = (t.as_strided(t.shape, (t.stride(0), odd, *t.stride()[2:]))
+                       for t, odd in ((q, 3), (k_new, 5), (v_new, 7)))  # fmt: skip
+    before = (k_cache.clone(), v_cache.clone())
+    units = {}
+    launcher = decode_launch.fastlaunch.Launcher
+
+    def recording(kernel, grid, scalars, kwargs):
+        units.update({name: value for name, value in kwargs.items() if name.startswith("UNIT_")})
+        return launcher(kernel, grid, scalars, kwargs)
+
+    monkeypatch.setattr(decode_launch.fastlaunch, "Launcher", recording)
+    out, lse = fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
+                                               block_table=table, return_softmax_lse=True)  # fmt: skip
+    assert {units[name] for name in ("UNIT_Q", "UNIT_KN", "UNIT_VN", "UNIT_K", "UNIT_V")} == {8}
+    cpu = [t.cpu() for t in (q, *before, table, k_new, v_new)]
+    ref_out, ref_lse = _reference(*cpu[:3], [7, 30], cpu[3], q.shape[-1] ** -0.5, False, (-1, -1), *cpu[4:])
+    assert_close(out, ref_out, q.dtype)
+    assert_close(lse, ref_lse, torch.float16, "softmax_lse")
+    _check_appended(before, (k_cache, v_cache), (k_new, v_new), [7, 30], table)
+
+
 def test_torch_compile_runs_the_op_and_appends(device):
     # aot_eager: the custom op traced into a graph that declares its writes to the caches (no C compiler needed)
     q, k_cache, v_cache, table, k_new, v_new, seqlens = _make_case([7, 30], seqlen_new=1, page=16, device=device)

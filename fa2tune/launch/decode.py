@@ -30,7 +30,7 @@ from ..config.kvcache_inputs import KVCache
 from ..kernels import codegen
 from . import fastlaunch, plans
 from .grid import GRID_AXIS_MAX, LOG2E, cdiv, input_precision
-from .layout import in_units, on_device
+from .layout import in_units, on_device, settled_strides
 
 APPEND_ROWS = 16  # new keys an append program copies
 
@@ -182,5 +182,7 @@ def _check_grid(tiles: int, block_m: int, group: int, seqlen_q: int, seqlen_new:
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    """(entry or page, key, head) strides of a (batch or pages, keys, heads, head_dim) tensor."""
-    return t.stride(0), t.stride(1), t.stride(2)
+    """(entry or page, key, head) strides of a (batch or pages, keys, heads, head_dim) tensor, a size-1 dim's settled
+    (layout.settled_strides): it addresses nothing, so an odd one (a one-token q sliced out of a wider buffer) must
+    not narrow the tensor's unit. A plan's strides are its signature's, so settling them here costs a call nothing."""
+    return settled_strides(t).stride()[:3]
