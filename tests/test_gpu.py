@@ -224,6 +224,13 @@ def test_attention_at_chunked_head_dims_trains(head_dim):
         assert_close(got, want, torch.bfloat16, what="grad")
 
 
+def _record_splits(monkeypatch) -> list[int]:
+    """The split of each split-tail merge a launcher builds from now on (split_tail.Merge), in order."""
+    splits, merge = [], split_tail.Merge
+    monkeypatch.setattr(split_tail, "Merge", lambda *args, **kw: (splits.append(kw["split"]), merge(*args, **kw))[1])
+    return splits
+
+
 @_HOPPER
 @pytest.mark.parametrize("config", [c for c in _WS_CONFIGS if c.schedule == PERSISTENT], ids=_config_id)
 @_WS_DIMS
@@ -232,8 +239,7 @@ def test_warpspec_forward_with_a_split_tail_matches_reference(config, head_dim, 
     # after the kernel (fa2tune/launch/split_tail.py): here on as few programs as make the plan cut a small problem
     torch.manual_seed(head_dim + config.block_n)
     monkeypatch.setattr(split_tail, "MIN_KV_STEPS", 2)
-    splits, merge = [], split_tail.merge
-    monkeypatch.setattr(split_tail, "merge", lambda *args, **kw: (splits.append(kw["split"]), merge(*args, **kw)))
+    splits = _record_splits(monkeypatch)
     q = torch.randn(2, 4, 1000, head_dim, dtype=dtype, device="cuda")
     k, v = (torch.randn(2, 2, 1537, head_dim, dtype=dtype, device="cuda") for _ in range(2))
     tiles, kv_steps = 2 * 4 * -(-1000 // config.block_m), -(-1537 // config.block_n)
@@ -642,8 +648,7 @@ def test_a_split_tail_is_capturable_in_a_cuda_graph(monkeypatch):
     tiles, kv_steps = 2 * 4 * -(-1000 // 128), -(-1000 // 128)
     programs = next(p for p in range(3, 64) if split_tail.plan(tiles, p, kv_steps)[1] > 1)
     monkeypatch.setattr(warpspec, "_sm_count", lambda index: programs)
-    splits, merge = [], split_tail.merge
-    monkeypatch.setattr(split_tail, "merge", lambda *args, **kw: (splits.append(kw["split"]), merge(*args, **kw)))
+    splits = _record_splits(monkeypatch)
     inputs = [torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     step = lambda q, k, v: fa2tune.attention(q, k, v, config=config)
     stream = torch.cuda.Stream()
@@ -733,8 +738,7 @@ def test_warpspec_split_tail_with_a_v_head_dim_of_its_own_matches_reference(head
     torch.manual_seed(head_dim_v)
     config = KernelConfig.parse("128,64,4,2,ws,persistent")
     monkeypatch.setattr(split_tail, "MIN_KV_STEPS", 2)
-    splits, merge = [], split_tail.merge
-    monkeypatch.setattr(split_tail, "merge", lambda *args, **kw: (splits.append(kw["split"]), merge(*args, **kw)))
+    splits = _record_splits(monkeypatch)
     q, k, v = next(_v_inputs(head_dim, head_dim_v, torch.bfloat16))  # N_Q = 1000, N_K = 1537
     tiles, kv_steps = 2 * 4 * -(-1000 // config.block_m), -(-1537 // config.block_n)
     programs = next(p for p in range(3, 64) if split_tail.plan(tiles, p, kv_steps)[1] > 1)

@@ -71,7 +71,8 @@ def _pieces_as_the_kernel_writes_them(q, k, v, *, tile_m, block_n, main, split):
 @pytest.mark.parametrize("seqlen_q, seqlen_k, split, head_dim",
                          [(160, 256, 2, 32), (128, 200, 3, 32), (100, 130, 4, 40)])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_merge_gives_the_split_tiles_attention_over_all_their_keys(seqlen_q, seqlen_k, split, head_dim, dtype, device):
+def test_merge_gives_the_split_tiles_attention_over_all_their_keys(seqlen_q, seqlen_k, split, head_dim, dtype, device,
+                                                                   monkeypatch):
     # d=40: the kernel's pieces are 48 columns wide (its head-dim chunks, 32 + 16), O 40; the merge reads the pieces'
     # columns and writes O's (here the 8 columns past O's are poison the merge must not carry into O)
     torch.manual_seed(seqlen_q + split)
@@ -90,8 +91,9 @@ def test_merge_gives_the_split_tiles_attention_over_all_their_keys(seqlen_q, seq
     lse = torch.full((batch, heads, seqlen_q), float("nan"), device=device)
     config = KernelConfig(64, 64, 4, 2, warp_specialized=True, schedule=PERSISTENT)
     merge_pieces = warpspec._module("fwd", config, False, head_dim)._merge_pieces
-    split_tail.merge(merge_pieces, part_o, part_lse, o, lse, tiles=tiles, main=main, split=split, n_m=n_m,
-                     heads_q=heads, seqlen_q=seqlen_q)  # fmt: skip
+    merge = split_tail.Merge(merge_pieces, tiles=tiles, main=main, split=split, n_m=n_m, heads_q=heads,
+                             seqlen_q=seqlen_q, tile_m=tile_m, width=width, head_dim=head_dim)  # fmt: skip
+    merge(part_o, part_lse, o, lse)
     ref_o, ref_lse = naive_attention(q.double(), k.double(), v.double())
     written = torch.zeros(batch, heads, seqlen_q, dtype=torch.bool, device=device)
     for tile in range(main, tiles):
@@ -100,3 +102,13 @@ def test_merge_gives_the_split_tiles_attention_over_all_their_keys(seqlen_q, seq
     assert_close(o[written], ref_o[written], dtype)
     assert_close(lse[written], ref_lse[written], torch.float32, what="lse")
     assert o[~written].isnan().all() and lse[~written].isnan().all()  # the whole tiles are the kernel's to write
+    # a plan's next call: the same launch, kept (built once per o and lse strides), writes the same rows again
+    built, launcher = [], split_tail.fastlaunch.Launcher
+    monkeypatch.setattr(split_tail.fastlaunch, "Launcher", lambda *args: (built.append(args), launcher(*args))[1])
+    first, first_lse = o.clone(), lse.clone()
+    o.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    merge(part_o, part_lse, o, lse)
+    assert not built
+    assert torch.equal(o.nan_to_num(7.0), first.nan_to_num(7.0)) and torch.equal(lse.nan_to_num(7.0),
+                                                                                first_lse.nan_to_num(7.0))  # fmt: skip

@@ -11,8 +11,8 @@ without a mask, persistent, one program an SM; its split_tail switch, FA2TUNE_SP
 
 The t = tiles mod P tiles after the full rounds are each cut into k pieces of consecutive K/V tiles: k·t pieces over
 P programs take ceil(k·t / P) pieces of 1/k of a tile each instead of one whole tile. Each piece writes O over its
-keys, normalised, and the logsumexp of those keys (fp32); `merge` launches the forward module's _merge_pieces, which
-combines a tile's pieces as the softmax over all its keys:
+keys, normalised, and the logsumexp of those keys (fp32); `Merge` launches the forward module's _merge_pieces, which
+combines a tile's pieces as the softmax over all its keys (`Merge`):
 
     lse = log Σ_i exp(lse_i),   O = Σ_i exp(lse_i − lse) · O_i
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fastlaunch
 from .layout import in_units
 
 MAX_SPLIT = 4  # pieces a tile: more makes each piece's start and end (a K/V step or so) a larger share
@@ -76,16 +77,39 @@ def workspace(tiles: int, main: int, split: int, tile_m: int, width: int, device
             torch.empty((count, tile_m), device=device, dtype=torch.float32))  # fmt: skip
 
 
-def merge(kernel, part_o: torch.Tensor, part_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, *, tiles: int,
-          main: int, split: int, n_m: int, heads_q: int, seqlen_q: int) -> None:  # fmt: skip
-    """Writes the split tiles' rows of o (batch, heads_q, seqlen_q, head_dim) and lse (batch, heads_q, seqlen_q)
-    from their pieces (part_o, part_lse as the forward kernel wrote them) with `kernel`, the forward module's
-    _merge_pieces (templates/fwd_ws.py.jinja)."""
-    tile_m, width, head_dim = part_o.shape[1], part_o.shape[2], o.shape[3]
-    rows = min(32, tile_m)
-    cols = 1 << (width - 1).bit_length()  # a power of two over the pieces' columns (and so O's)
-    units, o_strides = in_units(O=o.stride()[:3])  # the kernel multiplies them back
-    kernel[(tiles - main, tile_m // rows)](
-        part_o, part_lse, o, lse, *o_strides, lse.stride(0), lse.stride(1), main, split, n_m, heads_q, seqlen_q,
-        HEAD_DIM=head_dim, PART_WIDTH=width, COLS=cols, TILE_M=tile_m, ROWS=rows, **units, num_warps=4,
-    )  # fmt: skip
+class Merge:
+    """merge(part_o, part_lse, o, lse) for one launch plan's split tiles: writes their rows of o (batch, heads_q,
+    seqlen_q, head_dim) and lse (batch, heads_q, seqlen_q) from their pieces (part_o, part_lse as the forward kernel
+    wrote them) with `kernel`, the forward module's _merge_pieces (templates/fwd_ws.py.jinja).
+
+    The launch is worked out once per o and lse strides (a plan's outputs always have the same ones) and goes
+    through fastlaunch.Launcher: `kernel[grid](...)` would bind its arguments again on every call.
+
+    Args:
+        tiles, main, split: the launch's tiles and its split_tail.plan.
+        n_m: Q tiles a (batch, head); tile_m: their rows.
+        width: the pieces' columns (the kernel's head-dim chunks); head_dim: O's.
+    """
+
+    __slots__ = ("_grid", "_kernel", "_launchers", "_options", "_scalars")
+
+    def __init__(self, kernel, *, tiles: int, main: int, split: int, n_m: int, heads_q: int, seqlen_q: int,
+                 tile_m: int, width: int, head_dim: int):  # fmt: skip
+        rows = min(32, tile_m)
+        self._kernel = kernel
+        self._grid = (tiles - main, tile_m // rows)
+        self._scalars = (main, split, n_m, heads_q, seqlen_q)
+        cols = 1 << (width - 1).bit_length()  # a power of two over the pieces' columns (and so O's)
+        self._options = dict(HEAD_DIM=head_dim, PART_WIDTH=width, COLS=cols, TILE_M=tile_m, ROWS=rows, num_warps=4)
+        self._launchers: dict[tuple, fastlaunch.Launcher] = {}
+
+    def __call__(self, part_o: torch.Tensor, part_lse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+        strides = (o.stride(), lse.stride())
+        launch = self._launchers.get(strides)
+        if launch is None:
+            units, o_strides = in_units(O=o.stride()[:3])  # the kernel multiplies them back
+            launch = self._launchers[strides] = fastlaunch.Launcher(
+                self._kernel, self._grid, (*o_strides, lse.stride(0), lse.stride(1), *self._scalars),
+                {**self._options, **units},
+            )  # fmt: skip
+        launch(part_o, part_lse, o, lse)

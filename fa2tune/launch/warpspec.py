@@ -222,14 +222,15 @@ def forward_launcher(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, *, cau
     if split == 1:
         return lambda q, k, v, o, lse: launch(q, k, v, o, lse, lse, lse)  # no pieces: lse stands in for PART_O/LSE
 
-    merge_pieces = _module("fwd", config, causal, head_dim, head_dim_v)._merge_pieces
     o_width = planner.computed_width(config, head_dims[1])  # O's columns computed: V's head-dim chunks
+    merge = split_tail.Merge(_module("fwd", config, causal, head_dim, head_dim_v)._merge_pieces, tiles=tiles,
+                             main=main, split=split, n_m=row_tiles, heads_q=heads_q, seqlen_q=seqlen_q,
+                             tile_m=config.block_m, width=o_width, head_dim=head_dims[1])  # fmt: skip
 
     def launch_split(q, k, v, o, lse):
         part_o, part_lse = split_tail.workspace(tiles, main, split, config.block_m, o_width, q.device)  # pieces' O
         launch(q, k, v, o, lse, part_o, part_lse)
-        split_tail.merge(merge_pieces, part_o, part_lse, o, lse, tiles=tiles, main=main, split=split, n_m=row_tiles,
-                         heads_q=heads_q, seqlen_q=seqlen_q)  # fmt: skip
+        merge(part_o, part_lse, o, lse)
 
     return launch_split
 
