@@ -22,3 +22,20 @@ def test_a_process_s_first_timing_is_discarded_and_later_ones_are_not(monkeypatc
     assert len(calls) == 2 and (first.p20_ms, first.median_ms, first.p80_ms) == (1.9, 2.0, 2.1)
     second = timing.time_cuda(lambda: None)
     assert len(calls) == 3 and second.median_ms == pytest.approx(3.0)
+
+
+def test_a_reading_of_fewer_runs_than_min_runs_is_taken_again_in_a_window_that_holds_them(monkeypatch):
+    # do_bench fits as many runs into its window as the call allows: a 60 ms call in a 100 ms window is timed once or
+    # twice. time_cuda takes such a reading again in a window MIN_RUNS calls long; a short call's reading stands.
+    windows = []
+
+    def do_bench(fn, warmup, rep, quantiles):
+        windows.append(rep)
+        return [59.0, 60.0, 61.0] if fn == "long" else [0.9, 1.0, 1.1]
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(timing, "_timed_before", True)
+    assert timing.time_cuda("short", rep_ms=100).median_ms == 1.0 and windows == [100]
+    windows.clear()
+    assert timing.time_cuda("long", rep_ms=100).median_ms == 60.0
+    assert windows == [100, 60 * timing.MIN_RUNS]

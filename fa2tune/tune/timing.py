@@ -4,6 +4,7 @@ spread), a kernel-by-kernel profile, the FLOPs of attention under a mask and the
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,13 +67,19 @@ class Timing:
 # comes first, after a 2 s run of it too, so not the clock's post-idle boost; the cause is not known. time_cuda
 # therefore discards a process's first timing: every reading it returns is one made after another.
 _timed_before = False
+# do_bench times as many runs as fit its `rep` window after an estimate (at least one): a call of 60 ms (forward +
+# backward at N=64k) got one or two in the 100 ms window, and one reading is no median — at N=32k such readings put
+# the causal forward 4-10 % below cuDNN where 1.2 s windows put it level or ahead (docs/PERF.md, "Long sequences").
+# A reading of fewer runs is taken again in a window this many of its calls long.
+MIN_RUNS = 10
 
 
 def time_cuda(
     fn: Callable[[], object], *, warmup_ms: int = 25, rep_ms: int = 100, device: str | torch.device | None = None
 ) -> Timing:
     """Times fn with triton.testing.do_bench (events, L2 flushed between runs) on `device` (default: the current);
-    a process's first call times fn twice and returns the second reading (above).
+    a process's first call times fn twice and returns the second reading (above), and a reading whose window held
+    fewer than MIN_RUNS runs of fn is taken again in a window that holds them (the first reading is the estimate).
 
     do_bench records its events and flushes L2 on the *current* device: timing a kernel that runs on another GPU
     measures nothing, so the device the work runs on is made current here.
@@ -81,8 +88,10 @@ def time_cuda(
     from triton.testing import do_bench
 
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-        for _ in range(1 if _timed_before else 2):  # the last reading is kept
-            p20, median, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+        p20, median, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+        if not _timed_before or median * MIN_RUNS > rep_ms:  # the last reading is kept
+            window = max(rep_ms, math.ceil(median * MIN_RUNS))
+            p20, median, p80 = do_bench(fn, warmup=warmup_ms, rep=window, quantiles=[0.2, 0.5, 0.8])
         _timed_before = True
     return Timing(median_ms=median, p20_ms=p20, p80_ms=p80)
 
