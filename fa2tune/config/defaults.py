@@ -147,8 +147,9 @@ def pads_by_default(kernel: str, config: KernelConfig) -> bool:
     d=112 on the H200 (N=8k, the whole backward or the forward): the dK/dV kernel with dQ fused in +3.3 % without a
     mask and +12 % causal, where its dQ reductions and staging come a chunk at a time; the forward +1.7 % and -1.9 %
     causal, the dQ kernel -2.6 % and +0.2 %, within what a config's place in a sweep moves it (docs/PERF.md, "Every
-    head dim"). So only that form pads; the split-roles dK/dV form past d = 128 (no dQ in it) is not measured and
-    keeps the exact chunks. The tuner searches the switch for every kernel."""
+    head dim"). So only that form pads. Past d = 128 (H100, N=8k, d = 176, 224, 240) padding gained nothing in the
+    split-roles dK/dV form, which has no dQ in it (−3.8 … +2.0 %), the forward (−4.3 … +0.3 %) or the dQ kernel
+    (−6.2 … 0 %), so they keep the exact chunks. The tuner searches the switch for every kernel."""
     return kernel == "bwd_dkdv" and config.fused_dq
 
 
