@@ -14,7 +14,7 @@ the dQ kernel's config is the tree's own (its lookup) unless --dq-config names o
         --shape 96,8192,causal,64,128,4,2,ws,fused-dq,persistent --check
 
 A shape is head_dim,seqlen,plain|causal,config (config: KernelConfig.parse's spelling). bf16, batch·N = 16k tokens,
-16 heads (--heads): the grid's sizes.
+16 heads (--heads): the grid's sizes; --kv-heads groups them (grouped-query attention).
 """
 
 from __future__ import annotations
@@ -53,13 +53,15 @@ def _check(ops, head_dim: int, causal: bool, config, device: str = "cuda") -> fl
     return max(((g.double() - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want, strict=True))
 
 
-def _time_ms(ops, head_dim: int, seqlen: int, causal: bool, config, dq_config, heads: int, rep_ms: int) -> float:
+def _time_ms(ops, head_dim: int, seqlen: int, causal: bool, config, dq_config, heads: int, rep_ms: int,
+             kv_heads: int | None = None) -> float:  # fmt: skip
     """The tuner's timing (time_cuda: do_bench's median, a process's first reading discarded) of one backward of
-    fresh inputs (batch · seqlen = TOKENS)."""
+    fresh inputs (batch · seqlen = TOKENS; K and V with kv_heads heads, None: `heads`)."""
     from fa2tune.tune.timing import time_cuda
     from fa2tune.tune.workload import random_qkv
 
     q, k, v = random_qkv(max(1, TOKENS // seqlen), heads, seqlen, head_dim)
+    k, v = (t[:, : kv_heads or heads].contiguous() for t in (k, v))
     do, scale = torch.randn_like(q), head_dim**-0.5
     o, lse = ops.forward(q, k, v, causal=causal, scale=scale)
     return time_cuda(
@@ -73,10 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", type=_parse_shape, action="append", required=True, help="repeatable")
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="K/V heads, dividing --heads (grouped-query attention; default: --heads)")  # fmt: skip
     parser.add_argument("--check", action="store_true", help="check each config's gradients first (bf16 tolerance)")
     parser.add_argument("--rep-ms", type=int, default=600, help="do_bench's timing window a shape (default 600)")
     parser.add_argument("--dq-config", help="the dQ kernel's config where dQ is not fused (KernelConfig.parse)")
     args = parser.parse_args(argv)
+    if args.kv_heads is not None and (args.kv_heads < 1 or args.heads % args.kv_heads):
+        parser.error(f"--kv-heads must divide --heads ({args.heads}); got {args.kv_heads}")
     if not torch.cuda.is_available():
         print("time_backward.py needs a CUDA GPU; none is visible", file=sys.stderr)
         return 2
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         error = _check(ops, head_dim, causal, config) if args.check else None
         failed |= error is not None and error > 2e-2
         dq_config = None if args.dq_config is None or config.fused_dq else KernelConfig.parse(args.dq_config)
-        ms = _time_ms(ops, head_dim, seqlen, causal, config, dq_config, args.heads, args.rep_ms)
+        ms = _time_ms(ops, head_dim, seqlen, causal, config, dq_config, args.heads, args.rep_ms, args.kv_heads)
         flops = attention_flops(max(1, TOKENS // seqlen), args.heads, seqlen, seqlen, head_dim, causal=causal,
                                 mode="bwd")  # fmt: skip
         checked = "-" if error is None else f"{error:.1e}"

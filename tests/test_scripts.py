@@ -309,3 +309,10 @@ def test_backward_timer_checks_gradients_against_float64_and_parses_its_shapes(m
     )
     with pytest.raises(argparse.ArgumentTypeError, match=r"head_dim,seqlen,plain\|causal,config.*got .96,8192,masked"):
         time_backward._parse_shape("96,8192,masked,64,128,4,2")
+
+
+def test_backward_timer_refuses_kv_heads_that_do_not_divide_the_heads(capsys):
+    time_backward = load_script("time_backward")
+    with pytest.raises(SystemExit) as exit_info:
+        time_backward.main(["--shape", "64,1024,plain,64,128,4,2", "--heads", "16", "--kv-heads", "5"])
+    assert exit_info.value.code == 2 and "--kv-heads must divide --heads (16); got 5" in capsys.readouterr().err
