@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""How full a persistent backward launch's rounds are, by count (no GPU): the dK/dV kernel's work units over the
-programs, at each length.
+"""How full a backward launch's SMs are, by count (no GPU): the dK/dV kernel's work units over the programs, at each
+length — persistent, or (--per-tile) a causal grid of one program a tile as the hardware hands its slots out.
 
 A persistent launch runs one program an SM; program p takes units p, p + programs, ... (templates/bwd_ws.py.jinja).
 Without a mask a unit is one K/V tile of `--rows` rows; causal, a unit pairs a head's j-th K/V tile with its j-th
@@ -10,11 +10,20 @@ are not a multiple of a tile", quotes these numbers.
 
     python scripts/persistent_rounds.py --seqlens 2048,3000,4096 --causal
     python scripts/persistent_rounds.py --seqlens 512:16384:64 --causal     # the median and worst over a range
+
+--per-tile: the causal grid of one program a tile, whose K/V tile j of N/rows sees the Q tiles from its diagonal on
+(of --q-rows rows) for each of --group query heads. Its slots start in launch order, each on the SM that frees first
+(a list schedule; each program also pays --overhead steps); its launch order takes the heads' tiles interleaved
+--interleave heads at a time (templates/_ws_macros.jinja's work_units; 1: head by head, each head's longest tile first):
+
+    python scripts/persistent_rounds.py --per-tile --seqlens 8192 --heads 4 --group 8 --interleave 1
+    python scripts/persistent_rounds.py --per-tile --seqlens 8192 --heads 4 --group 8 --interleave 4
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import math
 import statistics
 
@@ -27,6 +36,23 @@ def busy(seqlen: int, tokens: int, heads: int, rows: int, programs: int, causal:
     for index, work in enumerate(per_head * (batch * heads)):
         loads[index % programs] += work
     return sum(loads) / (programs * max(loads))
+
+
+def per_tile_busy(seqlen: int, tokens: int, heads: int, rows: int, programs: int, *, group: int, q_rows: int,
+                  interleave: int, overhead: float) -> float:  # fmt: skip
+    """The busy fraction of a causal grid of one program a K/V tile (batch = tokens // seqlen, at least 1, times
+    `heads` K/V heads), its slots taken in launch order by the SM that frees first."""
+    batch, tiles = max(1, tokens // seqlen), math.ceil(seqlen / rows)
+    q_tiles = math.ceil(seqlen / q_rows)
+    work = [group * (q_tiles - j * rows // q_rows) + overhead for j in range(tiles)]  # longest first
+    order = []
+    for lead in range(0, batch * heads, interleave):  # sets of `interleave` heads, their j-th tiles together
+        order += [work[j] for j in range(tiles) for _ in range(min(interleave, batch * heads - lead))]
+    free = [0.0] * programs
+    heapq.heapify(free)
+    for w in order:
+        heapq.heappush(free, heapq.heappop(free) + w)
+    return sum(order) / (programs * max(free))
 
 
 def _seqlens(text: str) -> list[int]:
@@ -45,8 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=128, help="K/V rows a tile (two consumers of 64)")
     parser.add_argument("--programs", type=int, default=132, help="programs: the H200's SMs")
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--per-tile", action="store_true", help="a causal grid of one program a tile (above)")
+    parser.add_argument("--group", type=int, default=1, help="--per-tile: query heads a K/V head")
+    parser.add_argument("--q-rows", type=int, default=64, help="--per-tile: Q rows a step")
+    parser.add_argument("--interleave", type=int, default=4, help="--per-tile: heads interleaved in launch order")
+    parser.add_argument("--overhead", type=float, default=1.2, help="--per-tile: a program's fixed cost in steps")
     args = parser.parse_args(argv)
-    fractions = [busy(n, args.tokens, args.heads, args.rows, args.programs, args.causal) for n in args.seqlens]
+    if args.per_tile:
+        fractions = [per_tile_busy(n, args.tokens, args.heads, args.rows, args.programs, group=args.group,
+                                   q_rows=args.q_rows, interleave=args.interleave, overhead=args.overhead)
+                     for n in args.seqlens]  # fmt: skip
+    else:
+        fractions = [busy(n, args.tokens, args.heads, args.rows, args.programs, args.causal) for n in args.seqlens]
     for n, fraction in zip(args.seqlens, fractions, strict=True):
         print(f"N={n:>6}  busy {fraction:.3f}")
     if len(fractions) > 3:
