@@ -13,8 +13,10 @@ are not a multiple of a tile", quotes these numbers.
 
 --per-tile: the causal grid of one program a tile, whose K/V tile j of N/rows sees the Q tiles from its diagonal on
 (of --q-rows rows) for each of --group query heads. Its slots start in launch order, each on the SM that frees first
-(a list schedule; each program also pays --overhead steps); its launch order takes the heads' tiles interleaved
---interleave heads at a time (templates/_ws_macros.jinja's work_units; 1: head by head, each head's longest tile first):
+(a list schedule; each program also pays --overhead steps, the fixed cost a Q-tile step is worth, as
+split_tail.PIECE_OVERHEAD_STEPS was fitted). The launch order is templates/_ws_macros.jinja's work_units': head by
+head, each head's longest tile first (--interleave 1); --interleave N models the heads' tiles interleaved N heads
+at a time (branch exp/dkdv-interleave-heads):
 
     python scripts/persistent_rounds.py --per-tile --seqlens 8192 --heads 4 --group 8 --interleave 1
     python scripts/persistent_rounds.py --per-tile --seqlens 8192 --heads 4 --group 8 --interleave 4
@@ -74,9 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-tile", action="store_true", help="a causal grid of one program a tile (above)")
     parser.add_argument("--group", type=int, default=1, help="--per-tile: query heads a K/V head")
     parser.add_argument("--q-rows", type=int, default=64, help="--per-tile: Q rows a step")
-    parser.add_argument("--interleave", type=int, default=4, help="--per-tile: heads interleaved in launch order")
+    parser.add_argument("--interleave", type=int, default=1,
+                        help="--per-tile: heads interleaved in launch order (1: head by head, as launched)")
     parser.add_argument("--overhead", type=float, default=1.2, help="--per-tile: a program's fixed cost in steps")
     args = parser.parse_args(argv)
+    if args.interleave < 1:
+        parser.error(f"--interleave must be at least 1 (1: head by head); got {args.interleave}")
     if args.per_tile:
         fractions = [per_tile_busy(n, args.tokens, args.heads, args.rows, args.programs, group=args.group,
                                    q_rows=args.q_rows, interleave=args.interleave, overhead=args.overhead)

@@ -37,14 +37,15 @@ def _parse_shape(text: str) -> tuple[int, int, bool, str]:
     return int(parts[0]), int(parts[1]), parts[2] == "causal", parts[3]
 
 
-def _check(ops, head_dim: int, causal: bool, config, device: str = "cuda") -> float:
+def _check(ops, head_dim: int, causal: bool, config, device: str = "cuda", group: int = 1) -> float:
     """The largest of dQ's, dK's and dV's error against float64 autograd through naive attention, relative to each
-    gradient's largest value."""
+    gradient's largest value; `group` query heads a K/V head, as the timed shape has them."""
     from fa2tune.tune.reference import naive_attention
     from fa2tune.tune.workload import random_qkv
 
     torch.manual_seed(head_dim)
-    q, k, v = random_qkv(2, 4, CHECK_LENGTH, head_dim, device=device)
+    heads_kv = max(1, 4 // group)
+    q, k, v = random_qkv(2, heads_kv * group, CHECK_LENGTH, head_dim, device=device, heads_kv=heads_kv)
     do, scale = torch.randn_like(q), head_dim**-0.5
     o, lse = ops.forward(q, k, v, causal=causal, scale=scale)
     got = ops.backward(do, q, k, v, o, lse, causal=causal, scale=scale, dkdv_config=config)
@@ -60,8 +61,7 @@ def _time_ms(ops, head_dim: int, seqlen: int, causal: bool, config, dq_config, h
     from fa2tune.tune.timing import time_cuda
     from fa2tune.tune.workload import random_qkv
 
-    q, k, v = random_qkv(max(1, TOKENS // seqlen), heads, seqlen, head_dim)
-    k, v = (t[:, : kv_heads or heads].contiguous() for t in (k, v))
+    q, k, v = random_qkv(max(1, TOKENS // seqlen), heads, seqlen, head_dim, heads_kv=kv_heads or heads)
     do, scale = torch.randn_like(q), head_dim**-0.5
     o, lse = ops.forward(q, k, v, causal=causal, scale=scale)
     return time_cuda(
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for head_dim, seqlen, causal, spelling in args.shape:
         config = KernelConfig.parse(spelling)
-        error = _check(ops, head_dim, causal, config) if args.check else None
+        group = args.heads // (args.kv_heads or args.heads)
+        error = _check(ops, head_dim, causal, config, group=group) if args.check else None
         failed |= error is not None and error > 2e-2
         dq_config = None if args.dq_config is None or config.fused_dq else KernelConfig.parse(args.dq_config)
         ms = _time_ms(ops, head_dim, seqlen, causal, config, dq_config, args.heads, args.rep_ms, args.kv_heads)

@@ -1,5 +1,7 @@
 """fa2tune.tune.timing's timer discards a process's first timing (no GPU needed: do_bench is stood in for)."""
 
+import math
+
 import pytest
 import triton.testing
 
@@ -25,17 +27,23 @@ def test_a_process_s_first_timing_is_discarded_and_later_ones_are_not(monkeypatc
 
 
 def test_a_reading_of_fewer_runs_than_min_runs_is_taken_again_in_a_window_that_holds_them(monkeypatch):
-    # do_bench fits as many runs into its window as the call allows: a 60 ms call in a 100 ms window is timed once or
-    # twice. time_cuda takes such a reading again in a window MIN_RUNS calls long; a short call's reading stands.
+    # do_bench fits as many runs into its window as the call allows: a 60 ms call in a 100 ms window is timed once.
+    # time_cuda takes such a reading again in a window of MIN_RUNS + 1 calls; a short call's reading stands, and a
+    # process's first timing is discarded either way (a long call's in the longer window).
     windows = []
 
     def do_bench(fn, warmup, rep, quantiles):
         windows.append(rep)
-        return [59.0, 60.0, 61.0] if fn == "long" else [0.9, 1.0, 1.1]
+        return {"long": [59.0, 60.0, 61.0], "short": [0.9, 1.0, 1.1], "nan": [math.nan] * 3}[fn]
 
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
-    monkeypatch.setattr(timing, "_timed_before", True)
+    monkeypatch.setattr(timing, "_timed_before", False)
+    assert timing.time_cuda("long", rep_ms=100).median_ms == 60.0
+    assert windows == [100, 60 * (timing.MIN_RUNS + 1)]
+    windows.clear()
     assert timing.time_cuda("short", rep_ms=100).median_ms == 1.0 and windows == [100]
     windows.clear()
     assert timing.time_cuda("long", rep_ms=100).median_ms == 60.0
-    assert windows == [100, 60 * timing.MIN_RUNS]
+    assert windows == [100, 60 * (timing.MIN_RUNS + 1)]
+    windows.clear()
+    assert math.isnan(timing.time_cuda("nan", rep_ms=100).median_ms) and windows == [100]  # no window from a NaN

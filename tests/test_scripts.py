@@ -311,6 +311,21 @@ def test_backward_timer_checks_gradients_against_float64_and_parses_its_shapes(m
         time_backward._parse_shape("96,8192,masked,64,128,4,2")
 
 
+def test_backward_timer_checks_grouped_query_gradients_too(monkeypatch):
+    # --check at a grouped-query shape checks the kernels there: dK and dV summed over each K/V head's query heads
+    from fa2tune.api import ops
+    from fa2tune.config.types import KernelConfig
+
+    time_backward = load_script("time_backward")
+    monkeypatch.setattr(time_backward, "CHECK_LENGTH", 37)
+    shapes = []
+    real = ops.backward
+    monkeypatch.setattr(ops, "backward", lambda do, q, k, *a, **kw: (shapes.append((q.shape[1], k.shape[1])),
+                                                                     real(do, q, k, *a, **kw))[1])  # fmt: skip
+    assert time_backward._check(ops, 32, True, KernelConfig.parse("32,32,4,1"), device="cpu", group=4) < 2e-2
+    assert shapes == [(4, 1)]
+
+
 def test_backward_timer_refuses_kv_heads_that_do_not_divide_the_heads(capsys):
     time_backward = load_script("time_backward")
     with pytest.raises(SystemExit) as exit_info:
@@ -329,3 +344,11 @@ def test_a_causal_grid_launched_head_by_head_leaves_sms_idle_that_interleaved_he
     # one head: nothing to interleave, the same order either way
     one = dict(shape, tokens=8192, heads=1)
     assert script.per_tile_busy(8192, interleave=1, **one) == script.per_tile_busy(8192, interleave=4, **one)
+
+
+
+def test_persistent_rounds_refuses_an_interleave_below_one(capsys):
+    script = load_script("persistent_rounds")
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--per-tile", "--interleave", "0"])
+    assert exit_info.value.code == 2 and "--interleave must be at least 1" in capsys.readouterr().err

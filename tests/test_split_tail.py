@@ -112,3 +112,7 @@ def test_merge_gives_the_split_tiles_attention_over_all_their_keys(seqlen_q, seq
     assert not built
     assert torch.equal(o.nan_to_num(7.0), first.nan_to_num(7.0)) and torch.equal(lse.nan_to_num(7.0),
                                                                                 first_lse.nan_to_num(7.0))  # fmt: skip
+    # an O of other strides (sequence-major, as an out= tensor may be) gets a launch of its own, which writes it right
+    seq_major = torch.full((batch, seqlen_q, heads, head_dim), float("nan"), dtype=dtype, device=device).transpose(1, 2)
+    merge(part_o, part_lse, seq_major, lse)
+    assert len(built) == 1 and torch.equal(seq_major.nan_to_num(7.0), first.nan_to_num(7.0))

@@ -12,7 +12,7 @@ without a mask, persistent, one program an SM; its split_tail switch, FA2TUNE_SP
 The t = tiles mod P tiles after the full rounds are each cut into k pieces of consecutive K/V tiles: k·t pieces over
 P programs take ceil(k·t / P) pieces of 1/k of a tile each instead of one whole tile. Each piece writes O over its
 keys, normalised, and the logsumexp of those keys (fp32); `Merge` launches the forward module's _merge_pieces, which
-combines a tile's pieces as the softmax over all its keys (`Merge`):
+combines a tile's pieces as the softmax over all its keys:
 
     lse = log Σ_i exp(lse_i),   O = Σ_i exp(lse_i − lse) · O_i
 

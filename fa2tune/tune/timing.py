@@ -67,11 +67,12 @@ class Timing:
 # comes first, after a 2 s run of it too, so not the clock's post-idle boost; the cause is not known. time_cuda
 # therefore discards a process's first timing: every reading it returns is one made after another.
 _timed_before = False
-# do_bench times as many runs as fit its `rep` window after an estimate (at least one): a call of 60 ms (forward +
-# backward at N=64k) got one or two in the 100 ms window, and one reading is no median — at N=32k such readings put
-# the causal forward 4-10 % below cuDNN where 1.2 s windows put it level or ahead (docs/PERF.md, "Long sequences").
-# A reading of fewer runs is taken again in a window this many of its calls long.
-MIN_RUNS = 10
+# do_bench times as many runs as fit its `rep` window after an estimate (at least one): forward + backward at N=64k
+# (batch·N = 16k, 60-250 ms a call) got one or two runs in the 100 ms window, and one reading is no median. A reading
+# whose window held fewer than MIN_RUNS runs is taken again in a window one run longer than MIN_RUNS calls (do_bench's
+# estimate, which the window is divided by, includes its L2 flush). The tuner's calls (N <= 16k, up to ~15 ms) fit
+# that many and are timed once, as before.
+MIN_RUNS = 5
 
 
 def time_cuda(
@@ -89,8 +90,9 @@ def time_cuda(
 
     with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
         p20, median, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
-        if not _timed_before or median * MIN_RUNS > rep_ms:  # the last reading is kept
-            window = max(rep_ms, math.ceil(median * MIN_RUNS))
+        few_runs = math.isfinite(median) and median * MIN_RUNS > rep_ms
+        if not _timed_before or few_runs:  # the last reading is kept
+            window = math.ceil(median * (MIN_RUNS + 1)) if few_runs else rep_ms
             p20, median, p80 = do_bench(fn, warmup=warmup_ms, rep=window, quantiles=[0.2, 0.5, 0.8])
         _timed_before = True
     return Timing(median_ms=median, p20_ms=p20, p80_ms=p80)
