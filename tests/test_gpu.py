@@ -362,24 +362,6 @@ def test_warpspec_backward_matches_reference(configs, causal, head_dim, dtype, m
 
 
 @_HOPPER
-@pytest.mark.parametrize("spelling",
-                         ["64,128,4,2,ws,fused-dq,drain-before-dq", "64,128,4,2,ws", "64,64,4,2,ws,split-roles"])
-def test_causal_dkdv_programs_launched_interleaved_over_heads_cover_every_tile(spelling):
-    # One program a tile, causal: the launch slots take the heads' K/V tiles interleaved four heads at a time
-    # (_ws_macros.jinja's work_units). batch · K/V heads = 2 · 3 = 6 leaves a last set of two heads; GQA 2, a ragged
-    # last tile. Every K/V tile's dK and dV (and, fused, its dQ share) must come out once.
-    torch.manual_seed(11)
-    config = KernelConfig.parse(spelling)
-    head_dim = 192 if config.split_roles else 128
-    q = torch.randn(2, 6, 700, head_dim, dtype=torch.bfloat16, device="cuda")
-    k, v = (torch.randn(2, 3, 700, head_dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    do = torch.randn_like(q)
-    o, lse = ops.forward(q, k, v, causal=True, scale=head_dim**-0.5)
-    grads = ops.backward(do, q, k, v, o, lse, causal=True, scale=head_dim**-0.5, dkdv_config=config)
-    _assert_gradients_match_reference(grads, q, k, v, do, causal=True)
-
-
-@_HOPPER
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim, dtype", _CHUNKED_DIMS, ids=lambda x: str(x).replace("torch.", ""))
 def test_warpspec_backward_at_every_head_dim_matches_reference(head_dim, dtype, causal, monkeypatch):
