@@ -16,7 +16,7 @@ are not a multiple of a tile", quotes these numbers.
 (a list schedule; each program also pays --overhead steps, the fixed cost a Q-tile step is worth, as
 split_tail.PIECE_OVERHEAD_STEPS was fitted). The launch order is templates/_ws_macros.jinja's work_units': head by
 head, each head's longest tile first (--interleave 1); --interleave N models the heads' tiles interleaved N heads
-at a time (branch exp/dkdv-interleave-heads):
+at a time (commit cd43cdb, reverted until measured on a GPU):
 
     python scripts/persistent_rounds.py --per-tile --seqlens 8192 --heads 4 --group 8 --interleave 1
     python scripts/persistent_rounds.py --per-tile --seqlens 8192 --heads 4 --group 8 --interleave 4
