@@ -14,6 +14,7 @@ install it when it is missing. docs/API.md, "Hugging Face transformers", has the
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import re
@@ -247,14 +248,28 @@ def _callers_level() -> int:
     while frame is not None:
         frames.append(frame)
         frame = frame.f_back
-    module_calls = {getattr(torch.nn.Module, name).__code__ for name in ("_call_impl", "_wrapped_call_impl")
-                    if hasattr(torch.nn.Module, name)}  # fmt: skip
-    calls = [i for i, f in enumerate(frames) if f.f_code in module_calls]
+    calls = [i for i, f in enumerate(frames) if f.f_code in _MODULE_CALLS]
     i = calls[-1] + 1 if calls else 0
-    libraries = tuple(str(Path(m.__file__).resolve().parent) for m in (importlib.import_module("transformers"), torch))
-    while i < len(frames) - 1 and str(Path(frames[i].f_code.co_filename).resolve()).startswith(libraries):
+    while i < len(frames) - 1 and _in_libraries(frames[i].f_code.co_filename):
         i += 1
     return i + 2
+
+
+# The code of torch.nn.Module's call, whose frames mark where a model's forward was entered.
+_MODULE_CALLS = frozenset(getattr(torch.nn.Module, name).__code__ for name in ("_call_impl", "_wrapped_call_impl")
+                          if hasattr(torch.nn.Module, name))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def _in_libraries(filename: str) -> bool:
+    """Whether a frame's file is transformers' or torch's. Kept per file: every layer of every call with
+    output_attentions=True asks for the same few files, and resolving a path is file-system calls."""
+    return str(Path(filename).resolve()).startswith(_library_dirs())
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    return tuple(str(Path(m.__file__).resolve().parent) for m in (importlib.import_module("transformers"), torch))
 
 
 def _pattern(module: torch.nn.Module, is_causal: bool | None, sliding_window: object) -> Pattern:
