@@ -352,3 +352,16 @@ def test_persistent_rounds_refuses_an_interleave_below_one(capsys):
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--per-tile", "--interleave", "0"])
     assert exit_info.value.code == 2 and "--interleave must be at least 1" in capsys.readouterr().err
+
+
+def test_hf_generate_benchmark_says_when_a_step_read_no_time(capsys):
+    # a decode step is generate() minus its prefill, which a busy host with one repeat can read as 0 (clamped): the
+    # ratio line then says it was not measured instead of dividing by zero or going missing
+    import argparse
+
+    import torch
+
+    script = load_script("bench_hf_generate")
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    script.report(argparse.Namespace(batch=2), {"sdpa": (0.01, tokens), "fa2tune": (0.0, tokens)})
+    assert "fa2tune speed / sdpa speed: not measured" in capsys.readouterr().out
