@@ -14,9 +14,9 @@ are not a multiple of a tile", quotes these numbers.
 --per-tile: the causal grid of one program a tile, whose K/V tile j of N/rows sees the Q tiles from its diagonal on
 (of --q-rows rows) for each of --group query heads. Its slots start in launch order, each on the SM that frees first
 (a list schedule; each program also pays --overhead steps, the fixed cost a Q-tile step is worth, as
-split_tail.PIECE_OVERHEAD_STEPS was fitted). The launch order is templates/_ws_macros.jinja's work_units': head by
-head, each head's longest tile first (--interleave 1); --interleave N models the heads' tiles interleaved N heads
-at a time (commit cd43cdb, reverted until measured on a GPU):
+split_tail.PIECE_OVERHEAD_STEPS was fitted). The warp-specialized kernel's launch order (templates/_ws_macros.jinja's
+work_units) is head by head, each head's longest tile first (--interleave 1); --interleave N models the heads'
+tiles interleaved N heads at a time, as the Triton template launches them (N=4, _macros.jinja's interleaved_slot):
 
     python scripts/persistent_rounds.py --per-tile --seqlens 8192 --heads 4 --group 8 --interleave 1
     python scripts/persistent_rounds.py --per-tile --seqlens 8192 --heads 4 --group 8 --interleave 4
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=1, help="--per-tile: query heads a K/V head")
     parser.add_argument("--q-rows", type=int, default=64, help="--per-tile: Q rows a step")
     parser.add_argument("--interleave", type=int, default=1,
-                        help="--per-tile: heads interleaved in launch order (1: head by head, as launched)")
+                        help="--per-tile: heads interleaved in launch order "
+                        "(1: head by head, the warp-specialized kernel's; 4: the Triton template's)")
     parser.add_argument("--overhead", type=float, default=1.2, help="--per-tile: a program's fixed cost in steps")
     args = parser.parse_args(argv)
     if args.interleave < 1:

@@ -73,6 +73,18 @@ def test_block_configs_of_both_backward_kernels(dkdv_config, dq_config, causal, 
     _assert_grads_close(grads, _reference_grads(q, k, v, do, causal, scale=0.2), torch.float32, do)
 
 
+@pytest.mark.parametrize("batch, kv_heads", [(2, 3), (1, 5), (3, 1)], ids=["6heads", "5heads", "3heads"])
+def test_a_causal_dkdv_grid_launched_interleaved_over_heads_covers_every_tile(batch, kv_heads, device):
+    # The causal dK/dV grid's slots take the heads' tiles interleaved four heads at a time (_macros.jinja's
+    # interleaved_slot): batch · K/V heads of 6, 5 and 3 leave a last set of two, one and three heads; GQA 2, ragged
+    # tiles of 16 keys. Every tile's dK and dV must come out once.
+    q, k, v, do = _random((batch, 2 * kv_heads, kv_heads, 50, 50, 16), torch.float32, device, seed=batch + kv_heads)
+    o, lse = ops.forward(q, k, v, causal=True, scale=0.25)
+    grads = ops.backward(do, q, k, v, o, lse, causal=True, scale=0.25, dkdv_config=KernelConfig(16, 16),
+                         dq_config=KernelConfig(16, 16))  # fmt: skip
+    _assert_grads_close(grads, _reference_grads(q, k, v, do, True, scale=0.25), torch.float32, do)
+
+
 @pytest.mark.parametrize("which", ["q", "k", "v", "kv"])
 def test_any_subset_of_inputs_may_require_grad(which, device):
     q, k, v, do = _random((1, 2, 2, 30, 30, 16), torch.float32, device, seed=3)

@@ -460,6 +460,23 @@ def test_code_hash_names_the_template_and_its_switches():
     assert "warp_specialize" in source and f"template_hash: {codegen.template_hash('fwd_ws')}" in source
 
 
+def test_only_the_triton_causal_dkdv_grid_launches_its_heads_interleaved():
+    # _macros.jinja's interleaved_slot: the Triton template's causal dK/dV grid takes its heads' tiles interleaved (the
+    # longest tiles of every head first); without the mask every tile is as long, and a band's tiles are not longest
+    # first. The warp-specialized dK/dV kernel keeps head-by-head order (interleaved, it measured slower), and the
+    # forward and dQ kernels keep one query head's tiles together.
+    def source(template, causal, persistent=False, banded=False):
+        return codegen.render(template, Variant.for_template(
+            template, causal=causal, banded=banded, varlen=False, even_m=True, even_n=True, persistent=persistent,
+            head_dim=128))  # fmt: skip
+
+    interleaved = "in_set % width"
+    assert interleaved in source("bwd", True)
+    assert interleaved not in source("bwd", False) and interleaved not in source("bwd", True, banded=True)
+    assert interleaved not in source("bwd_ws", True) and interleaved not in source("bwd_ws", True, persistent=True)
+    assert interleaved not in source("fwd_ws", True) and interleaved not in source("bwd_dq_ws", True)
+
+
 def test_the_dkdv_producer_stages_the_statistics_where_one_program_holds_the_sm():
     # Each step's logsumexp and δ go to shared memory beside Q_i and dO_i (the producer loads them) where one dK/dV
     # program holds an SM; two an SM have no room (d=64's three fused stages fill half of it to 256 B): there the
