@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..config.group_split import dkdv_group_split
 from ..config.inputs import check_offsets
 from ..config.types import KernelConfig, Mask
 from . import fastlaunch, plans, warpspec
@@ -151,7 +152,8 @@ def _launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config, dq_conf
     stats = _Stats.of(q, lse, packing)
     pre_launch = _preprocess_launcher(q, k, o, do, lse, stats, mask, dq_config, fused_dq, packing)
     shared = _Shared.of(q, k, v, stats, do, mask, scale, packing)
-    dkdv = _dkdv_launcher(q, k, v, dk, dv, mask, scale, dkdv_config, shared)
+    split = _GroupSplit.of(q, k, v, mask)
+    dkdv = _dkdv_launcher(q, k, v, *split.outputs(dk, dv), mask, scale, dkdv_config, shared, split.split)
     dq_launch = None if fused_dq else _dq_launcher(q, k, v, dq, mask, scale, dq_config, shared)
     seqlen_q = lse.shape[-1]
 
@@ -164,14 +166,46 @@ def _launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config, dq_conf
             pre_launch(o, do, lse, stats_lse, delta, delta)  # DQ_ACC unused (ZERO_DQ off): any pointer
         if dlse is not None:
             delta[..., :seqlen_q].sub_(dlse)  # dlse has lse's shape: δ's rows but the padding
+        dk_out, dv_out = split.outputs(dk, dv)
         if fused_dq:
-            dkdv(q, k, v, do, dk, dv, dq_acc, stats_lse, delta)
+            dkdv(q, k, v, do, dk_out, dv_out, dq_acc, stats_lse, delta)
             dq.copy_(dq_acc)
         else:
-            dkdv(q, k, v, do, dk, dv, stats_lse, delta)
+            dkdv(q, k, v, do, dk_out, dv_out, stats_lse, delta)
             dq_launch(q, k, v, do, dq, stats_lse, delta)
+        split.sum_into(dk_out, dv_out, dk, dv)
 
     return launch
+
+
+class _GroupSplit(NamedTuple):
+    """A GQA group's query heads split over `split` dK/dV programs a K/V tile (config.group_split): the dK/dV
+    kernel writes partials of heads_kv · split heads — K's and V's shapes, contiguous, the heads dimension (1, dense
+    or packed) times split —, summed into dK and dV after it."""
+
+    split: int
+    dk_shape: tuple[int, ...]
+    dv_shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, q, k, v, mask: Mask) -> _GroupSplit:
+        # heads are dimension 1, dense (batch, heads, N, d) or packed (total, heads, d); a band's programs are
+        # about equally long: it splits as no mask does
+        split = dkdv_group_split(q.shape[1] // k.shape[1], mask.causal and not mask.banded)
+        partial = [(*t.shape[:1], t.shape[1] * split, *t.shape[2:]) for t in (k, v)]
+        return cls(split, *partial)
+
+    def outputs(self, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the dK/dV kernel writes: dk and dv unsplit, else new partial buffers."""
+        if self.split == 1:
+            return dk, dv
+        return dk.new_empty(self.dk_shape), dv.new_empty(self.dv_shape)
+
+    def sum_into(self, dk_part, dv_part, dk, dv) -> None:
+        if self.split == 1:
+            return
+        for part, out in ((dk_part, dk), (dv_part, dv)):
+            torch.sum(part.view(*out.shape[:2], self.split, *out.shape[2:]), dim=2, out=out)
 
 
 def _preprocess_launcher(q, k, o, do, lse, stats: _Stats, mask: Mask, dq_config: KernelConfig, fused_dq: bool,
@@ -224,27 +258,32 @@ class _Shared(NamedTuple):
         return cls(sizes, (sizes[-1], v.shape[-1]), strides, inputs, stats.strides, scalars, cu_q, cu_k,
                    packing is not None, input_precision(q.dtype))  # fmt: skip
 
-    def arguments(self, config: KernelConfig, **outputs: torch.Tensor) -> tuple[tuple, dict]:
+    def arguments(self, config: KernelConfig, group_split: int | None = None,
+                  **outputs: torch.Tensor) -> tuple[tuple, dict]:  # fmt: skip
         """(scalars, options) of a launch that writes `outputs` (DK=dk, DV=dv, or DQ=dq): every tensor's strides in
-        the units the kernel multiplies back (layout.in_units), the statistics' as they are."""
+        the units the kernel multiplies back (layout.in_units), the statistics' as they are. group_split (the dK/dV
+        kernel's, _GroupSplit): the group's share a program streams and KV_SPLIT in place of the group."""
         units, tensor_strides = in_units(**self.inputs, **{name: self.strides(t) for name, t in outputs.items()})
-        scalars = (*tensor_strides[:12], *self.stats_strides, *tensor_strides[12:], *self.scalars)
+        heads_q, group, *rest = self.scalars
+        grouping = (group,) if group_split is None else (group // group_split, group_split)
+        scalars = (*tensor_strides[:12], *self.stats_strides, *tensor_strides[12:], heads_q, *grouping, *rest)
         options = dict(**head_dim_options(*self.head_dims), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                        INPUT_PRECISION=self.precision, num_warps=config.num_warps, num_stages=config.num_stages,
                        **units)  # fmt: skip
         return scalars, options
 
 
-def _dkdv_launcher(q, k, v, dk, dv, mask: Mask, scale: float, config: KernelConfig, shared: _Shared):
-    """launch(q, k, v, do, dk, dv, [dq_acc,] lse, delta): the dK/dV kernel, one program per K/V tile and head."""
+def _dkdv_launcher(q, k, v, dk, dv, mask: Mask, scale: float, config: KernelConfig, shared: _Shared, split: int):
+    """launch(q, k, v, do, dk, dv, [dq_acc,] lse, delta): the dK/dV kernel, one program per K/V tile and head — and
+    with a group split (split > 1: _GroupSplit), per share of its group, dk and dv its partials."""
     if config.warp_specialized:  # backward() checked that this call can take it
         # the warpspec launchers take the TMA-read tensors first: the Triton ones take the same order
         return warpspec.backward_dkdv_launcher(q, k, shared.stats_strides, causal=mask.causal, scale=scale,
-                                               config=config, head_dim_v=v.shape[-1])  # fmt: skip
+                                               config=config, head_dim_v=v.shape[-1], group_split=split)  # fmt: skip
     batch, _, heads_kv, seqlen_q, seqlen_k, _ = shared.sizes
     dkdv = _layout.kernel("bwd", "_attn_bwd_dkdv", mask, seqlen_q, seqlen_k, config, shared.varlen, shared.head_dims)
-    grid = (cdiv(seqlen_k, config.block_n) * batch * heads_kv,)
-    launch = fastlaunch.Launcher(dkdv, grid, *shared.arguments(config, DK=dk, DV=dv))
+    grid = (cdiv(seqlen_k, config.block_n) * batch * heads_kv * split,)
+    launch = fastlaunch.Launcher(dkdv, grid, *shared.arguments(config, split, DK=dk, DV=dv))
     cu_q, cu_k = shared.cu_q, shared.cu_k
     return lambda q, k, v, do, dk, dv, lse, delta: launch(q, k, v, do, lse, delta, dk, dv, cu_q, cu_k)
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..config import schedule
+from ..config import group_split, schedule
 from ..config.inputs import interpreting
 from ..config.types import Mask
 from .warpspec import TMA_ALIGN
@@ -33,9 +33,9 @@ lookup = _plans.get  # the kept plan of a signature, or None (bound once: the ho
 def plan_key(kind: str, tensors: tuple, mask: Mask, scale: float, configs: tuple) -> tuple:
     """A call's signature: everything its plan is worked out from. configs: the configs the call was handed and
     whatever else decides which kernels run (whether each was the caller's or resolved, deterministic mode, the
-    schedules' debugging overrides: schedule.env_overrides)."""
+    debugging overrides of the schedules and of the backward's group split)."""
     return (kind, tuple([(t.shape, t.stride()) for t in tensors]), tensors[0].dtype, tensors[0].device, mask, scale,
-            configs, interpreting(), schedule.env_overrides())  # fmt: skip
+            configs, interpreting(), schedule.env_overrides(), group_split.env_override())  # fmt: skip
 
 
 def misaligned(*tensors: torch.Tensor) -> int:

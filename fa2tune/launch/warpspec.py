@@ -250,7 +250,8 @@ def _check_stats_strides(stats_strides: tuple[int, int], heads_q: int, seqlen_q:
 
 
 def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, stats_strides: tuple[int, int], *, causal: bool,
-                           scale: float, config: KernelConfig, head_dim_v: int | None = None):  # fmt: skip
+                           scale: float, config: KernelConfig, head_dim_v: int | None = None,
+                           group_split: int = 1):  # fmt: skip
     """launch(q, k, v, do, dk, dv, lse, delta): writes dK and dV (batch, heads_kv, seqlen_k, head_dim; dV V's
     head_dim_v, None: q's) — summed over each K/V head's query heads — with a warpspec bwd_dkdv config; δ (delta) as
     the Triton template's preprocess kernel leaves it (less dlse). The call must have passed `unsupported`.
@@ -259,15 +260,18 @@ def backward_dkdv_launcher(q: torch.Tensor, k: torch.Tensor, stats_strides: tupl
     stats_strides.
 
     With config.fused_dq (dQ fused in) it is launch(q, k, v, do, dk, dv, dq_acc, lse, delta), and also adds dQ into
-    dq_acc, a zeroed fp32 tensor of q's shape."""
+    dq_acc, a zeroed fp32 tensor of q's shape. group_split > 1 (fa2tune.config.group_split): each group's query heads
+    go to that many programs a K/V tile, and dk and dv are partials of heads_kv · group_split heads, group_split a
+    K/V head in a row (launch.backward sums them)."""
     batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim = _sizes(q, k)
     _check_stats_strides(stats_strides, heads_q, seqlen_q)
     n_kv = -(-seqlen_k // config.block_n)
+    heads_kv *= group_split  # the partials' heads: the kernel's H_KV
     grid, tiles = _grid(config, n_kv, batch * heads_kv, q.device.index)
     sides = ("q", "k", "v", "o", "k", "v") + (("dq_partial",) if config.fused_dq else ())
     return _launcher(
         "bwd_dkdv", config, causal, (head_dim, head_dim_v or head_dim), grid, sides,
-        (*stats_strides, seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, scale * LOG2E, scale,
+        (*stats_strides, seqlen_q, seqlen_k, heads_kv, heads_q // heads_kv, group_split, scale * LOG2E, scale,
          tiles),
     )  # fmt: skip
 

@@ -74,6 +74,7 @@ def _example_ints(head_dim_pad: int, heads: int, group: int, seqlen: int = EXAMP
         "H_Q": heads,
         "H_KV": heads // group,
         "GROUP": group,
+        "KV_SPLIT": 1,  # the dK/dV kernels' group split (config.group_split): unsplit, as the tuner's shapes run
         "stride_lb": heads * stats_rows,  # the fp32 logsumexp (batch, heads, stats_rows)
         "stride_lh": stats_rows,
         "N_Q": seqlen,
