@@ -188,12 +188,12 @@ _CHUNKED_DIMS = [(16, torch.bfloat16), (24, torch.bfloat16), (40, torch.bfloat16
 
 @_HOPPER
 @pytest.mark.parametrize("heads", [None, "1", "8"], ids=["rule", "one_a_program", "unsplit"])
-@pytest.mark.parametrize("spelling", ["64,128,4,2,ws,fused-dq,drain-before-dq", "64,128,4,2,ws,fused-dq,persistent",
+@pytest.mark.parametrize("spelling", ["64,128,4,2,ws,fused-dq,drain-before-dq", "64,128,4,3,ws,fused-dq,persistent",
                                       "64,64,4,2,ws,split-roles", "64,64,4,3,ws"])  # fmt: skip
 def test_warpspec_dkdv_of_a_split_group_matches_reference(spelling, heads, monkeypatch):
     # GQA 8 over 2 K/V heads, causal, ragged: the rule splits each group over two programs a K/V tile (partials of 4
-    # heads, summed after: fa2tune.config.group_split), heads=1 over eight, heads=8 not at all. Persistent: three
-    # programs walk the partials' tiles.
+    # heads, summed after: fa2tune.config.group_split), heads=1 over eight, heads=8 not at all. Persistent (at d=64,
+    # where it fits with dQ fused in): three programs walk the partials' tiles.
     from fa2tune.config.group_split import DKDV_HEADS_ENV
 
     if heads is None:
@@ -203,7 +203,7 @@ def test_warpspec_dkdv_of_a_split_group_matches_reference(spelling, heads, monke
     config = KernelConfig.parse(spelling)
     if config.schedule.persistent:
         monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
-    head_dim = 192 if config.split_roles else 128
+    head_dim = 192 if config.split_roles else 64 if config.schedule.persistent else 128
     torch.manual_seed(12)
     q = torch.randn(2, 16, 700, head_dim, dtype=torch.bfloat16, device="cuda")
     k, v = (torch.randn(2, 2, 650, head_dim, dtype=torch.bfloat16, device="cuda") for _ in range(2))

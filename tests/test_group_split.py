@@ -25,6 +25,7 @@ def test_a_causal_group_splits_into_the_fewest_shares_of_at_most_the_streamed_he
     assert group % split == 0 and group // split <= MAX_CAUSAL_STREAMED_HEADS
     assert all(group % fewer or group // fewer > MAX_CAUSAL_STREAMED_HEADS for fewer in range(1, split))
     assert dkdv_group_split(group, causal=False) == 1  # equally long programs: one load of K/V for the group
+    assert dkdv_group_split(group, causal=True, warp_specialized=False) == 1  # the Triton template's: not measured
 
 
 def test_the_override_sets_the_streamed_heads_under_either_mask(monkeypatch):
@@ -43,11 +44,11 @@ def test_a_bad_override_names_the_variable(monkeypatch, value):
         dkdv_group_split(8, causal=True)
 
 
-@pytest.mark.parametrize("heads", [None, "1", "3"], ids=["rule", "one_a_program", "uneven_share"])
+@pytest.mark.parametrize("heads", [None, "1", "3"], ids=["unsplit", "one_a_program", "uneven_share"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_split_groups_give_the_reference_gradients(heads, causal, device, monkeypatch):
-    # GQA 8 over two K/V heads, ragged lengths (N_Q != N_K, not multiples of the tiles): the rule splits the causal
-    # group in two, heads=1 into eight partials, heads=3 into four shares of two; no mask splits only by override.
+    # GQA 8 over two K/V heads, ragged lengths (N_Q != N_K, not multiples of the tiles), the Triton template: heads=1
+    # splits each group into eight partials, heads=3 into four shares of two; the rule splits none here.
     if heads is not None:
         monkeypatch.setenv(DKDV_HEADS_ENV, heads)
     q, k, v, do = _random((2, 16, 2, 45, 53, 16), torch.float32, device, seed=21)
@@ -72,8 +73,9 @@ def test_a_split_plan_is_not_reused_once_the_override_changes(device, monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[2], strict=True))
 
 
-def test_packed_sequences_split_their_groups(device):
+def test_packed_sequences_split_their_groups(device, monkeypatch):
     # (total, heads, d) with three sequences: the partials' heads are dimension 1 there too.
+    monkeypatch.setenv(DKDV_HEADS_ENV, "2")
     lengths = [7, 30, 12]
     q, k, v, do = _random((1, 8, 1, sum(lengths), sum(lengths), 16), torch.float32, device, seed=23)
     q, k, v, do = (t[0].transpose(0, 1).contiguous() for t in (q, k, v, do))

@@ -152,7 +152,7 @@ def _launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config, dq_conf
     stats = _Stats.of(q, lse, packing)
     pre_launch = _preprocess_launcher(q, k, o, do, lse, stats, mask, dq_config, fused_dq, packing)
     shared = _Shared.of(q, k, v, stats, do, mask, scale, packing)
-    split = _GroupSplit.of(q, k, v, mask)
+    split = _GroupSplit.of(q, k, v, mask, dkdv_config)
     dkdv = _dkdv_launcher(q, k, v, *split.outputs(dk, dv), mask, scale, dkdv_config, shared, split.split)
     dq_launch = None if fused_dq else _dq_launcher(q, k, v, dq, mask, scale, dq_config, shared)
     seqlen_q = lse.shape[-1]
@@ -188,10 +188,10 @@ class _GroupSplit(NamedTuple):
     dv_shape: tuple[int, ...]
 
     @classmethod
-    def of(cls, q, k, v, mask: Mask) -> _GroupSplit:
+    def of(cls, q, k, v, mask: Mask, config: KernelConfig) -> _GroupSplit:
         # heads are dimension 1, dense (batch, heads, N, d) or packed (total, heads, d); a band's programs are
         # about equally long: it splits as no mask does
-        split = dkdv_group_split(q.shape[1] // k.shape[1], mask.causal and not mask.banded)
+        split = dkdv_group_split(q.shape[1] // k.shape[1], mask.causal and not mask.banded, config.warp_specialized)
         partial = [(*t.shape[:1], t.shape[1] * split, *t.shape[2:]) for t in (k, v)]
         return cls(split, *partial)
 
