@@ -18,8 +18,8 @@ and dV under GQA. The Triton template takes the split too, but splits only when 
 is not measured.
 
 FA2TUNE_DKDV_HEADS overrides the rule for debugging and A/B runs: the most query heads a program streams, under
-either mask and in either kernel (a large value: never split). A launch plan's key holds it (env_override), as it
-changes what runs.
+either mask and in either kernel (a large value: never split). A launch plan's key holds it (launch.plans.plan_key), as
+it changes what runs.
 """
 
 from __future__ import annotations
@@ -58,7 +58,3 @@ def _forced_heads() -> int | None:
         )
     return heads
 
-
-def env_override() -> str | None:
-    """The override variable as set (raw), for a launch plan's key."""
-    return os.environ.get(DKDV_HEADS_ENV)

@@ -6,7 +6,7 @@ a head's j-th longest with its j-th shortest, so programs P units apart get equa
 powers of two against 132 SMs, so the last round is part empty; the split tail fills it in a forward without a mask,
 where a model of the programs' steps says the launch gains (fa2tune.launch.split_tail.plan). FA2TUNE_SPLIT_TAIL
 overrides it for debugging and A/B runs: unset, the schedule decides; "0" or empty, off; anything else, on. A launch
-plan's key holds it (env_overrides), as it changes what runs.
+plan's key holds it (launch.plans.plan_key), as it changes what runs.
 """
 
 from __future__ import annotations
@@ -120,16 +120,3 @@ def env_override(name: str) -> bool | None:
     """The debugging override in environment variable `name`: None unset, False for "" or "0", True otherwise."""
     value = os.environ.get(name)
     return None if value is None else value not in ("", "0")
-
-
-# os.environ's own mapping, keyed by encoded names on POSIX (what os.environ.get reads through, encoding the name and
-# decoding the value): 0.04 µs a read against 0.8 µs, and every attention call's launch plan key reads the variable.
-_ENVIRON = os.environ._data if os.name == "posix" and isinstance(getattr(os.environ, "_data", None), dict) else None
-_OVERRIDE_KEY = os.fsencode(SPLIT_TAIL_ENV)
-
-
-def env_overrides() -> str | bytes | None:
-    """The override variable as set (raw), for a launch plan's key: it changes what a launch with a schedule runs."""
-    if _ENVIRON is not None:
-        return _ENVIRON.get(_OVERRIDE_KEY)
-    return os.environ.get(SPLIT_TAIL_ENV)

@@ -153,7 +153,7 @@ def _launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config, dq_conf
     pre_launch = _preprocess_launcher(q, k, o, do, lse, stats, mask, dq_config, fused_dq, packing)
     shared = _Shared.of(q, k, v, stats, do, mask, scale, packing)
     split = _GroupSplit.of(q, k, v, mask, dkdv_config)
-    dkdv = _dkdv_launcher(q, k, v, *split.outputs(dk, dv), mask, scale, dkdv_config, shared, split.split)
+    dkdv = _dkdv_launcher(q, k, v, *split.layouts(dk, dv), mask, scale, dkdv_config, shared, split.split)
     dq_launch = None if fused_dq else _dq_launcher(q, k, v, dq, mask, scale, dq_config, shared)
     seqlen_q = lse.shape[-1]
 
@@ -200,6 +200,12 @@ class _GroupSplit(NamedTuple):
         if self.split == 1:
             return dk, dv
         return dk.new_empty(self.dk_shape), dv.new_empty(self.dv_shape)
+
+    def layouts(self, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """outputs()' shapes and strides without their memory (meta tensors), for a launcher to work out strides."""
+        if self.split == 1:
+            return dk, dv
+        return torch.empty(self.dk_shape, device="meta"), torch.empty(self.dv_shape, device="meta")
 
     def sum_into(self, dk_part, dv_part, dk, dv) -> None:
         if self.split == 1:

@@ -157,8 +157,8 @@ def run_study(
 @dataclass(frozen=True)
 class _Sizes:
     """What a study times and checks: the tuning lengths at batch·N = tokens and heads·d = width, and the shape
-    (batch, heads_q, heads_kv, N_q, N_k, d) its winner is verified at. Small under the interpreter, whose time
-    grows with them."""
+    (batch, heads_q, heads_kv, N_q, N_k, d) its winner is verified at: on a GPU GQA 8, so that a causal dK/dV winner
+    is also checked split (config.group_split). Small under the interpreter, whose time grows with them."""
 
     seqlens: tuple[int, ...]
     tokens: int
@@ -171,7 +171,7 @@ def _sizes(spec: StudySpec, cpu: bool) -> _Sizes:
     if cpu:
         seqlens = tuple(min(n, 64) for n in spec.seqlens[:2])
         return _Sizes(seqlens, 64, 2 * spec.head_dim, (1, 2, 1, 70, 70, spec.head_dim), interpreted=True)
-    return _Sizes(spec.seqlens, spec.tokens, 2048, (2, 8, 2, 1000, 1000, spec.head_dim), interpreted=False)
+    return _Sizes(spec.seqlens, spec.tokens, 2048, (2, 16, 2, 1000, 1000, spec.head_dim), interpreted=False)
 
 
 def _preparer(spec: StudySpec, device_name: str, info: DeviceInfo, seqlens: tuple[int, ...], pool: CompilePool,
