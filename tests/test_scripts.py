@@ -326,6 +326,28 @@ def test_backward_timer_checks_grouped_query_gradients_too(monkeypatch):
     assert shapes == [(4, 1)]
 
 
+def test_backward_timer_reports_a_config_that_does_not_fit_and_times_the_rest(monkeypatch, capsys):
+    # A shape whose config is past the card's shared memory is reported and the run goes on to the next shape,
+    # with a failing exit status.
+    from triton.runtime.errors import OutOfResources
+
+    time_backward = load_script("time_backward")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def fake_time(ops, head_dim, *args):
+        if head_dim == 128:
+            raise OutOfResources(263752, 232448, "shared memory")
+        return 2.0
+
+    monkeypatch.setattr(time_backward, "_time_ms", fake_time)
+    status = time_backward.main(["--shape", "128,8192,causal,64,128,4,2,ws,fused-dq,persistent",
+                                 "--shape", "64,8192,causal,64,128,4,3,ws,fused-dq,persistent"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 1
+    assert "does not fit: out of resource: shared memory" in out
+    assert any(line.split()[:2] == ["64", "8192"] and "2.0000" in line for line in out.splitlines())
+
+
 def test_backward_timer_refuses_kv_heads_that_do_not_divide_the_heads(capsys):
     time_backward = load_script("time_backward")
     with pytest.raises(SystemExit) as exit_info:
