@@ -153,7 +153,10 @@ def _launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config, dq_conf
     pre_launch = _preprocess_launcher(q, k, o, do, lse, stats, mask, dq_config, fused_dq, packing)
     shared = _Shared.of(q, k, v, stats, do, mask, scale, packing)
     split = _GroupSplit.of(q, k, v, mask, dkdv_config)
-    dkdv = _dkdv_launcher(q, k, v, *split.layouts(dk, dv), mask, scale, dkdv_config, shared, split.split)
+    splits = split.split > 1
+    # a split launch's strides are its partials': worked out from meta tensors of their layout
+    layouts = split.partials(dk, dv, device="meta") if splits else (dk, dv)
+    dkdv = _dkdv_launcher(q, k, v, *layouts, mask, scale, dkdv_config, shared, split.split)
     dq_launch = None if fused_dq else _dq_launcher(q, k, v, dq, mask, scale, dq_config, shared)
     seqlen_q = lse.shape[-1]
 
@@ -166,14 +169,15 @@ def _launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config, dq_conf
             pre_launch(o, do, lse, stats_lse, delta, delta)  # DQ_ACC unused (ZERO_DQ off): any pointer
         if dlse is not None:
             delta[..., :seqlen_q].sub_(dlse)  # dlse has lse's shape: δ's rows but the padding
-        dk_out, dv_out = split.outputs(dk, dv)
+        dk_out, dv_out = split.partials(dk, dv) if splits else (dk, dv)
         if fused_dq:
             dkdv(q, k, v, do, dk_out, dv_out, dq_acc, stats_lse, delta)
             dq.copy_(dq_acc)
         else:
             dkdv(q, k, v, do, dk_out, dv_out, stats_lse, delta)
             dq_launch(q, k, v, do, dq, stats_lse, delta)
-        split.sum_into(dk_out, dv_out, dk, dv)
+        if splits:
+            split.sum_into(dk_out, dv_out, dk, dv)
 
     return launch
 
@@ -195,21 +199,12 @@ class _GroupSplit(NamedTuple):
         partial = [(*t.shape[:1], t.shape[1] * split, *t.shape[2:]) for t in (k, v)]
         return cls(split, *partial)
 
-    def outputs(self, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the dK/dV kernel writes: dk and dv unsplit, else new partial buffers."""
-        if self.split == 1:
-            return dk, dv
-        return dk.new_empty(self.dk_shape), dv.new_empty(self.dv_shape)
-
-    def layouts(self, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """outputs()' shapes and strides without their memory (meta tensors), for a launcher to work out strides."""
-        if self.split == 1:
-            return dk, dv
-        return torch.empty(self.dk_shape, device="meta"), torch.empty(self.dv_shape, device="meta")
+    def partials(self, dk: torch.Tensor, dv: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """New partial buffers of dk's and dv's dtype (on `device`, default theirs), uninitialised."""
+        return dk.new_empty(self.dk_shape, device=device), dv.new_empty(self.dv_shape, device=device)
 
     def sum_into(self, dk_part, dv_part, dk, dv) -> None:
-        if self.split == 1:
-            return
+        """dk and dv: the partials summed over each K/V head's shares."""
         for part, out in ((dk_part, dk), (dv_part, dv)):
             torch.sum(part.view(*out.shape[:2], self.split, *out.shape[2:]), dim=2, out=out)
 
