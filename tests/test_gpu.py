@@ -187,19 +187,27 @@ _CHUNKED_DIMS = [(16, torch.bfloat16), (24, torch.bfloat16), (40, torch.bfloat16
 
 
 @_HOPPER
-@pytest.mark.parametrize("heads", [None, "1", "8"], ids=["rule", "one_a_program", "unsplit"])
+@pytest.mark.parametrize("heads", [None, "4", "1", "8"], ids=["rule", "two_shares", "one_a_program", "unsplit"])
 @pytest.mark.parametrize("spelling", ["64,128,4,2,ws,fused-dq,drain-before-dq", "64,128,4,3,ws,fused-dq,persistent",
-                                      "64,64,4,2,ws,split-roles", "64,64,4,3,ws"])  # fmt: skip
-def test_warpspec_dkdv_of_a_split_group_matches_reference(spelling, heads, monkeypatch):
-    # GQA 8 over 2 K/V heads, causal, ragged: the rule splits each group over two programs a K/V tile (partials of 4
-    # heads, summed after: fa2tune.config.group_split), heads=1 over eight, heads=8 not at all. Persistent (at d=64,
-    # where it fits with dQ fused in): three programs walk the partials' tiles.
+                                      "64,64,4,2,ws,split-roles", "64,64,4,3,ws", "32,64,4,3"])  # fmt: skip
+def test_dkdv_of_a_split_group_matches_reference(spelling, heads, monkeypatch):
+    # GQA 8 over 2 K/V heads, causal, ragged: heads=4 splits each group over two programs a K/V tile (partials of 4
+    # heads, summed after: fa2tune.config.group_split), heads=1 over eight, heads=8 not at all; the rule splits
+    # this grid (6 or 11 K/V tiles a head, 24 or 44 programs) as its SMs ask. Persistent (at d=64, where it fits
+    # with dQ fused in): three programs walk the partials' tiles. The last spelling is the Triton template's.
     from fa2tune.config.group_split import DKDV_HEADS_ENV
+    from fa2tune.launch import backward as backward_launch
+    from fa2tune.launch import plans
 
     if heads is None:
         monkeypatch.delenv(DKDV_HEADS_ENV, raising=False)
     else:
         monkeypatch.setenv(DKDV_HEADS_ENV, heads)
+    splits = []
+    rule = backward_launch.dkdv_group_split
+    monkeypatch.setattr(backward_launch, "dkdv_group_split",
+                        lambda *a, **kw: splits.append(rule(*a, **kw)) or splits[-1])  # fmt: skip
+    plans._plans.clear()
     config = KernelConfig.parse(spelling)
     if config.schedule.persistent:
         monkeypatch.setattr(warpspec, "_sm_count", lambda index: 3)
@@ -210,6 +218,10 @@ def test_warpspec_dkdv_of_a_split_group_matches_reference(spelling, heads, monke
     do = torch.randn_like(q)
     o, lse = ops.forward(q, k, v, causal=True, scale=head_dim**-0.5)
     grads = ops.backward(do, q, k, v, o, lse, causal=True, scale=head_dim**-0.5, dkdv_config=config)
+    if heads is None:
+        assert len(splits) == 1 and splits[0] > 1, splits  # a grid short of a Hopper card's SMs
+    else:
+        assert splits == [8 // int(heads)], splits
     _assert_gradients_match_reference(grads, q, k, v, do, causal=True)
 
 

@@ -1,21 +1,26 @@
 """How many dK/dV programs share a GQA group's query heads: the backward's group split.
 
 A dK/dV program streams every query head of its K/V head's group against one load of its K/V rows, summing their
-dK and dV as it goes. With a large group and the causal mask that stops paying: a program's length is the group
-times its tile's (unequal) causal length, so the last programs run on while other SMs idle, and the programs in
-flight read Q and dO of more heads than L2 keeps. Measured on an H100 (bf16, N=8k, 32 query heads, the
-warp-specialized kernel; docs/PERF.md, "Grouped-query attention"), the d=128 causal backward with 16 query heads a
-program (GQA 32/2) took 9.1 ms, split into programs of 4, 6.0 ms — what 4 (32/8) and 1 (MHA) take unsplit —; d=64
-(persistent) gained 1.6 % at GQA 32/4, and d=256's split-roles kernel (64 K/V rows a program, twice the programs)
-read the same split or not. Without the mask programs are equally long and the split gained nothing (d=128) or
-lost 1.5 % (d=64): one load of K/V for the whole group is what GQA saves there.
+dK and dV as it goes: one load of K/V for the group is what GQA saves. Split, a group's query heads go to `split`
+programs of each K/V tile, each streaming group // split of them into a partial dK and dV of its own (the kernels'
+KV_SPLIT: partial head hk reads K/V head hk // split); the partials, in the gradients' dtype, are summed after
+(launch.backward). That costs the partials' memory (split times dK and dV), one read of them, and each program's
+own load of K/V and store of dK/dV; each partial is rounded once to the dtype, as FlashAttention-2 rounds its
+per-head dK and dV under GQA. Two things make it pay (measured on an H100, bf16, docs/PERF.md "Grouped-query
+attention"):
 
-Split, a group's query heads go to `split` programs of each K/V tile, each streaming group // split of them into
-a partial dK and dV of its own (the kernels' KV_SPLIT: partial head hk reads K/V head hk // split); the partials,
-in the gradients' dtype, are summed after (launch.backward). That costs the partials' memory (split times dK and
-dV) and one read of them; each partial is rounded once to the dtype, as FlashAttention-2 rounds its per-head dK
-and dV under GQA. The Triton template takes the split too, but splits only when told to: its timing under the split
-is not measured.
+- **The tail.** A program runs the group times its tile's causal length. Where the grid has too few programs for
+  the SMs, or its longest program outlasts the work an SM gets on average, the last programs run on while other SMs
+  idle. The rule estimates the grid's makespan at each split (`_makespan`: whole waves of the programs' average
+  length, and no less than the longest) and splits the fewest times that come within TAIL_GAIN of the best
+  estimate — 8 query heads over one K/V head, batch 1, N=16k, causal (128 programs): unsplit 3.97 ms, split in two
+  2.86 (the dK/dV kernel without fused dQ) and 5.00 against 2.65 (with it); no mask there, where 128 equal programs
+  fill 132 SMs in one wave, it gained nothing.
+- **Fused dQ under the causal mask.** The warp-specialized kernel that adds dQ in streams at most
+  MAX_CAUSAL_FUSED_HEADS query heads a program: at d=128, GQA 32/4, batch·N = 16k, splitting each group of 8 in
+  two took the backward from 2.42 to 2.07 ms at N=2k and from 7.2 to 6.0 at 8k, where the same grid without fused
+  dQ gained nothing (persistent: +6 % at 2k, 0 … +2 % at 8k) and the estimate sees a full grid. Why fused dQ loses
+  more with long programs is not measured; each of its steps also adds a 32 KB fp32 partial of dQ into L2.
 
 FA2TUNE_DKDV_HEADS overrides the rule for debugging and A/B runs: the most query heads a program streams, under
 either mask and in either kernel (a large value: never split). A launch plan's key holds it (launch.plans.plan_key), as
@@ -24,24 +29,69 @@ it changes what runs.
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import NamedTuple
 
 DKDV_HEADS_ENV = "FA2TUNE_DKDV_HEADS"
-# The most query heads a causal warp-specialized dK/dV program streams: at d=128 N=8k, 4 ran as fast as 1 (MHA),
-# 8 ran 17 % slower and 16 53 %.
-MAX_CAUSAL_STREAMED_HEADS = 4
+# The most query heads a causal dK/dV program with fused dQ streams: at d=128 N=8k, 4 ran as fast as 1 (MHA), 8 ran
+# 17 % slower and 16 53 %.
+MAX_CAUSAL_FUSED_HEADS = 4
+# A split further than the fused rule's is taken only where it shortens the estimated makespan by more than this:
+# the partials cost a few per cent (d=128, GQA 32/4, N=1k, a full grid: 5 % slower split).
+TAIL_GAIN = 1.1
 
 
-def dkdv_group_split(group: int, causal: bool, warp_specialized: bool = True) -> int:
-    """The programs a K/V tile's group of `group` query heads is split over (1: one program streams them all): the
-    fewest that leave each at most MAX_CAUSAL_STREAMED_HEADS heads, in a causal warp-specialized kernel (above), or
-    FA2TUNE_DKDV_HEADS's in any; always a divisor of `group`."""
-    most = _forced_heads()
-    if most is None:
-        if not (causal and warp_specialized):
-            return 1
-        most = MAX_CAUSAL_STREAMED_HEADS
-    return next(split for split in range(1, group + 1) if group % split == 0 and group // split <= most)
+class DkdvGrid(NamedTuple):
+    """An unsplit dK/dV launch's grid: one program per K/V tile (block_n rows) and K/V head, each stepping over
+    the Q tiles (block_m rows) its keys see; `slots` programs run at once (SMs times programs an SM)."""
+
+    batch_heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+    block_m: int
+    block_n: int
+    causal: bool
+    slots: int
+
+
+def dkdv_group_split(group: int, grid: DkdvGrid, *, fused_dq: bool) -> int:
+    """The programs a K/V tile's group of `group` query heads is split over (1: one program streams them all), a
+    divisor of `group`: FA2TUNE_DKDV_HEADS's if set, else the fewest that leave a causal program with fused dQ at
+    most MAX_CAUSAL_FUSED_HEADS heads and come within TAIL_GAIN of the best estimated makespan (above)."""
+    divisors = [split for split in range(1, group + 1) if group % split == 0]
+    forced = _forced_heads()
+    if forced is not None:
+        return next(split for split in divisors if group // split <= forced)
+    if grid.causal and fused_dq:
+        divisors = [split for split in divisors if group // split <= MAX_CAUSAL_FUSED_HEADS]
+    spans = [_makespan(group, split, grid) for split in divisors]
+    best = min(spans)
+    return next(split for split, span in zip(divisors, spans, strict=True) if span <= best * TAIL_GAIN)
+
+
+def _makespan(group: int, split: int, grid: DkdvGrid) -> float:
+    """The estimated time of the grid, in steps (one Q tile of one query head), with each group split `split`
+    times: whole waves of programs of the average length, and no less than the longest program."""
+    longest, total = _steps_a_head(grid.seqlen_q, grid.seqlen_k, grid.block_m, grid.block_n, grid.causal)
+    tiles = -(-grid.seqlen_k // grid.block_n)
+    heads = group // split
+    programs = grid.batch_heads_kv * tiles * split
+    waves = -(-programs // grid.slots)
+    return max(waves * heads * total / tiles, heads * longest)
+
+
+@functools.lru_cache(maxsize=256)
+def _steps_a_head(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, causal: bool) -> tuple[int, int]:
+    """(the most, the sum) over a head's K/V tiles of the Q tiles each steps over. Causal positions are aligned
+    bottom-right (types.Mask): query i sees key j when j <= i + seqlen_k - seqlen_q."""
+    q_tiles = -(-seqlen_q // block_m)
+    if not causal:
+        tiles = -(-seqlen_k // block_n)
+        return q_tiles, q_tiles * tiles
+    offset = seqlen_k - seqlen_q
+    steps = [max(0, q_tiles - max(0, first_key - offset) // block_m) for first_key in range(0, seqlen_k, block_n)]
+    return max(steps), sum(steps)
 
 
 def _forced_heads() -> int | None:
@@ -57,4 +107,3 @@ def _forced_heads() -> int | None:
             f"{DKDV_HEADS_ENV} must be a positive integer (the query heads a dK/dV program streams); got {value!r}"
         )
     return heads
-

@@ -8,7 +8,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..config.group_split import dkdv_group_split
+from ..config.device import device_info
+from ..config.group_split import DkdvGrid, dkdv_group_split
 from ..config.inputs import check_offsets
 from ..config.types import KernelConfig, Mask
 from . import fastlaunch, plans, warpspec
@@ -152,7 +153,7 @@ def _launcher(q, k, v, o, lse, do, dq, dk, dv, mask, scale, dkdv_config, dq_conf
     stats = _Stats.of(q, lse, packing)
     pre_launch = _preprocess_launcher(q, k, o, do, lse, stats, mask, dq_config, fused_dq, packing)
     shared = _Shared.of(q, k, v, stats, do, mask, scale, packing)
-    split = _GroupSplit.of(q, k, v, mask, dkdv_config)
+    split = _GroupSplit.of(q, k, v, mask, dkdv_config, shared.sizes)
     splits = split.split > 1
     # a split launch's strides are its partials': worked out from meta tensors of their layout
     layouts = split.partials(dk, dv, device="meta") if splits else (dk, dv)
@@ -192,10 +193,16 @@ class _GroupSplit(NamedTuple):
     dv_shape: tuple[int, ...]
 
     @classmethod
-    def of(cls, q, k, v, mask: Mask, config: KernelConfig) -> _GroupSplit:
-        # heads are dimension 1, dense (batch, heads, N, d) or packed (total, heads, d); a band's programs are
-        # about equally long: it splits as no mask does
-        split = dkdv_group_split(q.shape[1] // k.shape[1], mask.causal and not mask.banded, config.warp_specialized)
+    def of(cls, q, k, v, mask: Mask, config: KernelConfig, sizes: tuple) -> _GroupSplit:
+        # sizes: layout()'s (packed: the longest sequence's lengths, an upper bound on the grid's work). A band's
+        # programs are about equally long: it splits as no mask does. A warp-specialized program takes most of an
+        # SM (warpspec._grid); Triton's may share one, which the rule's slots leave out: it splits no more for them
+        batch, _, heads_kv, seqlen_q, seqlen_k, _ = sizes
+        slots = device_info(q.device).sm_count * (config.schedule.programs_an_sm if config.warp_specialized else 1)
+        grid = DkdvGrid(batch * heads_kv, seqlen_q, seqlen_k, config.block_m, config.block_n,
+                        mask.causal and not mask.banded, slots)  # fmt: skip
+        split = dkdv_group_split(q.shape[1] // k.shape[1], grid, fused_dq=config.fused_dq)
+        # heads are dimension 1, dense (batch, heads, N, d) or packed (total, heads, d)
         partial = [(*t.shape[:1], t.shape[1] * split, *t.shape[2:]) for t in (k, v)]
         return cls(split, *partial)
 
