@@ -42,7 +42,8 @@ def test_a_full_causal_grid_splits_only_with_fused_dq_into_the_fewest_shares_of_
 def test_a_grid_short_of_the_sms_splits_until_it_fills_them(fused_dq):
     # One K/V head of 8 query heads, batch 1, N=4k: 32 equal programs (no mask) for 132 SMs. Split in four, 128
     # programs run in one wave, each a quarter as long; split in eight they need two waves and end no sooner. With
-    # 64 SMs two splits fill them, with 32 the grid does. The causal grid's programs are unequal: it splits as far.
+    # 64 SMs two splits fill them, with 32 the grid does. The causal grid's programs are unequal: it splits at least
+    # as far.
     grid = DkdvGrid(1, 4096, 4096, 64, 128, False, slots=132)
     assert dkdv_group_split(8, grid, fused_dq=fused_dq) == 4
     assert dkdv_group_split(8, grid._replace(slots=64), fused_dq=fused_dq) == 2
@@ -66,10 +67,16 @@ def test_the_steps_a_head_count_the_q_tiles_that_see_each_k_tile(seqlen_q, seqle
     # queries sees any of the tile's keys
     visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool).tril(seqlen_k - seqlen_q)
     steps = [sum(bool(rows.any()) for rows in visible[:, first:first + block_n].split(block_m))
-             for first in range(0, seqlen_k, block_n)]
+             for first in range(0, seqlen_k, block_n)]  # fmt: skip
     assert _steps_a_head(seqlen_q, seqlen_k, block_m, block_n, True) == (max(steps), sum(steps))
     q_tiles, k_tiles = -(-seqlen_q // block_m), -(-seqlen_k // block_n)
     assert _steps_a_head(seqlen_q, seqlen_k, block_m, block_n, False) == (q_tiles, q_tiles * k_tiles)
+
+
+def test_a_grid_without_keys_is_not_split():
+    # a packed call's offsets go unchecked under CUDA-graph capture: a longest length of 0 must not break the rule
+    assert dkdv_group_split(8, DkdvGrid(2, 100, 0, 64, 128, True, slots=132), fused_dq=True) == 2
+    assert dkdv_group_split(8, DkdvGrid(2, 0, 100, 64, 128, True, slots=132), fused_dq=False) == 1
 
 
 def test_the_override_sets_the_streamed_heads_under_either_mask(monkeypatch):
@@ -83,14 +90,15 @@ def test_the_override_sets_the_streamed_heads_under_either_mask(monkeypatch):
     assert dkdv_group_split(8, DkdvGrid(1, 4096, 4096, 64, 128, True, 132), fused_dq=False) == 1
 
 
+@pytest.mark.parametrize("group", [1, 8])
 @pytest.mark.parametrize("value", ["0", "-2", "two", ""])
-def test_a_bad_override_names_the_variable(monkeypatch, value):
+def test_a_bad_override_names_the_variable(monkeypatch, value, group):
     monkeypatch.setenv(DKDV_HEADS_ENV, value)
     with pytest.raises(ValueError, match=DKDV_HEADS_ENV):
-        dkdv_group_split(8, _FULL, fused_dq=True)
+        dkdv_group_split(group, _FULL, fused_dq=True)
 
 
-@pytest.mark.parametrize("heads", [None, "1", "3"], ids=["unsplit", "one_a_program", "uneven_share"])
+@pytest.mark.parametrize("heads", [None, "1", "3"], ids=["rule", "one_a_program", "uneven_share"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_split_groups_give_the_reference_gradients(heads, causal, device, monkeypatch):
     # GQA 8 over two K/V heads, ragged lengths (N_Q != N_K, not multiples of the tiles), the Triton template: heads=1

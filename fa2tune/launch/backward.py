@@ -196,9 +196,10 @@ class _GroupSplit(NamedTuple):
     def of(cls, q, k, v, mask: Mask, config: KernelConfig, sizes: tuple) -> _GroupSplit:
         # sizes: layout()'s (packed: the longest sequence's lengths, an upper bound on the grid's work). A band's
         # programs are about equally long: it splits as no mask does. A warp-specialized program takes most of an
-        # SM (warpspec._grid); Triton's may share one, which the rule's slots leave out: it splits no more for them
+        # SM (warpspec._grid), or half with two an SM; Triton's may share one, which the slots leave out (one an
+        # SM: the rule splits no more for them)
         batch, _, heads_kv, seqlen_q, seqlen_k, _ = sizes
-        slots = device_info(q.device).sm_count * (config.schedule.programs_an_sm if config.warp_specialized else 1)
+        slots = device_info(q.device).sm_count * config.schedule.programs_an_sm
         grid = DkdvGrid(batch * heads_kv, seqlen_q, seqlen_k, config.block_m, config.block_n,
                         mask.causal and not mask.banded, slots)  # fmt: skip
         split = dkdv_group_split(q.shape[1] // k.shape[1], grid, fused_dq=config.fused_dq)

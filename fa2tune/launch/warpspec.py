@@ -17,6 +17,7 @@ import functools
 import torch
 
 from ..config import head_chunks, planner
+from ..config.device import device_info
 from ..config.inputs import interpreting
 from ..config.types import KernelConfig, Mask, Variant
 from ..kernels import codegen
@@ -68,7 +69,8 @@ def _capability(index: int | None) -> tuple[int, int]:
 
 @functools.cache
 def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    # the card's reading (config.device), which the backward's group split counts its slots by too
+    return device_info(torch.device("cuda", index) if index is not None else "cuda").sm_count
 
 
 @functools.cache

@@ -158,7 +158,8 @@ def run_study(
 class _Sizes:
     """What a study times and checks: the tuning lengths at batch·N = tokens and heads·d = width, and the shape
     (batch, heads_q, heads_kv, N_q, N_k, d) its winner is verified at: on a GPU GQA 8 over a grid short of the SMs,
-    so that a dK/dV winner is also checked split (config.group_split). Small under the interpreter, whose time
+    so that a dK/dV winner is also checked split (config.group_split): every warp-specialized one, and Triton's
+    with K/V tiles of 64 rows or more. Small under the interpreter, whose time
     grows with them."""
 
     seqlens: tuple[int, ...]
