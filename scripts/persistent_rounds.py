@@ -44,9 +44,11 @@ def per_tile_busy(seqlen: int, tokens: int, heads: int, rows: int, programs: int
                   interleave: int, overhead: float) -> float:  # fmt: skip
     """The busy fraction of a causal grid of one program a K/V tile (batch = tokens // seqlen, at least 1, times
     `heads` K/V heads), its slots taken in launch order by the SM that frees first."""
-    batch, tiles = max(1, tokens // seqlen), math.ceil(seqlen / rows)
-    q_tiles = math.ceil(seqlen / q_rows)
-    work = [group * (q_tiles - j * rows // q_rows) + overhead for j in range(tiles)]  # longest first
+    from fa2tune.config.group_split import q_tiles_seen
+
+    batch = max(1, tokens // seqlen)
+    work = [group * steps + overhead for steps in q_tiles_seen(seqlen, seqlen, q_rows, rows, True)]  # longest first
+    tiles = len(work)
     order = []
     for lead in range(0, batch * heads, interleave):  # sets of `interleave` heads, their j-th tiles together
         order += [work[j] for j in range(tiles) for _ in range(min(interleave, batch * heads - lead))]

@@ -92,16 +92,21 @@ def _makespan(group: int, split: int, grid: DkdvGrid) -> float:
     return max(waves * heads * total / tiles, heads * longest)
 
 
-@functools.lru_cache(maxsize=256)
-def _steps_a_head(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, causal: bool) -> tuple[int, int]:
-    """(the most, the sum) over a head's K/V tiles of the Q tiles each steps over. Causal positions are aligned
-    bottom-right (types.Mask): query i sees key j when j <= i + seqlen_k - seqlen_q."""
+def q_tiles_seen(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, causal: bool) -> list[int]:
+    """The Q tiles (block_m rows) each K/V tile (block_n keys) of a head steps over, in K/V tile order. Causal
+    positions are aligned bottom-right (types.Mask): query i sees key j when j <= i + seqlen_k - seqlen_q, so a
+    tile's first Q tile is its first key's, less that offset (bwd_ws.py.jinja's _tile)."""
     q_tiles = -(-seqlen_q // block_m)
     if not causal:
-        tiles = -(-seqlen_k // block_n)
-        return q_tiles, q_tiles * tiles
+        return [q_tiles] * -(-seqlen_k // block_n)
     offset = seqlen_k - seqlen_q
-    steps = [max(0, q_tiles - max(0, first_key - offset) // block_m) for first_key in range(0, seqlen_k, block_n)]
+    return [max(0, q_tiles - max(0, first_key - offset) // block_m) for first_key in range(0, seqlen_k, block_n)]
+
+
+@functools.lru_cache(maxsize=256)
+def _steps_a_head(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, causal: bool) -> tuple[int, int]:
+    """(the most, the sum) of q_tiles_seen: what the makespan estimate reads, once per shape."""
+    steps = q_tiles_seen(seqlen_q, seqlen_k, block_m, block_n, causal)
     return max(steps, default=0), sum(steps)
 
 
