@@ -29,6 +29,8 @@ import heapq
 import math
 import statistics
 
+from fa2tune.config.group_split import q_tiles_seen
+
 
 def busy(seqlen: int, tokens: int, heads: int, rows: int, programs: int, causal: bool) -> float:
     """The busy fraction of the launch at `seqlen` (batch = tokens // seqlen, at least 1)."""
@@ -44,8 +46,6 @@ def per_tile_busy(seqlen: int, tokens: int, heads: int, rows: int, programs: int
                   interleave: int, overhead: float) -> float:  # fmt: skip
     """The busy fraction of a causal grid of one program a K/V tile (batch = tokens // seqlen, at least 1, times
     `heads` K/V heads), its slots taken in launch order by the SM that frees first."""
-    from fa2tune.config.group_split import q_tiles_seen
-
     batch = max(1, tokens // seqlen)
     work = [group * steps + overhead for steps in q_tiles_seen(seqlen, seqlen, q_rows, rows, True)]  # longest first
     tiles = len(work)

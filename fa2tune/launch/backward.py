@@ -197,12 +197,13 @@ class _GroupSplit(NamedTuple):
         # sizes: layout()'s (packed: the longest sequence's lengths, an upper bound on the grid's work). A band's
         # programs are about equally long: it splits as no mask does. A warp-specialized program takes most of an
         # SM (warpspec._grid), or half with two an SM; Triton's may share one, which the slots leave out (one an
-        # SM: the rule splits no more for them)
+        # SM: the rule splits no more for them). MHA (a group of one) never splits and reads no device for it
         batch, _, heads_kv, seqlen_q, seqlen_k, _ = sizes
-        slots = device_info(q.device).sm_count * config.schedule.programs_an_sm
+        group = q.shape[1] // k.shape[1]
+        slots = device_info(q.device).sm_count * config.schedule.programs_an_sm if group > 1 else 1
         grid = DkdvGrid(batch * heads_kv, seqlen_q, seqlen_k, config.block_m, config.block_n,
                         mask.causal and not mask.banded, slots)  # fmt: skip
-        split = dkdv_group_split(q.shape[1] // k.shape[1], grid, fused_dq=config.fused_dq)
+        split = dkdv_group_split(group, grid, fused_dq=config.fused_dq)
         # heads are dimension 1, dense (batch, heads, N, d) or packed (total, heads, d)
         partial = [(*t.shape[:1], t.shape[1] * split, *t.shape[2:]) for t in (k, v)]
         return cls(split, *partial)

@@ -159,8 +159,7 @@ class _Sizes:
     """What a study times and checks: the tuning lengths at batch·N = tokens and heads·d = width, and the shape
     (batch, heads_q, heads_kv, N_q, N_k, d) its winner is verified at: on a GPU GQA 8 over a grid short of the SMs,
     so that a dK/dV winner is also checked split (config.group_split): every warp-specialized one, and Triton's
-    with K/V tiles of 64 rows or more. Small under the interpreter, whose time
-    grows with them."""
+    with K/V tiles of 64 rows or more. Small under the interpreter, whose time grows with them."""
 
     seqlens: tuple[int, ...]
     tokens: int
