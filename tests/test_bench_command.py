@@ -157,6 +157,36 @@ def test_from_csv_reports_an_earlier_run_without_measuring(tmp_path, capsys):
     assert "geomean 1.25x over 1 shapes" in data["summary"][0]
 
 
+_HEADER = "provider,mode,dtype,batch,heads,heads_kv,seqlen,head_dim,causal,ms,tflops,rel_err,note\n"
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ("fa2tune,fwd,bf16,x,2,2,64,32,yes,1.0,2.0,,\n", "column batch: expected a whole number, got 'x'"),
+        ("fa2tune,fwd,bf16,1,2,2,64,32,yes,abc,,,\n", "column ms: expected a number, got 'abc'"),
+        ("fa2tune,fwd,bf16,1,2,2,0,32,yes,1.0,2.0,,\n", "column seqlen: expected at least 1, got 0"),
+        ("fa2tune,fwd,bf16,1,2\n", "column head_dim: expected a whole number, got None"),
+    ],
+)
+@pytest.mark.parametrize("flag", ["--from-csv", "--merge-into"])
+def test_a_csv_with_a_bad_row_is_refused_by_line_and_column_before_measuring(tmp_path, capsys, body, says, flag):
+    path = tmp_path / "rows.csv"
+    path.write_text(_HEADER + "fa2tune,fwd,bf16,1,2,2,64,32,no,1.0,2.0,,\n" + body)
+    before = path.read_text()
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*_TINY, "--mode", "fwd", "--providers", "sdpa_math", flag, str(path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"{flag} {path}: line 3: {says}" in err, err
+    assert "[1/" not in err and path.read_text() == before  # refused before any shape was measured
+
+
+def test_a_reading_that_is_not_finite_reads_as_no_number():
+    row = report.complete(dict(provider="fa2tune", mode="fwd", seqlen="64", head_dim="32", causal="no", ms="nan",
+                               tflops="inf"))  # fmt: skip
+    assert math.isnan(row["ms"]) and math.isnan(row["tflops"])
+
+
 def test_processes_measure_in_fresh_processes_and_merge_each_rows_median(tmp_path, capsys, monkeypatch):
     # --processes 3 --merge-into CSV: three `fa2tune bench` child processes given this one's shape flags, device and
     # providers (and a CSV each); each row's median replaces the merged file's row, the other rows are kept.

@@ -21,6 +21,7 @@ COLUMNS = ("provider", "mode", "dtype", "batch", "heads", "heads_kv", "seqlen", 
            "rel_err", "note")  # fmt: skip
 _INTS = ("batch", "heads", "heads_kv", "seqlen", "head_dim")
 _FLOATS = ("ms", "tflops", "rel_err")
+_READINGS = ("ms", "tflops")
 # What makes two rows the same measurement (merge, median), and the same shape (ratios between providers).
 _SHAPE = ("mode", "dtype", "batch", "heads", "heads_kv", "seqlen", "head_dim", "causal")
 
@@ -34,22 +35,46 @@ def rounded(value: float) -> float:
 
 
 def complete(row: dict) -> dict:
-    """row with the columns that the grid's older rows leave out filled in by the grid's rule; typed fields."""
+    """row with the columns that the grid's older rows leave out filled in by the grid's rule; typed fields. A value
+    that does not parse, or a length, head dim or head count below 1, raises ValueError naming the column."""
     row = dict(row)
-    row["head_dim"], row["seqlen"] = int(row["head_dim"]), int(row["seqlen"])
+    row["head_dim"], row["seqlen"] = _count(row, "head_dim"), _count(row, "seqlen")
     row.setdefault("dtype", "bf16")
     row.setdefault("batch", max(1, GRID_TOKENS // row["seqlen"]))
     row.setdefault("heads", max(1, GRID_WIDTH // row["head_dim"]))
-    row.setdefault("heads_kv", int(row["heads"]) // int(row.pop("gqa", None) or 1))
+    row.setdefault("heads_kv", _count(row, "heads") // _count(row, "gqa", default=1))
+    row.pop("gqa", None)
     for name in _INTS:
-        row[name] = int(row[name])
+        row[name] = _count(row, name)
+    if row.get("causal") is None:
+        raise ValueError("column causal: expected yes or no, got nothing")
     if isinstance(row["causal"], str):
         row["causal"] = row["causal"] in ("True", "true", "1", "yes")
     for name in _FLOATS:
         value = row.get(name, math.nan)
-        row[name] = float(value) if value not in ("", "nan", None) else math.nan
+        try:
+            row[name] = float(value) if value not in ("", "nan", None) else math.nan
+        except (TypeError, ValueError):
+            raise ValueError(f"column {name}: expected a number, got {value!r}") from None
+    for name in _READINGS:  # a timing that is not a finite number is no reading
+        if not math.isfinite(row[name]):
+            row[name] = math.nan
     row.setdefault("note", "")
     return row
+
+
+def _count(row: dict, name: str, default: int | None = None) -> int:
+    """row[name] as an int of at least 1 (default where the column is absent or empty, if given)."""
+    value = row.get(name)
+    if value in (None, "") and default is not None:
+        return default
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"column {name}: expected a whole number, got {value!r}") from None
+    if number < 1:
+        raise ValueError(f"column {name}: expected at least 1, got {number}")
+    return number
 
 
 # The columns a benchmark CSV cannot do without (complete fills in the grid's others)
@@ -67,7 +92,15 @@ def csv_problem(path: str | Path) -> str | None:
     except (OSError, UnicodeDecodeError) as exc:
         return f"cannot be read ({exc})"
     missing = [name for name in REQUIRED_COLUMNS if name not in header]
-    return f"not a benchmark CSV (no {', '.join(missing)} column)" if missing else None
+    if missing:
+        return f"not a benchmark CSV (no {', '.join(missing)} column)"
+    with open(path, newline="") as handle:
+        for line, row in enumerate(csv.DictReader(handle), start=2):
+            try:
+                complete(row)
+            except ValueError as exc:
+                return f"line {line}: {exc}"
+    return None
 
 
 def read_rows(path: str | Path) -> list[dict]:
