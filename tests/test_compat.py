@@ -361,14 +361,15 @@ def test_patch_sdpa_names_mixed_dtypes_as_its_reason(fresh_notes, caplog):
     assert len(caplog.records) == 1 and "different dtypes" in caplog.records[0].getMessage()
 
 
-@pytest.mark.parametrize("mask", ["bfloat16 mask", "float64 mask", "0-dim bool", "0-dim float"])
+@pytest.mark.parametrize("mask", ["bfloat16 mask", "float64 mask", "0-dim bool", "0-dim float", "1-D bool"])
 def test_patch_sdpa_leaves_masks_pytorch_refuses_to_pytorch(mask, packed_calls, device):
-    # PyTorch's SDPA takes a bool mask or one in query's dtype, of at least one dimension: the patched function
-    # must raise what it raises, not give a result code run without the patch would not get
+    # PyTorch's SDPA takes a bool mask or one in query's dtype, of at least one dimension (its CPU backends: two):
+    # the patched function must raise what it raises, not give a result code run without the patch would not get
     q, k, v = _tensors((2, 2, 2, 5, 7, 16), torch.float32, device, seed=6)
     hidden = torch.where(_key_padding(2, 7, device, seed=6), 0.0, float("-inf"))[:, None, None, :]
     mask = {"bfloat16 mask": hidden.bfloat16(), "float64 mask": hidden.double(),
-            "0-dim bool": torch.tensor(True, device=device), "0-dim float": torch.tensor(0.0, device=device)}[mask]
+            "0-dim bool": torch.tensor(True, device=device), "0-dim float": torch.tensor(0.0, device=device),
+            "1-D bool": _key_padding(2, 7, device, seed=6)[0]}[mask]
     try:
         sdpa.TORCH_SDPA(q, k, v, attn_mask=mask)
     except (RuntimeError, IndexError) as error:
@@ -543,3 +544,9 @@ def test_layout_mixups_get_errors_that_name_the_layouts(device):
         fa2tune.flash_attn_func(q, k, v)
     with pytest.raises(ValueError, match=r"flash_attn's \(batch, seqlen, heads, head_dim\) pass .transpose"):
         fa2tune.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+
+
+def test_flash_attn_func_with_no_kv_heads_says_so_without_a_layout_hint(device):
+    q, k, v = (torch.randn(1, 6, heads, 16, device=device) for heads in (4, 0, 0))
+    with pytest.raises(ValueError, match=r"k and v must have at least one head \(dim 2\), got k \(1, 6, 0, 16\)$"):
+        fa2tune.flash_attn_func(q, k, v)

@@ -359,7 +359,7 @@ def _append_args(device, batch=2, kv_heads=2):
 
 
 @pytest.mark.parametrize("alias", ["batch expanded", "heads expanded", "k_cache is v_cache", "overlapping slices",
-                                   "overlapping permuted"])
+                                   "overlapping permuted", "heads overlapping, neither dense", "folded onto itself"])
 def test_an_append_into_caches_that_share_memory_is_refused(alias, device):
     # entries or heads of an expanded cache would overwrite each other's new keys; one tensor as both caches would
     # get the new values over the new keys
@@ -371,9 +371,14 @@ def test_an_append_into_caches_that_share_memory_is_refused(alias, device):
         "k_cache is v_cache": lambda: (one.expand(2, 12, 2, 16).contiguous(),) * 2,
         "overlapping slices": lambda: (lambda buf: (buf[:2], buf[1:]))(rand(3, 12, 2, 16)),
         "overlapping permuted": lambda: (lambda buf: (buf[:2], buf[1:]))(rand(3, 2, 12, 16).transpose(1, 2)),
+        # heads 0-1 and 1-2 of one (…, 3, head_dim) buffer: strided views whose byte ranges interleave
+        "heads overlapping, neither dense": lambda: (lambda buf: (buf[:, :, 0:2], buf[:, :, 1:3]))(rand(2, 12, 3, 16)),
+        # heads one head_dim apart and rows one head apart: row r's head 1 is row r + 1's head 0
+        "folded onto itself": lambda: (rand(416).as_strided((2, 12, 2, 16), (208, 16, 16, 1)), rand(2, 12, 2, 16)),
     }[alias]()
     before = [c.clone() for c in caches]
-    words = "share memory" if "expanded" not in alias else "elements share memory .stride 0 in dim"
+    words = {"batch expanded": "elements share memory .stride 0 in dim", "heads expanded": "elements share memory "
+             ".stride 0 in dim", "folded onto itself": "reaches one element by two indices"}.get(alias, "share memory")
     with pytest.raises(ValueError, match=words):
         fa2tune.flash_attn_with_kvcache(k_cache=caches[0], v_cache=caches[1], **args)
     assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))  # refused before any write
@@ -399,6 +404,32 @@ def test_a_call_past_a_grid_axis_is_refused_by_name(past, device):
     with pytest.raises(ValueError, match=words):
         fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths)
     assert not k_cache.any()  # refused before any write
+
+
+def test_the_caches_overlap_check_is_exact_on_random_views_of_one_storage():
+    # the search against the elements each view reaches, counted one by one: two views share one, or one view reaches
+    # an element by two indices, exactly where the check says so
+    from fa2tune.config.kvcache_inputs import _folds_onto_itself, _overlap
+
+    gen = torch.Generator().manual_seed(11)
+    pick = lambda top: int(torch.randint(top, (), generator=gen))
+    base, index = torch.zeros(1200), torch.arange(1200, dtype=torch.float64)
+    reached = lambda t: index.as_strided(t.shape, t.stride(), t.storage_offset()).flatten().tolist()
+
+    def view():
+        dims = 1 + pick(4)
+        strides = (0, 1, 2, 3, 5, 8, 16, 24, 64)
+        return base.as_strided([1 + pick(6) for _ in range(dims)], [strides[pick(len(strides))] for _ in range(dims)],
+                               pick(80))  # fmt: skip
+
+    for _ in range(600):
+        a, b = view(), view()
+        assert _overlap(a, b) == bool(set(reached(a)) & set(reached(b))), (a.shape, a.stride(), b.shape, b.stride())
+        if 0 not in [stride for stride, n in zip(a.stride(), a.shape, strict=True) if n > 1]:
+            assert _folds_onto_itself(a) == (len(set(reached(a))) < a.numel()), (a.shape, a.stride())
+    wide = torch.zeros(4, 8192, 16, 128)  # a model's cache: halves of the heads and of head_dim share nothing
+    assert not _overlap(wide[:, :, :8], wide[:, :, 8:]) and not _overlap(wide[..., :64], wide[..., 64:])
+    assert _overlap(wide[:, :, :9], wide[:, :, 8:]) and _overlap(wide[..., :65], wide[..., 64:])
 
 
 def test_an_append_under_a_dispatch_mode_checks_the_caches_memory_too(device):

@@ -331,8 +331,8 @@ def _patched(replaced):
 def _unsupported(query, key, value, attn_mask, mask_dtype, dropout_p, is_causal, scale, enable_gqa) -> str | None:
     """Why the patched SDPA leaves this call to the SDPA it replaced, as a short reason, or None: fa2tune's
     scaled_dot_product_attention would refuse it, or PyTorch's may (a mask neither bool, float32 nor in query's
-    dtype as autocast hands them over — mask_dtype —, which it refuses; a 0-dim one, which some of its backends
-    refuse and others broadcast): PyTorch's result or error is then the call's."""
+    dtype as autocast hands them over — mask_dtype —, which it refuses; one of fewer than two dimensions, which its
+    CPU backends refuse and others may broadcast): PyTorch's result or error is then the call's."""
     tensors = (query, key, value)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
         return "dropout_p > 0"
@@ -363,7 +363,7 @@ def _unsupported(query, key, value, attn_mask, mask_dtype, dropout_p, is_causal,
     if attn_mask is not None and not (
         type(attn_mask) is torch.Tensor
         and _mask_dtype_taken(mask_dtype, query.dtype)
-        and attn_mask.dim() > 0
+        and attn_mask.dim() >= 2
         and attn_mask.device == query.device
         and mask_fits(attn_mask, (batch, heads_q, query.shape[2], seqlen_k))
     ):

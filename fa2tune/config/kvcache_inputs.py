@@ -11,6 +11,7 @@ tensor.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -115,38 +116,135 @@ def check_writable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 
 def check_unshared(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """The caches an append writes into, as PyTorch's in-place overlap rule sees them: no element shares memory
-    with another (a stride-0 dimension, as expand() makes: entries or heads would overwrite each other's new keys),
-    and k_cache and v_cache share none (one tensor as both would get the new values over the new keys)."""
+    """The caches an append writes into, as PyTorch's in-place overlap rule sees them and beyond it: no element
+    shares memory with another (a stride-0 dimension, as expand() makes, or strides that fold a tensor onto itself:
+    entries or heads would overwrite each other's new keys), and k_cache and v_cache share none (one tensor as both
+    would get the new values over the new keys). Views of one buffer that interleave, as k and v of a
+    (…, 2, heads, head_dim) one, share none and pass."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         shared = [dim for dim in range(t.dim()) if t.stride(dim) == 0 and t.shape[dim] > 1]
         if shared:
             raise ValueError(f"{name} is written in place by the append, but its elements share memory (stride 0 in "
                              f"dim {shared[0]}, as expand() makes; strides {tuple(t.stride())}): pass a cache with "
                              f"memory of its own (.contiguous())")  # fmt: skip
+        if _folds_onto_itself(t):
+            raise ValueError(f"{name} is written in place by the append, but its elements share memory (shape "
+                             f"{tuple(t.shape)} with strides {tuple(t.stride())} reaches one element by two indices): "
+                             f"pass a cache with memory of its own (.contiguous())")  # fmt: skip
     if _overlap(k_cache, v_cache):
         raise ValueError("k_cache and v_cache share memory, and the append writes new keys into one and new values "
                          "into the other: pass two caches")  # fmt: skip
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors certainly share an element (PyTorch's in-place overlap rule): the same first element,
-    or the byte ranges of two dense tensors (in any order of their dimensions) of one storage intersecting.
-    Strided views that interleave (k and v of one (…, 2, heads, head_dim) buffer) share none."""
+    """Whether two tensors may share a byte: the same first element, or byte ranges of one storage that intersect
+    and an element of each at the same address (_geometries_meet)."""
     if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     if a.data_ptr() == b.data_ptr():
         return True
-    if not (_dense(a) and _dense(b)):
+    ga, gb = _geometry(a), _geometry(b)
+    (a_lo, a_hi), (b_lo, b_hi) = _byte_span(a.data_ptr(), ga), _byte_span(b.data_ptr(), gb)
+    if a_hi <= b_lo or b_hi <= a_lo:
         return False
-    size = a.element_size()
-    return a.data_ptr() < b.data_ptr() + b.numel() * size and b.data_ptr() < a.data_ptr() + a.numel() * size
+    return _geometries_meet(ga, gb, b_lo - a_lo)
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether t's elements fill a block of memory without gaps or repeats, its dimensions in some order."""
+def _folds_onto_itself(t: torch.Tensor) -> bool:
+    """Whether two indices of t reach one element (stride-0 dimensions aside, which check_unshared names first)."""
+    return t.numel() > 1 and _geometry_folds(_geometry(t))
+
+
+# (shape, strides, element size): all that decides which bytes a tensor's elements reach relative to its first
+Geometry = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+def _geometry(t: torch.Tensor) -> Geometry:
+    return tuple(t.shape), t.stride(), t.element_size()
+
+
+def _byte_span(first: int, geometry: Geometry) -> tuple[int, int]:
+    """[first byte, one past the last byte) that a tensor's elements reach."""
+    shape, strides, size = geometry
+    return first, first + (sum(stride * (n - 1) for n, stride in zip(shape, strides, strict=True)) + 1) * size
+
+
+# An append checks its caches at every decode step: the searches are cached by geometry (a model's caches keep theirs).
+@functools.lru_cache(maxsize=256)
+def _geometries_meet(a: Geometry, b: Geometry, offset: int) -> bool:
+    """Whether a byte of a tensor of geometry a, and one of a tensor of geometry b starting `offset` bytes after it,
+    share an address: Σ s·x − Σ t·y + (e − f) = offset over their indices x, y and bytes e, f within an element."""
+    if _dense(a) and _dense(b):
+        return True  # two blocks without gaps, their ranges intersecting (the caller's check)
+    return _reachable([*_byte_terms(a, sign=1), *_byte_terms(b, sign=-1)], offset, nonzero=False)
+
+
+@functools.lru_cache(maxsize=256)
+def _geometry_folds(geometry: Geometry) -> bool:
+    """Whether two indices reach one element: Σ stride·(x − y) = 0 with x ≠ y."""
+    if _dense(geometry):
+        return False
+    shape, strides, _ = geometry
+    terms = [(stride, 1 - n, n - 1) for n, stride in zip(shape, strides, strict=True) if n > 1 and stride > 0]
+    return _reachable(terms, 0, nonzero=True)
+
+
+def _byte_terms(geometry: Geometry, sign: int) -> list[tuple[int, int, int]]:
+    """(bytes a step, lowest, highest index) for each dimension, and one for the byte within an element; sign −1
+    negates the indices' range."""
+    shape, strides, size = geometry
+    ranges = [(stride * size, n - 1) for n, stride in zip(shape, strides, strict=True) if n > 1 and stride > 0]
+    ranges.append((1, size - 1))
+    return [(step, 0, top) if sign > 0 else (step, -top, 0) for step, top in ranges]
+
+
+# The most search nodes _reachable visits before it answers "may": views' strides nest (each larger than what the
+# smaller ones reach), which leaves one or two choices a dimension, so real caches need a few dozen.
+_SEARCH_NODES = 100_000
+
+
+def _reachable(terms: list[tuple[int, int, int]], target: int, *, nonzero: bool) -> bool:
+    """Whether Σ coef·x = target has an integer solution with lo <= x <= hi for every (coef > 0, lo, hi) term — with
+    some x ≠ 0, where nonzero — by a depth-first search over the terms, largest coefficient first, each x bounded
+    by what the terms after it can reach. True also where the search passes _SEARCH_NODES (the answer "may").
+
+    Terms of one coefficient (two views with the same strides) add up to one term over the sum of their ranges;
+    with nonzero, two of them (each range holding −1 … 1) already give x = 1, x' = −1."""
+    merged: dict[int, tuple[int, int]] = {}
+    for coef, lo, hi in terms:
+        if coef in merged and nonzero:
+            return True
+        low_sum, high_sum = merged.get(coef, (0, 0))
+        merged[coef] = (low_sum + lo, high_sum + hi)
+    terms = sorted(((coef, lo, hi) for coef, (lo, hi) in merged.items()), reverse=True)
+    low, high = [0] * (len(terms) + 1), [0] * (len(terms) + 1)
+    for i in range(len(terms) - 1, -1, -1):
+        coef, lo, hi = terms[i]
+        low[i], high[i] = low[i + 1] + coef * lo, high[i + 1] + coef * hi
+    visited = 0
+
+    def search(i: int, rest: int, moved: bool) -> bool:
+        nonlocal visited
+        visited += 1
+        if visited > _SEARCH_NODES:
+            return True
+        if i == len(terms):
+            return rest == 0 and (moved or not nonzero)
+        if not low[i] <= rest <= high[i]:
+            return False
+        coef, lo, hi = terms[i]
+        first = max(lo, -((high[i + 1] - rest) // coef))  # ceil((rest − high) / coef)
+        last = min(hi, (rest - low[i + 1]) // coef)
+        return any(search(i + 1, rest - coef * x, moved or x != 0) for x in range(first, last + 1))
+
+    return search(0, target, False)
+
+
+def _dense(geometry: Geometry) -> bool:
+    """Whether a tensor's elements fill a block of memory without gaps or repeats, its dimensions in some order."""
+    shape, strides, _ = geometry
     expected = 1
-    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride(), strict=True) if size > 1):
+    for stride, size in sorted((stride, size) for size, stride in zip(shape, strides, strict=True) if size > 1):
         if stride != expected:
             return False
         expected *= size
