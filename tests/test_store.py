@@ -510,7 +510,8 @@ def test_a_gpu_without_an_entry_of_its_own_reads_the_entry_of_a_gpu_of_the_same_
     assert resolve(True, torch.float16) == (own, f"{h100_file} (bf16 entry)")
     shipped = store.shipped_config_dir() / "nvidia-h200.yaml"
     assert store.same_chip_gpus(h100) == [store.SameChipGPU("NVIDIA H200", (h200_file, shipped))]
-    assert store.same_chip_gpus(h200) == [store.SameChipGPU("NVIDIA H100 80GB HBM3", (h100_file,))]
+    shipped_h100 = store.shipped_config_dir() / "nvidia-h100-80gb-hbm3.yaml"
+    assert store.same_chip_gpus(h200) == [store.SameChipGPU("NVIDIA H100 80GB HBM3", (h100_file, shipped_h100))]
     device = pcie
     selection.clear_cache()
     assert store.same_chip_gpus(pcie) == [] and resolve(False)[1] == "planner-default"
