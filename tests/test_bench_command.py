@@ -166,7 +166,8 @@ _HEADER = "provider,mode,dtype,batch,heads,heads_kv,seqlen,head_dim,causal,ms,tf
         ("fa2tune,fwd,bf16,x,2,2,64,32,yes,1.0,2.0,,\n", "column batch: expected a whole number, got 'x'"),
         ("fa2tune,fwd,bf16,1,2,2,64,32,yes,abc,,,\n", "column ms: expected a number, got 'abc'"),
         ("fa2tune,fwd,bf16,1,2,2,0,32,yes,1.0,2.0,,\n", "column seqlen: expected at least 1, got 0"),
-        ("fa2tune,fwd,bf16,1,2\n", "column head_dim: expected a whole number, got None"),
+        ("fa2tune,fwd,bf16,1,2\n", "column head_dim: missing (a short row)"),
+        ("fa2tune,fwd,bf16,1,2,2,64,32,maybe,1.0,2.0,,\n", "column causal: expected True or False, got 'maybe'"),
     ],
 )
 @pytest.mark.parametrize("flag", ["--from-csv", "--merge-into"])
@@ -179,6 +180,15 @@ def test_a_csv_with_a_bad_row_is_refused_by_line_and_column_before_measuring(tmp
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"{flag} {path}: line 3: {says}" in err, err
     assert "[1/" not in err and path.read_text() == before  # refused before any shape was measured
+
+
+def test_a_csv_row_reads_its_mask_in_any_case_and_a_quoted_note_does_not_shift_the_line_named(tmp_path):
+    path = tmp_path / "rows.csv"
+    path.write_text(_HEADER + 'fa2tune,fwd,bf16,1,2,2,64,32,TRUE,1.0,2.0,,"a note\nover two lines"\n'
+                    + "fa2tune,fwd,bf16,1,2,2,64,32,FALSE,1.0,x,,\n")  # fmt: skip
+    assert report.csv_problem(path) == "line 4: column tflops: expected a number, got 'x'"
+    path.write_text(_HEADER + 'fa2tune,fwd,bf16,1,2,2,64,32,TRUE,1.0,2.0,,"a note\nover two lines"\n')
+    assert report.csv_problem(path) is None and [row["causal"] for row in report.read_rows(path)] == [True]
 
 
 def test_a_reading_that_is_not_finite_reads_as_no_number():

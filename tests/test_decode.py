@@ -432,6 +432,33 @@ def test_the_caches_overlap_check_is_exact_on_random_views_of_one_storage():
     assert _overlap(wide[:, :, :9], wide[:, :, 8:]) and _overlap(wide[..., :65], wide[..., 64:])
 
 
+def test_caches_whose_sharing_the_search_cannot_rule_out_are_refused_saying_so(device, monkeypatch):
+    # past the search's budget the check does not know: the append refuses rather than write into memory that may be
+    # shared, and says that it could not tell
+    from fa2tune.config import kvcache_inputs
+
+    monkeypatch.setattr(kvcache_inputs, "_SEARCH_NODES", 50)
+    # 6x + 10y = 7919 with 0 <= x, y <= 2000 has no solution (the left side is even), and coefficients that do not
+    # nest leave hundreds of values of y to try before the search can say so
+    assert kvcache_inputs._reachable([(6, 0, 2000), (10, 0, 2000)], 7919, nonzero=False) is None
+    monkeypatch.setattr(kvcache_inputs, "_SEARCH_NODES", 100_000)
+    assert kvcache_inputs._reachable([(6, 0, 2000), (10, 0, 2000)], 7919, nonzero=False) is False
+    args, rand = _append_args(device)
+    monkeypatch.setattr(kvcache_inputs, "_overlap", lambda a, b: None)
+    with pytest.raises(ValueError, match=r"may share memory \(too many index combinations to rule it out\)"):
+        fa2tune.flash_attn_with_kvcache(k_cache=rand(2, 12, 2, 16), v_cache=rand(2, 12, 2, 16), **args)
+
+
+def test_caches_of_two_storage_objects_over_one_buffer_are_checked_by_address(device):
+    # a DLPack (CuPy, JAX) view of a tensor is another storage object over the same memory
+    from fa2tune.config.kvcache_inputs import _overlap
+
+    buffer = torch.randn(3, 12, 2, 16, device=device)
+    other = torch.utils.dlpack.from_dlpack(buffer[1:])
+    assert other.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+    assert _overlap(buffer[:2], other) and not _overlap(buffer[:1], other)
+
+
 def test_an_append_under_a_dispatch_mode_checks_the_caches_memory_too(device):
     # outside plain eager calls the append runs through the custom op, which checks the caches' memory itself
     from torch.utils.flop_counter import FlopCounterMode

@@ -332,7 +332,7 @@ def _unsupported(query, key, value, attn_mask, mask_dtype, dropout_p, is_causal,
     """Why the patched SDPA leaves this call to the SDPA it replaced, as a short reason, or None: fa2tune's
     scaled_dot_product_attention would refuse it, or PyTorch's may (a mask neither bool, float32 nor in query's
     dtype as autocast hands them over — mask_dtype —, which it refuses; one of fewer than two dimensions, which its
-    CPU backends refuse and others may broadcast): PyTorch's result or error is then the call's."""
+    default CPU backend refuses and others may broadcast): PyTorch's result or error is then the call's."""
     tensors = (query, key, value)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
         return "dropout_p > 0"

@@ -42,14 +42,15 @@ def complete(row: dict) -> dict:
     row.setdefault("dtype", "bf16")
     row.setdefault("batch", max(1, GRID_TOKENS // row["seqlen"]))
     row.setdefault("heads", max(1, GRID_WIDTH // row["head_dim"]))
-    row.setdefault("heads_kv", _count(row, "heads") // _count(row, "gqa", default=1))
+    if "heads_kv" not in row:  # the grid's older rows: query heads over K/V heads as a ratio
+        heads, gqa = _count(row, "heads"), _count(row, "gqa", default=1)
+        if gqa > heads:
+            raise ValueError(f"column gqa: expected at most the row's {heads} heads, got {gqa}")
+        row["heads_kv"] = heads // gqa
     row.pop("gqa", None)
     for name in _INTS:
         row[name] = _count(row, name)
-    if row.get("causal") is None:
-        raise ValueError("column causal: expected yes or no, got nothing")
-    if isinstance(row["causal"], str):
-        row["causal"] = row["causal"] in ("True", "true", "1", "yes")
+    row["causal"] = _flag(row.get("causal"), "causal")
     for name in _FLOATS:
         value = row.get(name, math.nan)
         try:
@@ -63,11 +64,28 @@ def complete(row: dict) -> dict:
     return row
 
 
+# How a CSV spells a row's mask (measure.py writes True / False; spreadsheets TRUE / FALSE)
+_FLAG_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def _flag(value: object, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value is None:
+        raise ValueError(f"column {name}: missing (a short row)")
+    word = _FLAG_WORDS.get(str(value).strip().lower())
+    if word is None:
+        raise ValueError(f"column {name}: expected True or False, got {value!r}")
+    return word
+
+
 def _count(row: dict, name: str, default: int | None = None) -> int:
     """row[name] as an int of at least 1 (default where the column is absent or empty, if given)."""
     value = row.get(name)
     if value in (None, "") and default is not None:
         return default
+    if value is None and name in row:  # csv.DictReader fills a short row's missing columns with None
+        raise ValueError(f"column {name}: missing (a short row)")
     try:
         number = int(value)
     except (TypeError, ValueError):
@@ -95,11 +113,12 @@ def csv_problem(path: str | Path) -> str | None:
     if missing:
         return f"not a benchmark CSV (no {', '.join(missing)} column)"
     with open(path, newline="") as handle:
-        for line, row in enumerate(csv.DictReader(handle), start=2):
+        reader = csv.DictReader(handle)
+        for row in reader:
             try:
                 complete(row)
             except ValueError as exc:
-                return f"line {line}: {exc}"
+                return f"line {reader.line_num}: {exc}"  # the row's last line, where a quoted note spans several
     return None
 
 

@@ -127,19 +127,26 @@ def check_unshared(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
             raise ValueError(f"{name} is written in place by the append, but its elements share memory (stride 0 in "
                              f"dim {shared[0]}, as expand() makes; strides {tuple(t.stride())}): pass a cache with "
                              f"memory of its own (.contiguous())")  # fmt: skip
-        if _folds_onto_itself(t):
+        folds = _folds_onto_itself(t)
+        if folds is not False:
+            how = "reaches one element by two indices" if folds else "may reach one element by two indices (too many " \
+                "index combinations to rule it out)"
             raise ValueError(f"{name} is written in place by the append, but its elements share memory (shape "
-                             f"{tuple(t.shape)} with strides {tuple(t.stride())} reaches one element by two indices): "
-                             f"pass a cache with memory of its own (.contiguous())")  # fmt: skip
-    if _overlap(k_cache, v_cache):
-        raise ValueError("k_cache and v_cache share memory, and the append writes new keys into one and new values "
-                         "into the other: pass two caches")  # fmt: skip
+                             f"{tuple(t.shape)} with strides {tuple(t.stride())} {how}): pass a cache with memory of "
+                             f"its own (.contiguous())")  # fmt: skip
+    overlap = _overlap(k_cache, v_cache)
+    if overlap is not False:
+        how = "share memory" if overlap else "may share memory (too many index combinations to rule it out)"
+        raise ValueError(f"k_cache and v_cache {how}, and the append writes new keys into one and new values into "
+                         f"the other: pass two caches")  # fmt: skip
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors may share a byte: the same first element, or byte ranges of one storage that intersect
-    and an element of each at the same address (_geometries_meet)."""
-    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool | None:
+    """Whether two tensors share a byte (None: not ruled out, _reachable's "unknown"): the same first element, or
+    byte ranges that intersect and an element of each at the same address (_geometries_meet). Addresses, not
+    storages, decide: tensors of two storage objects can view one buffer (DLPack, CuPy), and the caches share q's
+    device, whose addresses are unique."""
+    if a.numel() == 0 or b.numel() == 0:
         return False
     if a.data_ptr() == b.data_ptr():
         return True
@@ -150,8 +157,9 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return _geometries_meet(ga, gb, b_lo - a_lo)
 
 
-def _folds_onto_itself(t: torch.Tensor) -> bool:
-    """Whether two indices of t reach one element (stride-0 dimensions aside, which check_unshared names first)."""
+def _folds_onto_itself(t: torch.Tensor) -> bool | None:
+    """Whether two indices of t reach one element (None: not ruled out), stride-0 dimensions aside, which
+    check_unshared names first."""
     return t.numel() > 1 and _geometry_folds(_geometry(t))
 
 
@@ -171,7 +179,7 @@ def _byte_span(first: int, geometry: Geometry) -> tuple[int, int]:
 
 # An append checks its caches at every decode step: the searches are cached by geometry (a model's caches keep theirs).
 @functools.lru_cache(maxsize=256)
-def _geometries_meet(a: Geometry, b: Geometry, offset: int) -> bool:
+def _geometries_meet(a: Geometry, b: Geometry, offset: int) -> bool | None:
     """Whether a byte of a tensor of geometry a, and one of a tensor of geometry b starting `offset` bytes after it,
     share an address: Σ s·x − Σ t·y + (e − f) = offset over their indices x, y and bytes e, f within an element."""
     if _dense(a) and _dense(b):
@@ -180,7 +188,7 @@ def _geometries_meet(a: Geometry, b: Geometry, offset: int) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _geometry_folds(geometry: Geometry) -> bool:
+def _geometry_folds(geometry: Geometry) -> bool | None:
     """Whether two indices reach one element: Σ stride·(x − y) = 0 with x ≠ y."""
     if _dense(geometry):
         return False
@@ -198,15 +206,19 @@ def _byte_terms(geometry: Geometry, sign: int) -> list[tuple[int, int, int]]:
     return [(step, 0, top) if sign > 0 else (step, -top, 0) for step, top in ranges]
 
 
-# The most search nodes _reachable visits before it answers "may": views' strides nest (each larger than what the
-# smaller ones reach), which leaves one or two choices a dimension, so real caches need a few dozen.
+# The most search nodes _reachable visits before it answers "unknown": views' strides nest (each larger than what
+# the smaller ones reach), which leaves one or two choices a dimension, so real caches need a handful.
 _SEARCH_NODES = 100_000
 
 
-def _reachable(terms: list[tuple[int, int, int]], target: int, *, nonzero: bool) -> bool:
+class _GaveUp(Exception):
+    """The search passed _SEARCH_NODES."""
+
+
+def _reachable(terms: list[tuple[int, int, int]], target: int, *, nonzero: bool) -> bool | None:
     """Whether Σ coef·x = target has an integer solution with lo <= x <= hi for every (coef > 0, lo, hi) term — with
     some x ≠ 0, where nonzero — by a depth-first search over the terms, largest coefficient first, each x bounded
-    by what the terms after it can reach. True also where the search passes _SEARCH_NODES (the answer "may").
+    by what the terms after it can reach; None where the search passes _SEARCH_NODES (unknown).
 
     Terms of one coefficient (two views with the same strides) add up to one term over the sum of their ranges;
     with nonzero, two of them (each range holding −1 … 1) already give x = 1, x' = −1."""
@@ -227,7 +239,7 @@ def _reachable(terms: list[tuple[int, int, int]], target: int, *, nonzero: bool)
         nonlocal visited
         visited += 1
         if visited > _SEARCH_NODES:
-            return True
+            raise _GaveUp
         if i == len(terms):
             return rest == 0 and (moved or not nonzero)
         if not low[i] <= rest <= high[i]:
@@ -237,7 +249,10 @@ def _reachable(terms: list[tuple[int, int, int]], target: int, *, nonzero: bool)
         last = min(hi, (rest - low[i + 1]) // coef)
         return any(search(i + 1, rest - coef * x, moved or x != 0) for x in range(first, last + 1))
 
-    return search(0, target, False)
+    try:
+        return search(0, target, False)
+    except _GaveUp:
+        return None
 
 
 def _dense(geometry: Geometry) -> bool:
