@@ -54,12 +54,11 @@ def complete(row: dict) -> dict:
     for name in _FLOATS:
         value = row.get(name, math.nan)
         try:
-            row[name] = float(value) if value not in ("", "nan", None) else math.nan
+            number = float(value) if value not in ("", "nan", None) else math.nan
         except (TypeError, ValueError):
             raise ValueError(f"column {name}: expected a number, got {value!r}") from None
-    for name in _READINGS:  # a timing that is not a finite number is no reading
-        if not math.isfinite(row[name]):
-            row[name] = math.nan
+        # a timing that is not a finite number is no reading (an error may be inf: a provider's broken output)
+        row[name] = math.nan if name in _READINGS and not math.isfinite(number) else number
     row.setdefault("note", "")
     return row
 
