@@ -227,6 +227,10 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatc
     # none at d=128, where they would not fit
     assert planner.kv_in_registers(64) and planner.kv_in_registers(32) and not planner.kv_in_registers(128)
     assert not planner.kv_in_registers(64, causal=True)
+    # V alone up to d = 96, and causal too where dQ is fused in past d = 64 (the step loop split at the diagonal)
+    assert planner.v_in_registers(96) and planner.v_in_registers(80, causal=True, fused_dq=True)
+    assert not planner.v_in_registers(96, causal=True) and not planner.v_in_registers(128, causal=True, fused_dq=True)
+    assert not planner.v_in_registers(64, causal=True, fused_dq=True)
     for cfg in (
         KernelConfig(64, 128, 4, 3, warp_specialized=True),
         KernelConfig(64, 128, 4, 3, warp_specialized=True, fused_dq=True),
@@ -554,7 +558,8 @@ def test_drain_before_dq_is_a_switch_of_fused_dq_with_code_of_its_own_under_eith
             drains = [at for at in range(len(source)) if source.startswith("# dV's and dK's wgmmas retired", at)]
             assert drains, (head_dim, causal)
             for at in drains:
-                step_end = source.index("i = i_next", at)
+                # the step's end: its counters advanced (by the step, or by the causal two-phase loop after it)
+                step_end = min(e for e in (source.find("i = i_next", at), source.find("i_next = i + 1", at)) if e >= 0)
                 assert source.count("mbarrier.arrive(qdo_empty", at, step_end) == 1, (head_dim, causal)
     # without the mask and the switch, dSᵀ is dK's register operand (FlashAttention-3's order)
     assert "warpgroup_mma(ds_own, q0, dk0" not in inspect.getsource(warpspec._module("bwd_dkdv", fused, False, 128))
@@ -772,6 +777,9 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
             ("fwd", 128, True, "128,128,4,2,ws,pingpong,persistent"),
             ("bwd_dq", 128, True, "128,64,4,3,ws,persistent"),
             ("fwd", 192, False, "128,64,4,2,ws,persistent"), ("bwd_dkdv", 192, True, "64,64,4,2,ws,split-roles"),
+            ("bwd_dkdv", 96, True, "64,128,4,2,ws,fused-dq,persistent"),
+            ("bwd_dkdv", 80, True, "64,128,4,2,ws,fused-dq"),
+            ("bwd_dkdv", 96, False, "64,128,4,2,ws,fused-dq,persistent"),
             ("bwd_dkdv", 64, False, "64,128,4,3,ws,fused-dq,persistent,drain-before-dq")]  # fmt: skip
     found = _probe(_SASS_PROBE, json.dumps(rows))
     for row, loops in zip(rows, found, strict=True):
@@ -788,6 +796,12 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
     # drained before its dQ share (drain_before_dq), dK reads dSᵀ from shared memory: K and V and Pᵀ, no dSᵀ (the
     # drain retires a step's wgmmas before the next, so the compiler may give both steps' Pᵀ one set of registers)
     assert causal + 4 >= drained - 8 > 0 and drained < unmasked - 4, found[-1]
+    # causal at d = 80 and 96 with dQ fused in, the step loop in two phases (bwd_ws.py.jinja's CAUSAL_SPLIT): V is the
+    # dPᵀ wgmma's register operand under the mask too, and the phase without it holds what the unmasked kernel's loop
+    # holds (V, Pᵀ, dSᵀ)
+    causal96, causal80, unmasked96 = (max(operands for _, operands, _ in loops) for loops in found[-4:-1])
+    assert causal96 == unmasked96 and causal80 > 0, found[-4:-1]
+    assert sum(1 for hgmmas, _, _ in found[-4] if hgmmas == max(h for h, _, _ in found[-4])) >= 4, found[-4]
 
 
 # each config's step loop (scripts/sass_step_mix.py): the blocks a branch skips, and where it waits for its wgmmas

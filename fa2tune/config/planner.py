@@ -231,10 +231,13 @@ def kv_in_registers(head_dim: int, causal: bool = False) -> bool:
     return head_chunks.padded(head_dim) <= 64 and not causal
 
 
-def v_in_registers(head_dim: int, causal: bool = False) -> bool:
+def v_in_registers(head_dim: int, causal: bool = False, fused_dq: bool = False) -> bool:
     """Whether the warp-specialized dK/dV kernel holds its V rows in registers as the dPᵀ wgmma's A operand
-    (bwd_ws.py.jinja's V_IN_REGS): up to d = 96 without a causal mask, K too at d <= 64 (kv_in_registers)."""
-    return head_chunks.padded(head_dim) <= 96 and not causal
+    (bwd_ws.py.jinja's V_IN_REGS): up to d = 96 without a causal mask, K too at d <= 64 (kv_in_registers); with the
+    mask at 64 < d <= 96 where dQ is fused in, whose causal step loop runs the masked steps apart from the others
+    (bwd_ws.py.jinja's CAUSAL_SPLIT), with no branch on the mask for a register operand to be miscompiled under."""
+    padded = head_chunks.padded(head_dim)
+    return padded <= 96 and (not causal or (fused_dq and padded > 64))
 
 
 MAX_ACCUMULATORS_PER_THREAD = 255
