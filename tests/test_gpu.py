@@ -459,6 +459,11 @@ _FUSED_CHUNKED = [
     (80, 80, torch.float16, False, "64,128,4,2,ws,fused-dq"),
     (96, 96, torch.bfloat16, False, "64,128,4,2,ws,fused-dq,persistent"),
     (96, 96, torch.bfloat16, True, "64,128,4,2,ws,fused-dq"),
+    # causal at 64 < d <= 96: the step loop in two phases (bwd_ws.py.jinja's CAUSAL_SPLIT), V in registers under the
+    # mask; persistent, one program a tile and drained, as the shipped d=80 and d=96 entries run it
+    (96, 96, torch.bfloat16, True, "64,128,4,2,ws,fused-dq,persistent"),
+    (80, 80, torch.float16, True, "64,128,4,2,ws,fused-dq"),
+    (96, 96, torch.float16, True, "64,128,4,2,ws,fused-dq,persistent,drain-before-dq"),
     (112, 112, torch.bfloat16, True, "64,128,4,2,ws,fused-dq"),
     (64, 32, torch.bfloat16, True, "64,128,4,2,ws,fused-dq"),
     (96, 128, torch.float16, False, "64,128,4,2,ws,fused-dq"),

@@ -227,10 +227,13 @@ def test_planner_offers_warpspec_on_hopper_only_and_for_what_it_takes(monkeypatc
     # none at d=128, where they would not fit
     assert planner.kv_in_registers(64) and planner.kv_in_registers(32) and not planner.kv_in_registers(128)
     assert not planner.kv_in_registers(64, causal=True)
-    # V alone up to d = 96, and causal too where dQ is fused in past d = 64 (the step loop split at the diagonal)
-    assert planner.v_in_registers(96) and planner.v_in_registers(80, causal=True, fused_dq=True)
-    assert not planner.v_in_registers(96, causal=True) and not planner.v_in_registers(128, causal=True, fused_dq=True)
-    assert not planner.v_in_registers(64, causal=True, fused_dq=True)
+    # V alone up to d = 96, and causal too past d = 64 where dQ is fused in, one program an SM (the step loop in two
+    # phases): not unfused, not two programs an SM (the statistics not staged), not at d=128 nor d <= 64
+    fused = KernelConfig.parse("64,128,4,2,ws,fused-dq,persistent")
+    assert planner.v_in_registers(96) and planner.v_in_registers(80, causal=True, cfg=fused)
+    assert not planner.v_in_registers(96, causal=True, cfg=fused.without_fused_dq())
+    assert not planner.v_in_registers(96, causal=True, cfg=KernelConfig.parse("64,64,4,3,ws,fused-dq,persistent,x2"))
+    assert not planner.v_in_registers(128, causal=True, cfg=fused) and not planner.v_in_registers(64, True, fused)
     for cfg in (
         KernelConfig(64, 128, 4, 3, warp_specialized=True),
         KernelConfig(64, 128, 4, 3, warp_specialized=True, fused_dq=True),
@@ -799,9 +802,13 @@ def test_step_loops_leave_register_operands_carried_into_them_alone():
     # causal at d = 80 and 96 with dQ fused in, the step loop in two phases (bwd_ws.py.jinja's CAUSAL_SPLIT): V is the
     # dPᵀ wgmma's register operand under the mask too, and the phase without it holds what the unmasked kernel's loop
     # holds (V, Pᵀ, dSᵀ)
-    causal96, causal80, unmasked96 = (max(operands for _, operands, _ in loops) for loops in found[-4:-1])
-    assert causal96 == unmasked96 and causal80 > 0, found[-4:-1]
-    assert sum(1 for hgmmas, _, _ in found[-4] if hgmmas == max(h for h, _, _ in found[-4])) >= 4, found[-4]
+    causal96, unmasked96 = (max(operands for _, operands, _ in loops) for loops in (found[-4], found[-2]))
+    assert causal96 == unmasked96, (found[-4], found[-2])
+    for loops, head_dim in ((found[-4], 96), (found[-3], 80)):
+        # both phases of both consumers: four step loops, each holding V's A fragments (a k-step of 16 columns each)
+        # beside Pᵀ's (64 query rows: four), where the causal kernel without the phases held Pᵀ's alone
+        widest = [operands for hgmmas, operands, _ in loops if hgmmas == max(h for h, _, _ in loops)]
+        assert len(widest) >= 4 and min(widest) >= head_dim // 16 + 64 // 16, (head_dim, loops)
 
 
 # each config's step loop (scripts/sass_step_mix.py): the blocks a branch skips, and where it waits for its wgmmas

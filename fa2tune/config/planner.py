@@ -231,13 +231,18 @@ def kv_in_registers(head_dim: int, causal: bool = False) -> bool:
     return head_chunks.padded(head_dim) <= 64 and not causal
 
 
-def v_in_registers(head_dim: int, causal: bool = False, fused_dq: bool = False) -> bool:
+def v_in_registers(head_dim: int, causal: bool = False, cfg: KernelConfig | None = None) -> bool:
     """Whether the warp-specialized dK/dV kernel holds its V rows in registers as the dPᵀ wgmma's A operand
-    (bwd_ws.py.jinja's V_IN_REGS): up to d = 96 without a causal mask, K too at d <= 64 (kv_in_registers); with the
-    mask at 64 < d <= 96 where dQ is fused in, whose causal step loop runs the masked steps apart from the others
-    (bwd_ws.py.jinja's CAUSAL_SPLIT), with no branch on the mask for a register operand to be miscompiled under."""
+    (bwd_ws.py.jinja's V_IN_REGS): up to d = 96 without a causal mask, K too at d <= 64 (kv_in_registers). With the
+    mask, past d = 64 for a `cfg` whose causal step loop runs the masked steps apart from the others, with no branch
+    on the mask for a register operand to be miscompiled under (the template's CAUSAL_SPLIT): dQ fused in, the
+    statistics staged (one program an SM), not split roles. head_dim: the wider of Q's and V's, as the register
+    model takes it; with V's own head dim the template also needs Q's past 64."""
     padded = head_chunks.padded(head_dim)
-    return padded <= 96 and (not causal or (fused_dq and padded > 64))
+    if not causal:
+        return padded <= 96
+    split = cfg is not None and cfg.fused_dq and cfg.stages_statistics("bwd_dkdv") and not cfg.split_roles
+    return 64 < padded <= 96 and split
 
 
 MAX_ACCUMULATORS_PER_THREAD = 255
