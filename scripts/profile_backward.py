@@ -9,6 +9,7 @@ does 7/5 of the counted work; the "own" rate below counts each kernel's own matm
     python scripts/profile_backward.py                                   # tuned configs, d=64/128, N=8k
     python scripts/profile_backward.py --head-dims 128 --dkdv 64,64,4,2 --dkdv 64,128,8,3 --causal
     python scripts/profile_backward.py --head-dims 128 --dkdv 64,128,4,2,ws      # the warp-specialized dK/dV (Hopper)
+    python scripts/profile_backward.py --head-dims 128 --group 4 --causal          # GQA: 4 query heads a K/V head
 """
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ import torch
 MATMULS = {"dkdv": 4, "_dq": 3}  # tile matmuls per (Q tile, K tile) pair, by kernel-name fragment
 
 
-def _profile(d: int, n: int, causal: bool, configs: list) -> None:
-    """Prints each backward kernel's time at each dK/dV config (None: the tuned one), for one head dim."""
+def _profile(d: int, n: int, causal: bool, configs: list, group: int = 1) -> None:
+    """Prints each backward kernel's time at each dK/dV config (None: the tuned one), for one head dim; `group`
+    query heads a K/V head (grouped-query attention)."""
     from fa2tune.api import ops
     from fa2tune.tune.timing import attention_flops, kernel_times_ms
     from fa2tune.tune.workload import random_qkv
 
     batch, heads = max(1, 16384 // n), 2048 // d
-    q, k, v = random_qkv(batch, heads, n, d)
+    q, k, v = random_qkv(batch, heads, n, d, heads_kv=heads // group)
     do = torch.randn_like(q)
     o, lse = ops.forward(q, k, v, causal=causal, scale=d**-0.5)
     matmul_flops = attention_flops(batch, heads, n, n, d, causal=causal) / 2  # one tile matmul's FLOPs
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--seqlen", type=int, default=8192)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--group", type=int, default=1,
+                        help="query heads a K/V head (GQA); must divide each head dim's 2048 // d heads")  # fmt: skip
     parser.add_argument(
         "--dkdv",
         action="append",
@@ -60,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         help="BLOCK_M,BLOCK_N,warps,stages[,switch words of KernelConfig.label] (KernelConfig.parse); repeatable",
     )
     args = parser.parse_args(argv)
+    head_dims = [int(d) for d in args.head_dims.split(",")]
+    uneven = [d for d in head_dims if args.group < 1 or (2048 // d) % args.group]
+    if uneven:
+        parser.error(f"--group must be >= 1 and divide the 2048 // d query heads of every head dim; got "
+                     f"{args.group} for d = {', '.join(map(str, uneven))}")  # fmt: skip
     if not torch.cuda.is_available():
         print("profile_backward.py needs a CUDA GPU; none is visible", file=sys.stderr)
         return 2
@@ -67,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
     configs = [None] + [KernelConfig.parse(c) for c in args.dkdv]
     print(f"{'d':>4} {'dK/dV config':<40} {'kernel':<22} {'ms':>7} {'own TFLOP/s':>11}")
-    for d in map(int, args.head_dims.split(",")):
-        _profile(d, args.seqlen, args.causal, configs)
+    for d in head_dims:
+        _profile(d, args.seqlen, args.causal, configs, args.group)
     return 0
 
 

@@ -376,6 +376,17 @@ def test_persistent_rounds_refuses_an_interleave_below_one(capsys):
     assert exit_info.value.code == 2 and "--interleave must be at least 1" in capsys.readouterr().err
 
 
+def test_profile_backward_refuses_a_group_that_does_not_divide_the_heads(capsys):
+    # scripts/profile_backward.py takes 2048 // d query heads at each head dim; --group (GQA) must divide every one,
+    # checked before it looks for a GPU: d=96's 21 heads take a group of 3, d=128's 16 do not
+    script = load_script("profile_backward")
+    for argv, named in ((["--head-dims", "96,128", "--group", "3"], "d = 128"), (["--group", "0"], "d = 64, 128")):
+        with pytest.raises(SystemExit) as exit_info:
+            script.main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and "--group must be >= 1 and divide" in err and named in err, err
+
+
 def test_hf_generate_benchmark_says_when_a_step_read_no_time(capsys):
     # a decode step is generate() minus its prefill, which a busy host with one repeat can read as 0 (clamped): the
     # ratio line then says it was not measured instead of dividing by zero or going missing
