@@ -463,6 +463,7 @@ _FUSED_CHUNKED = [
     # mask; persistent, one program a tile and drained, as the shipped d=80 and d=96 entries run it
     (96, 96, torch.bfloat16, True, "64,128,4,2,ws,fused-dq,persistent"),
     (80, 80, torch.float16, True, "64,128,4,2,ws,fused-dq"),
+    (80, 80, torch.bfloat16, True, "64,128,4,2,ws,fused-dq,persistent"),
     (96, 96, torch.float16, True, "64,128,4,2,ws,fused-dq,persistent,drain-before-dq"),
     (112, 112, torch.bfloat16, True, "64,128,4,2,ws,fused-dq"),
     (64, 32, torch.bfloat16, True, "64,128,4,2,ws,fused-dq"),
