@@ -568,6 +568,30 @@ def test_drain_before_dq_is_a_switch_of_fused_dq_with_code_of_its_own_under_eith
     assert "warpgroup_mma(ds_own, q0, dk0" not in inspect.getsource(warpspec._module("bwd_dkdv", fused, False, 128))
 
 
+def test_the_causal_two_phases_are_rendered_where_the_planner_counts_v_in_registers():
+    # bwd_ws.py.jinja's CAUSAL_SPLIT (the causal step loop in two phases, V a register operand under the mask) and
+    # planner.v_in_registers(causal=True) state one rule twice: the template renders the phases for exactly the head
+    # dims and configs the planner says hold V in registers with the mask
+    from fa2tune.config.types import Variant
+    from fa2tune.kernels import codegen
+
+    spellings = ["64,128,4,2,ws,fused-dq,persistent", "64,128,4,2,ws,fused-dq",
+                 "64,128,4,3,ws,fused-dq,drain-before-dq", "64,64,4,3,ws,fused-dq,persistent,x2",
+                 "64,128,4,2,ws,persistent", "64,64,4,2,ws,split-roles"]
+    split = set()
+    for head_dim in (32, 48, 64, 72, 80, 88, 96, 104, 112, 128, 160):
+        for spelling in spellings:
+            config = KernelConfig.parse(spelling)
+            if config.split_roles and head_dim <= 128:
+                continue  # split roles past d = 128 only
+            variant = Variant.for_template("bwd_ws", causal=True, banded=False, varlen=False, even_m=False,
+                                           even_n=False, head_dim=head_dim, **config.template_switches("bwd_dkdv"))
+            rendered = "def _diagonal_tiles(" in codegen.render("bwd_ws", variant)
+            assert rendered == planner.v_in_registers(head_dim, causal=True, cfg=config), (head_dim, spelling)
+            split |= {head_dim} if rendered else set()
+    assert split == {72, 80, 88, 96}, split
+
+
 _PROBE = """
 import json, sys, torch
 from fa2tune.tune import probe
