@@ -550,3 +550,5 @@ def test_flash_attn_func_with_no_kv_heads_says_so_without_a_layout_hint(device):
     q, k, v = (torch.randn(1, 6, heads, 16, device=device) for heads in (4, 0, 0))
     with pytest.raises(ValueError, match=r"k and v must have at least one head \(dim 2\), got k \(1, 6, 0, 16\)$"):
         fa2tune.flash_attn_func(q, k, v)
+    # no heads at all is an empty call
+    assert fa2tune.flash_attn_func(q[:, :, :0], k, v).shape == (1, 6, 0, 16)

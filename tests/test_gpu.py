@@ -465,6 +465,7 @@ _FUSED_CHUNKED = [
     (80, 80, torch.float16, True, "64,128,4,2,ws,fused-dq"),
     (80, 80, torch.bfloat16, True, "64,128,4,2,ws,fused-dq,persistent"),
     (96, 96, torch.float16, True, "64,128,4,2,ws,fused-dq,persistent,drain-before-dq"),
+    (80, 64, torch.bfloat16, True, "64,128,4,2,ws,fused-dq,persistent"),  # V's own head dim under the two phases
     (112, 112, torch.bfloat16, True, "64,128,4,2,ws,fused-dq"),
     (64, 32, torch.bfloat16, True, "64,128,4,2,ws,fused-dq"),
     (96, 128, torch.float16, False, "64,128,4,2,ws,fused-dq"),

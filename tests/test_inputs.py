@@ -68,9 +68,20 @@ def test_gqa_heads_must_divide(device):
 
 
 def test_kv_without_heads_is_named(device):
-    q, k, v = _qkv(device, hq=0, hkv=0)
-    with pytest.raises(ValueError, match=r"k and v must have at least one head, got none \(q heads=0\)"):
+    q, k, v = _qkv(device, hq=2, hkv=0)
+    with pytest.raises(ValueError, match=r"k and v must have at least one head, got none \(q heads=2\)"):
         fa2tune.attention(q, k, v)
+
+
+@pytest.mark.parametrize("hkv", [0, 2], ids=["no-kv-heads", "kv-heads"])
+def test_no_query_heads_give_an_empty_output_and_zero_gradients(device, hkv):
+    # as scaled_dot_product_attention: no query heads (and no K/V heads, or some) is an empty call, not an error
+    q, k, v = (t.requires_grad_() for t in _qkv(device, hq=0, hkv=hkv))
+    o = fa2tune.attention(q, k, v, causal=True)
+    assert o.shape == torch.nn.functional.scaled_dot_product_attention(q, k[:, :0], v[:, :0]).shape
+    o.sum().backward()
+    assert q.grad.shape == q.shape
+    assert k.grad.shape == k.shape and not k.grad.any() and not v.grad.any()
 
 
 def test_kv_length_mismatch(device):

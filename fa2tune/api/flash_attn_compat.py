@@ -129,9 +129,9 @@ def _check_flash_layout(q: object, k: object, v: object) -> None:
             "q, k, v must share batch, and k, v their (seqlen, heads), in flash_attn's (batch, seqlen, heads, "
             f"head_dim) layout; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if k.shape[2] == 0:
+    if k.shape[2] == 0 and q.shape[2] != 0:
         raise ValueError(f"k and v must have at least one head (dim 2), got k {tuple(k.shape)}")
-    if q.shape[2] % k.shape[2] != 0:
+    if k.shape[2] != 0 and q.shape[2] % k.shape[2] != 0:
         raise ValueError(
             f"q's heads (dim 2) must be a multiple of k/v's heads (MQA/GQA), got q {tuple(q.shape)}, k "
             f"{tuple(k.shape)}; flash_attn_func takes (batch, seqlen, heads, head_dim): for SDPA's (batch, heads, "

@@ -154,6 +154,8 @@ def _check_heads(heads_q: int, heads_k: int, heads_v: int, names: tuple[str, str
     if heads_k != heads_v:
         raise ValueError(f"{kn} and {vn} must have the same number of heads, got {kn}={heads_k}, {vn}={heads_v}")
     if heads_k == 0:
+        if heads_q == 0:
+            return  # no heads at all: an empty output, as scaled_dot_product_attention gives
         raise ValueError(f"{kn} and {vn} must have at least one head, got none ({qn} heads={heads_q})")
     if heads_q % heads_k != 0:
         raise ValueError(
