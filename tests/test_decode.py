@@ -320,6 +320,8 @@ def test_decode_steps_replay_in_a_cuda_graph():
         (dict(v_cache=torch.float32), TypeError, "v_cache must have q's dtype"),
         (dict(q=torch.float64), TypeError, "q must be float16, bfloat16 or float32"),
         (dict(k_cache=(2, 19, 3, 64), v_cache=(2, 19, 3, 64)), ValueError, "multiple of k_cache's heads"),
+        (dict(k_cache=(2, 19, 0, 64), v_cache=(2, 19, 0, 64), k=(2, 3, 0, 64), v=(2, 3, 0, 64)), ValueError,
+         "k_cache and v_cache must have at least one head (dim 2)"),
         (dict(k_cache=(2, 19, 2, 32)), ValueError, "k_cache and v_cache must have one shape"),
         (dict(q=(2, 1, 4, 300)), ValueError, "head_dim must be in 1..256"),
         (dict(k_cache=(1, 19, 2, 64), v_cache=(1, 19, 2, 64)), ValueError, "a row (dim 0) for each of q's 2"),
@@ -349,6 +351,15 @@ def test_bad_arguments_are_named(change, error, words, device):
         args[name] = value
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
         fa2tune.flash_attn_with_kvcache(**args)
+
+
+def test_a_call_without_heads_is_empty(device):
+    # no query heads and no cache heads: an empty output and logsumexp, as attention()'s and SDPA's; the cache is
+    # left as it was
+    k_cache, v_cache = (torch.randn(2, 19, 0, 16, device=device) for _ in range(2))
+    q, k, v = (torch.randn(2, 1, 0, 16, device=device) for _ in range(3))
+    out, lse = fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3, return_softmax_lse=True)
+    assert out.shape == (2, 1, 0, 16) and lse.shape == (2, 0, 1)
 
 
 def _append_args(device, batch=2, kv_heads=2):

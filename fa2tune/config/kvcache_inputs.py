@@ -82,7 +82,10 @@ def check_call(q: object, k_cache: object, v_cache: object, k: object = None, v:
     kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache's head_dim (dim 3) must be q's {head_dim}, got shape {tuple(k_cache.shape)}")
-    if kv_heads == 0 or heads % kv_heads != 0:
+    if kv_heads == 0 and heads != 0:
+        raise ValueError(f"k_cache and v_cache must have at least one head (dim 2), got k_cache {tuple(k_cache.shape)} "
+                         f"beside q {tuple(q.shape)}")  # fmt: skip
+    if kv_heads != 0 and heads % kv_heads != 0:
         raise ValueError(f"q's heads (dim 2) must be a multiple of k_cache's heads (dim 2), got q {tuple(q.shape)}, "
                          f"k_cache {tuple(k_cache.shape)}")  # fmt: skip
     if k_cache.shape[1] == 0:
