@@ -354,8 +354,7 @@ def test_bad_arguments_are_named(change, error, words, device):
 
 
 def test_a_call_without_heads_is_empty(device):
-    # no query heads and no cache heads: an empty output and logsumexp, as attention()'s and SDPA's; the cache is
-    # left as it was
+    # no query heads and no cache heads: an empty output and logsumexp, as attention()'s and SDPA's
     k_cache, v_cache = (torch.randn(2, 19, 0, 16, device=device) for _ in range(2))
     q, k, v = (torch.randn(2, 1, 0, 16, device=device) for _ in range(3))
     out, lse = fa2tune.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=3, return_softmax_lse=True)

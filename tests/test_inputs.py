@@ -84,6 +84,21 @@ def test_no_query_heads_give_an_empty_output_and_zero_gradients(device, hkv):
     assert k.grad.shape == k.shape and not k.grad.any() and not v.grad.any()
 
 
+@pytest.mark.parametrize("enable_gqa", [False, True])
+def test_sdpa_and_packed_calls_without_heads_are_empty(device, enable_gqa):
+    q, k, v = (t.requires_grad_() for t in _qkv(device, hq=0, hkv=0))
+    o = fa2tune.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    assert o.shape == q.shape
+    o.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+    packed = [torch.randn(8, 0, 16, device=device, requires_grad=True) for _ in range(3)]
+    o = fa2tune.attention_varlen(*packed, cu, cu, 5, 5, causal=True)
+    assert o.shape == (8, 0, 16)
+    o.sum().backward()
+    assert all(t.grad.shape == t.shape for t in packed)
+
+
 def test_kv_length_mismatch(device):
     q, k, _ = _qkv(device, nk=8)
     _, _, v = _qkv(device, nk=9)

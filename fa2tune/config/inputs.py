@@ -346,8 +346,8 @@ def check_scale(scale: object, head_dim: int, name: str = "scale") -> float:
         raise TypeError(f"{name} must be a float or None, got {type(scale).__name__}")
     scale = float(scale)
     if not (math.isfinite(scale) and 0 < scale <= SCALE_MAX):
-        raise ValueError(f"{name} must be a positive finite number up to {SCALE_MAX:.3g} (past it the scale itself is "
-                         f"inf in fp32), got {scale!r}")  # fmt: skip
+        raise ValueError(f"{name} must be a positive finite number up to {SCALE_MAX:.3g} (past it scale·log2(e), the "
+                         f"fp32 factor the kernels apply to the scores, is inf), got {scale!r}")  # fmt: skip
     return scale
 
 
