@@ -109,7 +109,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_compile_arguments(parser, "fwd", "192,128,4,2,ws,persistent")
     args = parser.parse_args()
-    instructions = parse(compile_sass(args.kernel, args.config, args.head_dim, args.causal, args.seqlen))
+    instructions = parse(compile_sass(args.kernel, args.config, args.head_dim, args.causal, args.seqlen, args.group))
     loop = step_loop(instructions)
     if loop is None:
         sys.exit("no loop issues both HGMMAs and a softmax's MUFU.EX2")

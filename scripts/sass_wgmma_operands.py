@@ -10,6 +10,8 @@ HGMMA before anything in the loop writes it, written, then read by an HGMMA accu
 miscompile below looked like; exit status 1 if there are any).
 
     python scripts/sass_wgmma_operands.py --kernel bwd_dkdv --head-dim 64 --causal --config 64,128,4,3,ws
+    python scripts/sass_wgmma_operands.py --kernel bwd_dkdv --head-dim 96 --causal \
+        --config 64,128,4,2,ws,fused-dq,persistent --group 4   # a GQA call's code: 4 query heads a K/V head
 
 Why: with K and V as register operands and the causal mask under a branch, an sm_90 compile rewrites K's and V's
 registers on every step (wrong dK on the H200); with the mask applied without a branch, nothing in the loop writes
@@ -103,9 +105,10 @@ def _reused_operands(body: list[str]) -> tuple[str, ...]:
     return tuple(found)
 
 
-def compile_sass(kernel: str, config: str, head_dim: int, causal: bool, seqlen: int | None = None) -> str:
+def compile_sass(kernel: str, config: str, head_dim: int, causal: bool, seqlen: int | None = None,
+                 group: int = 1) -> str:  # fmt: skip
     """sm_90 SASS of one config of `kernel`, compiled without a GPU, as a call of `seqlen` tokens specializes it (None:
-    probe.EXAMPLE_SEQLEN, a multiple of 16)."""
+    probe.EXAMPLE_SEQLEN, a multiple of 16), of `group` query heads a K/V head (probe.compile_config's)."""
     os.environ.pop("TRITON_INTERPRET", None)
     import torch
 
@@ -114,7 +117,7 @@ def compile_sass(kernel: str, config: str, head_dim: int, causal: bool, seqlen: 
 
     cfg = KernelConfig.parse(config)
     report = probe.compile_config(kernel, cfg, head_dim, torch.bfloat16, causal=causal,
-                                  seqlen=probe.EXAMPLE_SEQLEN if seqlen is None else seqlen)  # fmt: skip
+                                  seqlen=probe.EXAMPLE_SEQLEN if seqlen is None else seqlen, group=group)  # fmt: skip
     if report.error:
         sys.exit(f"{cfg.label()}: {report.error}")
     return probe.cuobjdump(report.cubin, "-sass")
@@ -137,6 +140,13 @@ def add_compile_arguments(parser: argparse.ArgumentParser, kernel: str, config: 
         help="the call's length the compile specializes for (default 8192; one that is not a multiple of 16 compiles "
         "the code such a call runs)",
     )
+    parser.add_argument(
+        "--group",
+        type=int,
+        default=1,
+        help="query heads a K/V head, dividing the example call's 16 (default 1: an MHA call's code, the group a "
+        "constant; more: a GQA call's, the group a run-time value)",
+    )
 
 
 def main() -> None:
@@ -148,7 +158,7 @@ def main() -> None:
         with open(args.sass) as f:
             sass = f.read()
     else:
-        sass = compile_sass(args.kernel, args.config, args.head_dim, args.causal, args.seqlen)
+        sass = compile_sass(args.kernel, args.config, args.head_dim, args.causal, args.seqlen, args.group)
     reports = innermost_hgmma_loops(parse(sass))
     for r in reports:
         print(f"loop {r.start:#06x}-{r.end:#06x}: {r.hgmmas} HGMMA, register A operands from "

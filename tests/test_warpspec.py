@@ -611,13 +611,14 @@ import json, torch
 from fa2tune.tune import probe
 from fa2tune.config.types import KernelConfig
 out = []
-for kernel, config, seqlen in (("bwd_dkdv", "64,128,4,3,ws,fused-dq,persistent", 8192),
-                               ("bwd_dkdv", "64,128,4,3,ws,fused-dq,persistent", 3000),
-                               ("fwd", "128,128,4,2,ws,persistent", 8192),
-                               ("fwd", "128,128,4,2,ws,persistent", 3000)):
+for kernel, config, seqlen, group in (("bwd_dkdv", "64,128,4,3,ws,fused-dq,persistent", 8192, 1),
+                                      ("bwd_dkdv", "64,128,4,3,ws,fused-dq,persistent", 3000, 1),
+                                      ("fwd", "128,128,4,2,ws,persistent", 8192, 1),
+                                      ("fwd", "128,128,4,2,ws,persistent", 3000, 1),
+                                      ("bwd_dkdv", "64,128,4,3,ws,fused-dq,persistent", 8192, 4)):
     seen = []
     probe._compile = lambda source, target, options: seen.append(source)
-    probe.compile_config(kernel, KernelConfig.parse(config), 64, torch.bfloat16, seqlen=seqlen)
+    probe.compile_config(kernel, KernelConfig.parse(config), 64, torch.bfloat16, seqlen=seqlen, group=group)
     names = seen[0].fn.arg_names
     kinds = {name: seen[0].signature[name] for name in names}
     attrs = {name: seen[0].attrs.get((index,)) for index, name in enumerate(names)}
@@ -646,7 +647,7 @@ def test_offline_compiles_specialize_arguments_as_a_launch_does():
     # dQ cast compiled without the pointers' showed scalar loads and more stack: docs/HISTORY.md, "Backward"; without
     # the lengths', the d=128 dK/dV step issued 613 instructions where a call of 8192 tokens runs 545).
     divisible = [["tt.divisibility", 16]]
-    aligned, ragged, forward, ragged_forward = _probe(_ATTRS_PROBE, timeout=300)
+    aligned, ragged, forward, ragged_forward, grouped = _probe(_ATTRS_PROBE, timeout=300)
     pointers = [name for name, kind in aligned["kinds"].items() if kind.startswith("*")]
     assert pointers == ["LSE", "DELTA"] and all(aligned["attrs"][name] == divisible for name in pointers)
     lengths = ("N_Q", "N_K")
@@ -658,6 +659,8 @@ def test_offline_compiles_specialize_arguments_as_a_launch_does():
     # the forward writes the logsumexp (batch, heads, N): its head stride is the length
     assert ragged_forward["attrs"]["stride_lh"] is None and ragged_forward["attrs"]["stride_lb"] == divisible
     assert aligned["kinds"]["GROUP"] == "constexpr" and aligned["constants"]["GROUP"] == 1  # one query head a K/V head
+    # group=4 compiles a GQA call's code: the group a run-time int, as the JIT passes any value but 1
+    assert grouped["kinds"]["GROUP"] == "i32" and grouped["constants"]["GROUP"] is None
     # the split tail's counts are do_not_specialize: one binary whether a launch splits its tail or not
     assert forward["kinds"]["MAIN"] == forward["kinds"]["SPLIT"] == "i32"
     assert forward["attrs"]["MAIN"] is None and forward["attrs"]["SPLIT"] is None

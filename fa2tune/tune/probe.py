@@ -55,6 +55,7 @@ def cuobjdump(cubin: bytes, *options: str) -> str:
 
 EXAMPLE_SEQLEN = 8192  # the example call's lengths: a multiple of 16, as every tuning length is
 _EXAMPLE_BATCH = 2
+EXAMPLE_HEADS = 16  # the example call's query heads
 
 
 def _example_ints(head_dim_pad: int, heads: int, group: int, seqlen: int = EXAMPLE_SEQLEN,
@@ -106,6 +107,7 @@ def compile_config(
     varlen: bool = False,
     head_dim_v: int | None = None,
     seqlen: int = EXAMPLE_SEQLEN,
+    group: int = 1,
 ) -> CompileReport:
     """Compiles `kernel` ("fwd", "bwd_dkdv", "bwd_dq") with `config` for a CUDA target of this capability.
 
@@ -114,7 +116,9 @@ def compile_config(
     seqlen: the example call's query and key length. The JIT compiles a length that is not a multiple of 16 (and the
     forward's logsumexp head stride, which is the length) without their divisibility, which is other code in the
     kernels that bound or address loads by them (docs/PERF.md, "Lengths that are not a multiple of a tile"); the
-    backward's statistics keep theirs (_example_ints). The default is a multiple of 16."""
+    backward's statistics keep theirs (_example_ints). The default is a multiple of 16.
+    group: query heads a K/V head of the example call (of 16): 1 compiles what an MHA call runs (the JIT specializes
+    the group 1 as a constant), more what a GQA call runs (the group a run-time value)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -122,9 +126,11 @@ def compile_config(
         raise RuntimeError("compile_config needs Triton's compiler: unset TRITON_INTERPRET in this process")
     if isinstance(seqlen, bool) or not isinstance(seqlen, int) or seqlen < 1:
         raise ValueError(f"seqlen must be an int >= 1 (the example call's length), got {seqlen!r}")
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1 or EXAMPLE_HEADS % group:
+        raise ValueError(f"group must be an int dividing the example call's {EXAMPLE_HEADS} query heads, got {group!r}")
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     if config.warp_specialized:
-        return _compile_warpspec(kernel, config, head_dim, dtype, causal, target, head_dim_v, seqlen)
+        return _compile_warpspec(kernel, config, head_dim, dtype, causal, target, head_dim_v, seqlen, group)
     template, name = codegen.TEMPLATE_OF[kernel], f"_attn_{kernel}"  # the template's kernel of that name
     variant = Variant.for_template(
         template, causal=causal, banded=banded, varlen=varlen, even_m=seqlen % config.block_m == 0,
@@ -134,8 +140,9 @@ def compile_config(
     # the backward's statistics are padded for dense calls; packed ones keep the logsumexp's layout. The tensors'
     # strides are a contiguous call's, of their own head dim (V, O, dO, dV: head_dim_v), each tensor's in the unit
     # its launcher passes them in (layout.in_units)
-    ints = _example_ints(head_dim, heads=16, group=1, seqlen=seqlen, padded_stats=kernel != "fwd" and not varlen)
-    ints_v = _example_ints(head_dim_v or head_dim, heads=16, group=1, seqlen=seqlen)
+    ints = _example_ints(head_dim, heads=EXAMPLE_HEADS, group=group, seqlen=seqlen,
+                         padded_stats=kernel != "fwd" and not varlen)
+    ints_v = _example_ints(head_dim_v or head_dim, heads=EXAMPLE_HEADS, group=1, seqlen=seqlen)
     tensors = [arg[len("UNIT_"):] for arg in fn.arg_names if arg.startswith("UNIT_")]  # Q, K, ..., DV
     example = {tensor: ints_v if tensor.lower() in _V_SIDE else ints for tensor in tensors}
     units, divided = in_units(**{tensor: (side["stride_b"], side["stride_h"], side["stride_m"])
@@ -203,6 +210,7 @@ def _compile_warpspec(
     target,
     head_dim_v: int | None = None,
     seqlen: int = EXAMPLE_SEQLEN,
+    group: int = 1,
 ) -> CompileReport:
     """A Gluon kernel (fwd_ws, bwd_ws for bwd_dkdv, bwd_dq_ws for bwd_dq) as warpspec.compiled_form launches it: its
     TMA descriptors' types come from CPU tensors of a (2, 16, seqlen, head_dim) layout (V's side: head_dim_v), which
@@ -216,9 +224,9 @@ def _compile_warpspec(
 
     head_dim_v = None if head_dim_v == head_dim else head_dim_v  # as the launcher asks for it
     fn, blocks, kwargs = warpspec.compiled_form(kernel, config, head_dim, causal, head_dim_v)
-    x = torch.empty(_EXAMPLE_BATCH, 16, seqlen, head_dim, dtype=dtype)
-    x_v = torch.empty(_EXAMPLE_BATCH, 16, seqlen, head_dim_v or head_dim, dtype=dtype)  # V, O, dO, dV
-    ints = _example_ints(planner.head_dim_padded(head_dim), heads=16, group=1, seqlen=seqlen,
+    x = torch.empty(_EXAMPLE_BATCH, EXAMPLE_HEADS, seqlen, head_dim, dtype=dtype)
+    x_v = torch.empty(_EXAMPLE_BATCH, EXAMPLE_HEADS, seqlen, head_dim_v or head_dim, dtype=dtype)  # V, O, dO, dV
+    ints = _example_ints(planner.head_dim_padded(head_dim), heads=EXAMPLE_HEADS, group=group, seqlen=seqlen,
                          padded_stats=kernel != "fwd")  # the backward's statistics buffers (warpspec: dense only)
     sides = {"q": "q", "o": "o", "do": "o", "dq": "q", "k": "k", "v": "v", "dk": "k", "dv": "v"}
     descriptors = {}
