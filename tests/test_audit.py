@@ -23,12 +23,13 @@ FALLBACK = defaults.INTERPRETER_CONFIG  # the planner's default on the interpret
 
 
 def _entry(kernel="fwd", causal=False, cfg=SLOW, bucket="all", window=False, head_dim=64, dtype="fp32",
-           template_hash=None):  # fmt: skip
+           template_hash=None, heads=None):  # fmt: skip
     key = store.EntryKey(head_dim=head_dim, dtype=dtype, causal=causal, kernel=kernel, seqlen_bucket=bucket,
-                         window=window)  # fmt: skip
+                         window=window, gqa=heads is not None and heads[1] < heads[0])  # fmt: skip
     return store.Entry(key=key, config=cfg, ms=1.0, tflops=None, baseline={"name": "planner-default"}, trials=3,
                        spread=0.01, triton_version="3.6.0", torch_version="2.13.0",
-                       template_hash=template_hash or codegen.entry_code_hash(key, cfg), date="2026-12-06")  # fmt: skip
+                       template_hash=template_hash or codegen.entry_code_hash(key, cfg), date="2026-12-06",
+                       heads=heads)  # fmt: skip
 
 
 @pytest.fixture
@@ -50,11 +51,11 @@ class _Clock:
     def __init__(self, times: dict, inputs_fail: Exception | None = None):
         self.times, self.built, self.timed, self.inputs_fail = times, [], [], inputs_fail
 
-    def __call__(self, kernel, head_dim, dtype, causal, *, seqlens, device, varlen, with_forward):
+    def __call__(self, kernel, head_dim, dtype, causal, *, seqlens, device, varlen, with_forward, heads=None):
         if self.inputs_fail is not None:
             raise self.inputs_fail
         self.built.append(dict(kernel=kernel, head_dim=head_dim, dtype=dtype, causal=causal.causal, seqlens=seqlens,
-                               device=device, with_forward=with_forward))  # fmt: skip
+                               device=device, with_forward=with_forward, heads=heads))  # fmt: skip
 
         def measure(cfg):
             self.timed.append(cfg)
@@ -163,7 +164,8 @@ def test_the_configs_to_time_compile_first_and_a_compile_failure_names_its_confi
         def __init__(self, workers):
             self.workers = workers
 
-        def start(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device, varlen):
+        def start(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device, varlen, group):
+            assert group == 1  # MHA entries: the group compiled as a constant
             started.append((kernel, head_dim, tuple(configs), seqlens))
             return lambda cfg: "ptxas: too many registers" if cfg == OTHER else None
 
@@ -214,3 +216,33 @@ def test_an_audited_file_of_another_gpu_is_read_without_a_warning(config_file, r
     rows = _by_key(audit.audit(config_file, "cpu", measure_factory=_Clock({SLOW: 1.0, FAST: 1.0, FALLBACK: 1.0})))
     assert rows[64, "fwd", "fp32", False, False, "short"].fallback == FAST
     assert not [w for w in recwarn if "another GPU" in str(w.message) or "records" in str(w.message)]
+
+
+def test_a_grouped_query_entry_is_timed_at_its_heads_against_what_gqa_calls_read_without_it(config_file,
+                                                                                          monkeypatch):  # fmt: skip
+    # its fallback is the plain entry (what a GQA call reads without a grouped one), its timing and its compiles at
+    # the heads it was tuned at; a grouped entry that records no heads is not timed
+    started = []
+
+    class Pool:
+        def __init__(self, workers):
+            pass
+
+        def start(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device, varlen, group):
+            started.append(group)
+            return lambda cfg: None
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(audit, "CompilePool", Pool)
+    headless = replace(_entry(causal=True, heads=[8, 2]), heads=None)
+    store.write_entries(config_file, DEVICE, [_entry(cfg=SLOW), _entry(cfg=FAST, heads=[32, 8]), headless])
+    clock = _Clock({SLOW: 1.0, FAST: 0.8, FALLBACK: 1.0})
+    rows = audit.audit(config_file, "cpu", compile_workers=2, measure_factory=clock)
+    grouped = next(r for r in rows if r.key.gqa and not r.key.causal)
+    assert (grouped.entry, grouped.fallback, grouped.fallback_source) == (FAST, SLOW, str(config_file))
+    assert grouped.ratio == pytest.approx(0.8) and started == [1, 4]
+    assert [b["heads"] for b in clock.built] == [None, (32, 8)]
+    assert next(r for r in rows if r.key.causal).note == "skipped: a grouped-query entry whose heads are not recorded"
+    assert "plain+gqa" in audit.report(rows, 0.03)

@@ -288,9 +288,6 @@ def test_tune_decode_on_cpu_writes_an_entry_that_decode_calls_then_run(tmp_path,
         with pytest.raises(SystemExit) as exc:
             cli.main([*args, *extra])
         assert exc.value.code == 2 and said in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli.main(["tune", "--device", "cpu", "--head-dim", "16", "--heads", "32"])
-    assert "--heads sets the decode steps' heads: it needs --kernel decode" in capsys.readouterr().err
 
 
 def test_tune_one_backward_kernel_on_cpu(tmp_path):
@@ -331,6 +328,38 @@ def studies_run(monkeypatch):
     real = job.run_study
     monkeypatch.setattr(job, "run_study", lambda spec, *a, **kw: seen.append(spec) or real(spec, *a, **kw))
     return seen
+
+
+def test_tune_at_a_models_heads_writes_grouped_entries_that_gqa_calls_read_first(tmp_path, capsys, studies_run,
+                                                                                 monkeypatch):  # fmt: skip
+    from fa2tune.api import attention_kernel, selection
+    from fa2tune.config import store
+    from fa2tune.config.types import Mask
+
+    seen = studies_run
+    args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "1", "--causal", "no", "--kernel", "fwd",
+            "--config-dir", str(tmp_path)]  # fmt: skip
+    assert cli.main([*args, "--heads", "4", "--kv-heads", "2"]) == 0
+    assert cli.main(args) == 0
+    grouped, plain = seen
+    assert (grouped.heads, grouped.kv_heads, grouped.group, grouped.variant) == (4, 2, 2, "gqa")
+    assert "/gqa" in grouped.study_name(selection.device_info("cpu")) and plain.variant == "" and plain.group == 1
+    path = tmp_path / "cpu-interpreter.yaml"
+    entries = {e.key.gqa: e for e in store.read_file(path)[1]}
+    assert sorted(entries) == [False, True] and entries[False].heads is None
+    assert entries[True].heads == [2, 1]  # what the interpreter timed: a group of 2, its shapes small
+    monkeypatch.setenv("FA2TUNE_CONFIG_DIR", str(tmp_path))
+    attention_kernel.clear_cache()
+    q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
+    assert selection.config_for(None, "fwd", q, k, k, Mask(), None) == entries[True].config
+    assert selection.config_for(None, "fwd", q, q, q, Mask(), None) == entries[False].config
+    # --heads alone times MHA calls at those heads: a plain entry; K/V heads that do not divide end the command
+    assert cli.main([*args, "--heads", "2"]) == 0 and seen[-1].key.gqa is False and seen[-1].heads == 2
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*args, "--kv-heads", "3"])
+    assert exit_info.value.code == 2
+    assert "--kv-heads must divide --heads (query heads share K/V heads in groups), got --heads 128 and --kv-heads 3 " \
+           "(--heads defaults to 2048 // d)" in capsys.readouterr().err
 
 
 def test_tune_a_short_length_bucket_on_cpu(tmp_path, capsys, studies_run):

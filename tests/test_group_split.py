@@ -13,6 +13,7 @@ from fa2tune.config.group_split import (
     DkdvGrid,
     _steps_a_head,
     dkdv_group_split,
+    many_waves_heads,
 )
 from fa2tune.config.types import KernelConfig
 from fa2tune.launch import launcher
@@ -153,3 +154,13 @@ def test_packed_sequences_split_their_groups(device, monkeypatch):
         want = _reference_grads(*parts, True, scale=0.25)
         got = [g[start:end].transpose(0, 1)[None] for g in grads]
         _assert_grads_close(got, want, torch.float32, parts[3])
+
+
+def test_a_grid_of_many_waves_splits_by_the_fused_rule_alone(monkeypatch):
+    # what a tune's compile example forces, its small grid standing for the timed calls' full ones
+    assert dkdv_group_split(8, _FULL, fused_dq=True) == 8 // many_waves_heads(8, causal=True, fused_dq=True)
+    assert many_waves_heads(8, causal=True, fused_dq=True) == MAX_CAUSAL_FUSED_HEADS
+    assert many_waves_heads(6, causal=True, fused_dq=True) == 3  # the largest divisor within the rule
+    assert many_waves_heads(8, causal=False, fused_dq=True) == many_waves_heads(8, causal=True, fused_dq=False) == 8
+    monkeypatch.setenv(DKDV_HEADS_ENV, "2")  # the override rules here too
+    assert many_waves_heads(8, causal=False, fused_dq=False) == 2

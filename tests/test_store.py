@@ -25,14 +25,15 @@ DEVICE = {"name": "Triton interpreter (CPU)", "slug": "cpu-interpreter"}
 _CFG = KernelConfig(64, 32, 4, 2)
 
 
-def _entry(head_dim=64, causal=False, kernel="fwd", cfg=_CFG, template_hash=None, ms=1.0, window=False, bucket="all"):
+def _entry(head_dim=64, causal=False, kernel="fwd", cfg=_CFG, template_hash=None, ms=1.0, window=False, bucket="all",
+           gqa=False, heads=None):  # fmt: skip
     template_hash = template_hash or codegen.code_hash(kernel, causal=causal, window=window)
     return store.Entry(
         key=store.EntryKey(head_dim=head_dim, dtype="fp32", causal=causal, kernel=kernel, seqlen_bucket=bucket,
-                           window=window),
+                           window=window, gqa=gqa),
         config=cfg, ms=ms, tflops=None, baseline={"name": "planner-default"}, trials=7, spread=0.01,
         triton_version="3.6.0", torch_version="2.13.0", template_hash=template_hash,
-        date="2026-11-29",
+        date="2026-11-29", heads=heads,
     )  # fmt: skip
 
 
@@ -921,3 +922,66 @@ def test_an_entry_with_the_retired_causal_tail_switch_loads_and_never_breaks_a_m
     store.write_entries(path, DEVICE, [])
     assert "causal_tail" not in path.read_text() and not list(path.parent.glob("*.corrupt-*"))
     assert {(e.key, e.config) for e in store.read_file(path)[1]} == {(e.key, e.config) for e in read}
+
+
+def test_grouped_query_calls_read_their_own_entries_first_and_mha_calls_never(config_dir, device):
+    from fa2tune.config.types import Mask
+    from fa2tune.launch import launcher
+
+    slug = selection.device_info(device).slug
+    path = config_dir / "env" / f"{slug}.yaml"
+    long_cfg, short_cfg, gqa_cfg, dq_cfg = (KernelConfig(32, 16, 4, 1), KernelConfig(16, 16, 4, 1),
+                                            KernelConfig(16, 32, 4, 2), KernelConfig(32, 32, 4, 1))  # fmt: skip
+    store.write_entries(path, DEVICE, [_entry(cfg=long_cfg), _entry(cfg=short_cfg, bucket="short"),
+                                       _entry(cfg=gqa_cfg, gqa=True, heads=[32, 8]),
+                                       _entry(kernel="bwd_dq", cfg=dq_cfg)])  # fmt: skip
+    resolve = lambda n, gqa, kernel="fwd": selection.resolve(kernel, 64, torch.float32, False, device, seqlen=n,
+                                                             gqa=gqa)  # fmt: skip
+    # A GQA call: its grouped entry before the plain ones, even a plain one of its own length bucket
+    assert resolve(512, True) == resolve(None, True) == (gqa_cfg, str(path))
+    assert resolve(512, False) == (short_cfg, str(path)) and resolve(None, False) == (long_cfg, str(path))
+    assert resolve(None, True, "bwd_dq") == (dq_cfg, str(path))  # no grouped entry: what MHA calls read
+    # What a call is: fewer K/V heads than query heads, in SDPA's layout and packed
+    q, k = torch.empty(1, 4, 64, 64, device=device), torch.empty(1, 2, 64, 64, device=device)
+    assert selection.config_for(None, "fwd", q, k, k, Mask(), None) == gqa_cfg
+    assert selection.config_for(None, "fwd", q, q, q, Mask(), None) == short_cfg
+    packing = launcher.Packing(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 64, 64)
+    packed_q, packed_k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # (tokens, heads, d)
+    seen, real_resolve = [], selection.resolve
+    try:
+        selection.resolve = lambda *args, gqa=False, **kw: seen.append(gqa) or real_resolve(*args, gqa=gqa, **kw)
+        for keys in (packed_k, packed_q):
+            selection.config_for(None, "fwd", packed_q, keys, keys, Mask(), packing)
+    finally:
+        selection.resolve = real_resolve
+    assert seen == [True, False]
+    assert fa2tune.get_kernel(64, device=device, dtype=torch.float32, gqa=True).config == gqa_cfg
+    assert fa2tune.get_kernel(64, device=device, dtype=torch.float32).config == long_cfg
+    with pytest.raises(TypeError, match="gqa must be True or False"):
+        fa2tune.get_kernel(64, device=device, dtype=torch.float32, gqa="yes")
+    # On disk: `gqa` and `heads` only where they say something, so files without grouped entries read as before
+    raw = yaml.safe_load(path.read_text())["entries"]
+    assert sorted(("gqa" in e["key"], e.get("heads", [])) for e in raw) == [(False, [])] * 3 + [(True, [32, 8])]
+    grouped = next(e for e in store.read_file(path)[1] if e.key.gqa)
+    assert store.Entry.from_dict(grouped.to_dict()) == grouped and grouped.heads == [32, 8]
+
+
+def test_a_grouped_key_and_its_heads_are_checked(config_dir):
+    with pytest.raises(ValueError, match="gqa must be true or false"):
+        store.EntryKey(head_dim=64, dtype="bf16", causal=False, kernel="fwd", gqa=1)
+    with pytest.raises(ValueError, match="gqa must be false"):
+        store.EntryKey(head_dim=64, dtype="bf16", causal=False, kernel="decode", gqa=True)
+    for heads, says in (([32, 5], "K/V heads dividing"), ([32], "heads must be"), ([0, 8], "ints in 1..65535"),
+                        ([8, 8], "do not group query heads, and the key's gqa is true")):  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            _entry(gqa=True, heads=heads)
+    with pytest.raises(ValueError, match="group query heads, and the key's gqa is false"):
+        _entry(heads=[32, 8])
+    # In a file: the malformed entries are skipped with one warning, the others used
+    path = config_dir / "env" / "cpu-interpreter.yaml"
+    store.write_entries(path, DEVICE, [_entry(), _entry(causal=True)])
+    data = yaml.safe_load(path.read_text())
+    data["entries"][0]["heads"], data["entries"][1]["key"]["gqa"] = "32/8", "yes"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.warns(RuntimeWarning, match="heads must be list or null.*gqa must be true or false"):
+        assert store.read_file(path)[1] == []

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
+from types import SimpleNamespace
 
 import optuna
 import pytest
 import torch
 
 from fa2tune.config import store
-from fa2tune.config.types import KernelConfig
+from fa2tune.config.types import KernelConfig, Mask
 from fa2tune.tune import job, processes, search_space, study_storage, study_trials, tuner, workers
 
 
@@ -632,3 +634,40 @@ def test_a_dq_study_resolves_its_dkdv_partner_once_an_input_not_in_every_timed_r
     assert resolved == measure.inputs  # one an input
     resolved.clear()
     assert measure(KernelConfig(16, 16, 4, 1)) > 0 and not resolved
+
+
+def test_a_grouped_tunes_compile_example_builds_the_timed_calls_binary(monkeypatch):
+    # the example's group is the timed calls' (2·group query heads over 2 K/V heads), and its dK/dV split theirs:
+    # forced to what a full grid takes, where the example's small grid would split for its tail
+    from fa2tune.config import group_split
+    from fa2tune.tune import compile_pool
+
+    monkeypatch.delenv(group_split.DKDV_HEADS_ENV, raising=False)
+    seen = []
+
+    def run_kernel(kernel, cfg, x, causal):
+        seen.append((kernel, x.q.shape[1], x.k.shape[1], os.environ.get(group_split.DKDV_HEADS_ENV)))
+
+    monkeypatch.setattr(compile_pool, "kernel_inputs", lambda kernel, causal, batch, heads, n, d, *, dtype, device,
+                        varlen, heads_kv: SimpleNamespace(q=torch.empty(batch, heads, n, d),
+                                                          k=torch.empty(batch, heads_kv, n, d)))  # fmt: skip
+    monkeypatch.setattr(compile_pool, "run_kernel", run_kernel)
+    fused = KernelConfig(64, 128, 4, 2, warp_specialized=True, fused_dq=True)
+    for kernel, config, causal, group in (("bwd_dkdv", fused, Mask(causal=True), 8), ("bwd_dkdv", fused, False, 8),
+                                          ("fwd", KernelConfig(64, 64, 4, 2), True, 8), ("bwd_dkdv", fused, True, 1),
+                                          ("bwd_dkdv", fused, Mask(causal=True, window=(16, 0)), 8)):  # fmt: skip
+        compile_pool._run_attention(kernel, 64, torch.float16, causal, config, 256, "cpu", False, group)
+    assert seen == [("bwd_dkdv", 16, 2, "4"), ("bwd_dkdv", 16, 2, "8"), ("fwd", 16, 2, None), ("bwd_dkdv", 2, 2, None),
+                    ("bwd_dkdv", 16, 2, "8")]  # fmt: skip
+    assert group_split.DKDV_HEADS_ENV not in os.environ  # restored after each
+
+
+def test_a_study_of_grouped_heads_writes_a_grouped_key():
+    spec = job.StudySpec(kernel="bwd_dkdv", head_dim=128, dtype="bf16", causal=True, heads=32, kv_heads=8)
+    assert spec.grouped and spec.group == 4 and spec.key.gqa and spec.variant == "gqa"
+    mha = replace(spec, kv_heads=32)
+    assert not mha.grouped and mha.group == 1 and not mha.key.gqa and mha.variant == ""
+    assert replace(spec, seqlen_bucket="short").variant == "gqa+short"
+    for heads, kv_heads in ((32, 5), (32, None), (None, 8)):
+        with pytest.raises(ValueError, match="heads and kv_heads come together, kv_heads dividing heads"):
+            replace(spec, heads=heads, kv_heads=kv_heads)

@@ -25,6 +25,7 @@ class AttentionKernel:
         window, prefix_len: the band mask every call applies ((-1, -1) and 0: none).
         varlen: calls take packed sequences: ``kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)``.
         device: the GPU it was resolved for.
+        gqa: resolved for grouped-query calls (fewer K/V heads than query heads): their tuned entries first.
         config: the forward config; bwd_dkdv_config / bwd_dq_config: the backward's.
         source: where the forward config came from — a YAML file path, or "planner-default".
         bwd_source: the same for the backward configs.
@@ -54,6 +55,7 @@ class AttentionKernel:
     medium_config: KernelConfig | None = None
     medium_source: str | None = None
     head_dim_v: int | None = None
+    gqa: bool = False
 
     def __call__(
         self,
@@ -109,11 +111,12 @@ def _resolved(
     prefix_len: int,
     varlen: bool,
     head_dim_v: int | None,
+    gqa: bool,
 ) -> AttentionKernel:
     banded = window != (-1, -1) or prefix_len > 0
     at = planner.config_head_dim(head_dim, head_dim_v or head_dim)  # as attention() resolves such a call
     resolve = lambda kernel, seqlen=None: selection.resolve(kernel, at, dtype, causal, device, window=banded,
-                                                            varlen=varlen, seqlen=seqlen)  # fmt: skip
+                                                            varlen=varlen, seqlen=seqlen, gqa=gqa)  # fmt: skip
     (fwd, source), (dkdv, bwd_source), (dq, _) = (resolve(kernel) for kernel in ("fwd", "bwd_dkdv", "bwd_dq"))
     short, medium = (resolve("fwd", lengths.longest(bucket)) for bucket in ("short", "medium"))
     if head_dim_v is not None:  # the forward's configs, resolved at the larger head dim, must take both
@@ -122,7 +125,7 @@ def _resolved(
         short, medium = (_for_both_head_dims(found, info, head_dim, head_dim_v, dtype, causal)
                          for found in (short, medium))  # fmt: skip
     return AttentionKernel(head_dim, dtype, causal, selection.device_info(device), device, fwd, source, dkdv, dq,
-                           bwd_source, window, prefix_len, varlen, *short, *medium, head_dim_v)  # fmt: skip
+                           bwd_source, window, prefix_len, varlen, *short, *medium, head_dim_v, gqa)  # fmt: skip
 
 
 def _for_both_head_dims(found: tuple[KernelConfig, str], info: DeviceInfo, head_dim: int, head_dim_v: int,
@@ -145,6 +148,7 @@ def get_kernel(
     prefix_len: int = 0,
     varlen: bool = False,
     head_dim_v: int | None = None,
+    gqa: bool = False,
 ) -> AttentionKernel:
     """The attention kernel for a GPU, head dim, dtype and mask, with its configs and where they came from.
 
@@ -153,6 +157,10 @@ def get_kernel(
 
     window / prefix_len: a band mask (as fa2tune.attention) applied by every call; varlen: the kernel takes packed
     sequences (as fa2tune.attention_varlen). Each is a template variant with its own tuned entries.
+
+    gqa: the calls are grouped-query attention (K and V with fewer heads than Q): the configs of entries tuned on such
+    calls (`fa2tune tune --heads H --kv-heads G`) come first, as attention() picks them for such a call; the kernel
+    takes either kind of call.
 
     Lookup order for each config: $FA2TUNE_CONFIG_DIR, the user cache dir (~/.cache/fa2tune/configs), the shipped
     tuned_configs/ (the GPU's own file in each; then the other 16-bit dtype's entry; then the files of GPUs of the
@@ -165,10 +173,10 @@ def get_kernel(
     head_dim, dtype = check_int("head_dim", head_dim, 1, MAX_HEAD_DIM), check_dtype(dtype)
     if head_dim_v is not None:
         head_dim_v = check_int("head_dim_v", head_dim_v, 1, MAX_HEAD_DIM)
-    causal, varlen = check_flag("causal", causal), check_flag("varlen", varlen)
+    causal, varlen, gqa = check_flag("causal", causal), check_flag("varlen", varlen), check_flag("gqa", gqa)
     window, prefix_len = check_window(window), check_prefix_len(prefix_len)
     return _resolved(head_dim, _device_name(device), dtype, causal, os.environ.get("FA2TUNE_CONFIG_DIR"), window,
-                     prefix_len, varlen, None if head_dim_v == head_dim else head_dim_v)  # fmt: skip
+                     prefix_len, varlen, None if head_dim_v == head_dim else head_dim_v, gqa)  # fmt: skip
 
 
 _MAX_DEVICE_INDEX = 127  # torch.DeviceIndex is an int8

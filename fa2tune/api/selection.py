@@ -1,12 +1,12 @@
 """Which config one attention call launches with: the tuned entry from the store, else the planner's default.
 
-resolve() looks a call up by (kernel, head_dim, dtype, mask kind, length bucket, device, config dir): the call's
-length's bucket first (lengths.buckets_for: "short" for max(seqlen_q, seqlen_k) <= lengths.SHORT_SEQLEN, ...),
-then "all". A tuned entry that
-does not fit the device it is used on is ignored with one warning. for_call() keeps what resolve() gave per call
-signature, so attention()'s hot path pays one dict lookup for all its configs. A call whose V has a head dim of its
-own resolves at the larger of the two (planner.config_head_dim). resolve_decode does the same for the decode kernel
-(flash_attn_with_kvcache), whose launcher asks it when a call signature is new.
+resolve() looks a call up by (kernel, head_dim, dtype, mask kind, length bucket, grouped-query or not, device, config
+dir): the call's length's bucket first (lengths.buckets_for: "short" for max(seqlen_q, seqlen_k) <=
+lengths.SHORT_SEQLEN, ...), then "all"; a grouped-query call reads entries tuned on such calls before those
+(lookup_keys). A tuned entry that does not fit the device it is used on is ignored with one warning. for_call()
+keeps what resolve() gave per call signature, so attention()'s hot path pays one dict lookup for all its configs. A
+call whose V has a head dim of its own resolves at the larger of the two (planner.config_head_dim). resolve_decode
+does the same for the decode kernel (flash_attn_with_kvcache), whose launcher asks it when a call signature is new.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..config.types import KernelConfig, Mask
 from ..kernels import codegen
 
 __all__ = ["BACKWARD", "FORWARD", "FORWARD_BACKWARD", "clear_cache", "config_for", "decode_config", "device_info",
-           "for_call", "lookup", "resolve", "resolve_decode", "unfit"]  # fmt: skip
+           "for_call", "grouped", "lookup", "lookup_keys", "resolve", "resolve_decode", "unfit"]  # fmt: skip
 
 _cache: dict[tuple, tuple[KernelConfig, str]] = {}
 PLANNER_DEFAULT = "planner-default"  # resolve's source where no entry serves a call
@@ -55,6 +55,7 @@ def resolve(
     window: bool = False,
     varlen: bool = False,
     seqlen: int | None = None,
+    gqa: bool = False,
 ) -> tuple[KernelConfig, str]:
     """(config, source) for one kernel launch; source is "<file>" for a tuned entry ("<file> (bf16 entry)" for an
     fp16 call that reads a bf16 entry, and the reverse; "<file> (tuned on <GPU>, the same chip)" for another GPU's
@@ -62,18 +63,19 @@ def resolve(
 
     window: a band mask (sliding window or prefix-LM); varlen: packed sequences — each its own template variant,
     tuned and stored under its own key. seqlen: the call's max(seqlen_q, seqlen_k), which picks the length bucket
-    (None: the "all" bucket only).
+    (None: the "all" bucket only). gqa: the call has fewer K/V heads than query heads; entries tuned on such calls
+    come first (lookup_keys).
     """
     info = device_info(device)
     buckets = lengths.buckets_for(seqlen)
-    cache_key = (kernel, head_dim, dtype, causal, window, varlen, buckets[0], info.slug,
+    cache_key = (kernel, head_dim, dtype, causal, window, varlen, gqa, buckets[0], info.slug,
                  os.environ.get("FA2TUNE_CONFIG_DIR"))  # fmt: skip
     hit = _cache.get(cache_key)
     if hit is not None:
         return hit
 
     key = store.EntryKey(head_dim=head_dim, dtype=DTYPE_NAMES[dtype], causal=causal, kernel=kernel,
-                         seqlen_bucket=buckets[0], window=window, varlen=varlen)  # fmt: skip
+                         seqlen_bucket=buckets[0], window=window, varlen=varlen, gqa=gqa)  # fmt: skip
     result = _cache[cache_key] = lookup(key, info)
     return result
 
@@ -81,11 +83,11 @@ def resolve(
 def lookup(
     key: store.EntryKey, info, *, first: Path | None = None, passed_over: tuple[Path, store.EntryKey] | None = None
 ) -> tuple[KernelConfig, str]:
-    """(config, source) of resolve, uncached, for the calls of `key` (its bucket's, then "all") on the GPU `info` (a
-    DeviceInfo): the first entry store.find_for_device finds that fits the GPU (one warning for each that does not),
-    else the planner's default for the bucket. first, passed_over: find_for_device's (an audit's: a file read first,
-    one of its entries read as absent — tune.audit)."""
-    keys = [replace(key, seqlen_bucket=bucket) for bucket in lengths.buckets_for(lengths.longest(key.seqlen_bucket))]
+    """(config, source) of resolve, uncached, for the calls of `key` (lookup_keys: its bucket's, then "all"; a GQA
+    call's grouped entries before those) on the GPU `info` (a DeviceInfo): the first entry store.find_for_device
+    finds that fits the GPU (one warning for each that does not), else the planner's default for the bucket. first,
+    passed_over: find_for_device's (an audit's: a file read first, one of its entries read as absent — tune.audit)."""
+    keys = lookup_keys(key)
 
     def code_hash(config: KernelConfig) -> str:  # the keys differ in bucket and dtype, which the code does not
         return codegen.entry_code_hash(keys[0], config)
@@ -99,6 +101,15 @@ def lookup(
     config = defaults.default_config(key.head_dim, DTYPES_BY_NAME[key.dtype], causal=key.causal, kernel=key.kernel,
                                      device=info, seqlen_bucket=key.seqlen_bucket)  # fmt: skip
     return config, PLANNER_DEFAULT
+
+
+def lookup_keys(key: store.EntryKey) -> list[store.EntryKey]:
+    """The keys a call of `key` reads entries of, in order: its length bucket's, then "all" (lengths.buckets_for);
+    for a grouped-query call (key.gqa) the grouped entries of both first, then the plain ones — a GQA tune serves
+    the calls it was timed on at every length, and a GQA call with none still reads what MHA calls read."""
+    buckets = lengths.buckets_for(lengths.longest(key.seqlen_bucket))
+    groupings = (True, False) if key.gqa else (False,)
+    return [replace(key, seqlen_bucket=bucket, gqa=gqa) for gqa in groupings for bucket in buckets]
 
 
 def _named(found: store.Found) -> str:
@@ -131,7 +142,8 @@ def for_call(kernels: tuple[str, ...], q: torch.Tensor, k: torch.Tensor, v: torc
                q.is_cuda and interpreting())  # fmt: skip
     else:
         key = (kernels, q.shape[-1], v.shape[-1], max(packing.max_seqlen_q, packing.max_seqlen_k), q.dtype, q.device,
-               mask, os.environ.get("FA2TUNE_CONFIG_DIR"), q.is_cuda and interpreting(), "packed")  # fmt: skip
+               mask, os.environ.get("FA2TUNE_CONFIG_DIR"), q.is_cuda and interpreting(), "packed",
+               grouped(q, k))  # fmt: skip
     configs = _calls.get(key)
     if configs is None:
         configs = _resolve_call(kernels, q, k, v, mask, packing)
@@ -147,7 +159,14 @@ def _resolve_call(kernels: tuple[str, ...], q: torch.Tensor, k: torch.Tensor, v:
     longest = max(q.shape[2], k.shape[2]) if packing is None else max(packing.max_seqlen_q, packing.max_seqlen_k)
     head_dim = planner.config_head_dim(q.shape[-1], v.shape[-1])
     return tuple(resolve(kernel, head_dim, q.dtype, mask.causal, q.device, window=mask.banded,
-                         varlen=packing is not None, seqlen=longest)[0] for kernel in kernels)  # fmt: skip
+                         varlen=packing is not None, seqlen=longest, gqa=grouped(q, k))[0]
+                 for kernel in kernels)  # fmt: skip
+
+
+def grouped(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a call is grouped-query attention: K with fewer heads than Q (dim 1 in SDPA's layout (batch, heads,
+    N, d) and in the packed one (tokens, heads, d))."""
+    return k.shape[1] < q.shape[1]
 
 
 def config_for(config: KernelConfig | None, kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

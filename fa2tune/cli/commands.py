@@ -222,8 +222,6 @@ def _why_not_used(entry, path, info) -> str | None:
     """Why a call of `entry`'s key on the device `info` does not run the stored `entry` (from the file `path`), or
     None where it does: what selection.resolve / resolve_decode take for that key — the key's own length bucket,
     then "all" (lengths.buckets_for) — compared with it."""
-    from dataclasses import replace
-
     from ..api import selection
     from ..config import store
     from ..kernels import codegen
@@ -233,7 +231,7 @@ def _why_not_used(entry, path, info) -> str | None:
     reason = selection.unfit(entry, info)
     if reason is not None:
         return f"the planner rejects it here: {reason}"
-    keys = [entry.key] + ([replace(entry.key, seqlen_bucket="all")] if entry.key.seqlen_bucket != "all" else [])
+    keys = selection.lookup_keys(entry.key)
     code_hash = lambda config: codegen.entry_code_hash(keys[0], config)  # the code has no bucket, no dtype
     found = list(store.find_for_device(info, keys, template_hash=code_hash))
     # lookup reads one entry a key in each GPU's files: the first along them

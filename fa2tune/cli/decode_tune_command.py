@@ -20,14 +20,6 @@ _NOT_FOR_DECODE = {"causal": "both", "window": None, "varlen": False, "seqlens":
                    "tokens": 16384, "storage": None}  # fmt: skip
 
 
-def check_heads(args: argparse.Namespace) -> None:
-    """--heads and --kv-heads are a decode tune's: refused for the other kernels'."""
-    for name in ("heads", "kv_heads"):
-        if getattr(args, name) is not None and args.kernel != "decode":
-            fail(f"--{name.replace('_', '-')} sets the decode steps' heads: it needs --kernel decode, got --kernel "
-                 f"{args.kernel}")  # fmt: skip
-
-
 def tune_decode(args: argparse.Namespace, devices: list[str]) -> int:
     """`fa2tune tune --kernel decode`: one study on one device, its winner merged into <config dir>/<gpu>.yaml."""
     heads, kv_heads = _check(args, devices)

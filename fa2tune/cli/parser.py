@@ -113,9 +113,12 @@ def _add_tune(sub) -> None:
         "--seqlen-bucket, --tokens and --storage do not apply)",
     )
     tune.add_argument("--heads", type=arguments.positive_int, default=None,
-                      help=f"--kernel decode: query heads of the timed steps (default {DEFAULT_HEADS[0]})")
+                      help=f"query heads of the timed calls: your model's (default: {GRID_WIDTH} // d; --kernel "
+                           f"decode: {DEFAULT_HEADS[0]})")  # fmt: skip
     tune.add_argument("--kv-heads", type=arguments.positive_int, default=None,
-                      help=f"--kernel decode: K/V heads, dividing --heads (default {DEFAULT_HEADS[1]})")
+                      help="K/V heads of the timed calls, dividing --heads (default: as many as --heads; --kernel "
+                           f"decode: {DEFAULT_HEADS[1]}); fewer than --heads tunes grouped-query entries, which GQA "
+                           "calls read before the others")  # fmt: skip
     tune.add_argument(
         "--window",
         type=arguments.window,

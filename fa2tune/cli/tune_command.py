@@ -12,10 +12,11 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..bench.shapes import GRID_WIDTH
 from ..config.decode_config import DECODE_KERNEL
 from . import arguments
 from .common import end_progress_line, fail, log, note_interpreter, progress, resolve_device, to_json
-from .decode_tune_command import check_heads, tune_decode
+from .decode_tune_command import tune_decode
 from .outputs import check_writable, config_destination, interrupted
 
 
@@ -32,9 +33,9 @@ def tune(args: argparse.Namespace) -> int:
     seqlens = _tuning_lengths(args.seqlens, args.seqlen_bucket)
     devices = args.device if args.device != ["all"] else _all_cuda_devices()
     devices = [resolve_device(d) for d in devices]
-    check_heads(args)
     if args.kernel == DECODE_KERNEL:
         return tune_decode(args, devices)
+    heads = _heads(args)
     from ..api import attention_kernel
     from ..tune import compile_pool
 
@@ -48,7 +49,7 @@ def tune(args: argparse.Namespace) -> int:
     jobs = args.jobs or os.cpu_count() or 1
     pool = compile_pool.CompilePool(jobs) if devices[0] != "cpu" and len(devices) == 1 else None
     try:
-        specs = _specs(args, seqlens, storage, target, devices[0])
+        specs = _specs(args, seqlens, storage, target, devices[0], heads)
         names = _study_names(specs, devices[0])
         if len(devices) > 1:
             _tune_on_several(specs, devices, config_dir, storage, written)
@@ -97,8 +98,25 @@ def _destination(args: argparse.Namespace, devices: list[str]) -> tuple[Path, st
     return config_dir, storage, target
 
 
-def _specs(args: argparse.Namespace, seqlens: tuple[int, ...], storage: str | None, target: Path, device: str) -> list:
-    """One StudySpec per kernel and mask asked, each with the incumbent the file holds for its key (job.incumbent)."""
+def _heads(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """(query heads, K/V heads) of the timed calls where --heads or --kv-heads is given, the other the grid's
+    (GRID_WIDTH // d query heads; as many K/V heads); (None, None): the grid's. Fewer K/V heads make grouped-query
+    entries (EntryKey.gqa). Exits 2 on K/V heads that do not divide the query heads."""
+    if args.heads is None and args.kv_heads is None:
+        return None, None
+    heads = args.heads or max(1, GRID_WIDTH // args.head_dim)
+    kv_heads = args.kv_heads or heads
+    if heads % kv_heads:
+        implied = "" if args.heads else f" (--heads defaults to {GRID_WIDTH} // d)"
+        fail(f"--kv-heads must divide --heads (query heads share K/V heads in groups), got --heads {heads} and "
+             f"--kv-heads {kv_heads}{implied}")  # fmt: skip
+    return heads, kv_heads
+
+
+def _specs(args: argparse.Namespace, seqlens: tuple[int, ...], storage: str | None, target: Path, device: str,
+           heads: tuple[int | None, int | None]) -> list:  # fmt: skip
+    """One StudySpec per kernel and mask asked, each with the incumbent the file holds for its key (job.incumbent);
+    heads: _heads'."""
     from ..api import selection
     from ..config import planner
     from ..tune import job
@@ -113,7 +131,7 @@ def _specs(args: argparse.Namespace, seqlens: tuple[int, ...], storage: str | No
         job.StudySpec(kernel=kernel, head_dim=args.head_dim, dtype=args.dtype, causal=causal,
                           seqlens=seqlens, tokens=args.tokens, trials=args.trials, timeout_s=timeout_s,
                           timeout_counts_builds=args.timeout is None, storage=storage, window=args.window,
-                          varlen=args.varlen, seqlen_bucket=args.seqlen_bucket)
+                          varlen=args.varlen, seqlen_bucket=args.seqlen_bucket, heads=heads[0], kv_heads=heads[1])
         for kernel in kernels for causal in causals
     ]  # fmt: skip
     info = selection.device_info(device)  # a same-chip GPU's entry, which calls read until the tune, is an incumbent

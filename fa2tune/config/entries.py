@@ -27,6 +27,7 @@ from .schedule import RETIRED_FIELDS
 from .types import DTYPE_CHOICES, KERNELS, KernelConfig
 
 SCHEMA_VERSION = 2  # what the store writes; it reads schema 1 too
+MAX_HEADS = 65535  # the most heads an entry's record names: CUDA's cap on a grid axis, past any model's
 ENTRY_KERNELS = (*KERNELS, DECODE_KERNEL)  # what an entry may be for: the attention kernels and the decode kernel
 
 
@@ -41,6 +42,11 @@ class EntryKey:
     seqlen_bucket: str = "all"  # lengths.SEQLEN_BUCKETS
     window: bool = False  # the band-mask variant (sliding window, prefix-LM); absent in older files = False
     varlen: bool = False  # the packed-sequence variant
+    # Tuned on grouped-query calls (fewer K/V heads than query heads): GQA calls read such an entry before the plain
+    # one (selection.lookup_keys), MHA calls never. The same kernel code: a separate key because the grouped calls'
+    # best config differs (docs/TUNING.md, "Grouped-query attention"). Absent in older files = False, and written only
+    # when true, so files without such entries read as they always have.
+    gqa: bool = False
 
     def __post_init__(self) -> None:
         # A hand-edited or foreign file must fail here (and be skipped with a warning), not at launch time.
@@ -50,19 +56,28 @@ class EntryKey:
         for name, allowed in (("dtype", DTYPE_CHOICES), ("kernel", ENTRY_KERNELS), ("seqlen_bucket", SEQLEN_BUCKETS)):
             if not isinstance(getattr(self, name), str) or getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {shown(getattr(self, name))}")
-        for name in ("causal", "window", "varlen"):
+        for name in ("causal", "window", "varlen", "gqa"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {shown(getattr(self, name))}")
-        if self.kernel == DECODE_KERNEL and (self.causal, self.window, self.varlen, self.seqlen_bucket) != _DECODE_KEY:
+        decode_key = (self.causal, self.window, self.varlen, self.gqa, self.seqlen_bucket)
+        if self.kernel == DECODE_KERNEL and decode_key != _DECODE_KEY:
             raise ValueError(
-                "a decode entry is keyed by head_dim and dtype alone (one decode kernel serves every mask and "
-                "length): causal, window and varlen must be false and seqlen_bucket all, got "
-                f"causal={self.causal}, window={self.window}, varlen={self.varlen}, "
+                "a decode entry is keyed by head_dim and dtype alone (one decode kernel serves every mask, length and "
+                "head grouping): causal, window, varlen and gqa must be false and seqlen_bucket all, got "
+                f"causal={self.causal}, window={self.window}, varlen={self.varlen}, gqa={self.gqa}, "
                 f"seqlen_bucket={self.seqlen_bucket}"
             )
 
+    def to_dict(self) -> dict:
+        """The key as YAML stores it: gqa only where true (an fa2tune older than the field reads the others)."""
+        data = asdict(self)
+        if not self.gqa:
+            del data["gqa"]
+        return data
 
-_DECODE_KEY = (False, False, False, "all")  # a decode key's causal, window, varlen and seqlen_bucket: the defaults
+
+# A decode key's causal, window, varlen, gqa and seqlen_bucket: the defaults
+_DECODE_KEY = (False, False, False, False, "all")
 
 
 @dataclass(frozen=True)
@@ -81,13 +96,30 @@ class Entry:
     template_hash: str
     date: str
     gbps: float | None = None  # a decode entry's GB/s of K and V read; None for the others and CPU runs
+    # [query heads, K/V heads] of the calls a tune timed, where it was told them (`fa2tune tune --heads --kv-heads`):
+    # what an audit times the entry at again. None: the grid's heads (heads·d = 2048, as many K/V heads).
+    heads: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.heads is not None:
+            pair = self.heads
+            if not (isinstance(pair, list) and len(pair) == 2 and all(is_int(h) and 1 <= h <= MAX_HEADS for h in pair)
+                    and pair[0] % pair[1] == 0):  # fmt: skip
+                raise ValueError(f"heads must be [query heads, K/V heads], ints in 1..{MAX_HEADS} with the K/V heads "
+                                 f"dividing the query heads, got {shown(pair)}")  # fmt: skip
+            if self.key.gqa != (pair[1] < pair[0]):
+                raise ValueError(f"heads {shown(pair)} {'do not group' if self.key.gqa else 'group'} query heads, "
+                                 f"and the key's gqa is {str(self.key.gqa).lower()}")  # fmt: skip
 
     def to_dict(self) -> dict:
-        """The entry as YAML stores it; gbps only where measured, so the other entries read as they always have."""
+        """The entry as YAML stores it; gbps and heads only where measured or told, so the other entries read as
+        they always have."""
         data = asdict(self)
+        data["key"] = self.key.to_dict()
         data["config"] = self.config.to_dict()
-        if self.gbps is None:
-            del data["gbps"]
+        for name in ("gbps", "heads"):
+            if data[name] is None:
+                del data[name]
         return data
 
     @classmethod
@@ -127,7 +159,8 @@ class Entry:
 _NUMBER = (int, float)
 _RECORD_TYPES = {"ms": _NUMBER, "tflops": (*_NUMBER, type(None)), "baseline": (dict, type(None)), "trials": (int,),
                  "spread": (*_NUMBER, type(None)), "triton_version": (str,), "torch_version": (str,),
-                 "template_hash": (str,), "date": (str,), "gbps": (*_NUMBER, type(None))}  # fmt: skip
+                 "template_hash": (str,), "date": (str,), "gbps": (*_NUMBER, type(None)),
+                 "heads": (list, type(None))}  # fmt: skip
 # The fields a tune measured or counted: never negative, never NaN or infinite, a time never 0 (a tune compares its
 # candidates against them).
 _MEASURES = ("ms", "tflops", "trials", "spread", "gbps")

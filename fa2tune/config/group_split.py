@@ -79,6 +79,14 @@ def dkdv_group_split(group: int, grid: DkdvGrid, *, fused_dq: bool) -> int:
     return next(split for split, span in zip(divisors, spans, strict=True) if span <= best * TAIL_GAIN)
 
 
+def many_waves_heads(group: int, *, causal: bool, fused_dq: bool) -> int:
+    """The query heads a dK/dV program streams (group // dkdv_group_split) in a grid of many waves, where no tail
+    asks for a split: the fused rule's alone. A tune's compile example forces it (DKDV_HEADS_ENV), so that its small
+    grid builds the binary of the timed calls, whose grids are full."""
+    many = DkdvGrid(batch_heads_kv=1 << 20, seqlen_q=1, seqlen_k=1, block_m=1, block_n=1, causal=causal, slots=1)
+    return group // dkdv_group_split(group, many, fused_dq=fused_dq)
+
+
 def _makespan(group: int, split: int, grid: DkdvGrid) -> float:
     """The estimated time of the grid, in steps (one Q tile of one query head), with each group split `split`
     times: whole waves of programs of the average length, and no less than the longest program."""

@@ -55,15 +55,17 @@ class AuditRow:
         return self.note.startswith("failed")
 
 
-def study_spec(key: EntryKey, path: Path) -> job.StudySpec | None:
+def study_spec(key: EntryKey, path: Path, heads: list[int] | None = None) -> job.StudySpec | None:
     """The study that would re-tune `key` into the file at `path`, at the lengths a tune times it at (job's
-    unserved_lengths for an "all" entry beside bucket entries); None for a band-mask entry, whose tuning window the
-    file does not record."""
-    if key.window:
+    unserved_lengths for an "all" entry beside bucket entries) and the heads its entry records (Entry.heads); None
+    for a band-mask entry, whose tuning window the file does not record, and for a grouped-query entry that records
+    no heads."""
+    if key.window or (key.gqa and heads is None):
         return None
+    query_heads, kv_heads = heads if heads is not None else (None, None)
     spec = job.StudySpec(kernel=key.kernel, head_dim=key.head_dim, dtype=key.dtype, causal=key.causal,
                          seqlens=TUNING_LENGTHS[key.seqlen_bucket], varlen=key.varlen,
-                         seqlen_bucket=key.seqlen_bucket)  # fmt: skip
+                         seqlen_bucket=key.seqlen_bucket, heads=query_heads, kv_heads=kv_heads)  # fmt: skip
     return replace(spec, seqlens=job.unserved_lengths(spec, path))
 
 
@@ -98,6 +100,8 @@ def _untimed(entry: Entry, info: DeviceInfo) -> str | None:
         return "skipped: a decode entry (`fa2tune tune --kernel decode` times its candidates against it)"
     if key.window:
         return "skipped: a band-mask entry's window is not recorded"
+    if key.gqa and entry.heads is None:
+        return "skipped: a grouped-query entry whose heads are not recorded"
     if entry.template_hash != codegen.entry_code_hash(key, entry.config):
         return "stale: calls pass it over (tuned on other kernel code); re-tune it"
     reason = selection.unfit(entry, info)
@@ -132,7 +136,7 @@ def audit(
         if why is not None:
             plans.append(AuditRow(entry.key, entry.config, note=why))
             continue
-        spec = study_spec(entry.key, path)
+        spec = study_spec(entry.key, path, entry.heads)
         config, source = fallback(entry.key, path, info)
         row = AuditRow(entry.key, entry.config, config, source, spec.seqlens)
         if config == entry.config:
@@ -164,7 +168,8 @@ def _compiled(timed: list, device_name: str, workers: int) -> dict[EntryKey, str
     pool = CompilePool(workers)
     try:
         waits = [pool.start(spec.kernel, spec.head_dim, DTYPES_BY_NAME[spec.dtype], spec.mask,
-                            [row.entry, row.fallback], seqlens=spec.seqlens, device=device_name, varlen=spec.varlen)
+                            [row.entry, row.fallback], seqlens=spec.seqlens, device=device_name, varlen=spec.varlen,
+                            group=spec.group)
                  for spec, row in timed]  # fmt: skip
         for wait, (_, row) in zip(waits, timed, strict=True):
             for name, config in (("the entry", row.entry), ("the fallback", row.fallback)):
@@ -184,9 +189,10 @@ def _timed(spec: job.StudySpec, row: AuditRow, device_name: str, rounds: int, me
     """row with both configs timed (the fastest of `rounds` readings each, taken in turn), or a note of what failed:
     the inputs, or which config."""
     try:
+        grouping = {} if spec.heads is None else {"heads": (spec.heads, spec.kv_heads)}  # the grid's, or the entry's
         measure = measure_factory(spec.kernel, spec.head_dim, DTYPES_BY_NAME[spec.dtype], spec.mask,
                                   seqlens=spec.seqlens, device=device_name, varlen=spec.varlen,
-                                  with_forward=spec.in_training_call)  # fmt: skip
+                                  with_forward=spec.in_training_call, **grouping)  # fmt: skip
     except Exception as error:  # the inputs run a forward, which can fail (memory) as a config can
         return replace(row, note=f"failed: the inputs: {type(error).__name__}: {str(error)[:200]}")
     readings: dict[str, list[float]] = {"the entry": [], "the fallback": []}
@@ -206,6 +212,7 @@ def report(rows: list[AuditRow], threshold: float) -> str:
     for row in rows:
         key = row.key
         mask = ("causal" if key.causal else "plain") + ("+window" if key.window else "+varlen" if key.varlen else "")
+        mask += "+gqa" if key.gqa else ""
         fallback_label = row.fallback.label() if row.fallback is not None else "-"
         if row.ratio is None:
             times, verdict = f"{'-':>9} {'-':>9} {'-':>6}", row.note

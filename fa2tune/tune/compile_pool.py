@@ -7,23 +7,53 @@ decode tuner's) through `start_calls`; `precompile` is one batch in a pool of it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Callable
 
 import torch
 
+from ..config import group_split
 from .records import failure_reason
 from .workload import kernel_inputs, run_kernel
 
 
-def _run_attention(kernel, head_dim, dtype, causal, cfg, seqlen, device, varlen) -> None:
-    # batch and heads of 2, not 1: Triton compiles an int argument equal to 1 as a constant, so a binary built
-    # with H_Q = 1 would not be the one a real launch (H_Q = 16) loads from the cache.
-    x = kernel_inputs(kernel, causal, 2, 2, seqlen, head_dim, dtype=dtype, device=device, varlen=varlen)
-    run_kernel(kernel, cfg, x, causal)
-    if x.q.is_cuda:
-        torch.cuda.synchronize()  # a launch error surfaces here, as this config's failure
+def _run_attention(kernel, head_dim, dtype, causal, cfg, seqlen, device, varlen, group) -> None:
+    # batch and K/V heads of 2, not 1: Triton compiles an int argument equal to 1 as a constant, so a binary built
+    # with H_Q = 1 would not be the one a real launch (H_Q = 16) loads from the cache. The query heads make the
+    # group the timed calls have: 1 compiles as a constant, others (GQA) as a run-time value.
+    x = kernel_inputs(kernel, causal, 2, 2 * group, seqlen, head_dim, dtype=dtype, device=device, varlen=varlen,
+                      heads_kv=2)
+    with _split_as_timed(kernel, cfg, causal, group):
+        run_kernel(kernel, cfg, x, causal)
+        if x.q.is_cuda:
+            torch.cuda.synchronize()  # a launch error surfaces here, as this config's failure
+
+
+@contextlib.contextmanager
+def _split_as_timed(kernel, cfg, causal, group):
+    """The dK/dV kernel's group split (config.group_split) of the timed calls, forced on the example's small grid,
+    whose tail would split it otherwise — the kernel's group and split are compiled as constants where they are 1.
+    The timed calls' grids are full (batch·N of thousands of tokens): there the fused rule alone splits. A dQ
+    study's dK/dV partner leaves dQ to it (workload.dq_partner)."""
+    saved = os.environ.get(group_split.DKDV_HEADS_ENV)
+    if group == 1 or kernel == "fwd" or saved is not None:  # nothing to split, or the caller's override rules
+        yield
+        return
+    fused = kernel == "bwd_dkdv" and cfg.fused_dq
+    os.environ[group_split.DKDV_HEADS_ENV] = str(group_split.many_waves_heads(group, causal=_causal(causal),
+                                                                              fused_dq=fused))  # fmt: skip
+    try:
+        yield
+    finally:
+        del os.environ[group_split.DKDV_HEADS_ENV]
+
+
+def _causal(mask) -> bool:
+    """A study's mask (a bool or a types.Mask) as the split rule reads it (launch.backward's _GroupSplit): causal,
+    a band splitting as no mask does."""
+    return mask if isinstance(mask, bool) else mask.causal and not mask.banded
 
 
 def _call_one(job) -> str | None:
@@ -81,16 +111,19 @@ class CompilePool:
         self._released = context.Event()
         self._pool = context.Pool(workers, initializer=_start_compiler, initargs=(dict(os.environ), self._released))
 
-    def compile(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", varlen=False) -> dict:
+    def compile(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", varlen=False,
+                group=1) -> dict:  # fmt: skip
         """Compiles every config; returns {config: failure reason} for those that failed.
 
         Each length N is compiled at 256 + N mod 256, a short length with the same divisibility by every block
-        size, hence the same Jinja variant (even or ragged tails) as N itself.
+        size, hence the same Jinja variant (even or ragged tails) as N itself; `group` query heads a K/V head, as
+        the timed calls have them.
         """
-        wait = self.start(kernel, head_dim, dtype, causal, configs, seqlens=seqlens, device=device, varlen=varlen)
+        wait = self.start(kernel, head_dim, dtype, causal, configs, seqlens=seqlens, device=device, varlen=varlen,
+                          group=group)  # fmt: skip
         return {cfg: reason for cfg in configs if (reason := wait(cfg))}
 
-    def start(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", varlen=False):
+    def start(self, kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", varlen=False, group=1):
         """compile() in the background: returns at once with wait(config) -> its failure reason or None.
 
         wait blocks for that config's compile only (a config not in `configs` returns None at once), so a tuner
@@ -99,7 +132,7 @@ class CompilePool:
         batches in the order started.
         """
         lengths = sorted({256 + n % 256 for n in seqlens})
-        arguments = lambda cfg, n: (kernel, head_dim, dtype, causal, cfg, n, device, varlen)
+        arguments = lambda cfg, n: (kernel, head_dim, dtype, causal, cfg, n, device, varlen, group)
         return self.start_calls({cfg: [(_run_attention, arguments(cfg, n)) for n in lengths]
                                  for cfg in dict.fromkeys(configs)})  # fmt: skip
 
@@ -147,7 +180,9 @@ class CompilePool:
         self.close()
 
 
-def precompile(kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", workers=16, varlen=False) -> dict:
+def precompile(kernel, head_dim, dtype, causal, configs, *, seqlens, device="cuda:0", workers=16, varlen=False,
+               group=1) -> dict:  # fmt: skip
     """CompilePool.compile in a pool of its own. Returns {config: failure reason}."""
     with CompilePool(workers) as pool:
-        return pool.compile(kernel, head_dim, dtype, causal, configs, seqlens=seqlens, device=device, varlen=varlen)
+        return pool.compile(kernel, head_dim, dtype, causal, configs, seqlens=seqlens, device=device, varlen=varlen,
+                            group=group)  # fmt: skip

@@ -50,6 +50,10 @@ class StudySpec:
     window: tuple[int, int] | None = None  # tune the band-mask variant at this (left, right) window
     varlen: bool = False  # tune the packed-sequence variant (the batch packed as equal-length sequences)
     seqlen_bucket: str = "all"  # "short" / "medium": an entry for calls of those lengths only (lengths.BUCKET_RANGES)
+    # The timed calls' query and K/V heads (None: the grid's, heads·d = 2048 with as many K/V heads). Fewer K/V heads
+    # than query heads make the entry a grouped-query one (EntryKey.gqa), which GQA calls read first.
+    heads: int | None = None
+    kv_heads: int | None = None
     run: str | None = None  # set by run_parallel_many: `trials` is the budget of all its workers together
     # The config the file this tune writes holds for the key now (stale or not): timed beside the new candidates,
     # kept unless one is measured faster (tuner.first_configs says why). See incumbent().
@@ -67,12 +71,27 @@ class StudySpec:
         """What one timed run does, for its FLOPs (timing.attention_flops' mode)."""
         return "fwd" if self.kernel == "fwd" else "fwd+bwd" if self.in_training_call else "bwd"
 
+    def __post_init__(self) -> None:
+        if (self.heads is None) != (self.kv_heads is None) or (self.heads is not None and self.heads % self.kv_heads):
+            raise ValueError(f"heads and kv_heads come together, kv_heads dividing heads; got {self.heads} and "
+                             f"{self.kv_heads}")  # fmt: skip
+
+    @property
+    def grouped(self) -> bool:
+        """Whether the timed calls are grouped-query attention (fewer K/V heads than query heads)."""
+        return self.heads is not None and self.kv_heads < self.heads
+
+    @property
+    def group(self) -> int:
+        """Query heads a K/V head in the timed calls: what the kernels' GQA code is compiled for (CompilePool)."""
+        return self.heads // self.kv_heads if self.heads is not None else 1
+
     @property
     def key(self) -> store.EntryKey:
         """The entry this study writes."""
         return store.EntryKey(head_dim=self.head_dim, dtype=self.dtype, causal=self.causal, kernel=self.kernel,
                               seqlen_bucket=self.seqlen_bucket, window=self.window is not None,
-                              varlen=self.varlen)  # fmt: skip
+                              varlen=self.varlen, gqa=self.grouped)  # fmt: skip
 
     @property
     def mask(self) -> Mask:
@@ -80,10 +99,11 @@ class StudySpec:
 
     @property
     def variant(self) -> str:
-        """The study-name suffix: the template variant ("window", "varlen") and the length bucket ("short",
-        "medium"), joined by "+"; "" for the plain variant at every length."""
+        """The study-name suffix: the template variant ("window", "varlen"), "gqa" for grouped-query calls and the
+        length bucket ("short", "medium"), joined by "+"; "" for the plain variant at every length."""
         bucket = self.seqlen_bucket
-        parts = (("window", self.window is not None), ("varlen", self.varlen), (bucket, bucket != "all"))
+        parts = (("window", self.window is not None), ("varlen", self.varlen), ("gqa", self.grouped),
+                 (bucket, bucket != "all"))  # fmt: skip
         return "+".join(name for name, on in parts if on)
 
     def study_name(self, info: DeviceInfo) -> str:
@@ -127,7 +147,7 @@ def run_study(
     pool = None if cpu else CompilePool(os.cpu_count() or 1) if own_pool else compile_pool
     measure = workload.make_measure(spec.kernel, spec.head_dim, dtype, spec.mask, seqlens=sizes.seqlens,
                                     device=device_name, tokens=sizes.tokens, width=sizes.width, varlen=spec.varlen,
-                                    with_forward=spec.in_training_call)  # fmt: skip
+                                    with_forward=spec.in_training_call, heads=sizes.heads)  # fmt: skip
 
     def timed():  # the trials are timed, before the finish
         if pool is not None and (own_pool or release_pool):
@@ -156,23 +176,33 @@ def run_study(
 
 @dataclass(frozen=True)
 class _Sizes:
-    """What a study times and checks: the tuning lengths at batch·N = tokens and heads·d = width, and the shape
-    (batch, heads_q, heads_kv, N_q, N_k, d) its winner is verified at: on a GPU GQA 8 over a grid short of the SMs,
-    so that a dK/dV winner is also checked split (config.group_split): every warp-specialized one, and Triton's
-    with K/V tiles of 64 rows or more. Small under the interpreter, whose time grows with them."""
+    """What a study times and checks: the tuning lengths at batch·N = tokens and heads·d = width (or `heads`, the
+    spec's (query, K/V) heads), and the shape (batch, heads_q, heads_kv, N_q, N_k, d) its winner is verified at: on
+    a GPU GQA 8 over a grid short of the SMs, so that a dK/dV winner is also checked split (config.group_split): every
+    warp-specialized one, and Triton's with K/V tiles of 64 rows or more. Small under the interpreter, whose time
+    grows with them (a grouped spec's heads there: 2 over 1)."""
 
     seqlens: tuple[int, ...]
     tokens: int
     width: int
     shape: tuple[int, int, int, int, int, int]
     interpreted: bool
+    heads: tuple[int, int] | None = None
+
+    @property
+    def query_heads(self) -> int:
+        """The timed calls' query heads, for their FLOPs."""
+        return self.heads[0] if self.heads is not None else max(1, self.width // self.shape[-1])
 
 
 def _sizes(spec: StudySpec, cpu: bool) -> _Sizes:
     if cpu:
         seqlens = tuple(min(n, 64) for n in spec.seqlens[:2])
-        return _Sizes(seqlens, 64, 2 * spec.head_dim, (1, 2, 1, 70, 70, spec.head_dim), interpreted=True)
-    return _Sizes(spec.seqlens, spec.tokens, 2048, (2, 16, 2, 1000, 1000, spec.head_dim), interpreted=False)
+        heads = (2, 1) if spec.grouped else None
+        return _Sizes(seqlens, 64, 2 * spec.head_dim, (1, 2, 1, 70, 70, spec.head_dim), interpreted=True, heads=heads)
+    heads = (spec.heads, spec.kv_heads) if spec.heads is not None else None
+    return _Sizes(spec.seqlens, spec.tokens, 2048, (2, 16, 2, 1000, 1000, spec.head_dim), interpreted=False,
+                  heads=heads)
 
 
 def _preparer(spec: StudySpec, device_name: str, info: DeviceInfo, seqlens: tuple[int, ...], pool: CompilePool,
@@ -185,7 +215,7 @@ def _preparer(spec: StudySpec, device_name: str, info: DeviceInfo, seqlens: tupl
     def prepare(configs):
         nonlocal batches
         wait = pool.start(spec.kernel, spec.head_dim, dtype, spec.mask, configs, seqlens=seqlens,
-                          device=device_name, varlen=spec.varlen)  # fmt: skip
+                          device=device_name, varlen=spec.varlen, group=spec.group)  # fmt: skip
         batches += 1
         # The pool takes jobs in order: the next study's first configs go in behind this study's first two batches
         # (both asked at its start), or behind its only one.
@@ -218,7 +248,7 @@ def _entry(spec: StudySpec, result: tuner.TuneResult, info: DeviceInfo, measure,
     """The store entry of the study's winner, with TFLOP/s from the FLOPs of what was timed (none under the
     interpreter); refuses a timing no GPU of this kind could produce (_check_plausible)."""
     flops = 0.0 if sizes.interpreted else sum(
-        timing.attention_flops(max(1, sizes.tokens // n), max(1, sizes.width // spec.head_dim), n, n, spec.head_dim,
+        timing.attention_flops(max(1, sizes.tokens // n), sizes.query_heads, n, n, spec.head_dim,
                                causal=spec.mask, mode=spec.timed_mode)
         for n in sizes.seqlens
     )  # fmt: skip
@@ -234,6 +264,7 @@ def _entry(spec: StudySpec, result: tuner.TuneResult, info: DeviceInfo, measure,
         triton_version=planner.triton_version(), torch_version=str(torch.__version__),
         template_hash=codegen.entry_code_hash(key, result.best),
         date=datetime.date.today().isoformat(),
+        heads=list(sizes.heads) if sizes.heads is not None else None,
     )  # fmt: skip
 
 
@@ -248,7 +279,8 @@ def baseline(spec: StudySpec, device_name: str, info: DeviceInfo | None = None) 
     dtype = DTYPES_BY_NAME[spec.dtype]
     if spec.seqlen_bucket != "all":
         config, source = selection.resolve(spec.kernel, spec.head_dim, dtype, spec.causal, device_name,
-                                           window=spec.window is not None, varlen=spec.varlen)  # fmt: skip
+                                           window=spec.window is not None, varlen=spec.varlen,
+                                           gqa=spec.grouped)  # fmt: skip
         if source != "planner-default":
             return config, "seqlen_bucket all"
     info = info or selection.device_info(device_name)
@@ -273,15 +305,17 @@ def incumbent(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> In
     the one the tuned-config file at `path`, which the tune writes, holds for spec's key; where it holds none and
     `info` is given, the first entry for the key that calls on that GPU read and the GPU can run
     (store.find_for_device: its own files along the search path, its dtype's key before the same-cost dtype's, then
-    a GPU's of the same chip); then the file's entry for the key in the same-cost dtype (store.SAME_COST_DTYPES);
-    None where there is none. The first entry for a key in a file counts, as at run time (store.lookup).
+    a GPU's of the same chip; for a grouped-query key, then the plain key's, which such calls read without one); then
+    the file's entry for the key in the same-cost dtype (store.SAME_COST_DTYPES); None where there is none. The first
+    entry for a key in a file counts, as at run time (store.lookup).
 
     Stale entries count: their config won under the templates of their day, a strong first guess under today's."""
     held = _held(path, [spec.key])
     if held is not None:
         return Incumbent(held, STORED_ORIGIN)
     if info is not None:
-        for found in store.find_for_device(info, [spec.key], template_hash=None):
+        read = [spec.key] + ([replace(spec.key, gqa=False)] if spec.key.gqa else [])
+        for found in store.find_for_device(info, read, template_hash=None):
             if selection.unfit(found.entry, info) is None:
                 return Incumbent(found.entry.config, "the config calls read now", found.source)
     twin = store.dtype_twins([spec.key])[1:]
@@ -346,7 +380,7 @@ def _prefetch(spec: StudySpec, device_name: str, info: DeviceInfo, pool: Compile
                                 causal=spec.causal, trials=spec.trials, space=space,
                                 default=baseline(spec, device_name, info)[0], incumbent=spec.incumbent)  # fmt: skip
     pool.start(spec.kernel, spec.head_dim, dtype, spec.mask, first, seqlens=spec.seqlens, device=device_name,
-               varlen=spec.varlen)  # fmt: skip
+               varlen=spec.varlen, group=spec.group)  # fmt: skip
 
 
 def _check_plausible(result: tuner.TuneResult, tflops: Callable, info: DeviceInfo) -> None:

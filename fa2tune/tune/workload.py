@@ -82,13 +82,14 @@ class PackedBatch:
 
 def kernel_inputs(
     kernel: str, causal: bool | Mask, batch: int, heads: int, seqlen: int, head_dim: int, *, dtype, device,
-    varlen: bool = False,
+    varlen: bool = False, heads_kv: int | None = None,
 ):  # fmt: skip
     """Fresh random inputs for `kernel` ("fwd", "bwd_dkdv", "bwd_dq"); backward ones carry a real forward.
-    varlen: the batch packed as equal-length sequences, for the packed-sequence variant."""
+    varlen: the batch packed as equal-length sequences, for the packed-sequence variant. heads_kv: K's and V's heads
+    (None: `heads`)."""
     from ..api import ops
 
-    q, k, v = random_qkv(batch, heads, seqlen, head_dim, dtype=dtype, device=device)
+    q, k, v = random_qkv(batch, heads, seqlen, head_dim, dtype=dtype, device=device, heads_kv=heads_kv)
     packing = None
     if varlen:
         packed = PackedBatch(batch, seqlen, seqlen, device)
@@ -144,12 +145,14 @@ def make_measure(
     width: int = 2048,
     varlen: bool = False,
     with_forward: bool = False,
+    heads: tuple[int, int] | None = None,
 ) -> Callable:
     """The tuner's objective: config -> sum over `seqlens` of the median time (ms) of `kernel` with it.
 
     Each length runs at batch = tokens // N and heads = width // head_dim (the benchmark grid's batch·N and
-    heads·d). On the CPU (the Triton interpreter) the wall clock of one run is used: right for testing the
-    pipeline, meaningless for speed.
+    heads·d), or at `heads`, (query heads, K/V heads): a grouped-query call where there are fewer K/V heads. On the
+    CPU (the Triton interpreter) the wall clock of one run is used: right for testing the pipeline, meaningless for
+    speed.
 
     with_forward: a backward kernel is timed inside the whole training call — the forward (at its resolved config)
     launched, then the backward — as one timed run. Where the host takes longer to launch the call's kernels than
@@ -157,9 +160,10 @@ def make_measure(
     warp-specialized ones) times slower, as the call does, where the backward alone, its launches hidden behind the
     timer's cache flush, times faster.
     """
+    heads_q, heads_kv = heads if heads is not None else (max(1, width // head_dim), None)
     inputs = [
-        kernel_inputs(kernel, causal, max(1, tokens // n), max(1, width // head_dim), n, head_dim, dtype=dtype,
-                      device=device, varlen=varlen)
+        kernel_inputs(kernel, causal, max(1, tokens // n), heads_q, n, head_dim, dtype=dtype, device=device,
+                      varlen=varlen, heads_kv=heads_kv)
         for n in seqlens
     ]  # fmt: skip
     on_gpu = str(device).startswith("cuda")
