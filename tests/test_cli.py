@@ -353,6 +353,15 @@ def test_tune_at_a_models_heads_writes_grouped_entries_that_gqa_calls_read_first
     q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
     assert selection.config_for(None, "fwd", q, k, k, Mask(), None) == entries[True].config
     assert selection.config_for(None, "fwd", q, q, q, Mask(), None) == entries[False].config
+    # `show` marks both used, and says what GQA calls resolve beside what MHA calls do
+    capsys.readouterr()
+    assert cli.main(["show", "--device", "cpu", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    stored = [r for r in rows if not r.get("resolved") and r["head_dim"] == 16 and r["kernel"] == "fwd"]
+    assert sorted((r["gqa"], r["used"]) for r in stored) == [(False, True), (True, True)]
+    resolved = {r.get("gqa", False): r for r in rows if r.get("resolved") and r["head_dim"] == 16 and not r["causal"]}
+    assert resolved[True]["fwd"] == entries[True].config.to_dict() and resolved[True]["source"] == str(path)
+    assert resolved[False]["fwd"] == entries[False].config.to_dict()
     # --heads alone times MHA calls at those heads: a plain entry; K/V heads that do not divide end the command
     assert cli.main([*args, "--heads", "2"]) == 0 and seen[-1].key.gqa is False and seen[-1].heads == 2
     with pytest.raises(SystemExit) as exit_info:

@@ -171,7 +171,9 @@ def show(args: argparse.Namespace) -> int:
     slug = info.slug
     rows = _stored_rows(slug, info)
     if not args.gpu:  # what the attention_kernel resolves now, including planner defaults
-        rows += _resolved_rows(sorted({r["head_dim"] for r in rows if "head_dim" in r} | {64, 128}), device_name)
+        grouped = {r["head_dim"] for r in rows if r.get("gqa")}  # and for GQA calls where grouped entries exist
+        rows += _resolved_rows(sorted({r["head_dim"] for r in rows if "head_dim" in r} | {64, 128}), device_name,
+                               grouped)  # fmt: skip
     if args.json:
         print(to_json({"slug": slug, "search_path": [str(d) for d in store.config_dirs()], "rows": rows}))
         return 0
@@ -247,20 +249,23 @@ def _why_not_used(entry, path, info) -> str | None:
     return None if pick is first else f"calls of this key read {pick.source}"
 
 
-def _resolved_rows(head_dims: list[int], device_name: str) -> list[dict]:
-    """What attention resolves on the device for each head dim, bf16, with and without the causal mask."""
+def _resolved_rows(head_dims: list[int], device_name: str, grouped: set[int] = frozenset()) -> list[dict]:
+    """What attention resolves on the device for each head dim, bf16, with and without the causal mask; for the
+    head dims in `grouped` (those with grouped-query entries) GQA calls' too, in rows with gqa=True."""
     import torch
 
     from ..api import attention_kernel
 
     rows = []
-    for head_dim in head_dims:
+    for head_dim, gqa in [(d, False) for d in head_dims] + [(d, True) for d in sorted(grouped)]:
         for causal in (False, True):
-            k = attention_kernel.get_kernel(head_dim, device=device_name, dtype=torch.bfloat16, causal=causal)
+            k = attention_kernel.get_kernel(head_dim, device=device_name, dtype=torch.bfloat16, causal=causal,
+                                            gqa=gqa)  # fmt: skip
             rows.append(
                 {
                     "resolved": True,
                     "head_dim": head_dim,
+                    **({"gqa": True} if gqa else {}),
                     "dtype": "bf16",
                     "causal": causal,
                     "fwd": k.config.to_dict(),
