@@ -8,15 +8,17 @@ entry slower than the planner's default for its key (or, for a length bucket's e
 selected entry and its fallback are compiled at once, then timed in turn (the fastest of --rounds readings each) at
 the lengths a tune of the key would time, as the tuner times them; an entry behind its fallback by more than
 --threshold is marked "re-tune": `fa2tune tune --head-dim D --dtype T --kernel K --causal yes|no` (with
-`--seqlen-bucket B` for a bucket's entry, `--varlen` for a packed-sequence one) rewrites it. Exit status 1 where an
-entry is behind or a config failed.
+`--seqlen-bucket B` for a bucket's entry, `--varlen` for a packed-sequence one, `--heads H --kv-heads G` for a
+grouped-query one, timed at the heads it records) rewrites it. Exit status 1 where an entry is behind or a config
+failed.
 
     python scripts/audit_entries.py tuned_configs/nvidia-h200.yaml --kernel bwd_dkdv --dtype bf16
     python scripts/audit_entries.py tuned_configs/nvidia-h200.yaml --head-dim 80,96 --bucket all
 
 Run it on the GPU the file is for, or one of the same chip (an H100 SXM reads the H200's entries) — except for the
 short bucket's backward entries, which a tune times inside the whole training call, where the host's speed is part
-of the time: audit those on the host that tuned them. Band-mask and decode entries are not timed.
+of the time: audit those on the host that tuned them. Band-mask and decode entries are not timed, nor grouped-query
+entries that record no heads.
 """
 
 from __future__ import annotations

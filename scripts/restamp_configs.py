@@ -43,7 +43,8 @@ def restamp(path: Path, write: bool) -> list[str]:
         current = codegen.entry_code_hash(entry.key, entry.config)
         if entry.template_hash != current:
             k = entry.key
-            stale.append(f"{k.kernel} d={k.head_dim} {k.dtype} causal={k.causal} {k.seqlen_bucket}: "
+            variants = "".join(f" {name}" for name in ("window", "varlen", "gqa") if getattr(k, name))
+            stale.append(f"{k.kernel} d={k.head_dim} {k.dtype} causal={k.causal} {k.seqlen_bucket}{variants}: "
                          f"{entry.config.label()}")  # fmt: skip
             scalar = yaml.safe_dump(current).splitlines()[0]  # quoted where YAML would read a number
             prefix, _, suffix = _HASH_LINE.match(lines[i]).groups()

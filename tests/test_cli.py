@@ -342,8 +342,9 @@ def test_tune_at_a_models_heads_writes_grouped_entries_that_gqa_calls_read_first
     assert cli.main([*args, "--heads", "4", "--kv-heads", "2"]) == 0
     assert cli.main(args) == 0
     grouped, plain = seen
-    assert (grouped.heads, grouped.kv_heads, grouped.group, grouped.variant) == (4, 2, 2, "gqa")
-    assert "/gqa" in grouped.study_name(selection.device_info("cpu")) and plain.variant == "" and plain.group == 1
+    assert (grouped.heads, grouped.kv_heads, grouped.group, grouped.variant) == (4, 2, 2, "gqa4x2")
+    assert grouped.study_name(selection.device_info("cpu")).endswith("/gqa4x2")
+    assert plain.variant == "" and plain.group == 1
     path = tmp_path / "cpu-interpreter.yaml"
     entries = {e.key.gqa: e for e in store.read_file(path)[1]}
     assert sorted(entries) == [False, True] and entries[False].heads is None
@@ -369,6 +370,9 @@ def test_tune_at_a_models_heads_writes_grouped_entries_that_gqa_calls_read_first
     assert exit_info.value.code == 2
     assert "--kv-heads must divide --heads (query heads share K/V heads in groups), got --heads 128 and --kv-heads 3 " \
            "(--heads defaults to 2048 // d)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*args, "--heads", "70000", "--kv-heads", "1"])
+    assert exit_info.value.code == 2 and "take at most 65535 heads" in capsys.readouterr().err
 
 
 def test_tune_a_short_length_bucket_on_cpu(tmp_path, capsys, studies_run):

@@ -957,6 +957,29 @@ def test_grouped_query_calls_read_their_own_entries_first_and_mha_calls_never(co
     assert seen == [True, False]
     assert fa2tune.get_kernel(64, device=device, dtype=torch.float32, gqa=True).config == gqa_cfg
     assert fa2tune.get_kernel(64, device=device, dtype=torch.float32).config == long_cfg
+    # Either kernel runs each call's own grouping's forward config, as the backward (resolved per call) does
+    launched, real = [], attention_kernel.checked_apply
+    long_q, long_k = torch.empty(1, 4, 5000, 64, device=device), torch.empty(1, 2, 5000, 64, device=device)
+    try:
+        attention_kernel.checked_apply = lambda q, k, v, causal, scale, window, prefix, lse, config, packing, chosen: (
+            launched.append(config))  # fmt: skip
+        for gqa in (False, True):
+            kernel = fa2tune.get_kernel(64, device=device, dtype=torch.float32, gqa=gqa)
+            kernel(long_q, long_k, long_k)
+            kernel(long_q, long_q, long_q)
+    finally:
+        attention_kernel.checked_apply = real
+    assert launched == [gqa_cfg, long_cfg] * 2
+    # A grouped study's incumbent where its file holds none is what its calls read now: at a bucket, the grouped
+    # "all" entry before the plain bucket one
+    from fa2tune.tune import job
+
+    spec = job.StudySpec(kernel="fwd", head_dim=64, dtype="fp32", causal=False, seqlen_bucket="short", heads=32,
+                         kv_heads=8)  # fmt: skip
+    info = selection.device_info(device)
+    assert job.incumbent(spec, config_dir / "target.yaml", info) == (gqa_cfg, "the config calls read now", str(path))
+    plain = replace(spec, heads=None, kv_heads=None)
+    assert job.incumbent(plain, config_dir / "target.yaml", info).config == short_cfg
     with pytest.raises(TypeError, match="gqa must be True or False"):
         fa2tune.get_kernel(64, device=device, dtype=torch.float32, gqa="yes")
     # On disk: `gqa` and `heads` only where they say something, so files without grouped entries read as before

@@ -664,10 +664,12 @@ def test_a_grouped_tunes_compile_example_builds_the_timed_calls_binary(monkeypat
 
 def test_a_study_of_grouped_heads_writes_a_grouped_key():
     spec = job.StudySpec(kernel="bwd_dkdv", head_dim=128, dtype="bf16", causal=True, heads=32, kv_heads=8)
-    assert spec.grouped and spec.group == 4 and spec.key.gqa and spec.variant == "gqa"
+    assert spec.grouped and spec.group == 4 and spec.key.gqa and spec.variant == "gqa32x8"
+    # a study times one grouping: another's is another study (a shared or stored one would mix their readings)
+    assert replace(spec, kv_heads=4).variant == "gqa32x4" and replace(spec, heads=None, kv_heads=None).variant == ""
     mha = replace(spec, kv_heads=32)
-    assert not mha.grouped and mha.group == 1 and not mha.key.gqa and mha.variant == ""
-    assert replace(spec, seqlen_bucket="short").variant == "gqa+short"
-    for heads, kv_heads in ((32, 5), (32, None), (None, 8)):
-        with pytest.raises(ValueError, match="heads and kv_heads come together, kv_heads dividing heads"):
+    assert not mha.grouped and mha.group == 1 and not mha.key.gqa and mha.variant == "heads32"
+    assert replace(spec, seqlen_bucket="short").variant == "gqa32x8+short"
+    for heads, kv_heads in ((32, 5), (32, None), (None, 8), (32, 0), (-8, -8)):
+        with pytest.raises(ValueError, match="heads and kv_heads come together, positive, kv_heads dividing heads"):
             replace(spec, heads=heads, kv_heads=kv_heads)

@@ -25,7 +25,9 @@ class AttentionKernel:
         window, prefix_len: the band mask every call applies ((-1, -1) and 0: none).
         varlen: calls take packed sequences: ``kernel(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k)``.
         device: the GPU it was resolved for.
-        gqa: resolved for grouped-query calls (fewer K/V heads than query heads): their tuned entries first.
+        gqa: the configs below are those of grouped-query calls (fewer K/V heads than query heads: their tuned
+            entries first), else those of MHA calls. Every call runs its own grouping's, as attention() does: a
+            call of the other grouping runs the configs get_kernel(..., gqa=not gqa) shows.
         config: the forward config; bwd_dkdv_config / bwd_dq_config: the backward's.
         source: where the forward config came from — a YAML file path, or "planner-default".
         bwd_source: the same for the backward configs.
@@ -56,6 +58,7 @@ class AttentionKernel:
     medium_source: str | None = None
     head_dim_v: int | None = None
     gqa: bool = False
+    config_dir: str | None = None  # $FA2TUNE_CONFIG_DIR when it was resolved: its other grouping's twin reads the same
 
     def __call__(
         self,
@@ -92,12 +95,19 @@ class AttentionKernel:
                 f"got q with head_dim={q.shape[-1]}, v with {v.shape[-1]}, dtype={q.dtype}: call fa2tune.get_kernel "
                 "for that"
             )
+        if selection.grouped(q, k) != self.gqa:  # the backward reads the call's grouping's configs: the forward too
+            return self._twin()(q, k, v, *packing, scale=scale, return_lse=return_lse)
         # The call's longer side picks the forward config, by the store's rule (what attention() does without one).
         bucket = lengths.bucket_of(longest)
         config = self.short_config if bucket == "short" else self.medium_config if bucket == "medium" else None
         return checked_apply(q, k, v, self.causal, scale, self.window, self.prefix_len, return_lse,
                               config or self.config, Packing(*packing) if self.varlen else None,
                               chosen=False)  # fmt: skip
+
+    def _twin(self) -> AttentionKernel:
+        """This kernel resolved for the other grouping (gqa)."""
+        return _resolved(self.head_dim, self.torch_device, self.dtype, self.causal, self.config_dir, self.window,
+                         self.prefix_len, self.varlen, self.head_dim_v, not self.gqa)  # fmt: skip
 
 
 @functools.cache
@@ -125,7 +135,8 @@ def _resolved(
         short, medium = (_for_both_head_dims(found, info, head_dim, head_dim_v, dtype, causal)
                          for found in (short, medium))  # fmt: skip
     return AttentionKernel(head_dim, dtype, causal, selection.device_info(device), device, fwd, source, dkdv, dq,
-                           bwd_source, window, prefix_len, varlen, *short, *medium, head_dim_v, gqa)  # fmt: skip
+                           bwd_source, window, prefix_len, varlen, *short, *medium, head_dim_v, gqa,
+                           config_dir)  # fmt: skip
 
 
 def _for_both_head_dims(found: tuple[KernelConfig, str], info: DeviceInfo, head_dim: int, head_dim_v: int,
@@ -158,9 +169,9 @@ def get_kernel(
     window / prefix_len: a band mask (as fa2tune.attention) applied by every call; varlen: the kernel takes packed
     sequences (as fa2tune.attention_varlen). Each is a template variant with its own tuned entries.
 
-    gqa: the calls are grouped-query attention (K and V with fewer heads than Q): the configs of entries tuned on such
-    calls (`fa2tune tune --heads H --kv-heads G`) come first, as attention() picks them for such a call; the kernel
-    takes either kind of call.
+    gqa: the kernel's configs are those of grouped-query calls (K and V with fewer heads than Q), which read the
+    entries tuned on such calls (`fa2tune tune --heads H --kv-heads G`) first; False: those of MHA calls. Either
+    kernel takes both kinds of call, each running its own grouping's configs, as attention() does.
 
     Lookup order for each config: $FA2TUNE_CONFIG_DIR, the user cache dir (~/.cache/fa2tune/configs), the shipped
     tuned_configs/ (the GPU's own file in each; then the other 16-bit dtype's entry; then the files of GPUs of the

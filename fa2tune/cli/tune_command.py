@@ -101,11 +101,16 @@ def _destination(args: argparse.Namespace, devices: list[str]) -> tuple[Path, st
 def _heads(args: argparse.Namespace) -> tuple[int | None, int | None]:
     """(query heads, K/V heads) of the timed calls where --heads or --kv-heads is given, the other the grid's
     (GRID_WIDTH // d query heads; as many K/V heads); (None, None): the grid's. Fewer K/V heads make grouped-query
-    entries (EntryKey.gqa). Exits 2 on K/V heads that do not divide the query heads."""
+    entries (EntryKey.gqa). Exits 2 on K/V heads that do not divide the query heads, or more heads than an entry
+    records."""
+    from ..config.entries import MAX_HEADS
+
     if args.heads is None and args.kv_heads is None:
         return None, None
     heads = args.heads or max(1, GRID_WIDTH // args.head_dim)
     kv_heads = args.kv_heads or heads
+    if max(heads, kv_heads) > MAX_HEADS:  # what an entry records: refused now, not after the study
+        fail(f"--heads and --kv-heads take at most {MAX_HEADS} heads, got --heads {heads} and --kv-heads {kv_heads}")
     if heads % kv_heads:
         implied = "" if args.heads else f" (--heads defaults to {GRID_WIDTH} // d)"
         fail(f"--kv-heads must divide --heads (query heads share K/V heads in groups), got --heads {heads} and "

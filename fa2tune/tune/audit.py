@@ -207,7 +207,7 @@ def _timed(spec: job.StudySpec, row: AuditRow, device_name: str, rounds: int, me
 
 def report(rows: list[AuditRow], threshold: float) -> str:
     """The rows as a text table, the entries behind their fallback by more than `threshold` marked "re-tune"."""
-    lines = [f"{'kernel':<9} {'d':>4} {'dtype':<5} {'mask':<10} {'bucket':<7} {'entry':<44} {'fallback':<44} "
+    lines = [f"{'kernel':<9} {'d':>4} {'dtype':<5} {'mask':<17} {'bucket':<7} {'entry':<44} {'fallback':<44} "
              f"{'ms':>9} {'ms':>9} {'ratio':>6}  verdict"]  # fmt: skip
     for row in rows:
         key = row.key
@@ -221,6 +221,6 @@ def report(rows: list[AuditRow], threshold: float) -> str:
             times = f"{row.entry_ms:>9.3f} {row.fallback_ms:>9.3f} {row.ratio:>6.3f}"
         if row.fallback_source and row.fallback_source != selection.PLANNER_DEFAULT:
             verdict += f" (fallback: {row.fallback_source})"
-        lines.append(f"{key.kernel:<9} {key.head_dim:>4} {key.dtype:<5} {mask:<10} {key.seqlen_bucket:<7} "
+        lines.append(f"{key.kernel:<9} {key.head_dim:>4} {key.dtype:<5} {mask:<17} {key.seqlen_bucket:<7} "
                      f"{row.entry.label():<44} {fallback_label:<44} {times}  {verdict}")  # fmt: skip
     return "\n".join(lines)

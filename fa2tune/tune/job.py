@@ -72,9 +72,10 @@ class StudySpec:
         return "fwd" if self.kernel == "fwd" else "fwd+bwd" if self.in_training_call else "bwd"
 
     def __post_init__(self) -> None:
-        if (self.heads is None) != (self.kv_heads is None) or (self.heads is not None and self.heads % self.kv_heads):
-            raise ValueError(f"heads and kv_heads come together, kv_heads dividing heads; got {self.heads} and "
-                             f"{self.kv_heads}")  # fmt: skip
+        given = (self.heads, self.kv_heads)
+        if given != (None, None) and not (None not in given and min(given) >= 1 and self.heads % self.kv_heads == 0):
+            raise ValueError(f"heads and kv_heads come together, positive, kv_heads dividing heads; got {self.heads} "
+                             f"and {self.kv_heads}")  # fmt: skip
 
     @property
     def grouped(self) -> bool:
@@ -99,10 +100,13 @@ class StudySpec:
 
     @property
     def variant(self) -> str:
-        """The study-name suffix: the template variant ("window", "varlen"), "gqa" for grouped-query calls and the
-        length bucket ("short", "medium"), joined by "+"; "" for the plain variant at every length."""
+        """The study-name suffix: the template variant ("window", "varlen"), the heads where they are given
+        ("gqa32x8" for 32 query heads over 8 K/V heads, "heads32" for 32 without grouping: a study times one grouping,
+        and a stored or shared study resumed at another would count its readings as this one's) and the length
+        bucket ("short", "medium"), joined by "+"; "" for the plain variant at every length."""
         bucket = self.seqlen_bucket
-        parts = (("window", self.window is not None), ("varlen", self.varlen), ("gqa", self.grouped),
+        heads = f"gqa{self.heads}x{self.kv_heads}" if self.grouped else f"heads{self.heads}" if self.heads else ""
+        parts = (("window", self.window is not None), ("varlen", self.varlen), (heads, bool(heads)),
                  (bucket, bucket != "all"))  # fmt: skip
         return "+".join(name for name, on in parts if on)
 
@@ -264,7 +268,7 @@ def _entry(spec: StudySpec, result: tuner.TuneResult, info: DeviceInfo, measure,
         triton_version=planner.triton_version(), torch_version=str(torch.__version__),
         template_hash=codegen.entry_code_hash(key, result.best),
         date=datetime.date.today().isoformat(),
-        heads=list(sizes.heads) if sizes.heads is not None else None,
+        heads=list(sizes.heads) if spec.grouped else None,  # a plain entry as before: older readers take it
     )  # fmt: skip
 
 
@@ -314,7 +318,9 @@ def incumbent(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> In
     if held is not None:
         return Incumbent(held, STORED_ORIGIN)
     if info is not None:
-        read = [spec.key] + ([replace(spec.key, gqa=False)] if spec.key.gqa else [])
+        # a grouped key's calls read the grouped entries of "all" and then the plain key's; a bucket's calls the
+        # others of "all" only where they have none (baseline's)
+        read = [k for k in selection.lookup_keys(spec.key) if k.gqa or k.seqlen_bucket == spec.key.seqlen_bucket]
         for found in store.find_for_device(info, read, template_hash=None):
             if selection.unfit(found.entry, info) is None:
                 return Incumbent(found.entry.config, "the config calls read now", found.source)
