@@ -65,6 +65,38 @@ def test_each_length_bucket_runs_its_shipped_entry_right(head_dim, causal, seqle
         assert_close(got, want, torch.bfloat16, what=f"d{name}")
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_grouped_query_training_call_runs_its_grouped_entries_right(head_dim, causal):
+    # A GQA call reads the grouped entries first (selection.lookup_keys: the H100 ships d=128 bf16 causal ones) and
+    # an MHA call never: both through attention() with autograd, against float64, at a ragged length.
+    from dataclasses import replace
+
+    from fa2tune.config import store
+
+    torch.manual_seed(head_dim)
+    info = device_info("cuda")
+    for heads_kv in (2, 8):
+        grouped = heads_kv < 8
+        key = store.EntryKey(head_dim=head_dim, dtype="bf16", causal=causal, kernel="bwd_dkdv", gqa=grouped)
+        found = next(store.find_for_device(info, selection.lookup_keys(key), template_hash=None), None)
+        assert found is None or found.entry.key.gqa <= grouped  # an MHA call never reads a grouped entry
+        if grouped and "H100" in info.name and head_dim == 128 and causal:
+            assert found.entry.key == key and found.path.name == "nvidia-h100-80gb-hbm3.yaml"
+        q = torch.randn(1, 8, 1000, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        k, v = (torch.randn(1, heads_kv, 1000, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+                for _ in range(2))  # fmt: skip
+        o = fa2tune.attention(q, k, v, causal=causal)
+        grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref, _ = naive_attention(qd, kd, vd, causal=causal)
+        ref_grads = torch.autograd.grad(ref, (qd, kd, vd), torch.ones_like(ref))
+        assert_close(o, ref, torch.bfloat16)
+        for got, want, name in zip(grads, ref_grads, "qkv", strict=True):
+            assert_close(got, want, torch.bfloat16, what=f"d{name} (K/V heads {heads_kv})")
+    assert replace(key, gqa=False) in selection.lookup_keys(key)
+
+
 def test_offsets_past_two_to_the_31_elements():
     # 2^31 + 2^21 elements per tensor: the last (batch, head) starts past what int32 offsets can address.
     batch, heads, seqlen, head_dim = 16384 + 16, 16, 128, 64
