@@ -86,15 +86,19 @@ def test_a_grouped_query_training_call_runs_its_grouped_entries_right(head_dim, 
         q = torch.randn(1, 8, 1000, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         k, v = (torch.randn(1, heads_kv, 1000, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
                 for _ in range(2))  # fmt: skip
-        o = fa2tune.attention(q, k, v, causal=causal)
-        grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
-        qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-        ref, _ = naive_attention(qd, kd, vd, causal=causal)
-        ref_grads = torch.autograd.grad(ref, (qd, kd, vd), torch.ones_like(ref))
-        assert_close(o, ref, torch.bfloat16)
-        for got, want, name in zip(grads, ref_grads, "qkv", strict=True):
-            assert_close(got, want, torch.bfloat16, what=f"d{name} (K/V heads {heads_kv})")
+        _assert_trains_right(q, k, v, fa2tune.attention(q, k, v, causal=causal), causal, f" (K/V heads {heads_kv})")
     assert replace(key, gqa=False) in selection.lookup_keys(key)
+
+
+def _assert_trains_right(q, k, v, o, causal: bool, what: str = "") -> None:
+    """o = attention(q, k, v) (bf16, with autograd) and its gradients of a sum against float64."""
+    grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = naive_attention(qd, kd, vd, causal=causal)
+    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), torch.ones_like(ref))
+    assert_close(o, ref, torch.bfloat16, what=f"o{what}")
+    for got, want, name in zip(grads, ref_grads, "qkv", strict=True):
+        assert_close(got, want, torch.bfloat16, what=f"d{name}{what}")
 
 
 def test_offsets_past_two_to_the_31_elements():
@@ -332,14 +336,7 @@ def test_warpspec_other_head_dims_and_gradients(head_dim):
     config = KernelConfig.parse("128,64,4,2,ws,pingpong")
     q, k, v = (torch.randn(1, 3, 700, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
                for _ in range(3))  # fmt: skip
-    o = fa2tune.attention(q, k, v, causal=True, config=config)
-    grads = torch.autograd.grad(o, (q, k, v), torch.ones_like(o))
-    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, _ = naive_attention(qd, kd, vd, causal=True)
-    ref_grads = torch.autograd.grad(ref, (qd, kd, vd), torch.ones_like(ref))
-    assert_close(o, ref, torch.bfloat16)
-    for got, want, name in zip(grads, ref_grads, "qkv", strict=True):
-        assert_close(got, want, torch.bfloat16, what=f"d{name}")
+    _assert_trains_right(q, k, v, fa2tune.attention(q, k, v, causal=True, config=config), causal=True)
 
 
 @_HOPPER
