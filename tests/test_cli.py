@@ -340,7 +340,9 @@ def test_tune_at_a_models_heads_writes_grouped_entries_that_gqa_calls_read_first
     args = ["tune", "--device", "cpu", "--head-dim", "16", "--trials", "1", "--causal", "no", "--kernel", "fwd",
             "--config-dir", str(tmp_path)]  # fmt: skip
     assert cli.main([*args, "--heads", "4", "--kv-heads", "2"]) == 0
+    assert "grouped-query entries, timed at 4 query heads over 2 K/V heads" in capsys.readouterr().out
     assert cli.main(args) == 0
+    assert "grouped-query" not in capsys.readouterr().out
     grouped, plain = seen
     assert (grouped.heads, grouped.kv_heads, grouped.group, grouped.variant) == (4, 2, 2, "gqa4x2")
     assert grouped.study_name(selection.device_info("cpu")).endswith("/gqa4x2")

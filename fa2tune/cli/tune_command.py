@@ -69,7 +69,7 @@ def tune(args: argparse.Namespace) -> int:
     if args.json:
         print(to_json(_as_json(written)))
     else:
-        _report(written)
+        _report(written, heads)
     return 0
 
 
@@ -182,10 +182,13 @@ def _tune_one_by_one(specs: list, device: str, config_dir: Path, pool, written: 
         written.rows.append((spec.kernel, spec.causal, result))
 
 
-def _report(written: _Written) -> None:
-    """The file written, a table of what each study found, the configs each timed and what became of the
-    incumbent."""
+def _report(written: _Written, heads: tuple[int | None, int | None] = (None, None)) -> None:
+    """The file written (and, for grouped-query studies, which calls read their entries), a table of what each study
+    found, the configs each timed and what became of the incumbent."""
     print(f"\nwrote {written.path}")
+    if heads[0] is not None and heads[1] < heads[0]:
+        print(f"grouped-query entries, timed at {heads[0]} query heads over {heads[1]} K/V heads: calls with fewer K/V "
+              "heads than query heads read them first, MHA calls never")  # fmt: skip
     # "before ms": the config the file held for the key (tuner's incumbent), timed in this run; "-" if none
     print(f"{'kernel':>9} {'causal':>6} {'winner':>30} {'ms':>8} {'default ms':>10} {'before ms':>9} {'median ms':>9} "
           f"{'timed':>5} {'2% at':>5} {'wall s':>6}")  # fmt: skip
