@@ -924,27 +924,30 @@ def test_an_entry_with_the_retired_causal_tail_switch_loads_and_never_breaks_a_m
     assert {(e.key, e.config) for e in store.read_file(path)[1]} == {(e.key, e.config) for e in read}
 
 
-def test_grouped_query_calls_read_their_own_entries_first_and_mha_calls_never(config_dir, device):
+def test_grouped_query_calls_read_a_buckets_grouped_entry_first_and_mha_calls_never(config_dir, device):
     from fa2tune.config.types import Mask
     from fa2tune.launch import launcher
 
     slug = selection.device_info(device).slug
     path = config_dir / "env" / f"{slug}.yaml"
-    long_cfg, short_cfg, gqa_cfg, dq_cfg = (KernelConfig(32, 16, 4, 1), KernelConfig(16, 16, 4, 1),
-                                            KernelConfig(16, 32, 4, 2), KernelConfig(32, 32, 4, 1))  # fmt: skip
+    long_cfg, short_cfg, gqa_cfg, dq_cfg, gqa_medium = (
+        KernelConfig(32, 16, 4, 1), KernelConfig(16, 16, 4, 1), KernelConfig(16, 32, 4, 2), KernelConfig(32, 32, 4, 1),
+        KernelConfig(64, 16, 4, 1))  # fmt: skip
     store.write_entries(path, DEVICE, [_entry(cfg=long_cfg), _entry(cfg=short_cfg, bucket="short"),
                                        _entry(cfg=gqa_cfg, gqa=True, heads=[32, 8]),
+                                       _entry(cfg=gqa_medium, gqa=True, heads=[32, 8], bucket="medium"),
                                        _entry(kernel="bwd_dq", cfg=dq_cfg)])  # fmt: skip
     resolve = lambda n, gqa, kernel="fwd": selection.resolve(kernel, 64, torch.float32, False, device, seqlen=n,
-                                                             gqa=gqa)  # fmt: skip
-    # A GQA call: its grouped entry before the plain ones, even a plain one of its own length bucket
-    assert resolve(512, True) == resolve(None, True) == (gqa_cfg, str(path))
-    assert resolve(512, False) == (short_cfg, str(path)) and resolve(None, False) == (long_cfg, str(path))
-    assert resolve(None, True, "bwd_dq") == (dq_cfg, str(path))  # no grouped entry: what MHA calls read
+                                                             gqa=gqa)[0]  # fmt: skip
+    # A GQA call: its length bucket's grouped entry, then its plain one, then "all"'s grouped and plain ones
+    assert [resolve(n, True) for n in (512, 2048, None)] == [short_cfg, gqa_medium, gqa_cfg]
+    assert [resolve(n, False) for n in (512, 2048, None)] == [short_cfg, long_cfg, long_cfg]  # MHA: never grouped
+    assert resolve(None, True, "bwd_dq") == dq_cfg  # no grouped entry: what MHA calls read
+    assert selection.resolve("fwd", 64, torch.float32, False, device, gqa=True)[1] == str(path)
     # What a call is: fewer K/V heads than query heads, in SDPA's layout and packed
-    q, k = torch.empty(1, 4, 64, 64, device=device), torch.empty(1, 2, 64, 64, device=device)
+    q, k = torch.empty(1, 4, 5000, 64, device=device), torch.empty(1, 2, 5000, 64, device=device)
     assert selection.config_for(None, "fwd", q, k, k, Mask(), None) == gqa_cfg
-    assert selection.config_for(None, "fwd", q, q, q, Mask(), None) == short_cfg
+    assert selection.config_for(None, "fwd", q, q, q, Mask(), None) == long_cfg
     packing = launcher.Packing(torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 64, 64)
     packed_q, packed_k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # (tokens, heads, d)
     seen, real_resolve = [], selection.resolve
@@ -970,21 +973,24 @@ def test_grouped_query_calls_read_their_own_entries_first_and_mha_calls_never(co
     finally:
         attention_kernel.checked_apply = real
     assert launched == [gqa_cfg, long_cfg] * 2
-    # A grouped study's incumbent where its file holds none is what its calls read now: at a bucket, the grouped
-    # "all" entry before the plain bucket one
+    # A grouped study's incumbent where its file holds none is what its calls read now from its bucket: the grouped
+    # entry, else the plain one ("all"'s is a bucket study's baseline)
     from fa2tune.tune import job
 
-    spec = job.StudySpec(kernel="fwd", head_dim=64, dtype="fp32", causal=False, seqlen_bucket="short", heads=32,
-                         kv_heads=8)  # fmt: skip
-    info = selection.device_info(device)
-    assert job.incumbent(spec, config_dir / "target.yaml", info) == (gqa_cfg, "the config calls read now", str(path))
-    plain = replace(spec, heads=None, kv_heads=None)
-    assert job.incumbent(plain, config_dir / "target.yaml", info).config == short_cfg
+    spec = lambda bucket: job.StudySpec(kernel="fwd", head_dim=64, dtype="fp32", causal=False, seqlen_bucket=bucket,
+                                        heads=32, kv_heads=8)  # fmt: skip
+    info, target = selection.device_info(device), config_dir / "target.yaml"
+    assert job.incumbent(spec("medium"), target, info) == (gqa_medium, "the config calls read now", str(path))
+    assert job.incumbent(spec("short"), target, info).config == short_cfg
+    assert job.incumbent(spec("all"), target, info).config == gqa_cfg
+    assert job.incumbent(replace(spec("medium"), heads=None, kv_heads=None), target, info) is None
+    # A grouped "all" study is tuned at the lengths the file's bucket entries, grouped or plain, leave it
+    assert job.unserved_lengths(spec("all"), path) == job.LONG_LENGTHS  # 16k alone is left: 8k joins it
     with pytest.raises(TypeError, match="gqa must be True or False"):
         fa2tune.get_kernel(64, device=device, dtype=torch.float32, gqa="yes")
     # On disk: `gqa` and `heads` only where they say something, so files without grouped entries read as before
     raw = yaml.safe_load(path.read_text())["entries"]
-    assert sorted(("gqa" in e["key"], e.get("heads", [])) for e in raw) == [(False, [])] * 3 + [(True, [32, 8])]
+    assert sorted(("gqa" in e["key"], e.get("heads", [])) for e in raw) == [(False, [])] * 3 + [(True, [32, 8])] * 2
     grouped = next(e for e in store.read_file(path)[1] if e.key.gqa)
     assert store.Entry.from_dict(grouped.to_dict()) == grouped and grouped.heads == [32, 8]
 

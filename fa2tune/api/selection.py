@@ -2,11 +2,12 @@
 
 resolve() looks a call up by (kernel, head_dim, dtype, mask kind, length bucket, grouped-query or not, device, config
 dir): the call's length's bucket first (lengths.buckets_for: "short" for max(seqlen_q, seqlen_k) <=
-lengths.SHORT_SEQLEN, ...), then "all"; a grouped-query call reads entries tuned on such calls before those
-(lookup_keys). A tuned entry that does not fit the device it is used on is ignored with one warning. for_call()
-keeps what resolve() gave per call signature, so attention()'s hot path pays one dict lookup for all its configs. A
-call whose V has a head dim of its own resolves at the larger of the two (planner.config_head_dim). resolve_decode
-does the same for the decode kernel (flash_attn_with_kvcache), whose launcher asks it when a call signature is new.
+lengths.SHORT_SEQLEN, ...), then "all"; a grouped-query call reads a bucket's entry tuned on such calls before its
+plain one (lookup_keys). A tuned entry that does not fit the device it is used on is ignored with one warning.
+for_call() keeps what resolve() gave per call signature, so attention()'s hot path pays one dict lookup for all its
+configs. A call whose V has a head dim of its own resolves at the larger of the two (planner.config_head_dim).
+resolve_decode does the same for the decode kernel (flash_attn_with_kvcache), whose launcher asks it when a call
+signature is new.
 """
 
 from __future__ import annotations
@@ -105,11 +106,14 @@ def lookup(
 
 def lookup_keys(key: store.EntryKey) -> list[store.EntryKey]:
     """The keys a call of `key` reads entries of, in order: its length bucket's, then "all" (lengths.buckets_for);
-    for a grouped-query call (key.gqa) the grouped entries of both first, then the plain ones — a GQA tune serves
-    the calls it was timed on at every length, and a GQA call with none still reads what MHA calls read."""
+    for a grouped-query call (key.gqa) each bucket's grouped entry before its plain one. The length bucket comes
+    first, as it does between files: an "all" entry is tuned where the bucket entries beside it leave it calls
+    (tune.job.unserved_lengths), and a grouped one tuned at 1k-16k picked configs slower at 8k-16k than the plain
+    "all" entry's (docs/PERF.md, "Grouped-query attention"). A GQA call with no grouped entry reads what MHA calls
+    read."""
     buckets = lengths.buckets_for(lengths.longest(key.seqlen_bucket))
     groupings = (True, False) if key.gqa else (False,)
-    return [replace(key, seqlen_bucket=bucket, gqa=gqa) for gqa in groupings for bucket in buckets]
+    return [replace(key, seqlen_bucket=bucket, gqa=gqa) for bucket in buckets for gqa in groupings]
 
 
 def _named(found: store.Found) -> str:

@@ -309,7 +309,8 @@ def incumbent(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> In
     the one the tuned-config file at `path`, which the tune writes, holds for spec's key; where it holds none and
     `info` is given, the first entry for the key that calls on that GPU read and the GPU can run
     (store.find_for_device: its own files along the search path, its dtype's key before the same-cost dtype's, then
-    a GPU's of the same chip; for a grouped-query key, then the plain key's, which such calls read without one); then
+    a GPU's of the same chip; for a grouped-query key, then its bucket's plain key's, which such calls read without
+    one); then
     the file's entry for the key in the same-cost dtype (store.SAME_COST_DTYPES); None where there is none. The first
     entry for a key in a file counts, as at run time (store.lookup).
 
@@ -318,9 +319,8 @@ def incumbent(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> In
     if held is not None:
         return Incumbent(held, STORED_ORIGIN)
     if info is not None:
-        # a grouped key's calls read the grouped entries of "all" and then the plain key's; a bucket's calls the
-        # others of "all" only where they have none (baseline's)
-        read = [k for k in selection.lookup_keys(spec.key) if k.gqa or k.seqlen_bucket == spec.key.seqlen_bucket]
+        # a grouped key's calls read the plain entry of its bucket next; "all" is a bucket study's baseline
+        read = [k for k in selection.lookup_keys(spec.key) if k.seqlen_bucket == spec.key.seqlen_bucket]
         for found in store.find_for_device(info, read, template_hash=None):
             if selection.unfit(found.entry, info) is None:
                 return Incumbent(found.entry.config, "the config calls read now", found.source)
@@ -355,7 +355,8 @@ LONG_LENGTHS = (8192, 16384)
 
 
 def unserved_lengths(spec: StudySpec, path: Path) -> tuple[int, ...]:
-    """spec's lengths less those a short or medium entry in the file at `path` serves for the same key, so an "all"
+    """spec's lengths less those a short or medium entry in the file at `path` serves for the same key (for a grouped
+    key, its plain twin's too: such calls read it first), so an "all"
     entry is tuned where calls will use it (tuned at 1k + 4k + 16k beside both bucket entries, the d=64 causal
     forward's "all" entry chose a config ~4 % slower at N = 16k, the one length it served: docs/PERF.md, "Length
     buckets"); where
@@ -367,7 +368,9 @@ def unserved_lengths(spec: StudySpec, path: Path) -> tuple[int, ...]:
     except (OSError, ValueError, yaml.YAMLError):
         return spec.seqlens
     keys = {e.key for e in entries}
-    served = {bucket for bucket in lengths.BUCKET_RANGES if replace(spec, seqlen_bucket=bucket).key in keys}
+    # a grouped key's calls read a bucket's plain entry before its "all" one (selection.lookup_keys)
+    bucket_keys = lambda bucket: {replace(spec.key, seqlen_bucket=bucket, gqa=gqa) for gqa in {spec.key.gqa, False}}
+    served = {bucket for bucket in lengths.BUCKET_RANGES if bucket_keys(bucket) & keys}
     kept = tuple(n for n in spec.seqlens if lengths.bucket_of(n) not in served)  # the store's own length rule
     return kept if len(kept) >= 2 else tuple(sorted({*kept, *LONG_LENGTHS}))
 
