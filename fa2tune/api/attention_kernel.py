@@ -27,7 +27,8 @@ class AttentionKernel:
         device: the GPU it was resolved for.
         gqa: the configs below are those of grouped-query calls (fewer K/V heads than query heads: their tuned
             entries first), else those of MHA calls. Every call runs its own grouping's, as attention() does: a
-            call of the other grouping runs the configs get_kernel(..., gqa=not gqa) shows.
+            call of the other grouping runs the configs get_kernel(..., gqa=not gqa) shows (other_forward: its
+            forward configs, for all lengths, short and medium ones).
         config: the forward config; bwd_dkdv_config / bwd_dq_config: the backward's.
         source: where the forward config came from — a YAML file path, or "planner-default".
         bwd_source: the same for the backward configs.
@@ -58,7 +59,7 @@ class AttentionKernel:
     medium_source: str | None = None
     head_dim_v: int | None = None
     gqa: bool = False
-    config_dir: str | None = None  # $FA2TUNE_CONFIG_DIR when it was resolved: its other grouping's twin reads the same
+    other_forward: tuple[KernelConfig | None, ...] = (None, None, None)
 
     def __call__(
         self,
@@ -95,19 +96,15 @@ class AttentionKernel:
                 f"got q with head_dim={q.shape[-1]}, v with {v.shape[-1]}, dtype={q.dtype}: call fa2tune.get_kernel "
                 "for that"
             )
-        if selection.grouped(q, k) != self.gqa:  # the backward reads the call's grouping's configs: the forward too
-            return self._twin()(q, k, v, *packing, scale=scale, return_lse=return_lse)
-        # The call's longer side picks the forward config, by the store's rule (what attention() does without one).
+        # The call's grouping (the backward resolves its own configs by it) and its longer side pick the forward
+        # config, by the store's rules (what attention() does without one).
+        own = (self.config, self.short_config, self.medium_config)
+        every, short, medium = own if selection.grouped(q, k) == self.gqa else self.other_forward
         bucket = lengths.bucket_of(longest)
-        config = self.short_config if bucket == "short" else self.medium_config if bucket == "medium" else None
+        config = short if bucket == "short" else medium if bucket == "medium" else None
         return checked_apply(q, k, v, self.causal, scale, self.window, self.prefix_len, return_lse,
-                              config or self.config, Packing(*packing) if self.varlen else None,
+                              config or every, Packing(*packing) if self.varlen else None,
                               chosen=False)  # fmt: skip
-
-    def _twin(self) -> AttentionKernel:
-        """This kernel resolved for the other grouping (gqa)."""
-        return _resolved(self.head_dim, self.torch_device, self.dtype, self.causal, self.config_dir, self.window,
-                         self.prefix_len, self.varlen, self.head_dim_v, not self.gqa)  # fmt: skip
 
 
 @functools.cache
@@ -125,18 +122,26 @@ def _resolved(
 ) -> AttentionKernel:
     banded = window != (-1, -1) or prefix_len > 0
     at = planner.config_head_dim(head_dim, head_dim_v or head_dim)  # as attention() resolves such a call
-    resolve = lambda kernel, seqlen=None: selection.resolve(kernel, at, dtype, causal, device, window=banded,
-                                                            varlen=varlen, seqlen=seqlen, gqa=gqa)  # fmt: skip
-    (fwd, source), (dkdv, bwd_source), (dq, _) = (resolve(kernel) for kernel in ("fwd", "bwd_dkdv", "bwd_dq"))
-    short, medium = (resolve("fwd", lengths.longest(bucket)) for bucket in ("short", "medium"))
-    if head_dim_v is not None:  # the forward's configs, resolved at the larger head dim, must take both
+    resolve = lambda kernel, seqlen=None, gqa=gqa: selection.resolve(kernel, at, dtype, causal, device,
+                                                                     window=banded, varlen=varlen, seqlen=seqlen,
+                                                                     gqa=gqa)  # fmt: skip
+    (dkdv, bwd_source), (dq, _) = (resolve(kernel) for kernel in ("bwd_dkdv", "bwd_dq"))
+
+    def forward_configs(gqa: bool) -> list[tuple[KernelConfig, str]]:
+        """(config, source) of the forward for all lengths, short and medium ones, of calls of that grouping."""
+        found = [resolve("fwd", seqlen, gqa) for seqlen in (None, *map(lengths.longest, ("short", "medium")))]
+        if head_dim_v is None:
+            return found
+        # resolved at the larger head dim, they must take both
         info = selection.device_info(device)
-        fwd, source = _for_both_head_dims((fwd, source), info, head_dim, head_dim_v, dtype, causal)
-        short, medium = (_for_both_head_dims(found, info, head_dim, head_dim_v, dtype, causal)
-                         for found in (short, medium))  # fmt: skip
+        return [_for_both_head_dims(one, info, head_dim, head_dim_v, dtype, causal) for one in found]
+
+    (fwd, source), short, medium = forward_configs(gqa)
+    # resolved now, not at a call of the other grouping: a call traced by torch.compile reads no file
+    other = tuple(config for config, _ in forward_configs(not gqa))
     return AttentionKernel(head_dim, dtype, causal, selection.device_info(device), device, fwd, source, dkdv, dq,
                            bwd_source, window, prefix_len, varlen, *short, *medium, head_dim_v, gqa,
-                           config_dir)  # fmt: skip
+                           other)  # fmt: skip
 
 
 def _for_both_head_dims(found: tuple[KernelConfig, str], info: DeviceInfo, head_dim: int, head_dim_v: int,
