@@ -68,26 +68,28 @@ def test_each_length_bucket_runs_its_shipped_entry_right(head_dim, causal, seqle
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_a_grouped_query_training_call_runs_its_grouped_entries_right(head_dim, causal):
-    # A GQA call reads the grouped entries first (selection.lookup_keys: the H100 ships d=128 bf16 causal ones) and
-    # an MHA call never: both through attention() with autograd, against float64, at a ragged length.
+    # A GQA call reads a bucket's grouped entry before its plain one (selection.lookup_keys: the H100 ships d=128 bf16
+    # causal "all" ones, which its N=1000 calls reach, having no bucket entry of their own) and an MHA call never:
+    # both through attention() with autograd, against float64, at a ragged length.
     from dataclasses import replace
 
-    from fa2tune.config import store
+    from fa2tune.config import lengths, store
 
     torch.manual_seed(head_dim)
     info = device_info("cuda")
     for heads_kv in (2, 8):
         grouped = heads_kv < 8
-        key = store.EntryKey(head_dim=head_dim, dtype="bf16", causal=causal, kernel="bwd_dkdv", gqa=grouped)
+        key = store.EntryKey(head_dim=head_dim, dtype="bf16", causal=causal, kernel="bwd_dkdv",
+                             seqlen_bucket=lengths.bucket_of(1000), gqa=grouped)  # fmt: skip
         found = next(store.find_for_device(info, selection.lookup_keys(key), template_hash=None), None)
         assert found is None or found.entry.key.gqa <= grouped  # an MHA call never reads a grouped entry
         if grouped and "H100" in info.name and head_dim == 128 and causal:
-            assert found.entry.key == key and found.path.name == "nvidia-h100-80gb-hbm3.yaml"
+            assert found.entry.key == replace(key, seqlen_bucket="all")
+            assert found.path.name == "nvidia-h100-80gb-hbm3.yaml"
         q = torch.randn(1, 8, 1000, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         k, v = (torch.randn(1, heads_kv, 1000, head_dim, dtype=torch.bfloat16, device="cuda", requires_grad=True)
                 for _ in range(2))  # fmt: skip
         _assert_trains_right(q, k, v, fa2tune.attention(q, k, v, causal=causal), causal, f" (K/V heads {heads_kv})")
-    assert replace(key, gqa=False) in selection.lookup_keys(key)
 
 
 def _assert_trains_right(q, k, v, o, causal: bool, what: str = "") -> None:

@@ -966,13 +966,14 @@ def test_grouped_query_calls_read_a_buckets_grouped_entry_first_and_mha_calls_ne
     try:
         attention_kernel.checked_apply = lambda q, k, v, causal, scale, window, prefix, lse, config, packing, chosen: (
             launched.append(config))  # fmt: skip
+        medium_q, medium_k = long_q[:, :, :2048], long_k[:, :, :2048]
         for gqa in (False, True):
             kernel = fa2tune.get_kernel(64, device=device, dtype=torch.float32, gqa=gqa)
-            kernel(long_q, long_k, long_k)
-            kernel(long_q, long_q, long_q)
+            for q_, k_ in ((long_q, long_k), (long_q, long_q), (medium_q, medium_k), (medium_q, medium_q)):
+                kernel(q_, k_, k_)
     finally:
         attention_kernel.checked_apply = real
-    assert launched == [gqa_cfg, long_cfg] * 2
+    assert launched == [gqa_cfg, long_cfg, gqa_medium, long_cfg] * 2
     # A grouped study's incumbent where its file holds none is what its calls read now from its bucket: the grouped
     # entry, else the plain one ("all"'s is a bucket study's baseline)
     from fa2tune.tune import job
@@ -984,8 +985,16 @@ def test_grouped_query_calls_read_a_buckets_grouped_entry_first_and_mha_calls_ne
     assert job.incumbent(spec("short"), target, info).config == short_cfg
     assert job.incumbent(spec("all"), target, info).config == gqa_cfg
     assert job.incumbent(replace(spec("medium"), heads=None, kv_heads=None), target, info) is None
-    # A grouped "all" study is tuned at the lengths the file's bucket entries, grouped or plain, leave it
+    # A grouped "all" study is tuned at the lengths bucket entries, grouped or plain, leave it: in the file it writes
+    # or in the GPU's own files, which its calls read first
     assert job.unserved_lengths(spec("all"), path) == job.LONG_LENGTHS  # 16k alone is left: 8k joins it
+    assert job.unserved_lengths(spec("all"), target) == (1024, 4096, 16384)  # no file there
+    assert job.unserved_lengths(spec("all"), target, info) == job.LONG_LENGTHS
+    # A grouped bucket study must beat what its calls ran without it: the bucket's plain entry, else "all"'s
+    assert job.baseline(spec("short"), device, info) == (short_cfg, "seqlen_bucket short (plain)")
+    assert job.baseline(spec("medium"), device, info) == (gqa_cfg, "seqlen_bucket all")
+    assert job.baseline(replace(spec("short"), heads=None, kv_heads=None), device, info) == (long_cfg,
+                                                                                            "seqlen_bucket all")
     with pytest.raises(TypeError, match="gqa must be True or False"):
         fa2tune.get_kernel(64, device=device, dtype=torch.float32, gqa="yes")
     # On disk: `gqa` and `heads` only where they say something, so files without grouped entries read as before

@@ -64,8 +64,8 @@ def resolve(
 
     window: a band mask (sliding window or prefix-LM); varlen: packed sequences — each its own template variant,
     tuned and stored under its own key. seqlen: the call's max(seqlen_q, seqlen_k), which picks the length bucket
-    (None: the "all" bucket only). gqa: the call has fewer K/V heads than query heads; entries tuned on such calls
-    come first (lookup_keys).
+    (None: the "all" bucket only). gqa: the call has fewer K/V heads than query heads; in each length bucket an
+    entry tuned on such calls comes before the plain one (lookup_keys).
     """
     info = device_info(device)
     buckets = lengths.buckets_for(seqlen)
@@ -84,10 +84,11 @@ def resolve(
 def lookup(
     key: store.EntryKey, info, *, first: Path | None = None, passed_over: tuple[Path, store.EntryKey] | None = None
 ) -> tuple[KernelConfig, str]:
-    """(config, source) of resolve, uncached, for the calls of `key` (lookup_keys: its bucket's, then "all"; a GQA
-    call's grouped entries before those) on the GPU `info` (a DeviceInfo): the first entry store.find_for_device
-    finds that fits the GPU (one warning for each that does not), else the planner's default for the bucket. first,
-    passed_over: find_for_device's (an audit's: a file read first, one of its entries read as absent — tune.audit)."""
+    """(config, source) of resolve, uncached, for the calls of `key` (lookup_keys: its bucket's, then "all"; in
+    each, a GQA call's grouped entry before its plain one) on the GPU `info` (a DeviceInfo): the first entry
+    store.find_for_device finds that fits the GPU (one warning for each that does not), else the planner's default
+    for the bucket. first, passed_over: find_for_device's (an audit's: a file read first, one of its entries read as
+    absent — tune.audit)."""
     keys = lookup_keys(key)
 
     def code_hash(config: KernelConfig) -> str:  # the keys differ in bucket and dtype, which the code does not

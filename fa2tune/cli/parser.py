@@ -118,7 +118,7 @@ def _add_tune(sub) -> None:
     tune.add_argument("--kv-heads", type=arguments.positive_int, default=None,
                       help="K/V heads of the timed calls, dividing --heads (default: as many as --heads; --kernel "
                            f"decode: {DEFAULT_HEADS[1]}); fewer than --heads tunes grouped-query entries, which GQA "
-                           "calls read before the others")  # fmt: skip
+                           "calls read before the plain entry of the same length bucket")  # fmt: skip
     tune.add_argument(
         "--window",
         type=arguments.window,

@@ -142,7 +142,7 @@ def _specs(args: argparse.Namespace, seqlens: tuple[int, ...], storage: str | No
     info = selection.device_info(device)  # a same-chip GPU's entry, which calls read until the tune, is an incumbent
     specs = [job.with_incumbent(spec, target, info) for spec in specs]
     if args.seqlens is None:  # an "all" entry beside bucket entries is tuned at the lengths it serves
-        specs = [_at_served_lengths(spec, target) for spec in specs]
+        specs = [_at_served_lengths(spec, target, info) for spec in specs]
     return specs
 
 
@@ -188,7 +188,8 @@ def _report(written: _Written, heads: tuple[int | None, int | None] = (None, Non
     print(f"\nwrote {written.path}")
     if heads[0] is not None and heads[1] < heads[0]:
         print(f"grouped-query entries, timed at {heads[0]} query heads over {heads[1]} K/V heads: calls with fewer K/V "
-              "heads than query heads read them first, MHA calls never")  # fmt: skip
+              "heads than query heads read them before the plain entry of the same length bucket, MHA calls "
+              "never")  # fmt: skip
     # "before ms": the config the file held for the key (tuner's incumbent), timed in this run; "-" if none
     print(f"{'kernel':>9} {'causal':>6} {'winner':>30} {'ms':>8} {'default ms':>10} {'before ms':>9} {'median ms':>9} "
           f"{'timed':>5} {'2% at':>5} {'wall s':>6}")  # fmt: skip
@@ -238,13 +239,14 @@ def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
     return seqlens
 
 
-def _at_served_lengths(spec, target):
-    """spec, tuned at the lengths that the file's bucket entries leave to it (job.unserved_lengths), and says so."""
+def _at_served_lengths(spec, target, info):
+    """spec, tuned at the lengths that the bucket entries its calls read (in `target` or the GPU's own files: info)
+    leave to it (job.unserved_lengths), and says so."""
     from ..tune import job
 
-    lengths = job.unserved_lengths(spec, target)
+    lengths = job.unserved_lengths(spec, target, info)
     if lengths != spec.seqlens:
-        log.info(f"note: {spec.kernel} causal={spec.causal}: {target.name} has length-bucket entries for this key, "
+        log.info(f"note: {spec.kernel} causal={spec.causal}: there are length-bucket entries for this key, "
                  f"so its \"all\" entry serves longer calls and is tuned at {','.join(map(str, lengths))} "
                  f"(--seqlens chooses)")  # fmt: skip
     return replace(spec, seqlens=lengths)

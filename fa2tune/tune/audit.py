@@ -55,7 +55,8 @@ class AuditRow:
         return self.note.startswith("failed")
 
 
-def study_spec(key: EntryKey, path: Path, heads: list[int] | None = None) -> job.StudySpec | None:
+def study_spec(key: EntryKey, path: Path, heads: list[int] | None = None,
+               info: DeviceInfo | None = None) -> job.StudySpec | None:  # fmt: skip
     """The study that would re-tune `key` into the file at `path`, at the lengths a tune times it at (job's
     unserved_lengths for an "all" entry beside bucket entries) and the heads its entry records (Entry.heads); None
     for a band-mask entry, whose tuning window the file does not record, and for a grouped-query entry that records
@@ -66,7 +67,7 @@ def study_spec(key: EntryKey, path: Path, heads: list[int] | None = None) -> job
     spec = job.StudySpec(kernel=key.kernel, head_dim=key.head_dim, dtype=key.dtype, causal=key.causal,
                          seqlens=TUNING_LENGTHS[key.seqlen_bucket], varlen=key.varlen,
                          seqlen_bucket=key.seqlen_bucket, heads=query_heads, kv_heads=kv_heads)  # fmt: skip
-    return replace(spec, seqlens=job.unserved_lengths(spec, path))
+    return replace(spec, seqlens=job.unserved_lengths(spec, path, info))
 
 
 def fallback(key: EntryKey, path: Path, info: DeviceInfo) -> tuple[KernelConfig, str]:
@@ -136,7 +137,7 @@ def audit(
         if why is not None:
             plans.append(AuditRow(entry.key, entry.config, note=why))
             continue
-        spec = study_spec(entry.key, path, entry.heads)
+        spec = study_spec(entry.key, path, entry.heads, info)
         config, source = fallback(entry.key, path, info)
         row = AuditRow(entry.key, entry.config, config, source, spec.seqlens)
         if config == entry.config:

@@ -51,7 +51,8 @@ class StudySpec:
     varlen: bool = False  # tune the packed-sequence variant (the batch packed as equal-length sequences)
     seqlen_bucket: str = "all"  # "short" / "medium": an entry for calls of those lengths only (lengths.BUCKET_RANGES)
     # The timed calls' query and K/V heads (None: the grid's, heads·d = 2048 with as many K/V heads). Fewer K/V heads
-    # than query heads make the entry a grouped-query one (EntryKey.gqa), which GQA calls read first.
+    # than query heads make the entry a grouped-query one (EntryKey.gqa), which GQA calls read before the
+    # plain entry of the same length bucket.
     heads: int | None = None
     kv_heads: int | None = None
     run: str | None = None  # set by run_parallel_many: `trials` is the budget of all its workers together
@@ -275,19 +276,22 @@ def _entry(spec: StudySpec, result: tuner.TuneResult, info: DeviceInfo, measure,
 def baseline(spec: StudySpec, device_name: str, info: DeviceInfo | None = None) -> tuple[planner.KernelConfig, str]:
     """(config, name) a study must beat, timed first: the planner's default (the bucket's: defaults.default_config's
     seqlen_bucket); for a length bucket's study ("short", "medium"), the config calls of those lengths run without its
-    entry — the "all" entry, tuned at other lengths, where there is one — so
-    a bucket's entry is written only as at least as fast as that at its own lengths (a tuned config is never slower
-    than its baseline).
+    entry — the "all" entry, tuned at other lengths, where there is one; for a grouped one, its bucket's plain entry
+    first (selection.lookup_keys) — so a bucket's entry is written only as at least as fast as that at its own
+    lengths (a tuned config is never slower than its baseline); named "seqlen_bucket <bucket>", "(plain)" added for
+    a grouped study's plain one.
     info: the device's DeviceInfo, if already read.
     """
     dtype = DTYPES_BY_NAME[spec.dtype]
-    if spec.seqlen_bucket != "all":
-        config, source = selection.resolve(spec.kernel, spec.head_dim, dtype, spec.causal, device_name,
-                                           window=spec.window is not None, varlen=spec.varlen,
-                                           gqa=spec.grouped)  # fmt: skip
-        if source != "planner-default":
-            return config, "seqlen_bucket all"
     info = info or selection.device_info(device_name)
+    if spec.seqlen_bucket != "all":
+        without = selection.lookup_keys(spec.key)[1:]  # what its calls read without its entry
+        code_hash = lambda config: codegen.entry_code_hash(spec.key, config)  # the code has no bucket, no grouping
+        for found in store.find_for_device(info, without, template_hash=code_hash):
+            if selection.unfit(found.entry, info) is None:
+                key = found.entry.key
+                plain = " (plain)" if spec.grouped and not key.gqa else ""
+                return found.entry.config, f"seqlen_bucket {key.seqlen_bucket}{plain}"
     default = defaults.default_config(spec.head_dim, dtype, causal=spec.causal, kernel=spec.kernel, device=info,
                                       seqlen_bucket=spec.seqlen_bucket)  # fmt: skip
     return default, "planner-default"
@@ -354,20 +358,22 @@ def _held(path: Path, keys: list[store.EntryKey]) -> planner.KernelConfig | None
 LONG_LENGTHS = (8192, 16384)
 
 
-def unserved_lengths(spec: StudySpec, path: Path) -> tuple[int, ...]:
-    """spec's lengths less those a short or medium entry in the file at `path` serves for the same key (for a grouped
-    key, its plain twin's too: such calls read it first), so an "all"
-    entry is tuned where calls will use it (tuned at 1k + 4k + 16k beside both bucket entries, the d=64 causal
-    forward's "all" entry chose a config ~4 % slower at N = 16k, the one length it served: docs/PERF.md, "Length
-    buckets"); where
-    fewer than two remain, LONG_LENGTHS join them. A bucket study's own lengths are returned as they are."""
+def unserved_lengths(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> tuple[int, ...]:
+    """spec's lengths less those a short or medium entry serves for the same key (for a grouped key, its plain
+    twin's too: such calls read it before the "all" one) — in the file at `path`, which the tune writes, and where
+    `info` (a DeviceInfo) is given in the GPU's own files along the search path (store.own_files: the shipped one
+    among them), which its calls read too — so an "all" entry is tuned where calls will use it (tuned at 1k + 4k +
+    16k beside both bucket entries, the d=64 causal forward's "all" entry chose a config ~4 % slower at N = 16k, the
+    one length it served: docs/PERF.md, "Length buckets"); where fewer than two remain, LONG_LENGTHS join them. A
+    bucket study's own lengths are returned as they are."""
     if spec.seqlen_bucket != "all":
         return spec.seqlens
-    try:
-        _, entries = store.read_file(path)
-    except (OSError, ValueError, yaml.YAMLError):
-        return spec.seqlens
-    keys = {e.key for e in entries}
+    keys = set()
+    for file in dict.fromkeys([Path(path), *(store.own_files(info.slug) if info is not None else [])]):
+        try:
+            keys |= {e.key for e in store.read_file(file)[1]}
+        except (OSError, ValueError, yaml.YAMLError):
+            continue
     # a grouped key's calls read a bucket's plain entry before its "all" one (selection.lookup_keys)
     bucket_keys = lambda bucket: {replace(spec.key, seqlen_bucket=bucket, gqa=gqa) for gqa in {spec.key.gqa, False}}
     served = {bucket for bucket in lengths.BUCKET_RANGES if bucket_keys(bucket) & keys}
