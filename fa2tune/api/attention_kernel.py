@@ -180,8 +180,8 @@ def get_kernel(
 
     Lookup order for each config: $FA2TUNE_CONFIG_DIR, the user cache dir (~/.cache/fa2tune/configs), the shipped
     tuned_configs/ (the GPU's own file in each, for each key in selection.lookup_keys' order; then the other 16-bit
-    dtype's entry; then the files of GPUs of the same chip: store.find_for_device), then the planner's default. A missing, corrupt or stale file warns once
-    and falls back.
+    dtype's entry; then the files of GPUs of the same chip: store.find_for_device), then the planner's default. A
+    missing, corrupt or stale file warns once and falls back.
     Resolved kernels are cached per process.
     """
     import os
