@@ -26,7 +26,8 @@ from ..config.types import KernelConfig, Mask
 from ..kernels import codegen
 
 __all__ = ["BACKWARD", "FORWARD", "FORWARD_BACKWARD", "clear_cache", "config_for", "decode_config", "device_info",
-           "for_call", "grouped", "lookup", "lookup_keys", "resolve", "resolve_decode", "unfit"]  # fmt: skip
+           "first_fitting", "for_call", "grouped", "lookup", "lookup_keys", "resolve", "resolve_decode",
+           "unfit"]  # fmt: skip
 
 _cache: dict[tuple, tuple[KernelConfig, str]] = {}
 PLANNER_DEFAULT = "planner-default"  # resolve's source where no entry serves a call
@@ -89,20 +90,32 @@ def lookup(
     store.find_for_device finds that fits the GPU (one warning for each that does not), else the planner's default
     for the bucket. first, passed_over: find_for_device's (an audit's: a file read first, one of its entries read as
     absent — tune.audit)."""
-    keys = lookup_keys(key)
-
-    def code_hash(config: KernelConfig) -> str:  # the keys differ in bucket and dtype, which the code does not
-        return codegen.entry_code_hash(keys[0], config)
-
-    for found in store.find_for_device(info, keys, template_hash=code_hash, first=first, passed_over=passed_over):
-        reason = unfit(found.entry, info)
-        if reason is None:
-            return found.entry.config, found.source
+    def warn(found: store.Found, reason: str) -> None:
         store._warn_once(f"fa2tune: tuned config {found.entry.config} {_named(found)} does not fit {info.name}: "
                          f"{reason}")  # fmt: skip
+
+    found = first_fitting(info, lookup_keys(key), fresh=True, first=first, passed_over=passed_over, on_unfit=warn)
+    if found is not None:
+        return found.entry.config, found.source
     config = defaults.default_config(key.head_dim, DTYPES_BY_NAME[key.dtype], causal=key.causal, kernel=key.kernel,
                                      device=info, seqlen_bucket=key.seqlen_bucket)  # fmt: skip
     return config, PLANNER_DEFAULT
+
+
+def first_fitting(info, keys: list[store.EntryKey], *, fresh: bool, first: Path | None = None,
+                  passed_over: tuple[Path, store.EntryKey] | None = None, on_unfit=None) -> store.Found | None:
+    """The first entry for `keys` (in order) that store.find_for_device finds on the GPU `info` and the GPU can run
+    (unfit), or None. fresh: stale entries (tuned on other kernel code) are passed over, as calls pass them over; a
+    tune's incumbent counts them. on_unfit(found, reason): told of each entry passed over as unfit."""
+    # the keys differ in bucket, grouping and dtype, which the code does not
+    code_hash = (lambda config: codegen.entry_code_hash(keys[0], config)) if fresh else None
+    for found in store.find_for_device(info, keys, template_hash=code_hash, first=first, passed_over=passed_over):
+        reason = unfit(found.entry, info)
+        if reason is None:
+            return found
+        if on_unfit is not None:
+            on_unfit(found, reason)
+    return None
 
 
 def lookup_keys(key: store.EntryKey) -> list[store.EntryKey]:

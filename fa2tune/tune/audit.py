@@ -190,10 +190,9 @@ def _timed(spec: job.StudySpec, row: AuditRow, device_name: str, rounds: int, me
     """row with both configs timed (the fastest of `rounds` readings each, taken in turn), or a note of what failed:
     the inputs, or which config."""
     try:
-        grouping = {} if spec.heads is None else {"heads": (spec.heads, spec.kv_heads)}  # the grid's, or the entry's
         measure = measure_factory(spec.kernel, spec.head_dim, DTYPES_BY_NAME[spec.dtype], spec.mask,
                                   seqlens=spec.seqlens, device=device_name, varlen=spec.varlen,
-                                  with_forward=spec.in_training_call, **grouping)  # fmt: skip
+                                  with_forward=spec.in_training_call, heads=spec.head_counts)  # fmt: skip
     except Exception as error:  # the inputs run a forward, which can fail (memory) as a config can
         return replace(row, note=f"failed: the inputs: {type(error).__name__}: {str(error)[:200]}")
     readings: dict[str, list[float]] = {"the entry": [], "the fallback": []}

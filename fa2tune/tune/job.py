@@ -84,6 +84,11 @@ class StudySpec:
         return self.heads is not None and self.kv_heads < self.heads
 
     @property
+    def head_counts(self) -> tuple[int, int] | None:
+        """(query heads, K/V heads) of the timed calls; None: the grid's."""
+        return (self.heads, self.kv_heads) if self.heads is not None else None
+
+    @property
     def group(self) -> int:
         """Query heads a K/V head in the timed calls: what the kernels' GQA code is compiled for (CompilePool)."""
         return self.heads // self.kv_heads if self.heads is not None else 1
@@ -205,9 +210,8 @@ def _sizes(spec: StudySpec, cpu: bool) -> _Sizes:
         seqlens = tuple(min(n, 64) for n in spec.seqlens[:2])
         heads = (2, 1) if spec.grouped else None
         return _Sizes(seqlens, 64, 2 * spec.head_dim, (1, 2, 1, 70, 70, spec.head_dim), interpreted=True, heads=heads)
-    heads = (spec.heads, spec.kv_heads) if spec.heads is not None else None
     return _Sizes(spec.seqlens, spec.tokens, 2048, (2, 16, 2, 1000, 1000, spec.head_dim), interpreted=False,
-                  heads=heads)
+                  heads=spec.head_counts)
 
 
 def _preparer(spec: StudySpec, device_name: str, info: DeviceInfo, seqlens: tuple[int, ...], pool: CompilePool,
@@ -285,13 +289,12 @@ def baseline(spec: StudySpec, device_name: str, info: DeviceInfo | None = None) 
     dtype = DTYPES_BY_NAME[spec.dtype]
     info = info or selection.device_info(device_name)
     if spec.seqlen_bucket != "all":
-        without = selection.lookup_keys(spec.key)[1:]  # what its calls read without its entry
-        code_hash = lambda config: codegen.entry_code_hash(spec.key, config)  # the code has no bucket, no grouping
-        for found in store.find_for_device(info, without, template_hash=code_hash):
-            if selection.unfit(found.entry, info) is None:
-                key = found.entry.key
-                plain = " (plain)" if spec.grouped and not key.gqa else ""
-                return found.entry.config, f"seqlen_bucket {key.seqlen_bucket}{plain}"
+        # what its calls read without its entry
+        found = selection.first_fitting(info, selection.lookup_keys(spec.key)[1:], fresh=True)
+        if found is not None:
+            key = found.entry.key
+            plain = " (plain)" if spec.grouped and not key.gqa else ""
+            return found.entry.config, f"seqlen_bucket {key.seqlen_bucket}{plain}"
     default = defaults.default_config(spec.head_dim, dtype, causal=spec.causal, kernel=spec.kernel, device=info,
                                       seqlen_bucket=spec.seqlen_bucket)  # fmt: skip
     return default, "planner-default"
@@ -325,9 +328,9 @@ def incumbent(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> In
     if info is not None:
         # a grouped key's calls read the plain entry of its bucket next; "all" is a bucket study's baseline
         read = [k for k in selection.lookup_keys(spec.key) if k.seqlen_bucket == spec.key.seqlen_bucket]
-        for found in store.find_for_device(info, read, template_hash=None):
-            if selection.unfit(found.entry, info) is None:
-                return Incumbent(found.entry.config, "the config calls read now", found.source)
+        found = selection.first_fitting(info, read, fresh=False)
+        if found is not None:
+            return Incumbent(found.entry.config, "the config calls read now", found.source)
     twin = store.dtype_twins([spec.key])[1:]
     held = _held(path, twin)
     return Incumbent(held, f"the stored {twin[0].dtype} config") if held is not None else None
