@@ -12,6 +12,8 @@ clock dips every ~1.3 s under load), which a single pass in a fixed order turns 
     python scripts/sweep_configs.py --kernel fwd --head-dims 64,128 --seqlen 8192 --csv $OUT/sweep_fwd.csv
     python scripts/sweep_configs.py --kernel fwd --head-dims 128 --seqlen 1024 --block-m 128 --block-n 64,128 \
         --warps 4 --stages 2,3 --switches ws,ws+pingpong,ws+persistent   # one tile per program, or one program per SM
+    python scripts/sweep_configs.py --kernel fwd --head-dims 64 --seqlen 8192 --causal yes --heads 32 --kv-heads 8 \
+        --block-m 128,192 --block-n 128 --warps 4 --stages 3 --switches ws+persistent --rounds 3   # a GQA model's
 """
 
 from __future__ import annotations
@@ -32,12 +34,14 @@ from fa2tune.tune import compile_pool, timing, workload
 
 def _outputs(kernel: str, cfg, x: workload.KernelInputs, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(reference, ours) flattened: SDPA's output or gradients against fa2tune's with cfg."""
+    gqa = x.k.shape[1] != x.q.shape[1]
     if kernel == "fwd":
-        return F.scaled_dot_product_attention(x.q, x.k, x.v, is_causal=causal), workload.run_kernel(
+        return F.scaled_dot_product_attention(x.q, x.k, x.v, is_causal=causal, enable_gqa=gqa), workload.run_kernel(
             kernel, cfg, x, causal
         )[0]
     leaves = [t.detach().requires_grad_() for t in (x.q, x.k, x.v)]
-    grads = torch.autograd.grad(F.scaled_dot_product_attention(*leaves, is_causal=causal), leaves, x.do)
+    grads = torch.autograd.grad(F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=gqa), leaves,
+                                x.do)  # fmt: skip
     ours = workload.run_kernel(kernel, cfg, x, causal)
     return torch.cat([g.flatten() for g in grads]), torch.cat([g.flatten() for g in ours])
 
@@ -70,10 +74,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="time each config this many times, in rotated orders")
     parser.add_argument("--workers", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=16384, help="batch·N (heads·d stays 2048)")
+    parser.add_argument("--heads", type=int, default=None, help="query heads (default 2048 // d)")
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="K/V heads, dividing the query heads: fewer is grouped-query attention, as `fa2tune tune "
+                             "--kv-heads` times it (default: as many as the query heads)")  # fmt: skip
     parser.add_argument("--device", default="cuda", help="cuda, or cpu with TRITON_INTERPRET=1 (a smoke test)")
     parser.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",")]
+    # (query heads, K/V heads) at a head dim: the grid's unless given, as `fa2tune tune --heads --kv-heads` takes them
+    counts = lambda d: ((args.heads or max(1, 2048 // d)), args.kv_heads or args.heads or max(1, 2048 // d))
+    for head_dim in ints(args.head_dims):
+        query, kv = counts(head_dim)
+        if query % kv:
+            parser.error(f"--kv-heads must divide the query heads, got {query} and {kv} at d={head_dim}")
     grid = itertools.product(ints(args.block_m), ints(args.block_n), ints(args.warps), ints(args.stages),
                              [words.replace("+", ",") for words in args.switches.split(",")])  # fmt: skip
     configs = [KernelConfig.parse(",".join(map(str, values)).rstrip(",")) for values in grid]
@@ -86,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     progress = lambda what: print(f"[{time.time() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
     for kernel, head_dim, causal in {(k, d, c) for k, d, c, _, _ in jobs}:
         group = [cfg for k, d, c, cfg, _ in jobs if (k, d, c) == (kernel, head_dim, causal)]
+        query, kv = counts(head_dim)
         failed = compile_pool.precompile(kernel, head_dim, torch.bfloat16, causal, group, seqlens=(args.seqlen,),
-                                  device=args.device, workers=args.workers)  # fmt: skip
+                                         device=args.device, workers=args.workers, group=query // kv)  # fmt: skip
         failures.update({(kernel, head_dim, causal, cfg): reason for cfg, reason in failed.items()})
         progress(f"compiled {len(group)} configs of {kernel} d={head_dim} causal={causal}")
     mode = "fwd" if args.kernel == "fwd" else "bwd"
@@ -98,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         if not row["error"]:
             if (head_dim, causal) not in measures:  # one set of random inputs per shape, shared by its configs
                 measures[head_dim, causal] = workload.make_measure(
-                    kernel, head_dim, torch.bfloat16, causal, seqlens=(seqlen,), device=args.device, tokens=args.tokens
+                    kernel, head_dim, torch.bfloat16, causal, seqlens=(seqlen,), device=args.device, tokens=args.tokens,
+                    heads=counts(head_dim),
                 )
             ref, out = _outputs(kernel, cfg, measures[head_dim, causal].inputs[0], causal)
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -113,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         start = round_ % max(1, len(timed))
         for index in timed[start:] + timed[:start]:
             kernel, head_dim, causal, cfg, seqlen = jobs[index]
-            batch, heads = max(1, args.tokens // seqlen), 2048 // head_dim  # as make_measure lays them out
+            batch, heads = max(1, args.tokens // seqlen), counts(head_dim)[0]  # as make_measure lays them out
             flops = timing.attention_flops(batch, heads, seqlen, seqlen, head_dim, causal=causal, mode=mode)
             readings[index].append(round(flops / (measures[head_dim, causal](cfg) * 1e-3) / 1e12, 1))
             progress(f"round {round_ + 1} {_label(rows[index])} d={head_dim} causal={causal}: {readings[index][-1]}")

@@ -196,10 +196,14 @@ def test_restamp_lists_stale_entries_and_rewrites_only_their_hash_lines(tmp_path
 
 def _stubbed_sweep(monkeypatch, times):
     """scripts/sweep_configs.py with no compiling, checks or GPU: each timing returns the next of `times` and is
-    recorded as (causal, block_n) in the list returned beside the module."""
+    recorded as (causal, block_n) in the list returned beside the module; the heads each measure and the group each
+    compile was built for in sweep.built."""
     sweep, calls, times = load_script("sweep_configs"), [], iter(times)
+    sweep.built = []
 
-    def make_measure(kernel, head_dim, dtype, causal, *, seqlens, device, tokens):
+    def make_measure(kernel, head_dim, dtype, causal, *, seqlens, device, tokens, heads):
+        sweep.built.append(("measure", heads))
+
         def measure(cfg):
             calls.append((causal, cfg.block_n))
             return next(times)
@@ -208,7 +212,8 @@ def _stubbed_sweep(monkeypatch, times):
         return measure
 
     monkeypatch.setattr(sweep.workload, "make_measure", make_measure)
-    monkeypatch.setattr(sweep.compile_pool, "precompile", lambda *args, **kwargs: {})
+    monkeypatch.setattr(sweep.compile_pool, "precompile",
+                        lambda *args, group, **kwargs: sweep.built.append(("compile", group)) or {})  # fmt: skip
     monkeypatch.setattr(sweep, "_outputs", lambda kernel, cfg, x, causal: (torch.ones(4), torch.ones(4)))
     return sweep, calls
 
@@ -241,6 +246,21 @@ def test_sweep_causal_option_times_only_the_masks_asked_for(monkeypatch, tmp_pat
                            "--device", "cpu", "--csv", str(csv_path)]) == 0  # fmt: skip
         assert {causal for causal, _ in calls} == expected and len(calls) == 2 * len(expected)
         assert {row["causal"] for row in csv.DictReader(open(csv_path))} == {str(c) for c in expected}
+
+
+def test_sweep_at_a_gqa_models_heads_compiles_and_times_its_grouping(monkeypatch, capsys):
+    # --heads / --kv-heads: the configs are compiled for the group and timed at those heads, as a tune's are
+    sweep, timed = _stubbed_sweep(monkeypatch, [1.0] * 100)
+    args = ["--kernel", "fwd", "--head-dims", "64", "--seqlen", "256", "--block-m", "64", "--block-n", "16",
+            "--warps", "4", "--stages", "2", "--causal", "yes", "--device", "cpu"]  # fmt: skip
+    assert sweep.main([*args, "--heads", "32", "--kv-heads", "8"]) == 0
+    assert sweep.built == [("compile", 4), ("measure", (32, 8))] and len(timed) == 1
+    sweep.built.clear()
+    assert sweep.main(args) == 0
+    assert sweep.built == [("compile", 1), ("measure", (32, 32))]  # the grid's: 2048 // d heads, MHA
+    with pytest.raises(SystemExit):
+        sweep.main([*args, "--heads", "32", "--kv-heads", "5"])
+    assert "--kv-heads must divide the query heads, got 32 and 5 at d=64" in capsys.readouterr().err
 
 
 def test_hf_training_benchmark_times_a_step_under_each_implementation(capsys):
