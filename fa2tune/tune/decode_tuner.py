@@ -5,9 +5,10 @@ TPE proposes configs of the space's fields; a proposal that does not fit the dev
 whose class (decode_space) was timed before is told that reading again, and a config that fails to build or run
 scores inf with its reason: nothing a config does ends the search. The budget counts the classes timed (--trials),
 and the search ends early once every class is timed. The finish times the fastest few again (and the default, and
-the config the file held) with time_cuda's full budget, ranks them by that second reading alone, as the attention
-tune does (fa2tune.tune.finish), and keeps the first that matches the float64 reference (verification.check_decode);
-the file's config stays unless beaten by more than finish.INCUMBENT_MARGIN.
+the config the file held) with time_cuda's full budget, finish.FINAL_ROUNDS rounds in alternating order, ranks them
+by the mean of those rounds' scores alone, as the attention tune does (fa2tune.tune.finish), and keeps the first
+that matches the float64 reference (verification.check_decode); the file's config stays unless beaten by more than
+finish.INCUMBENT_MARGIN.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ..config.device import device_info
 from ..config.inputs import DTYPES_BY_NAME
 from ..kernels import codegen
 from . import decode_space, decode_workload, verification
-from .finish import INCUMBENT_MARGIN
+from .finish import INCUMBENT_MARGIN, final_readings
 from .records import STORED_ORIGIN, OnTrial, Options, TimingClock, TrialRecord, failure_reason
 from .strategy import REPEATS_BEFORE_EXPLORING
 from .timing import Timing
@@ -63,8 +64,9 @@ class DecodeSpec:
 
 @dataclass(frozen=True)
 class DecodeResult:
-    """What a decode tune found. ms: geometric means over the timed steps of their medians; gbps likewise of K and V
-    read / time (None under the interpreter); readings: each step's Timing of the winner, from the finish."""
+    """What a decode tune found. ms: geometric means over the timed steps of their medians (the finish's: the mean of
+    its rounds'); gbps likewise of K and V read / time (None under the interpreter); readings: each step's Timing of
+    the winner, from the finish's last round."""
 
     study_name: str
     best: DecodeConfig
@@ -138,10 +140,10 @@ def tune(spec: DecodeSpec, space: decode_space.DecodeSpace, bench: Bench, *, nam
     if on_timed is not None:
         on_timed()
     best, second, note = _finish(search, space, bench, verify, tolerance, name, spec.incumbent_origin)
-    ms = lambda config: _geomean([t.median_ms for t in second[config]])
+    ms = lambda config: _rounds_score(second[config])
     gbps = lambda config: _geomean(bench.gigabytes) / (ms(config) * 1e-3) if bench.on_gpu else None
     return DecodeResult(
-        study_name=name, best=best, best_ms=ms(best), gbps=gbps(best), readings=tuple(second[best]),
+        study_name=name, best=best, best_ms=ms(best), gbps=gbps(best), readings=tuple(second[best][-1]),
         default=space.default, default_ms=ms(space.default), default_gbps=gbps(space.default),
         measured=len(search.measured), pruned=search.pruned, failed=len(search.failures),
         wall_s=time.time() - start, incumbent_note=note, history=tuple(search.history),
@@ -150,6 +152,11 @@ def tune(spec: DecodeSpec, space: decode_space.DecodeSpace, bench: Bench, *, nam
 
 def _geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _rounds_score(rounds: list[list[Timing]]) -> float:
+    """A config's score over the finish's rounds: the mean of each round's geometric mean of the steps' medians."""
+    return sum(_geomean([t.median_ms for t in steps]) for steps in rounds) / len(rounds)
 
 
 def _start_builds(space: decode_space.DecodeSpace, pool, **sizes) -> Callable[[DecodeConfig], str | None]:
@@ -262,22 +269,26 @@ class _Search:
 def _finish(search: _Search, space: decode_space.DecodeSpace, bench: Bench,
             verify: Callable[[DecodeConfig], float], tolerance: float, name: str,
             origin: str = STORED_ORIGIN):  # fmt: skip
-    """(winner, second readings of each config timed again, what became of the incumbent): the fastest
-    REMEASURE_TOP classes, the default and the incumbent timed again and ranked by that reading; the first whose
-    relative error against the reference is within `tolerance` wins, the incumbent kept unless beaten by more than
-    INCUMBENT_MARGIN; origin: where the incumbent comes from, for the note. Raises RuntimeError when nothing was
-    measured or nothing verifies."""
+    """(winner, the readings of each config timed again (a list of the steps' Timings a round), what became of the
+    incumbent): the fastest REMEASURE_TOP classes, the default and the incumbent timed again (finish.final_readings)
+    and ranked by the mean of their rounds' scores; the first whose relative error against the reference is within
+    `tolerance` wins, the incumbent kept unless beaten by more than INCUMBENT_MARGIN; origin: where the incumbent
+    comes from, for the note. Raises RuntimeError when nothing was measured or nothing verifies."""
     if not search.measured:
         raise RuntimeError(f"{name}: no config could be measured; reasons: {list(search.failures.values())[:5]}")
     again = sorted(search.measured, key=search.measured.get)[:REMEASURE_TOP]
     again += [c for c in (space.default, space.incumbent) if c is not None and c not in again]
-    second, problems = {}, {}
-    for config in again:
+    problems = {}
+
+    def read(config: DecodeConfig) -> list[Timing]:
         try:
-            second[config] = bench.readings(config)
+            return bench.readings(config)
         except Exception as exc:  # the default too may fail on a device (it then has no baseline reading)
             problems[config] = failure_reason(exc)
-    score = lambda config: _geomean([t.median_ms for t in second[config]])
+            raise
+
+    second = final_readings(again, read)  # each config's steps' Timings, a list a round
+    score = lambda config: _rounds_score(second[config])
     ranked = sorted(second, key=score)
     best = note = None
     for config in ranked:

@@ -1,14 +1,16 @@
 """The study's finish: the best few timed again, the winner verified, the incumbent kept unless clearly beaten.
 
-A single timing can be lucky, so the top few (and the default and the incumbent, for a fair comparison) are timed a
-second time and ranked by that reading alone; the fastest that passes `verify` wins, except that the incumbent
-stays where nothing beats it by more than INCUMBENT_MARGIN.
+A single timing can be lucky, so the top few (and the default and the incumbent, for a fair comparison) are timed
+again, FINAL_ROUNDS rounds in alternating order, and ranked by the mean of those readings alone; the fastest that
+passes `verify` wins, except that the incumbent stays where nothing beats it by more than INCUMBENT_MARGIN.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import optuna
 
@@ -22,6 +24,33 @@ from .search_space import Space
 # (a d=128 short dK/dV entry at 1.196 against 1.197 ms) rewrites a shipped entry — and every measurement made with
 # it — for nothing.
 INCUMBENT_MARGIN = 0.01
+
+# The finalists are timed this many rounds, each in the other direction (first to last, then last to first), and
+# ranked by the mean of their readings. A GPU's readings drift within a finish: on an H100 a d=64 dK/dV config read
+# 9.40 ms in the search and 10.43 ms re-timed last of three (+11 %) while the one before it moved −0.5 %, and the
+# configs re-timed last in a fixed order are the default and the incumbent, the tune's "before". Over a forward and a
+# reverse round each finalist's mean takes the same share of a drift that grows steadily through the finish.
+FINAL_ROUNDS = 2
+
+Finalist = TypeVar("Finalist", bound=Hashable)
+Reading = TypeVar("Reading")
+
+
+def final_readings(finalists: list[Finalist], read: Callable[[Finalist], Reading],
+                   rounds: int = FINAL_ROUNDS) -> dict[Finalist, list[Reading]]:  # fmt: skip
+    """Each finalist's readings, one a round, the rounds in alternating order (FINAL_ROUNDS). A finalist whose
+    reading raises in any round is left out: a config that runs only sometimes is never named the winner."""
+    readings: dict[Finalist, list[Reading]] = {finalist: [] for finalist in finalists}
+    failed = set()
+    for round_ in range(rounds):
+        for finalist in finalists if round_ % 2 == 0 else finalists[::-1]:
+            if finalist in failed:
+                continue
+            try:
+                readings[finalist].append(read(finalist))
+            except Exception:
+                failed.add(finalist)
+    return {finalist: values for finalist, values in readings.items() if finalist not in failed}
 
 
 def finish(study: optuna.Study, target: Target, space: Space, options: Options, cost: Cost, start: float) -> TuneResult:
@@ -52,22 +81,20 @@ def finish(study: optuna.Study, target: Target, space: Space, options: Options, 
 def _second_readings(cost: Cost, space: Space, remeasure_top: int) -> dict[KernelConfig, float]:
     """The top few configs timed again (with remeasure_top 1: their only reading), and the default and the
     incumbent with them: a first reading can be a cold one, and tuned-vs-default (and -incumbent) needs a fair one.
+    Each is the mean of its FINAL_ROUNDS readings (final_readings).
 
-    The winner is ranked by the second reading alone, not the better of the two: on the H200 the first config a
-    process times reads 3-8 % faster than when timed second, whichever config it is, and the default is timed
-    first: the better of two would keep its flattering reading, and the default would win."""
+    The winner is ranked by these readings alone, not with its first: on the H200 the first config a process times
+    reads 3-8 % faster than when timed second, whichever config it is, and the default is timed first: the better
+    of its readings would keep the flattering one, and the default would win."""
     measured = cost.measured
     ranked = sorted(measured, key=measured.get)[: max(1, remeasure_top)]
-    for base in (space.default, space.incumbent) if remeasure_top > 1 else ():
+    if remeasure_top <= 1:
+        return {cfg: measured[cfg] for cfg in ranked}
+    for base in (space.default, space.incumbent):
         if base in measured and base not in ranked:
             ranked.append(base)
-    second = {}
-    for cfg in ranked:
-        try:
-            second[cfg] = float(cost.measure(cfg)) if remeasure_top > 1 else measured[cfg]
-        except Exception:
-            continue
-    return second
+    readings = final_readings(ranked, lambda cfg: float(cost.measure(cfg)))
+    return {cfg: statistics.fmean(values) for cfg, values in readings.items()}
 
 
 def _ranking(second: dict[KernelConfig, float], incumbent: KernelConfig | None) -> list[KernelConfig]:

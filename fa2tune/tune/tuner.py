@@ -9,7 +9,8 @@ One study per (GPU, kernel, head_dim, dtype, causal, variant). Its parts, one mo
 - cost: one config timed in its trial (`measure(config) -> ms` is injected, so the study runs the same on a GPU,
   under the interpreter, or over a recorded table in tests); a config that fails to compile or run is a failed
   trial with its reason; neither stops the study;
-- finish: the top few measured again, the winner verified, the incumbent kept unless beaten.
+- finish: the top few measured again (rounds in alternating order), the winner verified, the incumbent kept unless
+  beaten.
 
 The records tune() takes and returns live in records.py; the names below are the tuner's API for its callers.
 """
@@ -20,12 +21,13 @@ import time
 
 from . import finish, search_space, strategy
 from .cost import Cost
-from .finish import INCUMBENT_MARGIN
+from .finish import FINAL_ROUNDS, INCUMBENT_MARGIN
 from .records import Measure, Options, Target, TrialRecord, TuneResult, study_name
 from .search_space import first_configs, promising
 from .study_trials import fail_abandoned, process_tag, timed_configs
 
 __all__ = [
+    "FINAL_ROUNDS",
     "INCUMBENT_MARGIN",
     "Options",
     "Target",
