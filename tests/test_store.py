@@ -518,6 +518,32 @@ def test_a_gpu_without_an_entry_of_its_own_reads_the_entry_of_a_gpu_of_the_same_
     assert store.same_chip_gpus(pcie) == [] and resolve(False)[1] == "planner-default"
 
 
+def test_a_same_chip_gpus_bucket_entry_comes_before_the_gpus_own_all_entry(config_dir, monkeypatch, gpus):
+    # An H100 tuned its own "all" entry; the H200's file has a short one. A call of the short bucket's lengths reads
+    # the H200's short entry, tuned at them on the same chip, and longer calls the H100's own; an entry of the H100's
+    # own short bucket, in either dtype, comes first. The H100's "all" study is tuned at the lengths the H200's bucket
+    # entries leave it, as beside its own (store.find_for_device, job.unserved_lengths).
+    from fa2tune.tune import job
+
+    h100, h200, _, _ = gpus
+    monkeypatch.setattr(selection, "device_info", lambda _: h100)
+    env = config_dir / "env"
+    short_cfg, own_all, own_short = KernelConfig(64, 64, 4, 3), KernelConfig(128, 64, 4, 2), KernelConfig(64, 32, 4, 2)
+    h200_file = _write_for(env / "nvidia-h200.yaml", h200, [_bf16(_entry(112, bucket="short", cfg=short_cfg))])
+    h100_file = _write_for(env / "nvidia-h100-80gb-hbm3.yaml", h100, [_bf16(_entry(112, cfg=own_all))])
+    resolve = lambda seqlen, dtype=torch.bfloat16: selection.resolve("fwd", 112, dtype, False, "cuda:0", seqlen=seqlen)
+    assert resolve(1024) == (short_cfg, f"{h200_file} (tuned on NVIDIA H200, the same chip)")
+    assert resolve(8192) == resolve(None) == (own_all, str(h100_file))
+    assert resolve(1024, torch.float16)[0] == short_cfg  # the other dtype's call, the same bucket-first order
+    spec = job.StudySpec(kernel="fwd", head_dim=112, dtype="bf16", causal=False)
+    assert job.unserved_lengths(spec, h100_file, h100) == (4096, 16384)  # 1k is the H200's short entry's
+    assert job.unserved_lengths(spec, h100_file) == (1024, 4096, 16384)  # the same-chip files read only with info
+    _write_for(h100_file, h100, [_bf16(_entry(112, cfg=own_all)), _fp16(_bf16(_entry(112, bucket="short",
+                                                                                        cfg=own_short)))])  # fmt: skip
+    selection.clear_cache()
+    assert resolve(1024) == (own_short, f"{h100_file} (fp16 entry)")  # its own bucket's, of the same-cost dtype
+
+
 def test_only_the_files_that_record_the_chip_are_read_and_the_gpus_own_copies_are_not(config_dir, monkeypatch, gpus):
     from fa2tune.tune.job import device_summary
 

@@ -178,10 +178,11 @@ def get_kernel(
     entries tuned on such calls (`fa2tune tune --heads H --kv-heads G`) first; False: those of MHA calls. Either
     kernel takes both kinds of call, each running its own grouping's configs, as attention() does.
 
-    Lookup order for each config: $FA2TUNE_CONFIG_DIR, the user cache dir (~/.cache/fa2tune/configs), the shipped
-    tuned_configs/ (the GPU's own file in each, for each key in selection.lookup_keys' order; then the other 16-bit
-    dtype's entry; then the files of GPUs of the same chip: store.find_for_device), then the planner's default. A
-    missing, corrupt or stale file warns once and falls back.
+    Lookup order for each config, a length bucket at a time (the call's own, then "all"; selection.lookup_keys):
+    $FA2TUNE_CONFIG_DIR, the user cache dir (~/.cache/fa2tune/configs), the shipped tuned_configs/ (the GPU's own
+    file in each; then the other 16-bit dtype's entry; then the files of GPUs of the same chip:
+    store.find_for_device); after every bucket, the planner's default. A missing, corrupt or stale file warns once
+    and falls back.
     Resolved kernels are cached per process.
     """
     import os

@@ -358,7 +358,7 @@ def dtype_twins(keys: list[EntryKey]) -> list[EntryKey]:
 # values as the GPU a call runs on was tuned on the same chip as far as the kernels can tell: an H100 SXM and an
 # H200 are one die (132 SMs, 227 KiB a program) with different memory, and on an H100 the H200's entries ran
 # forward + backward up to 24 % faster than the planner's defaults of the time (−3 to +24 % a shape: docs/PERF.md,
-# "On an H100"). find_for_device reads such files after all of the GPU's own entries.
+# "On an H100"). find_for_device reads such files after the GPU's own entries of each length bucket.
 CHIP_FIELDS = ("capability", "sm_count", "smem_per_block")
 # Decode entries stay the card's own: the decode kernel is bound by memory bandwidth, which is where GPUs of one chip
 # differ (an H100's 3.35 TB/s, an H200's 4.8), and no decode config was measured across them. (Sharing the H200's
@@ -518,24 +518,31 @@ def find_for_device(
     first: Path | None = None, passed_over: tuple[Path, EntryKey] | None = None,
 ) -> Iterator[Found]:
     """Each usable entry for `keys` (tried in order, all of one dtype and kernel) a call on the GPU `info` may read,
-    in the order it reads them: the GPU's own files along config_dirs() (its dtype's keys, then the same-cost
-    dtype's: dtype_twins), then each other GPU of the same chip's files the same way (same_chip_gpus; not for
-    decode entries). The caller takes the first that fits its device; the same-chip files are looked for only when
-    it asks past the GPU's own entries. template_hash None: stale entries count too.
+    in the order it reads them, a length bucket at a time (keys' runs of one seqlen_bucket: the call's own, then
+    "all"): the GPU's own files along config_dirs() (its dtype's keys, then the same-cost dtype's: dtype_twins), then
+    each other GPU of the same chip's files the same way (same_chip_gpus; not for decode entries), then the next
+    bucket's. So a same-chip GPU's bucket entry comes before the GPU's own "all" one: an "all" entry is tuned at the
+    lengths the bucket entries leave it, the same-chip GPU's among them (tune.job.unserved_lengths), and for a call
+    of a bucket's lengths an entry tuned at them on the same chip is the nearer measurement. The caller takes the
+    first that fits its device; the same-chip files are looked for only when it asks past the GPU's own entries of a
+    bucket. template_hash None: stale entries count too.
     first: a file read before the GPU's own, as one of them (the file an audit examines: tune.audit);
     passed_over (file, key): that file's entry for that key is read as absent — what calls would read without it."""
     own = own_files(info.slug)
     if first is not None:
         own = [first, *(path for path in own if not _same_file(path, first))]
-    for found in _found_in(own, keys, template_hash, None, passed_over):
-        if first is None or not _same_file(found.path, first):  # the audited file may be another GPU's on purpose
-            _warn_if_another_gpus(found.path, info)
-        yield found
-    if not keys or keys[0].kernel in CHIP_BLIND_KERNELS:
-        return
-    for gpu in same_chip_gpus(info):
-        paths = list(gpu.paths) if first is None else [path for path in gpu.paths if not _same_file(path, first)]
-        yield from _found_in(paths, keys, template_hash, gpu.name, passed_over)
+    chip_blind = not keys or keys[0].kernel in CHIP_BLIND_KERNELS
+    for _, bucket_keys in itertools.groupby(keys, key=lambda key: key.seqlen_bucket):
+        bucket_keys = list(bucket_keys)
+        for found in _found_in(own, bucket_keys, template_hash, None, passed_over):
+            if first is None or not _same_file(found.path, first):  # the audited file may be another GPU's on purpose
+                _warn_if_another_gpus(found.path, info)
+            yield found
+        if chip_blind:
+            continue
+        for gpu in same_chip_gpus(info):
+            paths = list(gpu.paths) if first is None else [path for path in gpu.paths if not _same_file(path, first)]
+            yield from _found_in(paths, bucket_keys, template_hash, gpu.name, passed_over)
 
 
 @contextlib.contextmanager

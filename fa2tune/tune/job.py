@@ -317,7 +317,7 @@ def incumbent(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> In
     `info` is given, the first entry for the key that calls on that GPU read and the GPU can run
     (store.find_for_device: its own files along the search path, its dtype's key before the same-cost dtype's, then
     a GPU's of the same chip; for a grouped-query key, then its bucket's plain key's, which such calls read without
-    one); then
+    one; each bucket before "all"); then
     the file's entry for the key in the same-cost dtype (store.SAME_COST_DTYPES); None where there is none. The first
     entry for a key in a file counts, as at run time (store.lookup).
 
@@ -362,23 +362,28 @@ LONG_LENGTHS = (8192, 16384)
 
 
 def unserved_lengths(spec: StudySpec, path: Path, info: DeviceInfo | None = None) -> tuple[int, ...]:
-    """spec's lengths less those a short or medium entry serves for the same key (for a grouped key, its plain
-    twin's too: such calls read it before the "all" one) — in the file at `path`, which the tune writes, and where
-    `info` (a DeviceInfo) is given in the GPU's own files along the search path (store.own_files: the shipped one
-    among them), which its calls read too — so an "all" entry is tuned where calls will use it (tuned at 1k + 4k +
-    16k beside both bucket entries, the d=64 causal forward's "all" entry chose a config ~4 % slower at N = 16k, the
-    one length it served: docs/PERF.md, "Length buckets"); where fewer than two remain, LONG_LENGTHS join them. A
-    bucket study's own lengths are returned as they are."""
+    """spec's lengths less those a short or medium entry serves for the same key, whatever reads before the "all"
+    entry in the store's order (store.find_for_device): for a grouped key its plain twin's too (selection.lookup_keys),
+    the same-cost dtype's (store.dtype_twins) — in the file at `path`, which the tune writes, and where `info` (a
+    DeviceInfo) is given in the files its calls read: the GPU's own along the search path (store.own_files: the
+    shipped one among them) and those of GPUs of the same chip (store.same_chip_gpus). So an "all" entry is tuned
+    where calls will use it (tuned at 1k + 4k + 16k beside both bucket entries, the d=64 causal forward's "all" entry
+    chose a config ~4 % slower at N = 16k, the one length it served: docs/PERF.md, "Length buckets"); where fewer
+    than two remain, LONG_LENGTHS join them. A bucket study's own lengths are returned as they are."""
     if spec.seqlen_bucket != "all":
         return spec.seqlens
+    files = [Path(path)]
+    if info is not None:
+        files += store.own_files(info.slug) + [file for gpu in store.same_chip_gpus(info) for file in gpu.paths]
     keys = set()
-    for file in dict.fromkeys([Path(path), *(store.own_files(info.slug) if info is not None else [])]):
+    for file in dict.fromkeys(files):
         try:
             keys |= {e.key for e in store.read_file(file)[1]}
         except (OSError, ValueError, yaml.YAMLError):
             continue
-    # a grouped key's calls read a bucket's plain entry before its "all" one (selection.lookup_keys)
-    bucket_keys = lambda bucket: {replace(spec.key, seqlen_bucket=bucket, gqa=gqa) for gqa in {spec.key.gqa, False}}
+    # what a call of the key reads in a bucket before "all" (selection.lookup_keys, store.dtype_twins)
+    bucket_keys = lambda bucket: set(store.dtype_twins([replace(spec.key, seqlen_bucket=bucket, gqa=gqa)
+                                                         for gqa in dict.fromkeys((spec.key.gqa, False))]))  # fmt: skip
     served = {bucket for bucket in lengths.BUCKET_RANGES if bucket_keys(bucket) & keys}
     kept = tuple(n for n in spec.seqlens if lengths.bucket_of(n) not in served)  # the store's own length rule
     return kept if len(kept) >= 2 else tuple(sorted({*kept, *LONG_LENGTHS}))
