@@ -90,6 +90,37 @@ def test_a_wrong_provider_gets_no_number_and_a_failing_one_costs_only_its_row(mo
     assert transposed["note"] == "" and transposed["rel_err"] < 1e-5 and transposed["tflops"] > 0
 
 
+def test_rounds_time_the_providers_in_alternating_order_and_report_the_mean(monkeypatch):
+    # Each provider is checked once, then timed round by round, first to last and last to first; a provider that
+    # fails while timed gets no number and its reason, and is not timed again.
+    calls, readings = [], iter(range(1, 100))
+
+    def recording(name, fails_when_timed=False):
+        def build(shape):
+            def run(q, k, v):
+                calls.append(name)
+                if fails_when_timed and calls.count(name) > 1:
+                    raise RuntimeError("launch failed")
+                return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=True)
+
+            return run
+
+        return _fake(name, build)
+
+    def one_run_each(call):  # a reading a call: the next number
+        call()
+        return measure.Timing(median_ms=float(next(readings)), p20_ms=0.0, p80_ms=0.0)
+
+    monkeypatch.setattr(measure, "_time_host", one_run_each)
+    chosen = [recording("a"), recording("b"), recording("flaky", fails_when_timed=True), recording("c")]
+    shape = Shape(batch=1, heads=2, heads_kv=1, seqlen=20, head_dim=8, causal=False, dtype="fp32", mode="fwd")
+    rows = {r["provider"]: r for r in measure.measure_shape(shape, chosen, "cpu", rounds=3)}
+    assert calls == ["a", "b", "flaky", "c", "a", "b", "flaky", "c", "c", "b", "a", "a", "b", "c"]
+    means = [(1 + 6 + 7) / 3, (2 + 5 + 8) / 3, (3 + 4 + 9) / 3]  # readings 1-3, then 4-6 backwards, then 7-9
+    assert [rows[name]["ms"] for name in "abc"] == pytest.approx(means, rel=1e-2)
+    assert math.isnan(rows["flaky"]["tflops"]) and rows["flaky"]["note"] == "RuntimeError: launch failed"
+
+
 def test_the_math_backend_is_skipped_where_its_scores_would_not_fit():
     big = Shape(batch=16, heads=16, heads_kv=16, seqlen=16384, head_dim=128, causal=False, dtype="bf16", mode="fwd")
     assert "GiB of scores" in providers.PROVIDERS["sdpa_math"].skip(big)
@@ -214,11 +245,12 @@ def test_processes_measure_in_fresh_processes_and_merge_each_rows_median(tmp_pat
     kept = dict(provider="fa2tune", head_dim=128, seqlen=8192, causal=False, mode="fwd", tflops=644.0)
     report.write_rows([kept], grid)
     argv = [*_TINY, "--causal", "no", "--mode", "fwd", "--providers", "fa2tune", "--processes", "3",
-            "--merge-into", str(grid)]  # fmt: skip
+            "--rounds", "2", "--merge-into", str(grid)]  # fmt: skip
     assert cli.main(argv) == 0
     assert len(commands) == 3 and commands[0][3:] == [
-        "bench", "--device", "cpu", "--providers", "fa2tune", "--batch", "1", "--heads", "2", "--kv-heads", "1",
-        "--seqlen", "33", "--head-dim", "16", "--causal", "no", "--mode", "fwd", "--csv", commands[0][-1]
+        "bench", "--device", "cpu", "--providers", "fa2tune", "--rounds", "2", "--batch", "1", "--heads", "2",
+        "--kv-heads", "1", "--seqlen", "33", "--head-dim", "16", "--causal", "no", "--mode", "fwd", "--csv",
+        commands[0][-1]
     ]  # fmt: skip
     merged = report.read_rows(grid)
     assert [(r["seqlen"], r["tflops"]) for r in merged] == [(8192, 644.0), (33, 180.0)]

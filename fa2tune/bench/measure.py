@@ -3,6 +3,11 @@ measured one after another with a line of progress each (the "fa2tune.bench" log
 
 A row is a flat dict, the columns of report.COLUMNS: the shape, the provider, its median milliseconds and TFLOP/s,
 its relative error against the reference, and a note where it has no number (why not).
+
+With rounds > 1 a shape's providers are timed that many times, each round in the other direction (first to last,
+then last to first: tune.finish.final_readings, the tuner's finish rule), and each row's milliseconds are the mean
+of its rounds' medians: a GPU's readings drift within a run (on an H100 a config re-timed last in a tune's finish
+read 11 % above its earlier reading), and one pass in a fixed order charges that drift to the providers timed last.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ..config.inputs import DTYPES_BY_NAME
+from ..tune.finish import final_readings
 from ..tune.timing import Timing, time_cuda
 from ..tune.workload import random_qkv
 from .providers import Provider
@@ -29,11 +35,11 @@ MAX_REL_ERR = 2e-2
 HOST_REPS = 3  # timed runs of a call on the CPU (the interpreter: seconds each)
 
 
-def measure(shapes: list[Shape], providers: list[Provider], device: str) -> list[dict]:
+def measure(shapes: list[Shape], providers: list[Provider], device: str, rounds: int = 1) -> list[dict]:
     """The rows of every shape, provider by provider, in order; one progress line per shape."""
     rows = []
     for number, shape in enumerate(shapes, 1):
-        got = measure_shape(shape, providers, device)
+        got = measure_shape(shape, providers, device, rounds)
         said = ", ".join(f"{r['provider']} {r['tflops']:g}" if not math.isnan(r["tflops"]) else f"{r['provider']} -"
                          for r in got)  # fmt: skip
         log.info("[%d/%d] %s: %s TFLOP/s", number, len(shapes), shape.label(), said)
@@ -41,8 +47,9 @@ def measure(shapes: list[Shape], providers: list[Provider], device: str) -> list
     return rows
 
 
-def measure_shape(shape: Shape, providers: list[Provider], device: str) -> list[dict]:
-    """One row per provider for `shape`, all on the same fresh random inputs."""
+def measure_shape(shape: Shape, providers: list[Provider], device: str, rounds: int = 1) -> list[dict]:
+    """One row per provider for `shape`, all on the same fresh random inputs, each checked against the reference
+    and then timed `rounds` times in alternating order (the module's text)."""
     training = shape.mode != "fwd"
     q, k, v = random_qkv(shape.batch, shape.heads, shape.seqlen, shape.head_dim, dtype=DTYPES_BY_NAME[shape.dtype],
                          device=device, heads_kv=shape.heads_kv, requires_grad=training)  # fmt: skip
@@ -51,10 +58,26 @@ def measure_shape(shape: Shape, providers: list[Provider], device: str) -> list[
         ref, failed = _flat(_call(_reference(shape), (q, k, v), do)()), ""
     except Exception as exc:  # no reference (out of memory, say): no provider can be checked, so none is timed
         ref, failed = None, f"the reference failed: {_first_line(exc)}"
+    checked = {provider.name: (math.nan, None, failed) if failed else _checked(provider, shape, (q, k, v), do, ref)
+               for provider in providers}  # fmt: skip
+    timed = [name for name, (_, call, _) in checked.items() if call is not None]
+    notes = {}
+
+    def read(name: str) -> float:
+        try:
+            return (time_cuda(checked[name][1], device=device) if device != "cpu" else _time_host(checked[name][1])
+                    ).median_ms  # fmt: skip
+        except Exception as exc:  # a provider that fails to run costs its row, not the benchmark
+            if device != "cpu":
+                torch.cuda.empty_cache()  # after an out-of-memory error, the next provider gets the memory back
+            notes[name] = _first_line(exc)
+            raise
+
+    readings = final_readings(timed, read, rounds=rounds)
     rows = []
-    for provider in providers:
-        got = (math.nan, math.nan, failed) if failed else _measure_one(provider, shape, (q, k, v), do, ref, device)
-        rows.append(_row(shape, provider.name, *got))
+    for name, (err, _, note) in checked.items():
+        ms = statistics.fmean(readings[name]) if name in readings else math.nan
+        rows.append(_row(shape, name, ms, err if name not in notes else math.nan, notes.get(name, note)))
     return rows
 
 
@@ -65,24 +88,23 @@ def _row(shape: Shape, provider: str, ms: float, rel_err: float, note: str) -> d
                 ms=rounded(ms), tflops=rounded(tflops), rel_err=rounded(rel_err), note=note)  # fmt: skip
 
 
-def _measure_one(provider: Provider, shape: Shape, qkv, do, ref, device) -> tuple[float, float, str]:
-    """(median ms, relative error, note) of one provider on one shape; NaN and the reason where it has none."""
+def _checked(provider: Provider, shape: Shape, qkv, do, ref) -> tuple[float, Callable | None, str]:
+    """(relative error, the call to time, note) of one provider on one shape: the call run once and checked against
+    the reference; no call (None), and the reason in the note, where it is not to be timed."""
     why = provider.skip(shape)
     if why:
-        return math.nan, math.nan, why
+        return math.nan, None, why
     inputs, grad_out = _in_layout(provider, qkv, do)
     try:
         call = _call(provider.build(shape), inputs, grad_out)
-        got = call()
-        err = _rel_err(_flat(_from_layout(provider, got)), ref)
-        if not err <= MAX_REL_ERR:  # NaN too: a provider that computes something else gets no speed number
-            return math.nan, err, f"relative error {err:.1e} against the reference: not timed"
-        ms = (time_cuda(call, device=device) if device != "cpu" else _time_host(call)).median_ms
+        err = _rel_err(_flat(_from_layout(provider, call())), ref)
     except Exception as exc:  # a provider that does not take the shape (or fails) costs its row, not the benchmark
-        if device != "cpu":
+        if qkv[0].is_cuda:
             torch.cuda.empty_cache()  # after an out-of-memory error, the next provider gets the memory back
-        return math.nan, math.nan, _first_line(exc)
-    return ms, err, ""
+        return math.nan, None, _first_line(exc)
+    if not err <= MAX_REL_ERR:  # NaN too: a provider that computes something else gets no speed number
+        return err, None, f"relative error {err:.1e} against the reference: not timed"
+    return err, call, ""
 
 
 def _first_line(exc: Exception) -> str:

@@ -44,7 +44,7 @@ def bench(args: argparse.Namespace) -> int:
         if args.processes > 1:
             rows = _in_processes(args, [p.name for p in chosen], device)
         else:
-            rows = measure.measure(shapes, chosen, device)
+            rows = measure.measure(shapes, chosen, device, rounds=args.rounds)
         title = f"{environment['device']} {shapes[0].dtype}"
     _write(args, rows, plots, title)
     if args.json:
@@ -127,7 +127,8 @@ _SHAPE_FLAGS = {"preset": "--preset", "batch": "--batch", "heads": "--heads", "k
 def child_arguments(args: argparse.Namespace, names: list[str], device: str) -> list[str]:
     """The command line of one of --processes' fresh processes: this one's shapes, device and providers, and no
     output but the CSV its caller adds."""
-    flags = [*(["--quiet"] if args.quiet else []), "bench", "--device", device, "--providers", ",".join(names)]
+    flags = [*(["--quiet"] if args.quiet else []), "bench", "--device", device, "--providers", ",".join(names),
+             "--rounds", str(args.rounds)]
     for dest, flag in _SHAPE_FLAGS.items():
         value = getattr(args, dest)
         if value is not None:

@@ -259,6 +259,10 @@ def _add_bench_outputs(bench) -> None:
                        help="measure in this many fresh processes, one after another, and report each row's median "
                             "(training calls at N <= 512 wait for the host and read up to 35 %% apart between "
                             "processes)")  # fmt: skip
+    bench.add_argument("--rounds", type=arguments.positive_int, default=1,
+                       help="time each shape's providers this many times, each round in the other order (first to "
+                            "last, then last to first), and report the mean: a GPU's readings drift within a run, "
+                            "which one pass in a fixed order charges to the providers timed last")  # fmt: skip
 
 
 def join_negative_values(argv: list[str]) -> list[str]:
