@@ -159,7 +159,7 @@ def test_tune_on_cpu_writes_yaml_that_the_runtime_then_uses(tmp_path, capsys, mo
     _, entries = store.read_file(tmp_path / "cpu-interpreter.yaml")
     (entry,) = entries
     # each study's timed configs, fastest first by their search readings, the winner among them (the finish times
-    # the fastest again and picks by that reading, so under noise the winner need not lead)
+    # the fastest again and picks by those readings, so under noise the winner need not lead)
     (timed,) = [line for line in out.splitlines() if line.startswith("  fwd causal=False timed: ")]
     listed = [item.rsplit(" ", 1) for item in timed.removeprefix("  fwd causal=False timed: ").split(", ")]
     readings = [float(ms) for _, ms in listed]

@@ -191,3 +191,31 @@ def test_the_reference_check_catches_a_wrong_decode_output(monkeypatch):
     error = verification.check_decode(decode_plan.INTERPRETER_CONFIG, heads=4, kv_heads=2, head_dim=16,
                                       dtype=torch.float16, device="cpu")  # fmt: skip
     assert error == pytest.approx(0.02, rel=0.05) and error > verification.REL_TOLERANCE[torch.float16]
+
+
+def test_the_finish_times_its_configs_in_alternating_rounds_and_scores_their_means():
+    # Each finish reading here is 5 % slower than the one before (a GPU's drift). The finish times each config
+    # FINAL_ROUNDS times, in alternating order, once each though the default is also the file's config; the
+    # winner's ms and its steps' readings are the means over the rounds.
+    from fa2tune.tune.finish import FINAL_ROUNDS
+
+    incumbent = _space().default
+    finish = []
+
+    class Drifting(_Recorded):
+        def readings(self, config, *, quick=False):
+            if not quick:
+                finish.append(config)
+            got = super().readings(config, quick=quick)
+            drift = 1 + 0.05 * len(finish)
+            return [Timing(t.median_ms * drift, t.p20_ms * drift, t.p80_ms * drift) for t in got]
+
+    result = _tune(_space(incumbent=incumbent), Drifting(_ms), trials=8)
+    finalists = list(dict.fromkeys(finish))
+    rounds = [finish[i * len(finalists) : (i + 1) * len(finalists)] for i in range(FINAL_ROUNDS)]
+    assert len(finish) == FINAL_ROUNDS * len(finalists) and rounds[1] == rounds[0][::-1]
+    drifts = [1 + 0.05 * (i + 1) for i, config in enumerate(finish) if config == result.best]
+    mean_drift = sum(drifts) / len(drifts)
+    assert result.best_ms == pytest.approx(2 * _ms(result.best) * mean_drift)  # sqrt(1 · 4) · ms, over its rounds
+    assert [t.median_ms for t in result.readings] == pytest.approx([_ms(result.best) * mean_drift,
+                                                                    4 * _ms(result.best) * mean_drift])  # fmt: skip

@@ -44,7 +44,7 @@ def test_two_workers_share_one_journal_and_lose_nothing(tmp_path, interpreter_on
     timed = _timed(_study(journal, spec))
     assert len(timed) == len(set(timed)) == 4
     assert result.measured == 4 and entry.config in timed
-    # the entry records the winner's second reading (the re-timing the ranking uses: tuner.tune), not its first
+    # the entry records the winner's finish reading (the re-timing the ranking uses: tuner.tune), not its first
     assert entry.ms == round(result.best_ms, 4) and result.best == entry.config
     path = job.write(entry, "cpu", tmp_path / "configs")
     assert store.read_file(path)[1] == [entry]

@@ -6,7 +6,7 @@ whose class (decode_space) was timed before is told that reading again, and a co
 scores inf with its reason: nothing a config does ends the search. The budget counts the classes timed (--trials),
 and the search ends early once every class is timed. The finish times the fastest few again (and the default, and
 the config the file held) with time_cuda's full budget, finish.FINAL_ROUNDS rounds in alternating order, ranks them
-by the mean of those rounds' scores alone, as the attention tune does (fa2tune.tune.finish), and keeps the first
+by the means over those rounds alone, as the attention tune does (fa2tune.tune.finish), and keeps the first
 that matches the float64 reference (verification.check_decode); the file's config stays unless beaten by more than
 finish.INCUMBENT_MARGIN.
 """
@@ -64,9 +64,9 @@ class DecodeSpec:
 
 @dataclass(frozen=True)
 class DecodeResult:
-    """What a decode tune found. ms: geometric means over the timed steps of their medians (the finish's: the mean of
-    its rounds'); gbps likewise of K and V read / time (None under the interpreter); readings: each step's Timing of
-    the winner, from the finish's last round."""
+    """What a decode tune found. ms: geometric means over the timed steps of their medians (the finish's: each the
+    mean over its rounds); gbps likewise of K and V read / time (None under the interpreter); readings: each step's
+    Timing of the winner in the finish, the mean over its rounds."""
 
     study_name: str
     best: DecodeConfig
@@ -140,10 +140,10 @@ def tune(spec: DecodeSpec, space: decode_space.DecodeSpace, bench: Bench, *, nam
     if on_timed is not None:
         on_timed()
     best, second, note = _finish(search, space, bench, verify, tolerance, name, spec.incumbent_origin)
-    ms = lambda config: _rounds_score(second[config])
+    ms = lambda config: _geomean([t.median_ms for t in second[config]])
     gbps = lambda config: _geomean(bench.gigabytes) / (ms(config) * 1e-3) if bench.on_gpu else None
     return DecodeResult(
-        study_name=name, best=best, best_ms=ms(best), gbps=gbps(best), readings=tuple(second[best][-1]),
+        study_name=name, best=best, best_ms=ms(best), gbps=gbps(best), readings=tuple(second[best]),
         default=space.default, default_ms=ms(space.default), default_gbps=gbps(space.default),
         measured=len(search.measured), pruned=search.pruned, failed=len(search.failures),
         wall_s=time.time() - start, incumbent_note=note, history=tuple(search.history),
@@ -154,9 +154,12 @@ def _geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
-def _rounds_score(rounds: list[list[Timing]]) -> float:
-    """A config's score over the finish's rounds: the mean of each round's geometric mean of the steps' medians."""
-    return sum(_geomean([t.median_ms for t in steps]) for steps in rounds) / len(rounds)
+def _mean_of_rounds(rounds: list[list[Timing]]) -> list[Timing]:
+    """Each step's Timing over the finish's rounds (a list of the steps' Timings a round): the means of its median,
+    20th and 80th percentiles."""
+    mean = lambda values: sum(values) / len(values)
+    return [Timing(median_ms=mean([t.median_ms for t in step]), p20_ms=mean([t.p20_ms for t in step]),
+                   p80_ms=mean([t.p80_ms for t in step])) for step in zip(*rounds, strict=True)]  # fmt: skip
 
 
 def _start_builds(space: decode_space.DecodeSpace, pool, **sizes) -> Callable[[DecodeConfig], str | None]:
@@ -269,11 +272,12 @@ class _Search:
 def _finish(search: _Search, space: decode_space.DecodeSpace, bench: Bench,
             verify: Callable[[DecodeConfig], float], tolerance: float, name: str,
             origin: str = STORED_ORIGIN):  # fmt: skip
-    """(winner, the readings of each config timed again (a list of the steps' Timings a round), what became of the
-    incumbent): the fastest REMEASURE_TOP classes, the default and the incumbent timed again (finish.final_readings)
-    and ranked by the mean of their rounds' scores; the first whose relative error against the reference is within
-    `tolerance` wins, the incumbent kept unless beaten by more than INCUMBENT_MARGIN; origin: where the incumbent
-    comes from, for the note. Raises RuntimeError when nothing was measured or nothing verifies."""
+    """(winner, the readings of each config timed again (each step's Timing, the mean over the finish's rounds), what
+    became of the incumbent): the fastest REMEASURE_TOP classes, the default and the incumbent timed again
+    (finish.final_readings) and ranked by their score over those means; the first whose relative error against the
+    reference is within `tolerance` wins, the incumbent kept unless beaten by more than INCUMBENT_MARGIN; origin:
+    where the incumbent comes from, for the note. Raises RuntimeError when nothing was measured or nothing verifies,
+    or the default failed to run in a round (a default that runs only sometimes gives no baseline to trust)."""
     if not search.measured:
         raise RuntimeError(f"{name}: no config could be measured; reasons: {list(search.failures.values())[:5]}")
     again = sorted(search.measured, key=search.measured.get)[:REMEASURE_TOP]
@@ -287,8 +291,8 @@ def _finish(search: _Search, space: decode_space.DecodeSpace, bench: Bench,
             problems[config] = failure_reason(exc)
             raise
 
-    second = final_readings(again, read)  # each config's steps' Timings, a list a round
-    score = lambda config: _rounds_score(second[config])
+    second = {config: _mean_of_rounds(rounds) for config, rounds in final_readings(again, read).items()}
+    score = lambda config: _geomean([t.median_ms for t in second[config]])
     ranked = sorted(second, key=score)
     best = note = None
     for config in ranked:

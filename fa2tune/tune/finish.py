@@ -16,7 +16,7 @@ import optuna
 
 from ..config.types import KernelConfig
 from .cost import Cost
-from .records import Options, Target, TrialRecord, TuneResult, Verify
+from .records import Options, Target, TrialRecord, TuneResult, Verify, failure_reason
 from .search_space import Space
 
 # A re-tune keeps the config a key runs now unless another measures faster by more than this fraction: readings of
@@ -29,7 +29,8 @@ INCUMBENT_MARGIN = 0.01
 # ranked by the mean of their readings. A GPU's readings drift within a finish: on an H100 a d=64 dK/dV config read
 # 9.40 ms in the search and 10.43 ms re-timed last of three (+11 %) while the one before it moved −0.5 %, and the
 # configs re-timed last in a fixed order are the default and the incumbent, the tune's "before". Over a forward and a
-# reverse round each finalist's mean takes the same share of a drift that grows steadily through the finish.
+# reverse round each finalist's mean takes the same share of a drift that grows steadily through the finish (so the
+# count is even: an odd one times the first finalists once more late, the last once more early).
 FINAL_ROUNDS = 2
 
 Finalist = TypeVar("Finalist", bound=Hashable)
@@ -38,8 +39,10 @@ Reading = TypeVar("Reading")
 
 def final_readings(finalists: list[Finalist], read: Callable[[Finalist], Reading],
                    rounds: int = FINAL_ROUNDS) -> dict[Finalist, list[Reading]]:  # fmt: skip
-    """Each finalist's readings, one a round, the rounds in alternating order (FINAL_ROUNDS). A finalist whose
-    reading raises in any round is left out: a config that runs only sometimes is never named the winner."""
+    """Each finalist's readings, one a round, the rounds in alternating order (FINAL_ROUNDS); a finalist listed
+    twice is timed once a round. A finalist whose reading raises in any round is left out, and not read again: a
+    config that runs only sometimes is never named the winner (`read` records why, where its caller needs it)."""
+    finalists = list(dict.fromkeys(finalists))
     readings: dict[Finalist, list[Reading]] = {finalist: [] for finalist in finalists}
     failed = set()
     for round_ in range(rounds):
@@ -69,19 +72,23 @@ def finish(study: optuna.Study, target: Target, space: Space, options: Options, 
     if not cost.measured:
         reasons = [r.reason for r in cost.history][:5]
         raise RuntimeError(f"{target.name}: no config could be measured; reasons: {reasons}")
-    second = _second_readings(cost, space, options.remeasure_top)
-    best, unverified = _first_verified(_ranking(second, incumbent), options.verify, cost.history, incumbent)
+    finals, failed = _final_readings(cost, space, options.remeasure_top)
+    if incumbent is not None and incumbent in failed:
+        problem = f"failed to run in the finish ({failed[incumbent]})"
+    best, unverified = _first_verified(_ranking(finals, incumbent), options.verify, cost.history, incumbent)
     if unverified is not None:
         problem = unverified
     if best is None:
         raise RuntimeError(f"{target.name}: no measured config passed verification")
-    return _result(study, target, space, cost, second, best, problem, start)
+    return _result(study, target, space, cost, finals, best, problem, start)
 
 
-def _second_readings(cost: Cost, space: Space, remeasure_top: int) -> dict[KernelConfig, float]:
-    """The top few configs timed again (with remeasure_top 1: their only reading), and the default and the
-    incumbent with them: a first reading can be a cold one, and tuned-vs-default (and -incumbent) needs a fair one.
-    Each is the mean of its FINAL_ROUNDS readings (final_readings).
+def _final_readings(cost: Cost, space: Space,
+                    remeasure_top: int) -> tuple[dict[KernelConfig, float], dict[KernelConfig, str]]:  # fmt: skip
+    """(each finalist's reading, why a finalist failed to run): the top few configs timed again (with remeasure_top
+    1: their only reading), and the default and the incumbent with them: a first reading can be a cold one, and
+    tuned-vs-default (and -incumbent) needs a fair one. Each is the mean of its FINAL_ROUNDS readings
+    (final_readings); one that fails to run in a round is left out, with its reason, also in the history.
 
     The winner is ranked by these readings alone, not with its first: on the H200 the first config a process times
     reads 3-8 % faster than when timed second, whichever config it is, and the default is timed first: the better
@@ -89,18 +96,29 @@ def _second_readings(cost: Cost, space: Space, remeasure_top: int) -> dict[Kerne
     measured = cost.measured
     ranked = sorted(measured, key=measured.get)[: max(1, remeasure_top)]
     if remeasure_top <= 1:
-        return {cfg: measured[cfg] for cfg in ranked}
+        return {cfg: measured[cfg] for cfg in ranked}, {}
     for base in (space.default, space.incumbent):
         if base in measured and base not in ranked:
             ranked.append(base)
-    readings = final_readings(ranked, lambda cfg: float(cost.measure(cfg)))
-    return {cfg: statistics.fmean(values) for cfg, values in readings.items()}
+
+    failed = {}
+
+    def read(cfg: KernelConfig) -> float:
+        try:
+            return float(cost.measure(cfg))
+        except Exception as exc:
+            failed[cfg] = failure_reason(exc)
+            cost.history.append(TrialRecord(-1, cfg, None, f"failed to run in the finish: {failed[cfg]}"))
+            raise
+
+    readings = final_readings(ranked, read)
+    return {cfg: statistics.fmean(values) for cfg, values in readings.items()}, failed
 
 
-def _ranking(second: dict[KernelConfig, float], incumbent: KernelConfig | None) -> list[KernelConfig]:
+def _ranking(finals: dict[KernelConfig, float], incumbent: KernelConfig | None) -> list[KernelConfig]:
     """Fastest first, except the incumbent first where the fastest is within INCUMBENT_MARGIN of it."""
-    order = sorted(second, key=second.get)
-    if incumbent in second and second[order[0]] > second[incumbent] * (1 - INCUMBENT_MARGIN):
+    order = sorted(finals, key=finals.get)
+    if incumbent in finals and finals[order[0]] > finals[incumbent] * (1 - INCUMBENT_MARGIN):
         order.remove(incumbent)  # the fastest is within the noise of the config the key runs now: keep that
         order.insert(0, incumbent)
     return order
@@ -123,16 +141,18 @@ def _first_verified(
 
 
 def _incumbent_note(
-    stored: KernelConfig | None, origin: str, problem: str | None, best: KernelConfig, ms: dict[KernelConfig, float]
+    stored: KernelConfig | None, origin: str, problem: str | None, best: KernelConfig, ms: dict[KernelConfig, float],
+    finals: dict[KernelConfig, float],
 ) -> str | None:
     """What became of the incumbent, in words, naming where it came from (origin: Target.incumbent_origin); ms:
-    each config's deciding reading."""
+    each config's deciding reading (the finish's where it has one); finals: the configs the finish timed, among
+    which the rival a kept incumbent is named beside (a search reading escaped the finish's drift)."""
     if stored is None:
         return None
     if problem is not None:
         return f"replaced {origin} {stored.label()}, which {problem}, by {best.label()} ({ms[best]:.3f} ms)"
     if best == stored:
-        others = [cfg for cfg in ms if cfg != stored]
+        others = [cfg for cfg in finals if cfg != stored]
         rival = min(others, key=ms.get) if others else None
         beside = f"; the fastest other, {rival.label()}, {ms[rival]:.3f} ms" if rival is not None else ""
         return f"kept {origin} {stored.label()} ({ms[stored]:.3f} ms{beside})"
@@ -148,20 +168,20 @@ def _within_2pct_at(study: optuna.Study, history: list[TrialRecord]) -> int | No
     return next((i + 1 for i, v in enumerate(values) if v <= min(values) * 1.02), None)
 
 
-def _result(study, target: Target, space: Space, cost: Cost, second: dict[KernelConfig, float],
+def _result(study, target: Target, space: Space, cost: Cost, finals: dict[KernelConfig, float],
             best: KernelConfig, problem: str | None, start: float) -> TuneResult:  # fmt: skip
     measured, default, incumbent = cost.measured, space.default, space.incumbent
     within = _within_2pct_at(study, cost.history)
     return TuneResult(
         study_name=target.name,
         best=best,
-        best_ms=second[best],
+        best_ms=finals[best],
         default=default,
-        default_ms=second.get(default, measured.get(default)),
+        default_ms=finals.get(default, measured.get(default)),
         incumbent=incumbent,
-        incumbent_ms=second.get(incumbent, measured.get(incumbent)) if incumbent is not None else None,
+        incumbent_ms=finals.get(incumbent, measured.get(incumbent)) if incumbent is not None else None,
         incumbent_note=_incumbent_note(target.incumbent, target.incumbent_origin, problem, best,
-                                       {**measured, **second}),
+                                       {**measured, **finals}, finals),
         median_ms=statistics.median(measured.values()),
         measured=len(measured),
         pruned=sum(1 for t in study.trials if t.state == optuna.trial.TrialState.PRUNED),
