@@ -240,15 +240,15 @@ def _tuning_lengths(text: str | None, bucket: str) -> tuple[int, ...]:
 
 
 def _at_served_lengths(spec, target, info):
-    """spec, tuned at the lengths that the bucket entries its calls read (in `target` or the GPU's own files: info)
-    leave to it (job.unserved_lengths), and says so."""
+    """spec, tuned at the lengths that the bucket entries its calls read (in `target`, the GPU's own files or a
+    same-chip GPU's: info) leave to it (job.unserved_lengths), and says so."""
     from ..tune import job
 
     lengths = job.unserved_lengths(spec, target, info)
     if lengths != spec.seqlens:
-        log.info(f"note: {spec.kernel} causal={spec.causal}: there are length-bucket entries for this key, "
-                 f"so its \"all\" entry serves longer calls and is tuned at {','.join(map(str, lengths))} "
-                 f"(--seqlens chooses)")  # fmt: skip
+        log.info(f"note: {spec.kernel} causal={spec.causal}: there are length-bucket entries for this key (this "
+                 f"GPU's or a GPU's of the same chip), so its \"all\" entry serves longer calls and is tuned at "
+                 f"{','.join(map(str, lengths))} (--seqlens chooses)")  # fmt: skip
     return replace(spec, seqlens=lengths)
 
 
