@@ -91,8 +91,9 @@ def test_a_wrong_provider_gets_no_number_and_a_failing_one_costs_only_its_row(mo
 
 
 def test_rounds_time_the_providers_in_alternating_order_and_report_the_mean(monkeypatch):
-    # Each provider is checked once, then timed round by round, first to last and last to first; a provider that
-    # fails while timed gets no number and its reason, and is not timed again.
+    # Each provider is checked right before its first timing, then timed round by round, first to last and last to
+    # first; a provider that fails while timed gets no number and its reason, and is not timed again; a provider
+    # named twice has two rows.
     calls, readings = [], iter(range(1, 100))
 
     def recording(name, fails_when_timed=False):
@@ -115,10 +116,12 @@ def test_rounds_time_the_providers_in_alternating_order_and_report_the_mean(monk
     chosen = [recording("a"), recording("b"), recording("flaky", fails_when_timed=True), recording("c")]
     shape = Shape(batch=1, heads=2, heads_kv=1, seqlen=20, head_dim=8, causal=False, dtype="fp32", mode="fwd")
     rows = {r["provider"]: r for r in measure.measure_shape(shape, chosen, "cpu", rounds=3)}
-    assert calls == ["a", "b", "flaky", "c", "a", "b", "flaky", "c", "c", "b", "a", "a", "b", "c"]
+    assert calls == ["a", "a", "b", "b", "flaky", "flaky", "c", "c", "c", "b", "a", "a", "b", "c"]
     means = [(1 + 6 + 7) / 3, (2 + 5 + 8) / 3, (3 + 4 + 9) / 3]  # readings 1-3, then 4-6 backwards, then 7-9
     assert [rows[name]["ms"] for name in "abc"] == pytest.approx(means, rel=1e-2)
     assert math.isnan(rows["flaky"]["tflops"]) and rows["flaky"]["note"] == "RuntimeError: launch failed"
+    twice = measure.measure_shape(shape, [chosen[0], chosen[1], chosen[0]], "cpu")
+    assert [r["provider"] for r in twice] == ["a", "b", "a"] and all(r["ms"] > 0 for r in twice)
 
 
 def test_the_math_backend_is_skipped_where_its_scores_would_not_fit():

@@ -538,10 +538,22 @@ def test_a_same_chip_gpus_bucket_entry_comes_before_the_gpus_own_all_entry(confi
     spec = job.StudySpec(kernel="fwd", head_dim=112, dtype="bf16", causal=False)
     assert job.unserved_lengths(spec, h100_file, h100) == (4096, 16384)  # 1k is the H200's short entry's
     assert job.unserved_lengths(spec, h100_file) == (1024, 4096, 16384)  # the same-chip files read only with info
+    # the H100's short study must beat what its calls read without an entry of its own: the H200's short entry
+    short_study = replace(spec, seqlen_bucket="short")
+    assert job.baseline(short_study, "cuda:0", h100) == (short_cfg, "seqlen_bucket short (NVIDIA H200)")
+    # a stale entry is no entry: calls pass it over, so it serves no length and is no baseline
+    _write_for(h200_file, h200, [_bf16(_entry(112, bucket="short", cfg=short_cfg, template_hash="0" * 16))])
+    selection.clear_cache()
+    assert resolve(1024) == (own_all, str(h100_file))
+    assert job.unserved_lengths(spec, h100_file, h100) == (1024, 4096, 16384)
+    assert job.baseline(short_study, "cuda:0", h100) == (own_all, "seqlen_bucket all")
     _write_for(h100_file, h100, [_bf16(_entry(112, cfg=own_all)), _fp16(_bf16(_entry(112, bucket="short",
                                                                                         cfg=own_short)))])  # fmt: skip
     selection.clear_cache()
     assert resolve(1024) == (own_short, f"{h100_file} (fp16 entry)")  # its own bucket's, of the same-cost dtype
+    assert job.baseline(short_study, "cuda:0", h100) == (own_short, "seqlen_bucket short (fp16)")
+    # the study's own entry, which the tune replaces, is no baseline
+    assert job.baseline(replace(short_study, dtype="fp16"), "cuda:0", h100) == (own_all, "seqlen_bucket all (bf16)")
 
 
 def test_only_the_files_that_record_the_chip_are_read_and_the_gpus_own_copies_are_not(config_dir, monkeypatch, gpus):

@@ -669,7 +669,10 @@ def test_a_study_of_grouped_heads_writes_a_grouped_key():
     assert replace(spec, kv_heads=4).variant == "gqa32x4" and replace(spec, heads=None, kv_heads=None).variant == ""
     mha = replace(spec, kv_heads=32)
     assert not mha.grouped and mha.group == 1 and not mha.key.gqa and mha.variant == "heads32"
-    assert replace(spec, seqlen_bucket="short").variant == "gqa32x8+short"
+    assert replace(spec, seqlen_bucket="short", seqlens=(512, 1024)).variant == "gqa32x8+short"
+    # a study timed at other lengths, or another batch·N, is another study: its sums are not comparable
+    assert replace(spec, seqlens=(8192, 16384)).variant == "gqa32x8+at8192,16384"
+    assert replace(spec, seqlen_bucket="short", seqlens=(512, 1024), tokens=8192).variant == "gqa32x8+short+tokens8192"
     for heads, kv_heads in ((32, 5), (32, None), (None, 8), (32, 0), (-8, -8)):
         with pytest.raises(ValueError, match="heads and kv_heads come together, positive, kv_heads dividing heads"):
             replace(spec, heads=heads, kv_heads=kv_heads)

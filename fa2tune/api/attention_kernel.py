@@ -181,7 +181,7 @@ def get_kernel(
     Lookup order for each config, a length bucket at a time (the call's own, then "all"; selection.lookup_keys):
     $FA2TUNE_CONFIG_DIR, the user cache dir (~/.cache/fa2tune/configs), the shipped tuned_configs/ (the GPU's own
     file in each; then the other 16-bit dtype's entry; then the files of GPUs of the same chip:
-    store.find_for_device); after every bucket, the planner's default. A missing, corrupt or stale file warns once
+    store.find_for_device); after "all", the planner's default. A missing, corrupt or stale file warns once
     and falls back.
     Resolved kernels are cached per process.
     """

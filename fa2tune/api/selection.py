@@ -103,13 +103,17 @@ def lookup(
 
 
 def first_fitting(info, keys: list[store.EntryKey], *, fresh: bool, first: Path | None = None,
-                  passed_over: tuple[Path, store.EntryKey] | None = None, on_unfit=None) -> store.Found | None:
+                  passed_over: tuple[Path, store.EntryKey] | None = None, on_unfit=None,
+                  skip=None) -> store.Found | None:  # fmt: skip
     """The first entry for `keys` (in order) that store.find_for_device finds on the GPU `info` and the GPU can run
     (unfit), or None. fresh: stale entries (tuned on other kernel code) are passed over, as calls pass them over; a
-    tune's incumbent counts them. on_unfit(found, reason): told of each entry passed over as unfit."""
+    tune's incumbent counts them. on_unfit(found, reason): told of each entry passed over as unfit. skip(found):
+    entries read as absent (a bucket study's baseline: the GPU's own entries of the key it writes)."""
     # the keys differ in bucket, grouping and dtype, which the code does not
     code_hash = (lambda config: codegen.entry_code_hash(keys[0], config)) if fresh else None
     for found in store.find_for_device(info, keys, template_hash=code_hash, first=first, passed_over=passed_over):
+        if skip is not None and skip(found):
+            continue
         reason = unfit(found.entry, info)
         if reason is None:
             return found

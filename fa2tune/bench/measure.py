@@ -48,8 +48,9 @@ def measure(shapes: list[Shape], providers: list[Provider], device: str, rounds:
 
 
 def measure_shape(shape: Shape, providers: list[Provider], device: str, rounds: int = 1) -> list[dict]:
-    """One row per provider for `shape`, all on the same fresh random inputs, each checked against the reference
-    and then timed `rounds` times in alternating order (the module's text)."""
+    """One row per provider for `shape` (a provider named twice has two rows), all on the same fresh random inputs,
+    each checked against the reference right before its first timing and timed `rounds` times in alternating order
+    (the module's text): with one round, provider by provider, each checked then timed."""
     training = shape.mode != "fwd"
     q, k, v = random_qkv(shape.batch, shape.heads, shape.seqlen, shape.head_dim, dtype=DTYPES_BY_NAME[shape.dtype],
                          device=device, heads_kv=shape.heads_kv, requires_grad=training)  # fmt: skip
@@ -58,27 +59,34 @@ def measure_shape(shape: Shape, providers: list[Provider], device: str, rounds: 
         ref, failed = _flat(_call(_reference(shape), (q, k, v), do)()), ""
     except Exception as exc:  # no reference (out of memory, say): no provider can be checked, so none is timed
         ref, failed = None, f"the reference failed: {_first_line(exc)}"
-    checked = {provider.name: (math.nan, None, failed) if failed else _checked(provider, shape, (q, k, v), do, ref)
-               for provider in providers}  # fmt: skip
-    timed = [name for name, (_, call, _) in checked.items() if call is not None]
-    notes = {}
+    checked, notes = {}, {}  # by the provider's place in `providers`: (relative error, call, note); a timing's failure
 
-    def read(name: str) -> float:
+    def read(index: int) -> float:
+        if index not in checked:  # its first round: checked against the reference first
+            checked[index] = (math.nan, None, failed) if failed else _checked(providers[index], shape, (q, k, v), do,
+                                                                                 ref)  # fmt: skip
+        call = checked[index][1]
+        if call is None:
+            raise _NotTimed
         try:
-            return (time_cuda(checked[name][1], device=device) if device != "cpu" else _time_host(checked[name][1])
-                    ).median_ms  # fmt: skip
+            return (time_cuda(call, device=device) if device != "cpu" else _time_host(call)).median_ms
         except Exception as exc:  # a provider that fails to run costs its row, not the benchmark
             if device != "cpu":
                 torch.cuda.empty_cache()  # after an out-of-memory error, the next provider gets the memory back
-            notes[name] = _first_line(exc)
+            notes[index] = _first_line(exc)
             raise
 
-    readings = final_readings(timed, read, rounds=rounds)
+    readings = final_readings(list(range(len(providers))), read, rounds=rounds)
     rows = []
-    for name, (err, _, note) in checked.items():
-        ms = statistics.fmean(readings[name]) if name in readings else math.nan
-        rows.append(_row(shape, name, ms, err if name not in notes else math.nan, notes.get(name, note)))
+    for index, provider in enumerate(providers):
+        err, _, note = checked[index]
+        ms = statistics.fmean(readings[index]) if index in readings else math.nan
+        rows.append(_row(shape, provider.name, ms, err if index not in notes else math.nan, notes.get(index, note)))
     return rows
+
+
+class _NotTimed(Exception):
+    """A provider that is not to be timed (skipped, failed, wrong: its note says why), out of the rounds."""
 
 
 def _row(shape: Shape, provider: str, ms: float, rel_err: float, note: str) -> dict:

@@ -185,7 +185,8 @@ def show(args: argparse.Namespace) -> int:
 
 def _stored_rows(slug: str, info) -> list[dict]:
     """One row per entry of <slug>.yaml in each config directory, then of each file of another GPU of the same chip
-    (store.same_chip_gpus; "tuned_on" names that GPU), in the order lookups read them. "used": whether a call of the
+    (store.same_chip_gpus; "tuned_on" names that GPU), each file's in its order (lookups read them a length bucket at
+    a time across these files: store.find_for_device). "used": whether a call of the
     entry's key on the device (info, a DeviceInfo) runs it — stale entries are skipped, configs the device cannot
     run are passed over, and the first other entry a call reads (store.find_for_device) wins; "why_not" says which
     of these it is. One row per file that cannot be read, with the reason."""

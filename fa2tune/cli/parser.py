@@ -7,7 +7,7 @@ import argparse
 from ..bench import PROVIDER_NAMES
 from ..bench.shapes import GRID_TOKENS, GRID_WIDTH, MODES, PRESET_HELP
 from ..config.decode_config import DECODE_KERNEL
-from ..config.lengths import BUCKET_RANGES, SEQLEN_BUCKETS, TUNING_LENGTHS
+from ..config.lengths import BUCKET_RANGES, SEQLEN_BUCKETS, TUNING_LENGTHS, TUNING_TOKENS
 from ..config.types import DTYPE_CHOICES, KERNELS  # torch-free, as everything this package imports at its top
 from . import arguments, bench_command, commands, tune_command
 from .arguments import JOURNAL_SUFFIXES, MIN_TIMEOUT_S, RUN_BUDGET_S, STORAGE_DIALECTS
@@ -152,7 +152,8 @@ def _add_tune_lengths(tune) -> None:
                            "such lengths (a backward kernel timed inside the whole training call, where the host can "
                            f"be the bound); medium: the same for {low} < max(seqlen_q, seqlen_k) <= {medium}; all: "
                            "the entry for every other length")  # fmt: skip
-    tune.add_argument("--tokens", type=arguments.positive_int, default=16384, help="batch·N of each tuning length")
+    tune.add_argument("--tokens", type=arguments.positive_int, default=TUNING_TOKENS,
+                      help="batch·N of each tuning length")  # fmt: skip
 
 
 def _add_tune_budget(tune) -> None:

@@ -17,6 +17,7 @@ MEDIUM_SEQLEN = 4096
 BUCKET_RANGES = {"short": (0, SHORT_SEQLEN), "medium": (SHORT_SEQLEN, MEDIUM_SEQLEN)}
 # The lengths a study of each bucket is timed at by default (`fa2tune tune --seqlens`), each one the bucket serves.
 TUNING_LENGTHS = {"all": (1024, 4096, 16384), "short": (512, 1024), "medium": (2048, 4096)}
+TUNING_TOKENS = 16384  # batch·N of each tuning length by default (`fa2tune tune --tokens`)
 
 
 def bucket_of(seqlen: int | None) -> str:

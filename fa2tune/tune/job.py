@@ -40,8 +40,8 @@ class StudySpec:
     head_dim: int
     dtype: str  # "bf16" | "fp16" | "fp32"
     causal: bool
-    seqlens: tuple[int, ...] = (1024, 4096, 16384)
-    tokens: int = 16384
+    seqlens: tuple[int, ...] = lengths.TUNING_LENGTHS["all"]
+    tokens: int = lengths.TUNING_TOKENS
     trials: int = 40
     timeout_s: float | None = None
     timeout_counts_builds: bool = False  # timeout_s is a share of the run's wall time (records.Options)
@@ -108,12 +108,16 @@ class StudySpec:
     def variant(self) -> str:
         """The study-name suffix: the template variant ("window", "varlen"), the heads where they are given
         ("gqa32x8" for 32 query heads over 8 K/V heads, "heads32" for 32 without grouping: a study times one grouping,
-        and a stored or shared study resumed at another would count its readings as this one's) and the length
-        bucket ("short", "medium"), joined by "+"; "" for the plain variant at every length."""
+        and a stored or shared study resumed at another would count its readings as this one's), the length bucket
+        ("short", "medium"), and for the same reason the lengths and batch·N where they are not the bucket's defaults
+        ("at8192,16384", "tokens32768": an "all" study beside bucket entries is timed at fewer lengths), joined by
+        "+"; "" for the plain variant at the default lengths."""
         bucket = self.seqlen_bucket
         heads = f"gqa{self.heads}x{self.kv_heads}" if self.grouped else f"heads{self.heads}" if self.heads else ""
+        at = "at" + ",".join(map(str, self.seqlens))
         parts = (("window", self.window is not None), ("varlen", self.varlen), (heads, bool(heads)),
-                 (bucket, bucket != "all"))  # fmt: skip
+                 (bucket, bucket != "all"), (at, tuple(self.seqlens) != lengths.TUNING_LENGTHS[bucket]),
+                 (f"tokens{self.tokens}", self.tokens != lengths.TUNING_TOKENS))  # fmt: skip
         return "+".join(name for name, on in parts if on)
 
     def study_name(self, info: DeviceInfo) -> str:
@@ -279,22 +283,26 @@ def _entry(spec: StudySpec, result: tuner.TuneResult, info: DeviceInfo, measure,
 
 def baseline(spec: StudySpec, device_name: str, info: DeviceInfo | None = None) -> tuple[planner.KernelConfig, str]:
     """(config, name) a study must beat, timed first: the planner's default (the bucket's: defaults.default_config's
-    seqlen_bucket); for a length bucket's study ("short", "medium"), the config calls of those lengths run without its
-    entry — the "all" entry, tuned at other lengths, where there is one; for a grouped one, its bucket's plain entry
-    first (selection.lookup_keys) — so a bucket's entry is written only as at least as fast as that at its own
-    lengths (a tuned config is never slower than its baseline); named "seqlen_bucket <bucket>", "(plain)" added for
-    a grouped study's plain one.
+    seqlen_bucket); for a length bucket's study ("short", "medium"), the config calls of those lengths run without the
+    GPU's own entries of its key, in the store's order (selection.lookup_keys, store.find_for_device): the other
+    dtype's entry of the bucket, a same-chip GPU's, for a grouped study its bucket's plain entry, else the "all" entry,
+    tuned at other lengths — so a bucket's entry is written only as at least as fast as that at its own lengths (a
+    tuned config is never slower than its baseline); named "seqlen_bucket <bucket>", with "(plain)", "(<dtype>)" and
+    "(<GPU>)" where the entry is a grouped study's plain one, of the other dtype or another GPU's.
     info: the device's DeviceInfo, if already read.
     """
     dtype = DTYPES_BY_NAME[spec.dtype]
     info = info or selection.device_info(device_name)
     if spec.seqlen_bucket != "all":
-        # what its calls read without its entry
-        found = selection.first_fitting(info, selection.lookup_keys(spec.key)[1:], fresh=True)
+        # what its calls read without its entry, which the tune writes into a file of the GPU's own
+        found = selection.first_fitting(info, selection.lookup_keys(spec.key), fresh=True,
+                                        skip=lambda found: found.tuned_on is None and found.entry.key == spec.key)
         if found is not None:
             key = found.entry.key
-            plain = " (plain)" if spec.grouped and not key.gqa else ""
-            return found.entry.config, f"seqlen_bucket {key.seqlen_bucket}{plain}"
+            words = [f"seqlen_bucket {key.seqlen_bucket}", "(plain)" if spec.grouped and not key.gqa else "",
+                     f"({key.dtype})" if key.dtype != spec.dtype else "",
+                     f"({found.tuned_on})" if found.tuned_on else ""]  # fmt: skip
+            return found.entry.config, " ".join(word for word in words if word)
     default = defaults.default_config(spec.head_dim, dtype, causal=spec.causal, kernel=spec.kernel, device=info,
                                       seqlen_bucket=spec.seqlen_bucket)  # fmt: skip
     return default, "planner-default"
@@ -366,25 +374,25 @@ def unserved_lengths(spec: StudySpec, path: Path, info: DeviceInfo | None = None
     entry in the store's order (store.find_for_device): for a grouped key its plain twin's too (selection.lookup_keys),
     the same-cost dtype's (store.dtype_twins) — in the file at `path`, which the tune writes, and where `info` (a
     DeviceInfo) is given in the files its calls read: the GPU's own along the search path (store.own_files: the
-    shipped one among them) and those of GPUs of the same chip (store.same_chip_gpus). So an "all" entry is tuned
+    shipped one among them) and those of GPUs of the same chip (store.same_chip_gpus), an entry counting only where
+    calls would read it (fresh, fitting the GPU: selection.first_fitting). So an "all" entry is tuned
     where calls will use it (tuned at 1k + 4k + 16k beside both bucket entries, the d=64 causal forward's "all" entry
     chose a config ~4 % slower at N = 16k, the one length it served: docs/PERF.md, "Length buckets"); where fewer
     than two remain, LONG_LENGTHS join them. A bucket study's own lengths are returned as they are."""
     if spec.seqlen_bucket != "all":
         return spec.seqlens
-    files = [Path(path)]
-    if info is not None:
-        files += store.own_files(info.slug) + [file for gpu in store.same_chip_gpus(info) for file in gpu.paths]
-    keys = set()
-    for file in dict.fromkeys(files):
+    # what a call of the key reads in a bucket before "all" (selection.lookup_keys; store.dtype_twins)
+    bucket_keys = lambda bucket: [replace(spec.key, seqlen_bucket=bucket, gqa=gqa)
+                                  for gqa in dict.fromkeys((spec.key.gqa, False))]  # fmt: skip
+    if info is not None:  # an entry calls read: fresh, fitting the GPU, `path` read first
+        served = {bucket for bucket in lengths.BUCKET_RANGES
+                  if selection.first_fitting(info, bucket_keys(bucket), fresh=True, first=Path(path)) is not None}
+    else:
         try:
-            keys |= {e.key for e in store.read_file(file)[1]}
+            keys = {e.key for e in store.read_file(Path(path))[1]}
         except (OSError, ValueError, yaml.YAMLError):
-            continue
-    # what a call of the key reads in a bucket before "all" (selection.lookup_keys, store.dtype_twins)
-    bucket_keys = lambda bucket: set(store.dtype_twins([replace(spec.key, seqlen_bucket=bucket, gqa=gqa)
-                                                         for gqa in dict.fromkeys((spec.key.gqa, False))]))  # fmt: skip
-    served = {bucket for bucket in lengths.BUCKET_RANGES if bucket_keys(bucket) & keys}
+            keys = set()
+        served = {bucket for bucket in lengths.BUCKET_RANGES if set(store.dtype_twins(bucket_keys(bucket))) & keys}
     kept = tuple(n for n in spec.seqlens if lengths.bucket_of(n) not in served)  # the store's own length rule
     return kept if len(kept) >= 2 else tuple(sorted({*kept, *LONG_LENGTHS}))
 
