@@ -532,6 +532,7 @@ def find_for_device(
     if first is not None:
         own = [first, *(path for path in own if not _same_file(path, first))]
     chip_blind = not keys or keys[0].kernel in CHIP_BLIND_KERNELS
+    chip = None  # same_chip_gpus(info), listed once a lookup, when it first asks past the GPU's own entries
     for _, bucket_keys in itertools.groupby(keys, key=lambda key: key.seqlen_bucket):
         bucket_keys = list(bucket_keys)
         for found in _found_in(own, bucket_keys, template_hash, None, passed_over):
@@ -540,7 +541,8 @@ def find_for_device(
             yield found
         if chip_blind:
             continue
-        for gpu in same_chip_gpus(info):
+        chip = same_chip_gpus(info) if chip is None else chip
+        for gpu in chip:
             paths = list(gpu.paths) if first is None else [path for path in gpu.paths if not _same_file(path, first)]
             yield from _found_in(paths, bucket_keys, template_hash, gpu.name, passed_over)
 
