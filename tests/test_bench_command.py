@@ -273,3 +273,14 @@ def test_without_a_reference_no_provider_is_timed(monkeypatch):
     shape = Shape(1, 2, 2, 16, 8, False, "fp32", "fwd")
     (row,) = measure.measure_shape(shape, [providers.PROVIDERS["sdpa_math"]], "cpu")
     assert math.isnan(row["tflops"]) and row["note"].startswith("the reference failed: OutOfMemoryError: CUDA out")
+
+
+def test_the_bench_and_attention_import_no_optuna():
+    # The tuner's search needs optuna; measuring and running attention do not, and a GPU host set up to run a model
+    # may lack it (this project's GPU machine does): `fa2tune bench` and fa2tune.attention must import without it.
+    import subprocess
+    import sys
+
+    script = ("import sys, fa2tune, fa2tune.bench.measure, fa2tune.cli.bench_command; "
+              "assert 'optuna' not in sys.modules, 'optuna imported'")  # fmt: skip
+    subprocess.run([sys.executable, "-c", script], check=True)

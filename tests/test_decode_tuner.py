@@ -197,7 +197,7 @@ def test_the_finish_times_its_configs_in_alternating_rounds_and_scores_their_mea
     # Each finish reading here is 5 % slower than the one before (a GPU's drift). The finish times each config
     # FINAL_ROUNDS times, in alternating order, once each though the default is also the file's config; the
     # winner's ms and its steps' readings are the means over the rounds.
-    from fa2tune.tune.finish import FINAL_ROUNDS
+    from fa2tune.tune.timing import FINAL_ROUNDS
 
     incumbent = _space().default
     finish = []

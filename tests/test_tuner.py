@@ -831,7 +831,7 @@ def test_an_interrupted_study_leaves_no_trial_running_in_its_storage(tmp_path):
 
 
 def test_final_readings_alternate_the_order_and_leave_out_a_finalist_that_fails_once():
-    from fa2tune.tune.finish import final_readings
+    from fa2tune.tune.timing import final_readings
 
     order, failures = [], {"c": 2}  # "c" fails on its second reading
 

@@ -5,7 +5,7 @@ A row is a flat dict, the columns of report.COLUMNS: the shape, the provider, it
 its relative error against the reference, and a note where it has no number (why not).
 
 With rounds > 1 a shape's providers are timed that many times, each round in the other direction (first to last,
-then last to first: tune.finish.final_readings, the tuner's finish rule), and each row's milliseconds are the mean
+then last to first: tune.timing.final_readings, the tuner's finish rule), and each row's milliseconds are the mean
 of its rounds' medians: a GPU's readings drift within a run (on an H100 a config re-timed last in a tune's finish
 read 11 % above its earlier reading), and one pass in a fixed order charges that drift to the providers timed last.
 """
@@ -21,8 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ..config.inputs import DTYPES_BY_NAME
-from ..tune.finish import final_readings
-from ..tune.timing import Timing, time_cuda
+from ..tune.timing import Timing, final_readings, time_cuda
 from ..tune.workload import random_qkv
 from .providers import Provider
 from .report import rounded

@@ -5,7 +5,7 @@ TPE proposes configs of the space's fields; a proposal that does not fit the dev
 whose class (decode_space) was timed before is told that reading again, and a config that fails to build or run
 scores inf with its reason: nothing a config does ends the search. The budget counts the classes timed (--trials),
 and the search ends early once every class is timed. The finish times the fastest few again (and the default, and
-the config the file held) with time_cuda's full budget, finish.FINAL_ROUNDS rounds in alternating order, ranks them
+the config the file held) with time_cuda's full budget, timing.FINAL_ROUNDS rounds in alternating order, ranks them
 by the means over those rounds alone, as the attention tune does (fa2tune.tune.finish), and keeps the first
 that matches the float64 reference (verification.check_decode); the file's config stays unless beaten by more than
 finish.INCUMBENT_MARGIN.
@@ -18,6 +18,7 @@ import functools
 import logging
 import math
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,10 +33,10 @@ from ..config.device import device_info
 from ..config.inputs import DTYPES_BY_NAME
 from ..kernels import codegen
 from . import decode_space, decode_workload, verification
-from .finish import INCUMBENT_MARGIN, final_readings
+from .finish import INCUMBENT_MARGIN
 from .records import STORED_ORIGIN, OnTrial, Options, TimingClock, TrialRecord, failure_reason
 from .strategy import REPEATS_BEFORE_EXPLORING
-from .timing import Timing
+from .timing import Timing, final_readings
 
 REMEASURE_TOP = Options.remeasure_top  # the fastest configs the finish times again, as the attention tuner's
 
@@ -157,9 +158,8 @@ def _geomean(values: list[float]) -> float:
 def _mean_of_rounds(rounds: list[list[Timing]]) -> list[Timing]:
     """Each step's Timing over the finish's rounds (a list of the steps' Timings a round): the means of its median,
     20th and 80th percentiles."""
-    mean = lambda values: sum(values) / len(values)
-    return [Timing(median_ms=mean([t.median_ms for t in step]), p20_ms=mean([t.p20_ms for t in step]),
-                   p80_ms=mean([t.p80_ms for t in step])) for step in zip(*rounds, strict=True)]  # fmt: skip
+    return [Timing(*(statistics.fmean(getattr(t, field) for t in step) for field in ("median_ms", "p20_ms", "p80_ms")))
+            for step in zip(*rounds, strict=True)]  # fmt: skip
 
 
 def _start_builds(space: decode_space.DecodeSpace, pool, **sizes) -> Callable[[DecodeConfig], str | None]:
@@ -274,7 +274,7 @@ def _finish(search: _Search, space: decode_space.DecodeSpace, bench: Bench,
             origin: str = STORED_ORIGIN):  # fmt: skip
     """(winner, the readings of each config timed again (each step's Timing, the mean over the finish's rounds), what
     became of the incumbent): the fastest REMEASURE_TOP classes, the default and the incumbent timed again
-    (finish.final_readings) and ranked by their score over those means; the first whose relative error against the
+    (timing.final_readings) and ranked by their score over those means; the first whose relative error against the
     reference is within `tolerance` wins, the incumbent kept unless beaten by more than INCUMBENT_MARGIN; origin:
     where the incumbent comes from, for the note. Raises RuntimeError when nothing was measured or nothing verifies,
     or the default failed to run in a round (a default that runs only sometimes gives no baseline to trust)."""

@@ -1,16 +1,15 @@
 """The study's finish: the best few timed again, the winner verified, the incumbent kept unless clearly beaten.
 
 A single timing can be lucky, so the top few (and the default and the incumbent, for a fair comparison) are timed
-again, FINAL_ROUNDS rounds in alternating order, and ranked by the mean of those readings alone; the fastest that
-passes `verify` wins, except that the incumbent stays where nothing beats it by more than INCUMBENT_MARGIN.
+again, timing.FINAL_ROUNDS rounds in alternating order (timing.final_readings), and ranked by the mean of those
+readings alone; the fastest that passes `verify` wins, except that the incumbent stays where nothing beats it by
+more than INCUMBENT_MARGIN.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Hashable
-from typing import TypeVar
 
 import optuna
 
@@ -18,43 +17,13 @@ from ..config.types import KernelConfig
 from .cost import Cost
 from .records import Options, Target, TrialRecord, TuneResult, Verify, failure_reason
 from .search_space import Space
+from .timing import final_readings
 
 # A re-tune keeps the config a key runs now unless another measures faster by more than this fraction: readings of
 # one config differ by up to ~1 % (do_bench medians, L2 flushed; one process's rounds), and a swap on a 0.1 % "win"
 # (a d=128 short dK/dV entry at 1.196 against 1.197 ms) rewrites a shipped entry — and every measurement made with
 # it — for nothing.
 INCUMBENT_MARGIN = 0.01
-
-# The finalists are timed this many rounds, each in the other direction (first to last, then last to first), and
-# ranked by the mean of their readings. A GPU's readings drift within a finish: on an H100 a d=64 dK/dV config read
-# 9.40 ms in the search and 10.43 ms re-timed last of three (+11 %) while the one before it moved −0.5 %, and the
-# configs re-timed last in a fixed order are the default and the incumbent, the tune's "before". Over a forward and a
-# reverse round each finalist's mean takes the same share of a drift that grows steadily through the finish (so the
-# count is even: an odd one times the first finalists once more late, the last once more early).
-FINAL_ROUNDS = 2
-
-Finalist = TypeVar("Finalist", bound=Hashable)
-Reading = TypeVar("Reading")
-
-
-def final_readings(finalists: list[Finalist], read: Callable[[Finalist], Reading],
-                   rounds: int = FINAL_ROUNDS) -> dict[Finalist, list[Reading]]:  # fmt: skip
-    """Each finalist's readings, one a round, the rounds in alternating order (FINAL_ROUNDS); a finalist listed
-    twice is timed once a round. A finalist whose reading raises in any round is left out, and not read again: a
-    config that runs only sometimes is never named the winner (`read` records why, where its caller needs it)."""
-    finalists = list(dict.fromkeys(finalists))
-    readings: dict[Finalist, list[Reading]] = {finalist: [] for finalist in finalists}
-    failed = set()
-    for round_ in range(rounds):
-        for finalist in finalists if round_ % 2 == 0 else finalists[::-1]:
-            if finalist in failed:
-                continue
-            try:
-                readings[finalist].append(read(finalist))
-            except Exception:
-                failed.add(finalist)
-    return {finalist: values for finalist, values in readings.items() if finalist not in failed}
-
 
 def finish(study: optuna.Study, target: Target, space: Space, options: Options, cost: Cost, start: float) -> TuneResult:
     """Names the study's winner among the configs timed (cost.measured, with what processes sharing the study timed
@@ -87,7 +56,7 @@ def _final_readings(cost: Cost, space: Space,
                     remeasure_top: int) -> tuple[dict[KernelConfig, float], dict[KernelConfig, str]]:  # fmt: skip
     """(each finalist's reading, why a finalist failed to run): the top few configs timed again (with remeasure_top
     1: their only reading), and the default and the incumbent with them: a first reading can be a cold one, and
-    tuned-vs-default (and -incumbent) needs a fair one. Each is the mean of its FINAL_ROUNDS readings
+    tuned-vs-default (and -incumbent) needs a fair one. Each is the mean of its timing.FINAL_ROUNDS readings
     (final_readings); one that fails to run in a round is left out, with its reason, also in the history.
 
     The winner is ranked by these readings alone, not with its first: on the H200 the first config a process times

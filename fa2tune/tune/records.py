@@ -35,7 +35,7 @@ class Target:
         default: the baseline enqueued first; None: defaults.default_config for the device.
         incumbent: the config the file the tune writes holds for this key (stale or not), timed right after the
             default — or, where the budget ends first, after the trials, outside the budget — and re-timed with the
-            top few: a re-tune replaces it only by a config whose finish readings (finish.final_readings) are more
+            top few: a re-tune replaces it only by a config whose finish readings (timing.final_readings) are more
             than finish.INCUMBENT_MARGIN faster. Replaced, and not timed, if the planner rejects it now; replaced if it
             fails to run or to verify.
     """

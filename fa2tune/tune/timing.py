@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -112,3 +113,35 @@ def kernel_times_ms(fn: Callable[[], object], reps: int = 10) -> dict[str, float
             fn()
         torch.cuda.synchronize()
     return {e.key: e.device_time_total / reps / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+
+
+# A tune's finish (tune.finish) times its finalists this many rounds (`fa2tune bench --rounds` its providers as many
+# as asked), each in the other direction (first to last, then last to first), and ranks them by the mean of their
+# readings. A GPU's readings drift within a finish: on an H100 a d=64 dK/dV config read
+# 9.40 ms in the search and 10.43 ms re-timed last of three (+11 %) while the one before it moved −0.5 %, and the
+# configs re-timed last in a fixed order are the default and the incumbent, the tune's "before". Over a forward and a
+# reverse round each finalist's mean takes the same share of a drift that grows steadily through the finish (so the
+# count is even: an odd one times the first finalists once more late, the last once more early).
+FINAL_ROUNDS = 2
+
+Finalist = TypeVar("Finalist", bound=Hashable)
+Reading = TypeVar("Reading")
+
+
+def final_readings(finalists: list[Finalist], read: Callable[[Finalist], Reading],
+                   rounds: int = FINAL_ROUNDS) -> dict[Finalist, list[Reading]]:  # fmt: skip
+    """Each finalist's readings, one a round, the rounds in alternating order (FINAL_ROUNDS); a finalist listed
+    twice is timed once a round. A finalist whose reading raises in any round is left out, and not read again: a
+    config that runs only sometimes is never named the winner (`read` records why, where its caller needs it)."""
+    finalists = list(dict.fromkeys(finalists))
+    readings: dict[Finalist, list[Reading]] = {finalist: [] for finalist in finalists}
+    failed = set()
+    for round_ in range(rounds):
+        for finalist in finalists if round_ % 2 == 0 else finalists[::-1]:
+            if finalist in failed:
+                continue
+            try:
+                readings[finalist].append(read(finalist))
+            except Exception:
+                failed.add(finalist)
+    return {finalist: values for finalist, values in readings.items() if finalist not in failed}

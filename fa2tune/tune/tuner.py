@@ -21,10 +21,11 @@ import time
 
 from . import finish, search_space, strategy
 from .cost import Cost
-from .finish import FINAL_ROUNDS, INCUMBENT_MARGIN
+from .finish import INCUMBENT_MARGIN
 from .records import Measure, Options, Target, TrialRecord, TuneResult, study_name
 from .search_space import first_configs, promising
 from .study_trials import fail_abandoned, process_tag, timed_configs
+from .timing import FINAL_ROUNDS
 
 __all__ = [
     "FINAL_ROUNDS",
