@@ -70,8 +70,7 @@ def measure_shape(shape: Shape, providers: list[Provider], device: str, rounds: 
         try:
             return (time_cuda(call, device=device) if device != "cpu" else _time_host(call)).median_ms
         except Exception as exc:  # a provider that fails to run costs its row, not the benchmark
-            if device != "cpu":
-                torch.cuda.empty_cache()  # after an out-of-memory error, the next provider gets the memory back
+            _free_memory(q)
             notes[index] = _first_line(exc)
             raise
 
@@ -106,12 +105,17 @@ def _checked(provider: Provider, shape: Shape, qkv, do, ref) -> tuple[float, Cal
         call = _call(provider.build(shape), inputs, grad_out)
         err = _rel_err(_flat(_from_layout(provider, call())), ref)
     except Exception as exc:  # a provider that does not take the shape (or fails) costs its row, not the benchmark
-        if qkv[0].is_cuda:
-            torch.cuda.empty_cache()  # after an out-of-memory error, the next provider gets the memory back
+        _free_memory(qkv[0])
         return math.nan, None, _first_line(exc)
     if not err <= MAX_REL_ERR:  # NaN too: a provider that computes something else gets no speed number
         return err, None, f"relative error {err:.1e} against the reference: not timed"
     return err, call, ""
+
+
+def _free_memory(on: torch.Tensor) -> None:
+    """After a provider's failure (out of memory, say) on a GPU, the memory it held goes back for the next one."""
+    if on.is_cuda:
+        torch.cuda.empty_cache()
 
 
 def _first_line(exc: Exception) -> str:
